@@ -1,0 +1,477 @@
+//! Job configuration (model tensors, optimizer, consistency), the key layout that cuts tensors
+//! into chunks, and the versioned shard map that places key ranges on shards.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::ids::{Key, MapEpoch, ShardId};
+
+/// How a tensor's initial values are drawn. Shards initialize each chunk from a generator
+/// seeded by the job seed and the chunk's key, so values do not depend on placement.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Init {
+    /// All zeros (biases, counters).
+    Zeros,
+    /// Uniform in `[-limit, limit]` (Glorot/Xavier when `limit = sqrt(6 / (fan_in + fan_out))`).
+    Uniform {
+        /// Half-width of the interval.
+        limit: f32,
+    },
+}
+
+/// One named tensor of the model.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TensorSpec {
+    /// A stable name, e.g. `fc0.weight`.
+    pub name: String,
+    /// The shape; the element count is the product.
+    pub shape: Vec<u32>,
+    /// How the tensor starts.
+    pub init: Init,
+}
+
+impl TensorSpec {
+    /// Number of f32 elements.
+    pub fn len(&self) -> u64 {
+        self.shape.iter().map(|&d| u64::from(d)).product()
+    }
+
+    /// True when the tensor holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The model a job trains. The worker builds its compute graph from this.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum ModelSpec {
+    /// A multi-layer perceptron with ReLU between layers and a softmax cross-entropy head.
+    /// Layer `i` has a weight `fc{i}.weight` of shape `[in, out]` (row-major) and a bias
+    /// `fc{i}.bias` of shape `[out]`, in that order.
+    Mlp {
+        /// Layer widths from input to classes, e.g. `[784, 256, 128, 10]`.
+        layers: Vec<u32>,
+    },
+    /// Free-form tensors with no built-in model (tests and benchmarks push to them directly).
+    Custom,
+}
+
+impl ModelSpec {
+    /// The tensors of an MLP, with Glorot-uniform weights and zero biases.
+    pub fn mlp_tensors(layers: &[u32]) -> Vec<TensorSpec> {
+        let mut out = Vec::new();
+        for (i, w) in layers.windows(2).enumerate() {
+            let (fan_in, fan_out) = (w[0], w[1]);
+            let limit = (6.0 / (f64::from(fan_in) + f64::from(fan_out))).sqrt() as f32;
+            out.push(TensorSpec {
+                name: format!("fc{i}.weight"),
+                shape: vec![fan_in, fan_out],
+                init: Init::Uniform { limit },
+            });
+            out.push(TensorSpec {
+                name: format!("fc{i}.bias"),
+                shape: vec![fan_out],
+                init: Init::Zeros,
+            });
+        }
+        out
+    }
+}
+
+/// The server-side optimizer that shards apply to pushed gradients.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum OptimizerSpec {
+    /// `p -= lr * g`.
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+    },
+    /// Heavy-ball momentum: `v = m * v + g; p -= lr * v`.
+    Momentum {
+        /// Learning rate.
+        lr: f32,
+        /// Momentum factor.
+        momentum: f32,
+    },
+    /// Adam with bias correction, counted per chunk in applied updates.
+    Adam {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Denominator epsilon.
+        eps: f32,
+    },
+}
+
+impl FromStr for OptimizerSpec {
+    type Err = String;
+
+    /// Parses `sgd:LR`, `momentum:LR[:M]` or `adam:LR`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut parts = s.split(':');
+        let kind = parts.next().unwrap_or_default();
+        let num = |p: Option<&str>, default: f32| -> Result<f32, String> {
+            match p {
+                None => Ok(default),
+                Some(v) => v
+                    .parse::<f32>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .ok_or_else(|| format!("bad number {v:?} in optimizer {s:?}")),
+            }
+        };
+        let spec = match kind {
+            "sgd" => OptimizerSpec::Sgd {
+                lr: num(parts.next(), 0.1)?,
+            },
+            "momentum" => OptimizerSpec::Momentum {
+                lr: num(parts.next(), 0.05)?,
+                momentum: num(parts.next(), 0.9)?,
+            },
+            "adam" => OptimizerSpec::Adam {
+                lr: num(parts.next(), 0.001)?,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            _ => return Err(format!("unknown optimizer {s:?}: use sgd:LR, momentum:LR:M or adam:LR")),
+        };
+        if parts.next().is_some() {
+            return Err(format!("too many fields in optimizer {s:?}"));
+        }
+        Ok(spec)
+    }
+}
+
+impl fmt::Display for OptimizerSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OptimizerSpec::Sgd { lr } => write!(f, "sgd:{lr}"),
+            OptimizerSpec::Momentum { lr, momentum } => write!(f, "momentum:{lr}:{momentum}"),
+            OptimizerSpec::Adam { lr, .. } => write!(f, "adam:{lr}"),
+        }
+    }
+}
+
+/// The consistency model shards and coordinator enforce between workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Consistency {
+    /// Asynchronous: pushes apply on arrival, nobody waits.
+    Asp,
+    /// Stale-synchronous: a worker at clock `c` proceeds only while the slowest active worker
+    /// is at clock `>= c - staleness`.
+    Ssp {
+        /// The staleness bound `s`.
+        staleness: u32,
+    },
+    /// Bulk-synchronous: SSP(0) with aggregation; the update of step `t` is applied once every
+    /// worker active at step `t` has pushed (or left).
+    Bsp,
+}
+
+impl Consistency {
+    /// The staleness bound, or `None` for ASP.
+    pub fn staleness(self) -> Option<u64> {
+        match self {
+            Consistency::Asp => None,
+            Consistency::Ssp { staleness } => Some(u64::from(staleness)),
+            Consistency::Bsp => Some(0),
+        }
+    }
+}
+
+impl FromStr for Consistency {
+    type Err = String;
+
+    /// Parses `asp`, `bsp` or `ssp:S`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "asp" => Ok(Consistency::Asp),
+            "bsp" => Ok(Consistency::Bsp),
+            _ => match s.strip_prefix("ssp:") {
+                Some(n) => n
+                    .parse()
+                    .map(|staleness| Consistency::Ssp { staleness })
+                    .map_err(|_| format!("bad staleness in {s:?}: expected ssp:N")),
+                None => Err(format!("unknown consistency {s:?}: use asp, ssp:S or bsp")),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Consistency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Consistency::Asp => write!(f, "asp"),
+            Consistency::Ssp { staleness } => write!(f, "ssp:{staleness}"),
+            Consistency::Bsp => write!(f, "bsp"),
+        }
+    }
+}
+
+/// Everything a shard and a worker must agree on about a job.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct JobConfig {
+    /// The model the workers train.
+    pub model: ModelSpec,
+    /// The parameter tensors, in key order.
+    pub tensors: Vec<TensorSpec>,
+    /// Floats per key: tensors are cut into chunks of this size (the last chunk may be shorter).
+    pub chunk_size: u32,
+    /// The server-side optimizer.
+    pub optimizer: OptimizerSpec,
+    /// The consistency model.
+    pub consistency: Consistency,
+    /// Samples per mini-batch.
+    pub batch_size: u32,
+    /// Passes over the training data.
+    pub epochs: u32,
+    /// Samples per data partition handed to a worker.
+    pub partition_size: u32,
+    /// Number of training samples used per epoch.
+    pub train_samples: u32,
+    /// Seed for initialization and the per-epoch data order.
+    pub seed: u64,
+    /// Worker heartbeat lease in milliseconds; a worker silent this long is declared dead.
+    pub lease_ms: u32,
+}
+
+impl JobConfig {
+    /// Cuts the tensors into keys.
+    pub fn layout(&self) -> KeyLayout {
+        KeyLayout::new(&self.tensors, self.chunk_size)
+    }
+}
+
+/// One key's place in the flat parameter vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeySpan {
+    /// The key.
+    pub key: Key,
+    /// Index of the tensor the chunk belongs to.
+    pub tensor: usize,
+    /// Offset of the chunk's first float in the flat parameter vector.
+    pub offset: u64,
+    /// Number of floats in the chunk.
+    pub len: u32,
+}
+
+/// The mapping from keys to chunks of the flat parameter vector (all tensors concatenated in
+/// order). Key `k` is the `k`-th chunk counting across tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyLayout {
+    spans: Vec<KeySpan>,
+    total: u64,
+}
+
+impl KeyLayout {
+    /// Builds the layout; a chunk size of 0 is treated as 1.
+    pub fn new(tensors: &[TensorSpec], chunk_size: u32) -> Self {
+        let chunk = u64::from(chunk_size.max(1));
+        let mut spans = Vec::new();
+        let mut offset = 0u64;
+        for (t, spec) in tensors.iter().enumerate() {
+            let len = spec.len();
+            let mut start = 0;
+            while start < len {
+                let n = chunk.min(len - start);
+                spans.push(KeySpan {
+                    key: Key(spans.len() as u64),
+                    tensor: t,
+                    offset: offset + start,
+                    len: n as u32,
+                });
+                start += n;
+            }
+            offset += len;
+        }
+        KeyLayout {
+            spans,
+            total: offset,
+        }
+    }
+
+    /// Number of keys.
+    pub fn num_keys(&self) -> u64 {
+        self.spans.len() as u64
+    }
+
+    /// Total floats across all tensors.
+    pub fn total_len(&self) -> u64 {
+        self.total
+    }
+
+    /// The span of one key, or `None` if the key is not part of the job.
+    pub fn span(&self, key: Key) -> Option<&KeySpan> {
+        usize::try_from(key.0).ok().and_then(|i| self.spans.get(i))
+    }
+
+    /// All spans in key order.
+    pub fn spans(&self) -> &[KeySpan] {
+        &self.spans
+    }
+}
+
+/// A shard server known to the coordinator.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ShardInfo {
+    /// Its id.
+    pub id: ShardId,
+    /// The address workers connect to.
+    pub addr: String,
+}
+
+/// A half-open key range `[start, end)` owned by one shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct RangeOwner {
+    /// First key.
+    pub start: u64,
+    /// One past the last key.
+    pub end: u64,
+    /// The owning shard.
+    pub shard: ShardId,
+}
+
+/// The versioned placement of key ranges on shards.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ShardMap {
+    /// Bumped on every change.
+    pub epoch: MapEpoch,
+    /// The shard servers.
+    pub shards: Vec<ShardInfo>,
+    /// Ranges sorted by `start`, covering `[0, num_keys)` without gaps or overlaps.
+    pub ranges: Vec<RangeOwner>,
+}
+
+impl ShardMap {
+    /// Places the keys of `layout` on `shards` in contiguous ranges of roughly equal float
+    /// counts, so a large tensor is split across shards rather than placed whole on one.
+    pub fn balanced(epoch: MapEpoch, shards: Vec<ShardInfo>, layout: &KeyLayout) -> ShardMap {
+        let n = shards.len().max(1) as u64;
+        let mut ranges: Vec<RangeOwner> = Vec::new();
+        let total = layout.total_len().max(1);
+        let mut shard_idx = 0u64;
+        let mut start = 0u64;
+        for span in layout.spans() {
+            // Move to the next shard once this one holds its share of floats.
+            let target_end = total * (shard_idx + 1) / n;
+            if span.offset >= target_end && shard_idx + 1 < n && span.key.0 > start {
+                ranges.push(RangeOwner {
+                    start,
+                    end: span.key.0,
+                    shard: shards[shard_idx as usize].id,
+                });
+                start = span.key.0;
+                shard_idx += 1;
+            }
+        }
+        if let Some(last) = shards.get(shard_idx as usize) {
+            ranges.push(RangeOwner {
+                start,
+                end: layout.num_keys(),
+                shard: last.id,
+            });
+        }
+        ShardMap {
+            epoch,
+            shards,
+            ranges,
+        }
+    }
+
+    /// The shard that owns `key`.
+    pub fn owner(&self, key: Key) -> Option<ShardId> {
+        let i = self.ranges.partition_point(|r| r.end <= key.0);
+        self.ranges
+            .get(i)
+            .filter(|r| r.start <= key.0 && key.0 < r.end)
+            .map(|r| r.shard)
+    }
+
+    /// The ranges owned by `shard`.
+    pub fn ranges_of(&self, shard: ShardId) -> impl Iterator<Item = &RangeOwner> {
+        self.ranges.iter().filter(move |r| r.shard == shard)
+    }
+
+    /// The address of `shard`.
+    pub fn addr_of(&self, shard: ShardId) -> Option<&str> {
+        self.shards
+            .iter()
+            .find(|s| s.id == shard)
+            .map(|s| s.addr.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shards(n: u32) -> Vec<ShardInfo> {
+        (0..n)
+            .map(|i| ShardInfo {
+                id: ShardId(i),
+                addr: format!("127.0.0.1:{}", 1000 + i),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn layout_cuts_tensors_into_chunks() {
+        let tensors = ModelSpec::mlp_tensors(&[784, 256, 128, 10]);
+        let layout = KeyLayout::new(&tensors, 16384);
+        assert_eq!(layout.total_len(), 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10);
+        // 200704 floats of fc0.weight make 13 chunks, the last one partial.
+        let fc0: Vec<_> = layout.spans().iter().filter(|s| s.tensor == 0).collect();
+        assert_eq!(fc0.len(), 13);
+        assert_eq!(fc0[12].len, 200704 - 12 * 16384);
+        let sum: u64 = layout.spans().iter().map(|s| u64::from(s.len)).sum();
+        assert_eq!(sum, layout.total_len());
+        for w in layout.spans().windows(2) {
+            assert_eq!(w[0].offset + u64::from(w[0].len), w[1].offset);
+        }
+    }
+
+    #[test]
+    fn balanced_map_splits_large_tensor_and_covers_all_keys() {
+        let tensors = ModelSpec::mlp_tensors(&[784, 256, 128, 10]);
+        let layout = KeyLayout::new(&tensors, 16384);
+        let map = ShardMap::balanced(MapEpoch(1), shards(2), &layout);
+        assert_eq!(map.ranges.len(), 2);
+        assert_eq!(map.ranges[0].start, 0);
+        assert_eq!(map.ranges[1].end, layout.num_keys());
+        assert_eq!(map.ranges[0].end, map.ranges[1].start);
+        // fc0.weight (keys 0..13) is split across both shards.
+        assert_eq!(map.owner(Key(0)), Some(ShardId(0)));
+        assert_eq!(map.owner(Key(12)), Some(ShardId(1)));
+        assert_eq!(map.owner(Key(layout.num_keys())), None);
+    }
+
+    #[test]
+    fn more_shards_than_keys_still_covers() {
+        let tensors = vec![TensorSpec {
+            name: "x".into(),
+            shape: vec![10],
+            init: Init::Zeros,
+        }];
+        let layout = KeyLayout::new(&tensors, 4);
+        let map = ShardMap::balanced(MapEpoch(1), shards(5), &layout);
+        let covered: u64 = map.ranges.iter().map(|r| r.end - r.start).sum();
+        assert_eq!(covered, 3);
+        for k in 0..3 {
+            assert!(map.owner(Key(k)).is_some());
+        }
+    }
+
+    #[test]
+    fn parse_consistency_and_optimizer() {
+        assert_eq!("ssp:2".parse(), Ok(Consistency::Ssp { staleness: 2 }));
+        assert_eq!("bsp".parse(), Ok(Consistency::Bsp));
+        assert!("ssp:x".parse::<Consistency>().is_err());
+        assert_eq!("sgd:0.5".parse(), Ok(OptimizerSpec::Sgd { lr: 0.5 }));
+        assert!("adam:nan".parse::<OptimizerSpec>().is_err());
+        assert!("rmsprop".parse::<OptimizerSpec>().is_err());
+    }
+}

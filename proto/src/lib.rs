@@ -1,0 +1,24 @@
+//! EDL wire protocol: ids, job and shard-map types, messages, framing and error codes.
+//!
+//! This crate does no I/O. It knows bytes and types, never sockets or runtimes, so every
+//! decoding path can be tested (and fuzzed) on plain byte slices. Anything that comes from the
+//! network is decoded through [`frame`], which validates before it trusts.
+
+pub mod error;
+pub mod frame;
+pub mod ids;
+pub mod job;
+pub mod msg;
+
+pub use error::{ErrorCode, ProtoError};
+pub use frame::{Frame, FrameLimits};
+pub use ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
+pub use job::{
+    Consistency, Init, JobConfig, KeyLayout, KeySpan, ModelSpec, OptimizerSpec, ShardMap,
+    TensorSpec,
+};
+pub use msg::{Request, Response};
+
+/// The protocol version spoken by this build. A peer with a different version is refused at
+/// the handshake with [`ErrorCode::UnsupportedVersion`].
+pub const PROTOCOL_VERSION: u32 = 1;

@@ -1,0 +1,241 @@
+//! Request and response headers. Tensor data never travels inside a header: it follows the
+//! header as a raw little-endian f32 payload, described by the header's [`ChunkRef`] list.
+
+use crate::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
+use crate::job::{JobConfig, ShardMap};
+
+/// One chunk in a tensor payload: `len` floats of `key`, in list order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ChunkRef {
+    /// The key.
+    pub key: Key,
+    /// Number of f32 values.
+    pub len: u32,
+}
+
+/// A half-open key range `[start, end)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct KeyRange {
+    /// First key.
+    pub start: u64,
+    /// One past the last key.
+    pub end: u64,
+}
+
+/// A slice of one epoch's sample order leased to a worker: positions `[start, start + len)` of
+/// the epoch's permutation (derived from the job seed and the epoch number).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Partition {
+    /// The epoch, counted from 0.
+    pub epoch: u32,
+    /// The partition's index within its epoch.
+    pub index: u32,
+    /// First position in the epoch's permutation.
+    pub start: u32,
+    /// Number of samples.
+    pub len: u32,
+}
+
+/// Training progress of one epoch, as reported by workers.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct EpochStats {
+    /// The epoch, counted from 0.
+    pub epoch: u32,
+    /// Samples whose gradients were pushed.
+    pub samples: u64,
+    /// Sum of per-sample training losses.
+    pub loss_sum: f64,
+}
+
+/// Where a worker stands in its life cycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum WorkerState {
+    /// Registered and counted by the consistency model.
+    Active,
+    /// Left gracefully.
+    Left,
+    /// Declared dead after its lease expired.
+    Dead,
+}
+
+/// One worker as the coordinator sees it.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct WorkerStatus {
+    /// Its id.
+    pub id: WorkerId,
+    /// The name it registered with.
+    pub name: String,
+    /// Its state.
+    pub state: WorkerState,
+    /// Steps completed.
+    pub clock: Clock,
+    /// Milliseconds since its last heartbeat or request.
+    pub idle_ms: u64,
+}
+
+/// A snapshot of the job for launchers and operators.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct JobStatus {
+    /// Shards that have joined.
+    pub shards_joined: u32,
+    /// Shards the job waits for.
+    pub shards_expected: u32,
+    /// Samples the whole run will process (epochs x train samples).
+    pub samples_total: u64,
+    /// Samples processed so far.
+    pub samples_done: u64,
+    /// Per-epoch progress.
+    pub epochs: Vec<EpochStats>,
+    /// All workers ever registered.
+    pub workers: Vec<WorkerStatus>,
+    /// The slowest active worker's clock.
+    pub min_clock: Clock,
+    /// True once every partition of every epoch has been completed.
+    pub finished: bool,
+}
+
+/// A request header.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Request {
+    /// The first request on every connection.
+    Hello {
+        /// The client's [`crate::PROTOCOL_VERSION`].
+        version: u32,
+        /// A human-readable name for logs.
+        name: String,
+    },
+    /// A shard server announces itself and waits for its assignment.
+    ShardJoin {
+        /// The address workers should use to reach it.
+        addr: String,
+    },
+    /// A worker asks to join; answered once the shard map is ready.
+    Register {
+        /// A human-readable name.
+        name: String,
+    },
+    /// Renews a worker's lease.
+    Heartbeat {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// A worker leaves gracefully.
+    Leave {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// A worker asks for data, reporting the partition it finished (if any).
+    NextPartition {
+        /// The worker.
+        worker: WorkerId,
+        /// The partition it has fully processed.
+        done: Option<Partition>,
+    },
+    /// A worker finished a step; answered when the consistency model lets it go on.
+    Clock {
+        /// The worker.
+        worker: WorkerId,
+        /// Its clock after the step.
+        clock: Clock,
+        /// The epoch of the step's samples.
+        epoch: u32,
+        /// Samples in the step.
+        samples: u32,
+        /// Sum of their training losses.
+        loss_sum: f64,
+    },
+    /// Asks for a job status snapshot.
+    Status,
+    /// Asks for the current shard map.
+    GetMap,
+    /// Reads parameters. The payload of the response holds the chunks in `Pulled` order.
+    Pull {
+        /// The shard-map epoch the client routed with.
+        epoch: MapEpoch,
+        /// The key ranges wanted from this shard.
+        ranges: Vec<KeyRange>,
+        /// BSP: apply every pending aggregated update of steps before this clock first.
+        apply_through: Clock,
+    },
+    /// Sends gradients; the request payload holds the chunks in `chunks` order.
+    Push {
+        /// The shard-map epoch the client routed with.
+        epoch: MapEpoch,
+        /// The pushing worker.
+        worker: WorkerId,
+        /// The step these gradients belong to (the clock before the step completed).
+        clock: Clock,
+        /// The chunks in the payload.
+        chunks: Vec<ChunkRef>,
+    },
+}
+
+/// A response header.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Response {
+    /// Handshake accepted.
+    Hello {
+        /// The server's protocol version.
+        version: u32,
+        /// The role the server read from the client's certificate.
+        role: String,
+    },
+    /// Done, nothing to report.
+    Ack,
+    /// A shard's assignment.
+    ShardAssigned {
+        /// Its id.
+        shard: ShardId,
+        /// The job.
+        job: JobConfig,
+        /// The shard map.
+        map: ShardMap,
+    },
+    /// A worker's admission.
+    Registered {
+        /// Its id.
+        worker: WorkerId,
+        /// The job.
+        job: JobConfig,
+        /// The shard map.
+        map: ShardMap,
+        /// The clock it enters at (the current minimum).
+        clock: Clock,
+    },
+    /// The next partition, or `None` when no data is left.
+    Partition(Option<Partition>),
+    /// The worker may start its next step.
+    ClockGranted {
+        /// The slowest active worker's clock.
+        min_clock: Clock,
+    },
+    /// A status snapshot.
+    Status(JobStatus),
+    /// The current shard map.
+    Map(ShardMap),
+    /// Parameters; the payload holds the chunks in this order.
+    Pulled {
+        /// The chunks in the payload.
+        chunks: Vec<ChunkRef>,
+    },
+    /// A failure, with a stable code.
+    Error {
+        /// An [`crate::ErrorCode`] number.
+        code: u16,
+        /// What went wrong, for humans.
+        message: String,
+        /// With [`crate::ErrorCode::StaleEpoch`]: the current map.
+        map: Option<ShardMap>,
+    },
+}
+
+impl Response {
+    /// An error response.
+    pub fn error(code: crate::ErrorCode, message: impl Into<String>) -> Self {
+        Response::Error {
+            code: code.as_u16(),
+            message: message.into(),
+            map: None,
+        }
+    }
+}

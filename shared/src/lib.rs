@@ -1,0 +1,16 @@
+//! EDL shared pieces used by every process: the PKI (dev CA and node certificates), TLS and
+//! QUIC transport helpers, a generic request server, shutdown and telemetry set-up.
+//!
+//! The wire types themselves (ids, job config, shard map, messages) live in `edl-proto`, which
+//! does no I/O; they are re-exported here as [`proto`] so that callers need one import.
+
+pub mod pki;
+pub mod server;
+pub mod shutdown;
+pub mod telemetry;
+pub mod transport;
+
+pub use edl_proto as proto;
+pub use pki::{Identity, PkiError, Role};
+pub use server::{Peer, Service, serve};
+pub use transport::{CallError, Conn, TransportSettings};

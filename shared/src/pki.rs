@@ -1,0 +1,335 @@
+//! The cluster PKI: a CA, node certificates that carry a role, and loading them from disk.
+//!
+//! Every node certificate is signed by the cluster CA and names its holder in the subject's
+//! common name as `ROLE/NAME` (for example `worker/w3`). Servers require a client certificate
+//! signed by the CA and read the role from it, so roles are checked, not assumed.
+
+use std::fmt;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
+    IsCa, Issuer, KeyPair, KeyUsagePurpose,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+use thiserror::Error;
+
+/// The server name every EDL server certificate carries; clients verify against it, so the
+/// identity that matters is the CA's signature, not the host name.
+pub const CLUSTER_SERVER_NAME: &str = "edl-cluster";
+
+/// What a node may do, read from its certificate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The coordinator.
+    Coordinator,
+    /// A shard server.
+    Shard,
+    /// A training worker (also used by evaluation clients).
+    Worker,
+    /// An operator tool or launcher.
+    Admin,
+}
+
+impl Role {
+    /// The name used in certificates and file names.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Coordinator => "coordinator",
+            Role::Shard => "shard",
+            Role::Worker => "worker",
+            Role::Admin => "admin",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = PkiError;
+
+    fn from_str(s: &str) -> Result<Self, PkiError> {
+        Ok(match s {
+            "coordinator" => Role::Coordinator,
+            "shard" => Role::Shard,
+            "worker" => Role::Worker,
+            "admin" => Role::Admin,
+            _ => return Err(PkiError::BadSubject(format!("unknown role {s:?}"))),
+        })
+    }
+}
+
+/// Why a PKI operation failed.
+#[derive(Debug, Error)]
+pub enum PkiError {
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A PEM file held no usable certificate or key.
+    #[error("{path}: {what}")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        what: String,
+    },
+    /// Certificate generation failed.
+    #[error("certificate generation failed: {0}")]
+    Generate(#[from] rcgen::Error),
+    /// The CA files are missing.
+    #[error(
+        "no cluster CA at {0}: run `edl-ps ca init --state-dir DIR` (or let edl-local create a dev CA)"
+    )]
+    NoCa(PathBuf),
+    /// A peer certificate's subject is not `ROLE/NAME`.
+    #[error("certificate subject: {0}")]
+    BadSubject(String),
+    /// TLS configuration failed.
+    #[error("TLS configuration: {0}")]
+    Tls(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PkiError + '_ {
+    move |source| PkiError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A node's credentials: its certificate chain and key, and the CA it trusts.
+#[derive(Debug)]
+pub struct Identity {
+    /// The role in the certificate.
+    pub role: Role,
+    /// The name in the certificate.
+    pub name: String,
+    /// The node certificate.
+    pub cert: CertificateDer<'static>,
+    /// The node's private key.
+    pub key: PrivateKeyDer<'static>,
+    /// The cluster CA certificate.
+    pub ca: CertificateDer<'static>,
+}
+
+impl Clone for Identity {
+    fn clone(&self) -> Self {
+        Identity {
+            role: self.role,
+            name: self.name.clone(),
+            cert: self.cert.clone(),
+            key: self.key.clone_key(),
+            ca: self.ca.clone(),
+        }
+    }
+}
+
+/// File locations of a cluster PKI in a state directory.
+#[derive(Clone, Debug)]
+pub struct PkiDir {
+    dir: PathBuf,
+}
+
+impl PkiDir {
+    /// The PKI under `state_dir/pki`.
+    pub fn new(state_dir: &Path) -> Self {
+        PkiDir {
+            dir: state_dir.join("pki"),
+        }
+    }
+
+    /// The CA certificate path.
+    pub fn ca_cert(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+
+    fn ca_key(&self) -> PathBuf {
+        self.dir.join("ca.key")
+    }
+
+    /// The certificate path of a node.
+    pub fn node_cert(&self, role: Role, name: &str) -> PathBuf {
+        self.dir.join(format!("{role}-{name}.pem"))
+    }
+
+    /// The key path of a node.
+    pub fn node_key(&self, role: Role, name: &str) -> PathBuf {
+        self.dir.join(format!("{role}-{name}.key"))
+    }
+
+    /// Creates a new CA unless one exists. Returns true when it created one.
+    pub fn init_ca(&self) -> Result<bool, PkiError> {
+        if self.ca_cert().exists() && self.ca_key().exists() {
+            return Ok(false);
+        }
+        fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, "EDL cluster CA");
+        params.distinguished_name = dn;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let cert = params.self_signed(&key)?;
+        write_private(&self.ca_key(), key.serialize_pem().as_bytes())?;
+        write_atomic(&self.ca_cert(), cert.pem().as_bytes())?;
+        Ok(true)
+    }
+
+    /// Issues a certificate for `role/name` signed by the CA, valid for the cluster server name,
+    /// `localhost`, loopback and any extra `hosts` (DNS names or IP addresses).
+    pub fn issue(&self, role: Role, name: &str, hosts: &[String]) -> Result<(), PkiError> {
+        let ca_pem = read_string(&self.ca_cert()).map_err(|e| match e {
+            PkiError::Io { .. } => PkiError::NoCa(self.ca_cert()),
+            e => e,
+        })?;
+        let ca_key = KeyPair::from_pem(&read_string(&self.ca_key())?)?;
+        let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key)?;
+        let mut names = vec![
+            CLUSTER_SERVER_NAME.to_string(),
+            "localhost".to_string(),
+            "127.0.0.1".to_string(),
+            "::1".to_string(),
+        ];
+        names.extend(hosts.iter().cloned());
+        let mut params = CertificateParams::new(names)?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, format!("{role}/{name}"));
+        params.distinguished_name = dn;
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &issuer)?;
+        write_private(&self.node_key(role, name), key.serialize_pem().as_bytes())?;
+        write_atomic(&self.node_cert(role, name), cert.pem().as_bytes())?;
+        Ok(())
+    }
+
+    /// Loads the identity of `role/name`, creating the CA and the certificate first if they do
+    /// not exist yet (the dev-CA convenience for local runs).
+    pub fn ensure(&self, role: Role, name: &str) -> Result<Identity, PkiError> {
+        if self.init_ca()? {
+            tracing::warn!(dir = %self.dir.display(), "created a new dev cluster CA");
+        }
+        if !self.node_cert(role, name).exists() || !self.node_key(role, name).exists() {
+            self.issue(role, name, &[])?;
+        }
+        self.load(role, name)
+    }
+
+    /// Loads the existing identity of `role/name`.
+    pub fn load(&self, role: Role, name: &str) -> Result<Identity, PkiError> {
+        load_identity(
+            &self.ca_cert(),
+            &self.node_cert(role, name),
+            &self.node_key(role, name),
+        )
+    }
+}
+
+/// Loads an identity from explicit PEM files; the role and name come from the certificate.
+pub fn load_identity(ca: &Path, cert: &Path, key: &Path) -> Result<Identity, PkiError> {
+    let ca_der = CertificateDer::from_pem_file(ca).map_err(|e| PkiError::Pem {
+        path: ca.to_path_buf(),
+        what: e.to_string(),
+    })?;
+    let cert_der = CertificateDer::from_pem_file(cert).map_err(|e| PkiError::Pem {
+        path: cert.to_path_buf(),
+        what: e.to_string(),
+    })?;
+    let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| PkiError::Pem {
+        path: key.to_path_buf(),
+        what: e.to_string(),
+    })?;
+    let (role, name) = subject_of(&cert_der)?;
+    Ok(Identity {
+        role,
+        name,
+        cert: cert_der,
+        key: key_der,
+        ca: ca_der,
+    })
+}
+
+/// Reads `ROLE/NAME` from a certificate's subject common name.
+pub fn subject_of(cert: &CertificateDer<'_>) -> Result<(Role, String), PkiError> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| PkiError::BadSubject(format!("unparsable certificate: {e}")))?;
+    let cn = parsed
+        .subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .ok_or_else(|| PkiError::BadSubject("no common name".into()))?;
+    let (role, name) = cn
+        .split_once('/')
+        .ok_or_else(|| PkiError::BadSubject(format!("common name {cn:?} is not ROLE/NAME")))?;
+    Ok((role.parse()?, name.to_string()))
+}
+
+fn read_string(path: &Path) -> Result<String, PkiError> {
+    fs::read_to_string(path).map_err(io_err(path))
+}
+
+/// Writes a file atomically: a temporary file, fsync, then rename over the target.
+pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), PkiError> {
+    write_with_mode(path, data, 0o644)
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<(), PkiError> {
+    write_with_mode(path, data, 0o600)
+}
+
+fn write_with_mode(path: &Path, data: &[u8], mode: u32) -> Result<(), PkiError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(io_err(&tmp))?;
+    f.write_all(data).map_err(io_err(&tmp))?;
+    f.sync_all().map_err(io_err(&tmp))?;
+    fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn issue_and_load_carries_role_and_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = PkiDir::new(dir.path());
+        assert!(pki.init_ca().expect("ca"));
+        assert!(!pki.init_ca().expect("ca again"));
+        let id = pki.ensure(Role::Shard, "s0").expect("identity");
+        assert_eq!(id.role, Role::Shard);
+        assert_eq!(id.name, "s0");
+        let again = pki.load(Role::Shard, "s0").expect("load");
+        assert_eq!(again.cert, id.cert);
+    }
+
+    #[test]
+    fn issue_without_ca_is_a_clear_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = PkiDir::new(dir.path());
+        let err = pki.issue(Role::Worker, "w", &[]).expect_err("no CA");
+        assert!(matches!(err, PkiError::NoCa(_)), "{err}");
+    }
+}

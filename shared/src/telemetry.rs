@@ -1,0 +1,14 @@
+//! Structured logging set-up: tracing to stderr, filtered by `RUST_LOG`.
+
+use tracing_subscriber::EnvFilter;
+
+/// Installs a stderr subscriber; `RUST_LOG` overrides `default` (e.g. `"info"`). Safe to call
+/// more than once (later calls do nothing), so tests can call it freely.
+pub fn init(default: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

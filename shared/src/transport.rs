@@ -1,0 +1,287 @@
+//! QUIC transport: endpoints with mutual TLS 1.3 against the cluster CA, one request per
+//! bidirectional stream, and typed errors for everything that can go wrong on a call.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use edl_proto::frame::{Message, PREFIX_LEN, parse_prefix};
+use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, ProtoError, Request, Response};
+use edl_proto::ShardMap;
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Endpoint, RecvStream, SendStream, VarInt};
+use rustls::RootCertStore;
+use rustls::server::WebPkiClientVerifier;
+use thiserror::Error;
+
+use crate::pki::{CLUSTER_SERVER_NAME, Identity, PkiError};
+
+/// The ALPN protocol id EDL speaks.
+pub const ALPN: &[u8] = b"edl/1";
+
+/// QUIC settings shared by clients and servers.
+#[derive(Clone, Debug)]
+pub struct TransportSettings {
+    /// Per-stream receive window in bytes; large tensors need a large window.
+    pub stream_window: u32,
+    /// Per-connection receive and send window in bytes.
+    pub conn_window: u32,
+    /// A connection silent this long is closed.
+    pub idle_timeout: Duration,
+    /// Keep-alive interval, well under the idle timeout.
+    pub keep_alive: Duration,
+    /// Frame size limits for received messages.
+    pub limits: FrameLimits,
+}
+
+impl Default for TransportSettings {
+    fn default() -> Self {
+        TransportSettings {
+            stream_window: 32 << 20,
+            conn_window: 128 << 20,
+            idle_timeout: Duration::from_secs(30),
+            keep_alive: Duration::from_secs(5),
+            limits: FrameLimits::default(),
+        }
+    }
+}
+
+impl TransportSettings {
+    fn quinn(&self) -> Result<quinn::TransportConfig, PkiError> {
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(VarInt::from_u32(self.stream_window));
+        t.receive_window(VarInt::from_u32(self.conn_window));
+        t.send_window(u64::from(self.conn_window));
+        t.max_concurrent_bidi_streams(VarInt::from_u32(4096));
+        t.max_concurrent_uni_streams(VarInt::from_u32(0));
+        t.max_idle_timeout(Some(
+            self.idle_timeout
+                .try_into()
+                .map_err(|_| PkiError::Tls("idle timeout out of range".into()))?,
+        ));
+        t.keep_alive_interval(Some(self.keep_alive));
+        Ok(t)
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+}
+
+fn roots(id: &Identity) -> Result<Arc<RootCertStore>, PkiError> {
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(id.ca.clone())
+        .map_err(|e| PkiError::Tls(format!("bad CA certificate: {e}")))?;
+    Ok(Arc::new(roots))
+}
+
+/// A QUIC server configuration that demands a client certificate signed by the cluster CA.
+pub fn server_config(id: &Identity, settings: &TransportSettings) -> Result<quinn::ServerConfig, PkiError> {
+    let tls = |e: rustls::Error| PkiError::Tls(e.to_string());
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots(id)?, provider())
+        .build()
+        .map_err(|e| PkiError::Tls(e.to_string()))?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls)?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(vec![id.cert.clone()], id.key.clone_key())
+        .map_err(tls)?;
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    let crypto = QuicServerConfig::try_from(cfg).map_err(|e| PkiError::Tls(e.to_string()))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    server.transport_config(Arc::new(settings.quinn()?));
+    Ok(server)
+}
+
+/// A QUIC client configuration that presents `id` and trusts only the cluster CA.
+pub fn client_config(id: &Identity, settings: &TransportSettings) -> Result<quinn::ClientConfig, PkiError> {
+    let tls = |e: rustls::Error| PkiError::Tls(e.to_string());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls)?
+        .with_root_certificates(roots(id)?)
+        .with_client_auth_cert(vec![id.cert.clone()], id.key.clone_key())
+        .map_err(tls)?;
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    let crypto = QuicClientConfig::try_from(cfg).map_err(|e| PkiError::Tls(e.to_string()))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+    client.transport_config(Arc::new(settings.quinn()?));
+    Ok(client)
+}
+
+/// Binds a server endpoint on `addr`.
+pub fn server_endpoint(addr: SocketAddr, id: &Identity, settings: &TransportSettings) -> Result<Endpoint, CallError> {
+    let cfg = server_config(id, settings)?;
+    Endpoint::server(cfg, addr).map_err(CallError::Bind)
+}
+
+/// Binds a client endpoint on an ephemeral port of the given address family.
+pub fn client_endpoint(id: &Identity, settings: &TransportSettings, ipv6: bool) -> Result<Endpoint, CallError> {
+    let bind: SocketAddr = if ipv6 {
+        SocketAddr::from(([0u16; 8], 0))
+    } else {
+        SocketAddr::from(([0u8; 4], 0))
+    };
+    let mut ep = Endpoint::client(bind).map_err(CallError::Bind)?;
+    ep.set_default_client_config(client_config(id, settings)?);
+    Ok(ep)
+}
+
+/// Why a call failed.
+#[derive(Debug, Error)]
+pub enum CallError {
+    /// Binding a socket failed.
+    #[error("cannot bind: {0}")]
+    Bind(std::io::Error),
+    /// The address could not be resolved or parsed.
+    #[error("bad address {0:?}")]
+    Address(String),
+    /// TLS or certificate set-up failed.
+    #[error(transparent)]
+    Pki(#[from] PkiError),
+    /// The connection could not be started.
+    #[error("connect: {0}")]
+    Connect(#[from] quinn::ConnectError),
+    /// The connection failed or was closed (including a refused handshake).
+    #[error("connection: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    /// Writing a stream failed.
+    #[error("write: {0}")]
+    Write(#[from] quinn::WriteError),
+    /// Reading a stream failed.
+    #[error("read: {0}")]
+    Read(#[from] quinn::ReadExactError),
+    /// The stream was closed early.
+    #[error("stream closed: {0}")]
+    Closed(#[from] quinn::ClosedStream),
+    /// The peer sent a malformed frame.
+    #[error("bad frame from peer: {0}")]
+    Proto(#[from] ProtoError),
+    /// The peer answered with an error.
+    #[error("{code:?}: {message}")]
+    Remote {
+        /// The stable error code (`None` when the peer sent a code this build does not know).
+        code: Option<ErrorCode>,
+        /// The peer's message.
+        message: String,
+        /// The new shard map, with [`ErrorCode::StaleEpoch`].
+        map: Option<Box<ShardMap>>,
+    },
+    /// The peer answered with a message that does not fit the request.
+    #[error("unexpected response: {0}")]
+    Unexpected(String),
+    /// The call did not finish in time.
+    #[error("timed out")]
+    Timeout,
+}
+
+impl CallError {
+    /// The remote error code, if the peer answered with one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            CallError::Remote { code, .. } => *code,
+            _ => None,
+        }
+    }
+
+    /// An "unexpected response" error naming what arrived.
+    pub fn unexpected(got: &Response) -> Self {
+        let name = format!("{got:?}");
+        CallError::Unexpected(name.chars().take(120).collect())
+    }
+}
+
+/// Reads one frame from a stream, checking the size limits before allocating.
+pub async fn read_frame<T: Message>(recv: &mut RecvStream, limits: &FrameLimits) -> Result<Frame<T>, CallError> {
+    let mut prefix = [0u8; PREFIX_LEN];
+    recv.read_exact(&mut prefix).await?;
+    let p = parse_prefix(&prefix, limits)?;
+    // Both lengths passed the limits check, which keeps them far below usize::MAX.
+    let mut header = vec![0u8; p.header_len as usize];
+    recv.read_exact(&mut header).await?;
+    let mut payload = vec![0u8; p.payload_len as usize];
+    recv.read_exact(&mut payload).await?;
+    Ok(Frame::from_parts(&header, Bytes::from(payload))?)
+}
+
+/// Writes one frame to a stream and finishes it. The payload is handed to quinn uncopied.
+pub async fn write_frame<T: Message>(send: &mut SendStream, frame: Frame<T>) -> Result<(), CallError> {
+    let head = frame.encode_head()?;
+    let mut chunks = [head, frame.payload];
+    send.write_all_chunks(&mut chunks).await?;
+    send.finish()?;
+    Ok(())
+}
+
+/// An authenticated connection to an EDL server, after the version handshake.
+#[derive(Clone, Debug)]
+pub struct Conn {
+    conn: quinn::Connection,
+    limits: FrameLimits,
+}
+
+impl Conn {
+    /// Connects to `addr`, verifies the server against the cluster CA and shakes hands.
+    pub async fn connect(endpoint: &Endpoint, addr: &str, name: &str, settings: &TransportSettings) -> Result<Conn, CallError> {
+        let sock = resolve(addr).await?;
+        let conn = endpoint.connect(sock, CLUSTER_SERVER_NAME)?.await?;
+        let c = Conn {
+            conn,
+            limits: settings.limits,
+        };
+        let resp = c
+            .call(
+                Request::Hello {
+                    version: PROTOCOL_VERSION,
+                    name: name.to_string(),
+                },
+                Bytes::new(),
+            )
+            .await?;
+        match resp.msg {
+            Response::Hello { version, .. } if version == PROTOCOL_VERSION => Ok(c),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Sends one request on a new stream and waits for its response. A `Response::Error` from
+    /// the peer becomes [`CallError::Remote`].
+    pub async fn call(&self, req: Request, payload: Bytes) -> Result<Frame<Response>, CallError> {
+        let (mut send, mut recv) = self.conn.open_bi().await?;
+        write_frame(&mut send, Frame::with_payload(req, payload)).await?;
+        let resp: Frame<Response> = read_frame(&mut recv, &self.limits).await?;
+        if let Response::Error { code, message, map } = resp.msg {
+            return Err(CallError::Remote {
+                code: ErrorCode::from_u16(code),
+                message,
+                map: map.map(Box::new),
+            });
+        }
+        Ok(resp)
+    }
+
+    /// The underlying QUIC connection.
+    pub fn quic(&self) -> &quinn::Connection {
+        &self.conn
+    }
+
+    /// Closes the connection.
+    pub fn close(&self) {
+        self.conn.close(VarInt::from_u32(0), b"bye");
+    }
+}
+
+/// Resolves `host:port` to a socket address.
+pub async fn resolve(addr: &str) -> Result<SocketAddr, CallError> {
+    if let Ok(a) = addr.parse() {
+        return Ok(a);
+    }
+    tokio::net::lookup_host(addr)
+        .await
+        .ok()
+        .and_then(|mut it| it.next())
+        .ok_or_else(|| CallError::Address(addr.to_string()))
+}

@@ -1,1 +1,9 @@
-//! placeholder
+//! EDL parameter-server processes: the coordinator (membership, shard map, data partitions,
+//! clocks) and the shard servers (parameters, optimizer state, consistency enforcement).
+//!
+//! Both are libraries first: the `edl-ps` binary only parses flags and calls
+//! [`coordinator::run`] or [`shard::run`], so tests can run whole clusters in one process.
+
+pub mod coordinator;
+pub mod optimizer;
+pub mod shard;

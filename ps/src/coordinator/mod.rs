@@ -1,0 +1,280 @@
+//! The coordinator: the source of truth for a job's membership, shard map, data partitions and
+//! clocks. [`state::CoordinatorState`] holds the logic; this module wraps it in a service that
+//! long-polls where the protocol waits (shard assignment, admission, clock grants, data).
+
+pub mod data;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use edl_shared::proto::{ErrorCode, Frame, JobConfig, Request, Response};
+use edl_shared::shutdown::CancellationToken;
+use edl_shared::transport::{TransportSettings, server_endpoint};
+use edl_shared::{Identity, Peer, Role, Service};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use state::{CoordinatorState, Poll};
+
+/// How long a long-polling request waits before it is answered with `NotReady`.
+const LONG_POLL: Duration = Duration::from_secs(60);
+
+/// What a coordinator needs to start.
+#[derive(Clone, Debug)]
+pub struct CoordinatorConfig {
+    /// The job.
+    pub job: JobConfig,
+    /// Shard servers to wait for before the shard map is formed.
+    pub shards: u32,
+}
+
+/// The coordinator service: the state behind a lock, and a version counter that wakes waiters
+/// whenever the state changes.
+pub struct Coordinator {
+    state: Mutex<CoordinatorState>,
+    changed: watch::Sender<u64>,
+}
+
+impl Coordinator {
+    /// A coordinator for `config`.
+    pub fn new(config: CoordinatorConfig) -> Self {
+        Coordinator {
+            state: Mutex::new(CoordinatorState::new(config.job, config.shards)),
+            changed: watch::Sender::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CoordinatorState> {
+        // A panic while holding the lock would be a bug; keep serving with the state as left.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    /// Runs `step` until it gives an answer, waiting for state changes in between.
+    async fn wait_for<T>(
+        &self,
+        mut step: impl FnMut(&mut CoordinatorState) -> Poll<T>,
+    ) -> Result<T, Response> {
+        let deadline = tokio::time::Instant::now() + LONG_POLL;
+        let mut rx = self.changed.subscribe();
+        loop {
+            let outcome = {
+                let mut st = self.lock();
+                step(&mut st)
+            };
+            match outcome {
+                Poll::Ready(v) => return Ok(v),
+                Poll::Failed(code, msg) => return Err(Response::error(code, msg)),
+                Poll::Pending => {}
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return Err(Response::error(ErrorCode::NotReady, "timed out waiting; retry")),
+            }
+        }
+    }
+
+    /// Declares workers dead whose lease expired; returns how many.
+    pub fn sweep(&self, now: Instant) -> usize {
+        let dead = self.lock().expire_leases(now);
+        for w in &dead {
+            warn!(worker = %w, "lease expired: worker declared dead, its data returns to the pool");
+        }
+        if !dead.is_empty() {
+            self.bump();
+        }
+        dead.len()
+    }
+
+    /// A status snapshot.
+    pub fn status(&self) -> edl_shared::proto::msg::JobStatus {
+        self.lock().status(Instant::now())
+    }
+
+    /// Waits until every partition of every epoch is done.
+    pub async fn finished(&self) {
+        let mut rx = self.changed.subscribe();
+        while !self.lock().finished() {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+impl Service for Coordinator {
+    fn allowed(&self, role: Role, req: &Request) -> bool {
+        match req {
+            Request::ShardJoin { .. } => role == Role::Shard,
+            Request::Register { .. }
+            | Request::Heartbeat { .. }
+            | Request::Leave { .. }
+            | Request::NextPartition { .. }
+            | Request::Clock { .. } => role == Role::Worker,
+            _ => true,
+        }
+    }
+
+    async fn handle(&self, peer: &Peer, req: Request, _payload: Bytes) -> Frame<Response> {
+        let now = Instant::now;
+        let resp = match req {
+            Request::ShardJoin { addr } => {
+                let joined = self.lock().shard_join(&addr);
+                match joined {
+                    Err((code, msg)) => Response::error(code, msg),
+                    Ok(id) => {
+                        info!(shard = %id, %addr, "shard joined");
+                        self.bump();
+                        match self.wait_for(|st| st.assignment(id)).await {
+                            Ok((job, map)) => Response::ShardAssigned { shard: id, job, map },
+                            Err(e) => e,
+                        }
+                    }
+                }
+            }
+            Request::Register { name } => {
+                match self.wait_for(|st| st.register(&name, now())).await {
+                    Ok((worker, job, map, clock)) => {
+                        info!(%worker, %name, addr = %peer.addr, %clock, "worker admitted");
+                        Response::Registered { worker, job, map, clock }
+                    }
+                    Err(e) => e,
+                }
+            }
+            Request::Heartbeat { worker } => match self.lock().heartbeat(worker, now()) {
+                Ok(()) => Response::Ack,
+                Err((code, msg)) => Response::error(code, msg),
+            },
+            Request::Leave { worker } => {
+                let r = self.lock().leave(worker);
+                match r {
+                    Ok(()) => {
+                        info!(%worker, "worker left");
+                        self.bump();
+                        Response::Ack
+                    }
+                    Err((code, msg)) => Response::error(code, msg),
+                }
+            }
+            Request::NextPartition { worker, done } => {
+                if let Some(p) = done {
+                    let r = self.lock().complete(worker, p, now());
+                    if let Err((code, msg)) = r {
+                        return Frame::new(Response::error(code, msg));
+                    }
+                    self.bump();
+                }
+                match self.wait_for(|st| st.next_partition(worker, now())).await {
+                    Ok(p) => Response::Partition(p),
+                    Err(e) => e,
+                }
+            }
+            Request::Clock {
+                worker,
+                clock,
+                epoch,
+                samples,
+                loss_sum,
+            } => {
+                let r = self.lock().advance(worker, clock, epoch, samples, loss_sum, now());
+                match r {
+                    Err((code, msg)) => Response::error(code, msg),
+                    Ok(()) => {
+                        self.bump();
+                        match self.wait_for(|st| st.may_proceed(worker)).await {
+                            Ok(min_clock) => Response::ClockGranted { min_clock },
+                            Err(e) => e,
+                        }
+                    }
+                }
+            }
+            Request::Status => Response::Status(self.status()),
+            Request::GetMap => match self.lock().map() {
+                Some(map) => Response::Map(map),
+                None => Response::error(ErrorCode::NotReady, "shard map not formed yet"),
+            },
+            other => Response::error(
+                ErrorCode::InvalidRequest,
+                format!("the coordinator does not serve {}", request_name(&other)),
+            ),
+        };
+        Frame::new(resp)
+    }
+}
+
+/// A short name of a request, for error messages.
+pub fn request_name(req: &Request) -> &'static str {
+    match req {
+        Request::Hello { .. } => "Hello",
+        Request::ShardJoin { .. } => "ShardJoin",
+        Request::Register { .. } => "Register",
+        Request::Heartbeat { .. } => "Heartbeat",
+        Request::Leave { .. } => "Leave",
+        Request::NextPartition { .. } => "NextPartition",
+        Request::Clock { .. } => "Clock",
+        Request::Status => "Status",
+        Request::GetMap => "GetMap",
+        Request::Pull { .. } => "Pull",
+        Request::Push { .. } => "Push",
+    }
+}
+
+/// A coordinator bound to an address, ready to serve.
+pub struct BoundCoordinator {
+    /// The service, for in-process inspection.
+    pub coordinator: Arc<Coordinator>,
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    endpoint: quinn::Endpoint,
+    settings: TransportSettings,
+}
+
+/// Binds a coordinator on `listen`.
+pub fn bind(
+    config: CoordinatorConfig,
+    listen: SocketAddr,
+    identity: &Identity,
+    settings: TransportSettings,
+) -> anyhow::Result<BoundCoordinator> {
+    let endpoint = server_endpoint(listen, identity, &settings)?;
+    let addr = endpoint.local_addr()?;
+    Ok(BoundCoordinator {
+        coordinator: Arc::new(Coordinator::new(config)),
+        addr,
+        endpoint,
+        settings,
+    })
+}
+
+impl BoundCoordinator {
+    /// Serves until `shutdown` is cancelled, sweeping expired leases in the background.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let lease = Duration::from_millis(u64::from(self.coordinator.lock().job().lease_ms));
+        let c = self.coordinator.clone();
+        let sweep_stop = shutdown.clone();
+        let sweeper = tokio::spawn(async move {
+            let mut tick = tokio::time::interval((lease / 8).max(Duration::from_millis(20)));
+            loop {
+                tokio::select! {
+                    _ = sweep_stop.cancelled() => break,
+                    _ = tick.tick() => { c.sweep(Instant::now()); }
+                }
+            }
+        });
+        info!(addr = %self.addr, "coordinator serving");
+        edl_shared::serve(
+            self.endpoint,
+            self.coordinator,
+            self.settings.limits,
+            shutdown,
+        )
+        .await;
+        sweeper.abort();
+    }
+}

@@ -1,0 +1,419 @@
+//! The coordinator's state machine: shards, the shard map, the worker registry with leases,
+//! clocks and the consistency rule, data partitions and per-epoch progress. No I/O, no async:
+//! every method is a synchronous step that the service layer calls under a lock.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, WorkerId};
+use edl_shared::proto::job::ShardInfo;
+use edl_shared::proto::msg::{EpochStats, JobStatus, Partition, WorkerState, WorkerStatus};
+use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
+
+use super::data::DataPlan;
+
+/// The outcome of one step of a long-polling request.
+#[derive(Debug)]
+pub enum Poll<T> {
+    /// Answer now.
+    Ready(T),
+    /// Wait for the next state change and try again.
+    Pending,
+    /// Answer with an error.
+    Failed(ErrorCode, String),
+}
+
+/// An error answer: a stable code and a message.
+pub type Refusal = (ErrorCode, String);
+
+#[derive(Debug)]
+struct Worker {
+    name: String,
+    state: WorkerState,
+    clock: Clock,
+    last_seen: Instant,
+    /// Partitions leased and not yet completed.
+    leased: Vec<Partition>,
+}
+
+/// Everything the coordinator knows about a job.
+#[derive(Debug)]
+pub struct CoordinatorState {
+    job: JobConfig,
+    shards_expected: u32,
+    shards: Vec<ShardInfo>,
+    map: Option<ShardMap>,
+    workers: BTreeMap<WorkerId, Worker>,
+    next_worker: u64,
+    /// The minimum clock last seen while some worker was active, so that a worker joining an
+    /// idle job enters where the job left off.
+    floor: Clock,
+    data: DataPlan,
+    epochs: Vec<EpochStats>,
+    samples_done: u64,
+}
+
+fn unknown(worker: WorkerId) -> Refusal {
+    (
+        ErrorCode::UnknownWorker,
+        format!("worker {worker} is not registered (dropped or left); register again"),
+    )
+}
+
+impl CoordinatorState {
+    /// A job waiting for `shards` shard servers.
+    pub fn new(job: JobConfig, shards: u32) -> Self {
+        let data = DataPlan::new(job.epochs, job.train_samples, job.partition_size);
+        let epochs = (0..job.epochs)
+            .map(|epoch| EpochStats {
+                epoch,
+                samples: 0,
+                loss_sum: 0.0,
+            })
+            .collect();
+        CoordinatorState {
+            job,
+            shards_expected: shards.max(1),
+            shards: Vec::new(),
+            map: None,
+            workers: BTreeMap::new(),
+            next_worker: 1,
+            floor: Clock(0),
+            data,
+            epochs,
+            samples_done: 0,
+        }
+    }
+
+    /// The job configuration.
+    pub fn job(&self) -> &JobConfig {
+        &self.job
+    }
+
+    /// The shard map, once formed.
+    pub fn map(&self) -> Option<ShardMap> {
+        self.map.clone()
+    }
+
+    /// A shard announces itself. A shard that rejoins from the same address keeps its id.
+    pub fn shard_join(&mut self, addr: &str) -> Result<ShardId, Refusal> {
+        if let Some(s) = self.shards.iter().find(|s| s.addr == addr) {
+            return Ok(s.id);
+        }
+        if self.shards.len() as u32 >= self.shards_expected {
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!(
+                    "all {} shards have joined; adding shards to a running job is not supported yet",
+                    self.shards_expected
+                ),
+            ));
+        }
+        let id = ShardId(self.shards.len() as u32);
+        self.shards.push(ShardInfo {
+            id,
+            addr: addr.to_string(),
+        });
+        if self.shards.len() as u32 == self.shards_expected {
+            self.map = Some(ShardMap::balanced(
+                MapEpoch(1),
+                self.shards.clone(),
+                &self.job.layout(),
+            ));
+        }
+        Ok(id)
+    }
+
+    /// A joined shard's assignment, once all shards have joined.
+    pub fn assignment(&self, _shard: ShardId) -> Poll<(JobConfig, ShardMap)> {
+        match &self.map {
+            Some(map) => Poll::Ready((self.job.clone(), map.clone())),
+            None => Poll::Pending,
+        }
+    }
+
+    fn min_active_clock(&self) -> Option<Clock> {
+        self.workers
+            .values()
+            .filter(|w| w.state == WorkerState::Active)
+            .map(|w| w.clock)
+            .min()
+    }
+
+    /// Admits a worker once the shard map exists. It enters at the current minimum clock.
+    pub fn register(
+        &mut self,
+        name: &str,
+        now: Instant,
+    ) -> Poll<(WorkerId, JobConfig, ShardMap, Clock)> {
+        let Some(map) = self.map.clone() else {
+            return Poll::Pending;
+        };
+        let id = WorkerId(self.next_worker);
+        self.next_worker += 1;
+        let clock = self.min_active_clock().unwrap_or(self.floor);
+        self.workers.insert(
+            id,
+            Worker {
+                name: name.to_string(),
+                state: WorkerState::Active,
+                clock,
+                last_seen: now,
+                leased: Vec::new(),
+            },
+        );
+        Poll::Ready((id, self.job.clone(), map, clock))
+    }
+
+    fn active(&mut self, worker: WorkerId) -> Result<&mut Worker, Refusal> {
+        match self.workers.get_mut(&worker) {
+            Some(w) if w.state == WorkerState::Active => Ok(w),
+            _ => Err(unknown(worker)),
+        }
+    }
+
+    /// Renews a worker's lease.
+    pub fn heartbeat(&mut self, worker: WorkerId, now: Instant) -> Result<(), Refusal> {
+        self.active(worker)?.last_seen = now;
+        Ok(())
+    }
+
+    fn retire(&mut self, worker: WorkerId, state: WorkerState) {
+        if let Some(min) = self.min_active_clock() {
+            self.floor = self.floor.max(min);
+        }
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.state = state;
+            for p in std::mem::take(&mut w.leased) {
+                self.data.give_back(p);
+            }
+        }
+    }
+
+    /// A worker leaves gracefully; its unfinished partitions return to the pool.
+    pub fn leave(&mut self, worker: WorkerId) -> Result<(), Refusal> {
+        self.active(worker)?;
+        self.retire(worker, WorkerState::Left);
+        Ok(())
+    }
+
+    /// Declares dead every active worker silent for longer than the lease.
+    pub fn expire_leases(&mut self, now: Instant) -> Vec<WorkerId> {
+        let lease = Duration::from_millis(u64::from(self.job.lease_ms));
+        let dead: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                w.state == WorkerState::Active && now.saturating_duration_since(w.last_seen) > lease
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &dead {
+            self.retire(*id, WorkerState::Dead);
+        }
+        dead
+    }
+
+    /// A worker reports a partition fully processed.
+    pub fn complete(&mut self, worker: WorkerId, p: Partition, now: Instant) -> Result<(), Refusal> {
+        let w = self.active(worker)?;
+        w.last_seen = now;
+        let Some(i) = w.leased.iter().position(|l| *l == p) else {
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!("partition {}/{} is not leased to {worker}", p.epoch, p.index),
+            ));
+        };
+        w.leased.swap_remove(i);
+        self.data.complete(&p);
+        Ok(())
+    }
+
+    /// Leases the next partition; `Ready(None)` once all data of all epochs is done, `Pending`
+    /// while the rest is leased to others (it may come back if they fail).
+    pub fn next_partition(&mut self, worker: WorkerId, now: Instant) -> Poll<Option<Partition>> {
+        if let Err((code, msg)) = self.active(worker) {
+            return Poll::Failed(code, msg);
+        }
+        if let Some(p) = self.data.next() {
+            if let Ok(w) = self.active(worker) {
+                w.leased.push(p);
+                w.last_seen = now;
+            }
+            return Poll::Ready(Some(p));
+        }
+        if self.data.finished() {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
+        }
+    }
+
+    /// A worker finished a step: records its clock and progress.
+    pub fn advance(
+        &mut self,
+        worker: WorkerId,
+        clock: Clock,
+        epoch: u32,
+        samples: u32,
+        loss_sum: f64,
+        now: Instant,
+    ) -> Result<(), Refusal> {
+        if !loss_sum.is_finite() {
+            return Err((ErrorCode::NonFinite, "reported loss is not finite".into()));
+        }
+        let Some(stats) = self.epochs.get_mut(epoch as usize) else {
+            return Err((ErrorCode::InvalidRequest, format!("no epoch {epoch} in this job")));
+        };
+        let w = match self.workers.get_mut(&worker) {
+            Some(w) if w.state == WorkerState::Active => w,
+            _ => return Err(unknown(worker)),
+        };
+        if clock.0 != w.clock.0 + 1 {
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!("{worker} is at clock {}, cannot advance to {}", w.clock.0, clock.0),
+            ));
+        }
+        w.clock = clock;
+        w.last_seen = now;
+        stats.samples += u64::from(samples);
+        stats.loss_sum += loss_sum;
+        self.samples_done += u64::from(samples);
+        Ok(())
+    }
+
+    /// Whether `worker` may start its next step: under SSP(s) (BSP is s = 0) only while the
+    /// slowest active worker is at least at its clock minus s. Answers with the minimum clock.
+    pub fn may_proceed(&self, worker: WorkerId) -> Poll<Clock> {
+        let w = match self.workers.get(&worker) {
+            Some(w) if w.state == WorkerState::Active => w,
+            _ => {
+                let (code, msg) = unknown(worker);
+                return Poll::Failed(code, msg);
+            }
+        };
+        let min = self.min_active_clock().unwrap_or(w.clock);
+        match self.job.consistency.staleness() {
+            None => Poll::Ready(min),
+            Some(s) if min.0 + s >= w.clock.0 => Poll::Ready(min),
+            Some(_) => Poll::Pending,
+        }
+    }
+
+    /// True when every partition of every epoch is complete.
+    pub fn finished(&self) -> bool {
+        self.data.finished()
+    }
+
+    /// A snapshot for status requests.
+    pub fn status(&self, now: Instant) -> JobStatus {
+        JobStatus {
+            shards_joined: self.shards.len() as u32,
+            shards_expected: self.shards_expected,
+            samples_total: self.data.samples_total(),
+            samples_done: self.samples_done,
+            epochs: self.epochs.clone(),
+            workers: self
+                .workers
+                .iter()
+                .map(|(id, w)| WorkerStatus {
+                    id: *id,
+                    name: w.name.clone(),
+                    state: w.state,
+                    clock: w.clock,
+                    idle_ms: now.saturating_duration_since(w.last_seen).as_millis() as u64,
+                })
+                .collect(),
+            min_clock: self.min_active_clock().unwrap_or(self.floor),
+            finished: self.data.finished(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec};
+
+    fn job(consistency: Consistency) -> JobConfig {
+        JobConfig {
+            model: ModelSpec::Custom,
+            tensors: ModelSpec::mlp_tensors(&[4, 3]),
+            chunk_size: 4,
+            optimizer: OptimizerSpec::Sgd { lr: 0.1 },
+            consistency,
+            batch_size: 2,
+            epochs: 1,
+            partition_size: 4,
+            train_samples: 8,
+            seed: 1,
+            lease_ms: 1000,
+        }
+    }
+
+    fn ready<T: std::fmt::Debug>(p: Poll<T>) -> T {
+        match p {
+            Poll::Ready(v) => v,
+            other => panic!("expected Ready, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn ssp_bound_holds_and_dead_workers_stop_counting() {
+        let mut st = CoordinatorState::new(job(Consistency::Ssp { staleness: 1 }), 1);
+        let t0 = Instant::now();
+        assert!(matches!(st.register("a", t0), Poll::Pending));
+        st.shard_join("127.0.0.1:1").expect("join");
+        let (a, ..) = ready(st.register("a", t0));
+        let (b, ..) = ready(st.register("b", t0));
+        st.advance(a, Clock(1), 0, 2, 1.0, t0).expect("advance");
+        assert!(matches!(st.may_proceed(a), Poll::Ready(Clock(0))));
+        st.advance(a, Clock(2), 0, 2, 1.0, t0).expect("advance");
+        // a is two clocks ahead of b with s = 1: it must wait.
+        assert!(matches!(st.may_proceed(a), Poll::Pending));
+        // b never heartbeats: once its lease expires it stops counting.
+        st.heartbeat(a, t0 + Duration::from_millis(900)).expect("hb");
+        let dead = st.expire_leases(t0 + Duration::from_millis(1500));
+        assert_eq!(dead, vec![b]);
+        assert!(matches!(st.may_proceed(a), Poll::Ready(Clock(2))));
+        assert!(st.heartbeat(b, t0).is_err());
+        // A newcomer enters at the current minimum clock.
+        let (_, _, _, c) = ready(st.register("c", t0));
+        assert_eq!(c, Clock(2));
+    }
+
+    #[test]
+    fn partitions_of_a_dead_worker_are_reissued() {
+        let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
+        let t0 = Instant::now();
+        st.shard_join("x").expect("join");
+        let (a, ..) = ready(st.register("a", t0));
+        let (b, ..) = ready(st.register("b", t0));
+        let pa = ready(st.next_partition(a, t0)).expect("partition");
+        let pb = ready(st.next_partition(b, t0)).expect("partition");
+        assert!(matches!(st.next_partition(b, t0), Poll::Pending));
+        st.complete(b, pb, t0).expect("complete");
+        assert!(st.complete(b, pb, t0).is_err(), "completing twice must fail");
+        st.heartbeat(b, t0 + Duration::from_millis(1100)).expect("hb");
+        assert_eq!(st.expire_leases(t0 + Duration::from_millis(1200)), vec![a]);
+        let again = ready(st.next_partition(b, t0)).expect("reissued");
+        assert_eq!(again, pa);
+        st.complete(b, again, t0).expect("complete");
+        assert!(st.finished());
+        assert_eq!(ready(st.next_partition(b, t0)), None);
+    }
+
+    #[test]
+    fn bad_reports_change_nothing() {
+        let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
+        let t0 = Instant::now();
+        st.shard_join("x").expect("join");
+        let (a, ..) = ready(st.register("a", t0));
+        assert!(st.advance(a, Clock(1), 0, 2, f64::NAN, t0).is_err());
+        assert!(st.advance(a, Clock(1), 7, 2, 1.0, t0).is_err());
+        assert!(st.advance(a, Clock(5), 0, 2, 1.0, t0).is_err());
+        assert!(st.advance(WorkerId(99), Clock(1), 0, 2, 1.0, t0).is_err());
+        assert_eq!(st.status(t0).samples_done, 0);
+    }
+}

@@ -1,0 +1,497 @@
+//! A shard server: owns key ranges of the model, holds their parameters and optimizer state,
+//! applies pushed gradients with the server-side optimizer, and enforces BSP aggregation.
+//!
+//! Each chunk sits behind its own lock (a `DashMap` entry), so concurrent pushes to the same
+//! chunk serialize and none is lost, while pushes to different chunks run in parallel.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use dashmap::DashMap;
+use edl_shared::proto::frame::bytes_to_f32s;
+use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
+use edl_shared::proto::msg::{ChunkRef, KeyRange};
+use edl_shared::proto::{Consistency, ErrorCode, Frame, Init, JobConfig, Request, Response, ShardMap};
+use edl_shared::shutdown::CancellationToken;
+use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint, server_endpoint};
+use edl_shared::{Identity, Peer, Role, Service};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use tokio::sync::watch;
+use tracing::info;
+
+use crate::optimizer::OptState;
+
+/// One chunk of parameters with its optimizer state.
+#[derive(Debug)]
+struct Chunk {
+    params: Vec<f32>,
+    opt: OptState,
+    /// BSP: summed gradients per step, waiting for the step's barrier.
+    pending: BTreeMap<u64, (Vec<f32>, u32)>,
+    /// BSP: every step before this clock has been applied.
+    applied_through: u64,
+}
+
+/// The state of one shard once the coordinator has assigned its ranges.
+#[derive(Debug)]
+pub struct ShardState {
+    id: ShardId,
+    job: JobConfig,
+    map: ShardMap,
+    chunks: DashMap<Key, Chunk>,
+}
+
+type Refusal = (ErrorCode, String);
+
+impl ShardState {
+    /// Initializes the chunks `map` places on `id`, seeded per key so that values do not depend
+    /// on placement.
+    pub fn new(id: ShardId, job: JobConfig, map: ShardMap) -> Self {
+        let layout = job.layout();
+        let chunks = DashMap::new();
+        for r in map.ranges_of(id) {
+            for k in r.start..r.end {
+                let Some(span) = layout.span(Key(k)) else { continue };
+                let len = span.len as usize;
+                let params = match job.tensors.get(span.tensor).map(|t| &t.init) {
+                    Some(Init::Uniform { limit }) if *limit > 0.0 => {
+                        let mut rng = StdRng::seed_from_u64(
+                            job.seed ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                        );
+                        (0..len).map(|_| rng.random_range(-limit..=*limit)).collect()
+                    }
+                    _ => vec![0.0; len],
+                };
+                chunks.insert(
+                    Key(k),
+                    Chunk {
+                        opt: OptState::new(&job.optimizer, len),
+                        params,
+                        pending: BTreeMap::new(),
+                        applied_through: 0,
+                    },
+                );
+            }
+        }
+        ShardState {
+            id,
+            job,
+            map,
+            chunks,
+        }
+    }
+
+    /// This shard's id.
+    pub fn id(&self) -> ShardId {
+        self.id
+    }
+
+    /// Number of keys held.
+    pub fn num_keys(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn check_epoch(&self, epoch: MapEpoch) -> Result<(), Response> {
+        if epoch != self.map.epoch {
+            return Err(Response::Error {
+                code: ErrorCode::StaleEpoch.as_u16(),
+                message: format!(
+                    "request routed with shard map {epoch}, current is {}",
+                    self.map.epoch
+                ),
+                map: Some(self.map.clone()),
+            });
+        }
+        Ok(())
+    }
+
+    fn bsp(&self) -> bool {
+        self.job.consistency == Consistency::Bsp
+    }
+
+    /// Reads the chunks in `ranges`, applying due BSP updates first.
+    pub fn pull(
+        &self,
+        epoch: MapEpoch,
+        ranges: &[KeyRange],
+        apply_through: Clock,
+    ) -> Result<Frame<Response>, Response> {
+        self.check_epoch(epoch)?;
+        let mut keys = Vec::new();
+        for r in ranges {
+            if r.end < r.start || r.end - r.start > self.chunks.len() as u64 {
+                return Err(Response::error(
+                    ErrorCode::UnknownKey,
+                    format!("range {}..{} is not held by {}", r.start, r.end, self.id),
+                ));
+            }
+            keys.extend((r.start..r.end).map(Key));
+        }
+        let mut refs = Vec::with_capacity(keys.len());
+        let mut out = BytesMut::new();
+        for key in keys {
+            let Some(mut chunk) = self.chunks.get_mut(&key) else {
+                return Err(Response::error(
+                    ErrorCode::UnknownKey,
+                    format!("{key} is not held by {}", self.id),
+                ));
+            };
+            if self.bsp() {
+                apply_due(&self.job, &mut chunk, apply_through.0);
+            }
+            out.reserve(chunk.params.len() * 4);
+            for v in &chunk.params {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            refs.push(ChunkRef {
+                key,
+                len: chunk.params.len() as u32,
+            });
+        }
+        Ok(Frame::with_payload(
+            Response::Pulled { chunks: refs },
+            out.freeze(),
+        ))
+    }
+
+    /// Applies (ASP, SSP) or stages (BSP) a push. Everything is validated before any state
+    /// changes, so a bad push changes nothing.
+    pub fn push(
+        &self,
+        epoch: MapEpoch,
+        worker: WorkerId,
+        clock: Clock,
+        chunks: &[ChunkRef],
+        payload: &[u8],
+    ) -> Result<(), Response> {
+        self.check_epoch(epoch)?;
+        let bad = |(code, msg): Refusal| Response::error(code, format!("push from {worker}: {msg}"));
+        let total: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
+        if total * 4 != payload.len() as u64 {
+            return Err(bad((
+                ErrorCode::ShapeMismatch,
+                format!("{} payload bytes for {total} floats", payload.len()),
+            )));
+        }
+        let mut grads = vec![0f32; total as usize];
+        bytes_to_f32s(payload, &mut grads).map_err(|e| bad((ErrorCode::Malformed, e.to_string())))?;
+        if let Some(i) = grads.iter().position(|g| !g.is_finite()) {
+            return Err(bad((
+                ErrorCode::NonFinite,
+                format!("gradient value {} at float {i} is not finite", grads[i]),
+            )));
+        }
+        for c in chunks {
+            match self.chunks.get(&c.key) {
+                None => {
+                    return Err(bad((
+                        ErrorCode::UnknownKey,
+                        format!("{} is not held by {}", c.key, self.id),
+                    )));
+                }
+                Some(chunk) if chunk.params.len() != c.len as usize => {
+                    return Err(bad((
+                        ErrorCode::ShapeMismatch,
+                        format!("{} has {} floats, push has {}", c.key, chunk.params.len(), c.len),
+                    )));
+                }
+                Some(chunk) if self.bsp() && clock.0 < chunk.applied_through => {
+                    return Err(bad((
+                        ErrorCode::StaleClock,
+                        format!("step {} of {} was already applied", clock.0, c.key),
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        let mut offset = 0;
+        for c in chunks {
+            let g = &grads[offset..offset + c.len as usize];
+            offset += c.len as usize;
+            let Some(mut chunk) = self.chunks.get_mut(&c.key) else {
+                continue;
+            };
+            let chunk = &mut *chunk;
+            if self.bsp() {
+                // Re-check under the chunk lock: a pull may have applied this step meanwhile.
+                if clock.0 < chunk.applied_through {
+                    return Err(bad((ErrorCode::StaleClock, format!("step {} closed", clock.0))));
+                }
+                let slot = chunk
+                    .pending
+                    .entry(clock.0)
+                    .or_insert_with(|| (vec![0.0; g.len()], 0));
+                for (s, g) in slot.0.iter_mut().zip(g) {
+                    *s += g;
+                }
+                slot.1 += 1;
+            } else {
+                chunk.opt.apply(&self.job.optimizer, &mut chunk.params, g, 1.0);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Applies, in step order, every pending BSP update of a step before `through`.
+fn apply_due(job: &JobConfig, chunk: &mut Chunk, through: u64) {
+    while let Some(entry) = chunk.pending.first_entry() {
+        if *entry.key() >= through {
+            break;
+        }
+        let (sum, n) = entry.remove();
+        let Chunk { params, opt, .. } = chunk;
+        opt.apply(&job.optimizer, params, &sum, 1.0 / n.max(1) as f32);
+    }
+    chunk.applied_through = chunk.applied_through.max(through);
+}
+
+/// The shard service: waits for its assignment, then serves pulls and pushes.
+pub struct ShardService {
+    state: watch::Receiver<Option<Arc<ShardState>>>,
+}
+
+impl ShardService {
+    async fn ready(&self) -> Option<Arc<ShardState>> {
+        let mut rx = self.state.clone();
+        let wait = rx.wait_for(|s| s.is_some());
+        match tokio::time::timeout(Duration::from_secs(30), wait).await {
+            Ok(Ok(s)) => s.clone(),
+            _ => None,
+        }
+    }
+}
+
+impl Service for ShardService {
+    fn allowed(&self, role: Role, req: &Request) -> bool {
+        match req {
+            Request::Push { .. } => role == Role::Worker,
+            _ => true,
+        }
+    }
+
+    async fn handle(&self, _peer: &Peer, req: Request, payload: Bytes) -> Frame<Response> {
+        let Some(st) = self.ready().await else {
+            return Frame::new(Response::error(ErrorCode::NotReady, "shard has no assignment yet"));
+        };
+        let out = match req {
+            Request::Pull {
+                epoch,
+                ranges,
+                apply_through,
+            } => st.pull(epoch, &ranges, apply_through),
+            Request::Push {
+                epoch,
+                worker,
+                clock,
+                chunks,
+            } => st
+                .push(epoch, worker, clock, &chunks, &payload)
+                .map(|()| Frame::new(Response::Ack)),
+            Request::GetMap => Ok(Frame::new(Response::Map(st.map.clone()))),
+            other => Err(Response::error(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "a shard does not serve {}",
+                    crate::coordinator::request_name(&other)
+                ),
+            )),
+        };
+        out.unwrap_or_else(Frame::new)
+    }
+}
+
+/// Where a shard listens and how it finds the coordinator.
+#[derive(Clone, Debug)]
+pub struct ShardConfig {
+    /// The coordinator's address.
+    pub coordinator: String,
+    /// The address to bind.
+    pub listen: SocketAddr,
+    /// The address to announce to workers (defaults to the bound address).
+    pub advertise: Option<String>,
+}
+
+/// Runs a shard until `shutdown`: binds, joins the coordinator, initializes its ranges, serves.
+pub async fn run(
+    config: ShardConfig,
+    identity: Identity,
+    settings: TransportSettings,
+    shutdown: CancellationToken,
+    bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
+) -> anyhow::Result<()> {
+    let endpoint = server_endpoint(config.listen, &identity, &settings)?;
+    let addr = endpoint.local_addr()?;
+    if let Some(tx) = bound {
+        let _ = tx.send(addr);
+    }
+    let (tx, rx) = watch::channel(None);
+    let service = Arc::new(ShardService { state: rx });
+    let server = tokio::spawn(edl_shared::serve(
+        endpoint,
+        service,
+        settings.limits,
+        shutdown.clone(),
+    ));
+    let advertise = config.advertise.clone().unwrap_or_else(|| addr.to_string());
+    let joined = tokio::select! {
+        _ = shutdown.cancelled() => None,
+        r = join(&config.coordinator, &advertise, &identity, &settings) => Some(r?),
+    };
+    if let Some((id, job, map)) = joined {
+        let state = ShardState::new(id, job, map);
+        info!(shard = %id, %addr, keys = state.num_keys(), "shard serving");
+        let _ = tx.send(Some(Arc::new(state)));
+    }
+    server.await?;
+    Ok(())
+}
+
+/// Joins the coordinator, retrying while it is not reachable or not ready.
+async fn join(
+    coordinator: &str,
+    advertise: &str,
+    identity: &Identity,
+    settings: &TransportSettings,
+) -> anyhow::Result<(ShardId, JobConfig, ShardMap)> {
+    let ep = client_endpoint(identity, settings, false)?;
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let attempt = async {
+            let conn = Conn::connect(&ep, coordinator, &identity.name, settings).await?;
+            let resp = conn
+                .call(
+                    Request::ShardJoin {
+                        addr: advertise.to_string(),
+                    },
+                    Bytes::new(),
+                )
+                .await?;
+            match resp.msg {
+                Response::ShardAssigned { shard, job, map } => Ok((shard, job, map)),
+                other => Err(CallError::unexpected(&other)),
+            }
+        };
+        match attempt.await {
+            Ok(v) => return Ok(v),
+            Err(e @ CallError::Remote { .. }) if e.code() != Some(ErrorCode::NotReady) => {
+                return Err(e.into());
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "coordinator not ready; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_shared::proto::job::{RangeOwner, ShardInfo};
+    use edl_shared::proto::{ModelSpec, OptimizerSpec, TensorSpec};
+
+    fn state(consistency: Consistency) -> ShardState {
+        let job = JobConfig {
+            model: ModelSpec::Custom,
+            tensors: vec![TensorSpec {
+                name: "c".into(),
+                shape: vec![6],
+                init: Init::Zeros,
+            }],
+            chunk_size: 4,
+            optimizer: OptimizerSpec::Sgd { lr: 1.0 },
+            consistency,
+            batch_size: 1,
+            epochs: 1,
+            partition_size: 1,
+            train_samples: 1,
+            seed: 0,
+            lease_ms: 1000,
+        };
+        let map = ShardMap {
+            epoch: MapEpoch(1),
+            shards: vec![ShardInfo {
+                id: ShardId(0),
+                addr: "x".into(),
+            }],
+            ranges: vec![RangeOwner {
+                start: 0,
+                end: 2,
+                shard: ShardId(0),
+            }],
+        };
+        ShardState::new(ShardId(0), job, map)
+    }
+
+    fn floats(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn read(st: &ShardState, through: u64) -> Vec<f32> {
+        let f = st
+            .pull(MapEpoch(1), &[KeyRange { start: 0, end: 2 }], Clock(through))
+            .expect("pull");
+        let mut out = vec![0.0; f.payload.len() / 4];
+        bytes_to_f32s(&f.payload, &mut out).expect("floats");
+        out
+    }
+
+    const BOTH: [ChunkRef; 2] = [ChunkRef { key: Key(0), len: 4 }, ChunkRef { key: Key(1), len: 2 }];
+
+    #[test]
+    fn bad_pushes_change_nothing() {
+        let st = state(Consistency::Asp);
+        let w = WorkerId(1);
+        let good = floats(&[-1.0; 6]);
+        let mut nan = good.clone();
+        nan[20..24].copy_from_slice(&f32::NAN.to_le_bytes());
+        let cases: Vec<(MapEpoch, Vec<ChunkRef>, Vec<u8>, ErrorCode)> = vec![
+            (MapEpoch(1), BOTH.to_vec(), nan, ErrorCode::NonFinite),
+            (MapEpoch(1), BOTH.to_vec(), good[..20].to_vec(), ErrorCode::ShapeMismatch),
+            (MapEpoch(0), BOTH.to_vec(), good.clone(), ErrorCode::StaleEpoch),
+            (
+                MapEpoch(1),
+                vec![BOTH[0], ChunkRef { key: Key(7), len: 2 }],
+                good.clone(),
+                ErrorCode::UnknownKey,
+            ),
+            (
+                MapEpoch(1),
+                vec![ChunkRef { key: Key(0), len: 3 }, ChunkRef { key: Key(1), len: 3 }],
+                good.clone(),
+                ErrorCode::ShapeMismatch,
+            ),
+        ];
+        for (epoch, chunks, payload, want) in cases {
+            let err = st.push(epoch, w, Clock(0), &chunks, &payload).expect_err("must fail");
+            match err {
+                Response::Error { code, .. } => assert_eq!(code, want.as_u16()),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(read(&st, 0), vec![0.0; 6]);
+        st.push(MapEpoch(1), w, Clock(0), &BOTH, &good).expect("good push");
+        assert_eq!(read(&st, 0), vec![1.0; 6]);
+    }
+
+    #[test]
+    fn bsp_applies_the_mean_once_the_step_closes() {
+        let st = state(Consistency::Bsp);
+        st.push(MapEpoch(1), WorkerId(1), Clock(0), &BOTH, &floats(&[-1.0; 6]))
+            .expect("push");
+        st.push(MapEpoch(1), WorkerId(2), Clock(0), &BOTH, &floats(&[-3.0; 6]))
+            .expect("push");
+        // Step 0 is not closed until a pull says so.
+        assert_eq!(read(&st, 0), vec![0.0; 6]);
+        assert_eq!(read(&st, 1), vec![2.0; 6]);
+        // A late push to a closed step is refused.
+        let late = st.push(MapEpoch(1), WorkerId(3), Clock(0), &BOTH, &floats(&[-1.0; 6]));
+        assert!(late.is_err());
+        assert_eq!(read(&st, 1), vec![2.0; 6]);
+    }
+}

@@ -148,6 +148,8 @@ pub enum Request {
     Status,
     /// Asks for the current shard map.
     GetMap,
+    /// Asks for the job configuration.
+    GetJob,
     /// Reads parameters. The payload of the response holds the chunks in `Pulled` order.
     Pull {
         /// The shard-map epoch the client routed with.
@@ -213,6 +215,8 @@ pub enum Response {
     Status(JobStatus),
     /// The current shard map.
     Map(ShardMap),
+    /// The job configuration.
+    Job(JobConfig),
     /// Parameters; the payload holds the chunks in this order.
     Pulled {
         /// The chunks in the payload.

@@ -195,6 +195,7 @@ impl Service for Coordinator {
                 }
             }
             Request::Status => Response::Status(self.status()),
+            Request::GetJob => Response::Job(self.lock().job().clone()),
             Request::GetMap => match self.lock().map() {
                 Some(map) => Response::Map(map),
                 None => Response::error(ErrorCode::NotReady, "shard map not formed yet"),
@@ -220,6 +221,7 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::Clock { .. } => "Clock",
         Request::Status => "Status",
         Request::GetMap => "GetMap",
+        Request::GetJob => "GetJob",
         Request::Pull { .. } => "Pull",
         Request::Push { .. } => "Push",
     }

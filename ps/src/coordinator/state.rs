@@ -269,6 +269,11 @@ impl CoordinatorState {
             Some(w) if w.state == WorkerState::Active => w,
             _ => return Err(unknown(worker)),
         };
+        if clock == w.clock {
+            // A retry of a report that already arrived (its long poll timed out): the step was
+            // counted once, so only the wait is repeated.
+            return Ok(());
+        }
         if clock.0 != w.clock.0 + 1 {
             return Err((
                 ErrorCode::InvalidRequest,

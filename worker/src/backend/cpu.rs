@@ -279,7 +279,9 @@ impl<'a> MatRef<'a> {
 /// Computes `C = A·B + beta·C` for a contiguous row-major `C`; with `beta = 0` the old `C` is ignored.
 ///
 /// The asserts guard the unsafe call against internal layout bugs only: callers validate
-/// user-supplied shapes first, so they cannot fire on bad input.
+/// user-supplied shapes first, so they cannot fire on bad input. This is the crate's only unsafe
+/// code: matrixmultiply exposes raw pointers and strides.
+#[allow(unsafe_code)]
 fn gemm(a: MatRef<'_>, b: MatRef<'_>, beta: f32, c: &mut [f32]) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(k, b.rows, "inner dimensions differ");

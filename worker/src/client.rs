@@ -1,0 +1,584 @@
+//! The client library: connect to a job, register, pull and push parameters (fanned out to the
+//! shards in parallel), advance the clock, lease data, heartbeat in the background, leave.
+//!
+//! ```text
+//! let job = Job::connect(&cfg).await?;          // authenticate, fetch the shard map
+//! let mut s = job.register("w1").await?;        // admitted at the current minimum clock
+//! s.pull(&mut params).await?;                   // all keys, from every shard at once
+//! s.push(&grads).await?;                        // gradients for the current step
+//! s.advance(epoch, samples, loss_sum).await?;   // waits only as SSP/BSP requires
+//! s.leave().await?;
+//! ```
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use edl_shared::proto::frame::{bytes_to_f32s, f32s_to_bytes};
+use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
+use edl_shared::proto::msg::{ChunkRef, JobStatus, KeyRange, Partition};
+use edl_shared::proto::{ErrorCode, JobConfig, KeyLayout, Request, Response, ShardMap};
+use edl_shared::shutdown::CancellationToken;
+use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
+use edl_shared::Identity;
+use thiserror::Error;
+use tokio::task::JoinSet;
+
+/// Why a client operation failed.
+#[derive(Debug, Error)]
+pub enum ClientError {
+    /// A call failed (transport, TLS, or an error answered by the server).
+    #[error(transparent)]
+    Call(#[from] CallError),
+    /// The coordinator no longer knows this worker (its lease expired, or it left).
+    #[error("worker {0} was dropped by the coordinator")]
+    Dropped(WorkerId),
+    /// A server answered with data that does not fit the job.
+    #[error("inconsistent answer from {from}: {what}")]
+    Inconsistent {
+        /// Who answered.
+        from: String,
+        /// What was wrong.
+        what: String,
+    },
+    /// The caller passed a buffer of the wrong size.
+    #[error("buffer has {got} floats, the model has {want}")]
+    BufferSize {
+        /// Floats expected.
+        want: u64,
+        /// Floats given.
+        got: usize,
+    },
+}
+
+/// How to reach a job.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// The coordinator's address.
+    pub coordinator: String,
+    /// This client's credentials.
+    pub identity: Identity,
+    /// Transport settings.
+    pub settings: TransportSettings,
+}
+
+/// A connection to one shard and the contiguous flat range of parameters it holds.
+#[derive(Clone, Debug)]
+struct ShardLink {
+    id: ShardId,
+    conn: Conn,
+    ranges: Vec<KeyRange>,
+    /// For each range: its flat float offset and length.
+    flat: Vec<(usize, usize)>,
+}
+
+/// A connection to a job: the coordinator, every shard, the job config and the shard map.
+#[derive(Clone, Debug)]
+pub struct Job {
+    coordinator: Conn,
+    shards: Vec<ShardLink>,
+    job: JobConfig,
+    map: ShardMap,
+    layout: KeyLayout,
+}
+
+/// Retries `f` while the server answers `NotReady`, up to `tries` times.
+async fn retry_not_ready<T, F, Fut>(tries: u32, mut f: F) -> Result<T, CallError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, CallError>>,
+{
+    let mut delay = Duration::from_millis(20);
+    let mut n = 0;
+    loop {
+        match f().await {
+            Err(e) if e.code() == Some(ErrorCode::NotReady) && n + 1 < tries => {
+                n += 1;
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_millis(500));
+            }
+            other => return other,
+        }
+    }
+}
+
+impl Job {
+    /// Connects to the coordinator, waits for the shard map and connects to every shard.
+    pub async fn connect(cfg: &ClientConfig) -> Result<Job, ClientError> {
+        let ep = client_endpoint(&cfg.identity, &cfg.settings, false)?;
+        let name = &cfg.identity.name;
+        let coordinator = connect_retry(&ep, &cfg.coordinator, name, &cfg.settings).await?;
+        let map = retry_not_ready(600, || async {
+            match coordinator.call(Request::GetMap, Bytes::new()).await?.msg {
+                Response::Map(m) => Ok(m),
+                other => Err(CallError::unexpected(&other)),
+            }
+        })
+        .await?;
+        let job = fetch_job(&coordinator).await?;
+        Job::with_map(ep, coordinator, job, map, &cfg.settings, name).await
+    }
+
+    async fn with_map(
+        ep: quinn::Endpoint,
+        coordinator: Conn,
+        job: JobConfig,
+        map: ShardMap,
+        settings: &TransportSettings,
+        name: &str,
+    ) -> Result<Job, ClientError> {
+        let layout = job.layout();
+        let mut shards = Vec::new();
+        for info in &map.shards {
+            let ranges: Vec<KeyRange> = map
+                .ranges_of(info.id)
+                .map(|r| KeyRange {
+                    start: r.start,
+                    end: r.end,
+                })
+                .collect();
+            let mut flat = Vec::new();
+            for r in &ranges {
+                let first = layout.span(Key(r.start));
+                let last = layout.span(Key(r.end.saturating_sub(1)));
+                match (first, last) {
+                    (Some(a), Some(b)) if r.end > r.start => {
+                        let end = b.offset + u64::from(b.len);
+                        flat.push((a.offset as usize, (end - a.offset) as usize));
+                    }
+                    _ => {
+                        return Err(ClientError::Inconsistent {
+                            from: "coordinator".into(),
+                            what: format!("shard map range {}..{} is outside the job", r.start, r.end),
+                        });
+                    }
+                }
+            }
+            let conn = connect_retry(&ep, &info.addr, name, settings).await?;
+            shards.push(ShardLink {
+                id: info.id,
+                conn,
+                ranges,
+                flat,
+            });
+        }
+        Ok(Job {
+            coordinator,
+            shards,
+            job,
+            map,
+            layout,
+        })
+    }
+
+    /// The job configuration.
+    pub fn config(&self) -> &JobConfig {
+        &self.job
+    }
+
+    /// The shard map in use.
+    pub fn map(&self) -> &ShardMap {
+        &self.map
+    }
+
+    /// The key layout.
+    pub fn layout(&self) -> &KeyLayout {
+        &self.layout
+    }
+
+    /// Number of floats in the model.
+    pub fn param_count(&self) -> usize {
+        self.layout.total_len() as usize
+    }
+
+    /// Asks the coordinator for a status snapshot.
+    pub async fn status(&self) -> Result<JobStatus, ClientError> {
+        match self.coordinator.call(Request::Status, Bytes::new()).await?.msg {
+            Response::Status(s) => Ok(s),
+            other => Err(CallError::unexpected(&other).into()),
+        }
+    }
+
+    /// Registers as a worker. The session heartbeats in the background until it is dropped or
+    /// leaves.
+    pub async fn register(self, name: &str) -> Result<Session, ClientError> {
+        let resp = retry_not_ready(600, || {
+            self.coordinator
+                .call(Request::Register { name: name.to_string() }, Bytes::new())
+        })
+        .await?;
+        let (worker, clock) = match resp.msg {
+            Response::Registered { worker, clock, .. } => (worker, clock),
+            other => return Err(CallError::unexpected(&other).into()),
+        };
+        let stop = CancellationToken::new();
+        let lost = Arc::new(AtomicBool::new(false));
+        let period = Duration::from_millis(u64::from(self.job.lease_ms) / 4).max(Duration::from_millis(10));
+        tokio::spawn(heartbeat(
+            self.coordinator.clone(),
+            worker,
+            period,
+            stop.clone(),
+            lost.clone(),
+        ));
+        Ok(Session {
+            job: self,
+            worker,
+            clock,
+            granted: clock,
+            stop,
+            lost,
+        })
+    }
+
+    /// Pulls every parameter into `out` (the flat vector), from all shards in parallel.
+    /// `apply_through` closes BSP steps before that clock first.
+    pub async fn pull_all(&self, out: &mut [f32], apply_through: Clock) -> Result<(), ClientError> {
+        self.check_len(out.len())?;
+        let mut set = JoinSet::new();
+        for (i, s) in self.shards.iter().enumerate() {
+            let conn = s.conn.clone();
+            let req = Request::Pull {
+                epoch: self.map.epoch,
+                ranges: s.ranges.clone(),
+                apply_through,
+            };
+            set.spawn(async move { (i, conn.call(req, Bytes::new()).await) });
+        }
+        while let Some(joined) = set.join_next().await {
+            let Ok((i, resp)) = joined else {
+                return Err(self.inconsistent("client", "pull task failed".into()));
+            };
+            let resp = resp?;
+            let link = &self.shards[i];
+            let Response::Pulled { chunks } = resp.msg else {
+                return Err(CallError::unexpected(&resp.msg).into());
+            };
+            self.scatter(link, &chunks, &resp.payload, out)?;
+        }
+        Ok(())
+    }
+
+    fn scatter(&self, link: &ShardLink, chunks: &[ChunkRef], payload: &[u8], out: &mut [f32]) -> Result<(), ClientError> {
+        let mut at = 0usize;
+        for c in chunks {
+            let span = self
+                .layout
+                .span(c.key)
+                .filter(|s| s.len == c.len)
+                .ok_or_else(|| self.inconsistent(&link.id.to_string(), format!("chunk {} of {} floats does not fit the layout", c.key, c.len)))?;
+            let n = c.len as usize;
+            let bytes = payload
+                .get(at..at + n * 4)
+                .ok_or_else(|| self.inconsistent(&link.id.to_string(), "payload shorter than its chunks".into()))?;
+            let off = span.offset as usize;
+            bytes_to_f32s(bytes, &mut out[off..off + n])
+                .map_err(|e| self.inconsistent(&link.id.to_string(), e.to_string()))?;
+            at += n * 4;
+        }
+        if at != payload.len() {
+            return Err(self.inconsistent(&link.id.to_string(), "payload longer than its chunks".into()));
+        }
+        Ok(())
+    }
+
+    /// Pulls only `keys` (a sparse read); returns each key's floats.
+    pub async fn pull_keys(&self, keys: &[Key], apply_through: Clock) -> Result<Vec<(Key, Vec<f32>)>, ClientError> {
+        let mut out = Vec::new();
+        for key in keys {
+            let owner = self
+                .map
+                .owner(*key)
+                .and_then(|id| self.shards.iter().find(|s| s.id == id))
+                .ok_or_else(|| self.inconsistent("client", format!("{key} is not in the shard map")))?;
+            let resp = owner
+                .conn
+                .call(
+                    Request::Pull {
+                        epoch: self.map.epoch,
+                        ranges: vec![KeyRange { start: key.0, end: key.0 + 1 }],
+                        apply_through,
+                    },
+                    Bytes::new(),
+                )
+                .await?;
+            let Response::Pulled { chunks } = &resp.msg else {
+                return Err(CallError::unexpected(&resp.msg).into());
+            };
+            let n = chunks.first().map(|c| c.len as usize).unwrap_or(0);
+            let mut v = vec![0.0; n];
+            bytes_to_f32s(&resp.payload, &mut v).map_err(|e| self.inconsistent(&owner.id.to_string(), e.to_string()))?;
+            out.push((*key, v));
+        }
+        Ok(out)
+    }
+
+    fn check_len(&self, got: usize) -> Result<(), ClientError> {
+        if got as u64 != self.layout.total_len() {
+            return Err(ClientError::BufferSize {
+                want: self.layout.total_len(),
+                got,
+            });
+        }
+        Ok(())
+    }
+
+    fn inconsistent(&self, from: &str, what: String) -> ClientError {
+        ClientError::Inconsistent {
+            from: from.to_string(),
+            what,
+        }
+    }
+
+    /// Pushes the flat gradient vector `grads` for step `clock`, to all shards in parallel.
+    async fn push_all(&self, worker: WorkerId, clock: Clock, grads: &[f32]) -> Result<(), ClientError> {
+        self.check_len(grads.len())?;
+        let mut set = JoinSet::new();
+        for s in &self.shards {
+            let mut chunks = Vec::new();
+            for r in &s.ranges {
+                for k in r.start..r.end {
+                    if let Some(span) = self.layout.span(Key(k)) {
+                        chunks.push(ChunkRef { key: span.key, len: span.len });
+                    }
+                }
+            }
+            // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
+            let payload = if s.flat.len() == 1 {
+                let (off, len) = s.flat[0];
+                f32s_to_bytes(&grads[off..off + len])
+            } else {
+                let parts: Vec<f32> = s.flat.iter().flat_map(|&(o, l)| grads[o..o + l].iter().copied()).collect();
+                f32s_to_bytes(&parts)
+            };
+            let req = Request::Push {
+                epoch: self.map.epoch,
+                worker,
+                clock,
+                chunks,
+            };
+            let conn = s.conn.clone();
+            set.spawn(async move { conn.call(req, payload).await });
+        }
+        while let Some(joined) = set.join_next().await {
+            match joined {
+                Ok(r) => {
+                    r?;
+                }
+                Err(_) => return Err(self.inconsistent("client", "push task failed".into())),
+            }
+        }
+        Ok(())
+    }
+
+    /// Pushes `(key, values)` pairs for step `clock` (a sparse write).
+    pub async fn push_keys(&self, worker: WorkerId, clock: Clock, chunks: &[(Key, &[f32])]) -> Result<(), ClientError> {
+        for s in &self.shards {
+            let mine: Vec<&(Key, &[f32])> = chunks
+                .iter()
+                .filter(|(k, _)| self.map.owner(*k) == Some(s.id))
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let refs = mine.iter().map(|(k, v)| ChunkRef { key: *k, len: v.len() as u32 }).collect();
+            let floats: Vec<f32> = mine.iter().flat_map(|(_, v)| v.iter().copied()).collect();
+            let req = Request::Push {
+                epoch: self.map.epoch,
+                worker,
+                clock,
+                chunks: refs,
+            };
+            s.conn.call(req, f32s_to_bytes(&floats)).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Fetches the job configuration.
+async fn fetch_job(coordinator: &Conn) -> Result<JobConfig, ClientError> {
+    match retry_not_ready(600, || coordinator.call(Request::GetJob, Bytes::new())).await?.msg {
+        Response::Job(job) => Ok(job),
+        other => Err(CallError::unexpected(&other).into()),
+    }
+}
+
+async fn connect_retry(ep: &quinn::Endpoint, addr: &str, name: &str, settings: &TransportSettings) -> Result<Conn, ClientError> {
+    let mut delay = Duration::from_millis(50);
+    for attempt in 0.. {
+        match Conn::connect(ep, addr, name, settings).await {
+            Ok(c) => return Ok(c),
+            // Refusals (bad certificate, wrong version) are final; an absent server may be
+            // starting up, so retry for a while.
+            Err(e @ CallError::Remote { .. }) => return Err(e.into()),
+            Err(e) if attempt >= 40 => return Err(e.into()),
+            Err(e) => {
+                tracing::debug!(%addr, error = %e, "connect failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+    unreachable!("the retry loop returns")
+}
+
+async fn heartbeat(conn: Conn, worker: WorkerId, period: Duration, stop: CancellationToken, lost: Arc<AtomicBool>) {
+    let mut tick = tokio::time::interval(period);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match conn.call(Request::Heartbeat { worker }, Bytes::new()).await {
+            Ok(_) => {}
+            Err(e) if e.code() == Some(ErrorCode::UnknownWorker) => {
+                tracing::warn!(%worker, "coordinator dropped this worker");
+                lost.store(true, Ordering::SeqCst);
+                return;
+            }
+            Err(e) => tracing::debug!(%worker, error = %e, "heartbeat failed"),
+        }
+    }
+}
+
+/// A registered worker's session.
+#[derive(Debug)]
+pub struct Session {
+    job: Job,
+    worker: WorkerId,
+    clock: Clock,
+    granted: Clock,
+    stop: CancellationToken,
+    lost: Arc<AtomicBool>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Session {
+    /// This worker's id.
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+
+    /// The job connection.
+    pub fn job(&self) -> &Job {
+        &self.job
+    }
+
+    /// Steps completed (the clock of the next push).
+    pub fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    /// Stops heartbeating, as a worker that hangs would (tests use this to simulate a failure).
+    pub fn stop_heartbeat(&self) {
+        self.stop.cancel();
+    }
+
+    fn check_lost(&self) -> Result<(), ClientError> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(ClientError::Dropped(self.worker));
+        }
+        Ok(())
+    }
+
+    fn map_dropped(&self, e: ClientError) -> ClientError {
+        match &e {
+            ClientError::Call(c) if c.code() == Some(ErrorCode::UnknownWorker) => ClientError::Dropped(self.worker),
+            _ => e,
+        }
+    }
+
+    /// Pulls every parameter into `out`, with every BSP step this worker may see applied.
+    pub async fn pull(&self, out: &mut [f32]) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job.pull_all(out, self.granted).await
+    }
+
+    /// Pushes the gradient of the current step.
+    pub async fn push(&self, grads: &[f32]) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job.push_all(self.worker, self.clock, grads).await
+    }
+
+    /// Pushes sparse gradients for the current step.
+    pub async fn push_keys(&self, chunks: &[(Key, &[f32])]) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job.push_keys(self.worker, self.clock, chunks).await
+    }
+
+    /// Ends the current step: reports its progress and waits until the consistency model lets
+    /// this worker start the next one. Returns the slowest active worker's clock.
+    pub async fn advance(&mut self, epoch: u32, samples: u32, loss_sum: f64) -> Result<Clock, ClientError> {
+        self.check_lost()?;
+        let next = Clock(self.clock.0 + 1);
+        let resp = retry_not_ready(u32::MAX, || {
+            self.job.coordinator.call(
+                Request::Clock {
+                    worker: self.worker,
+                    clock: next,
+                    epoch,
+                    samples,
+                    loss_sum,
+                },
+                Bytes::new(),
+            )
+        })
+        .await;
+        // A Clock retried after a long-poll timeout repeats only the wait: the coordinator
+        // treats a report of the clock it already holds as a duplicate.
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => return Err(self.map_dropped(e.into())),
+        };
+        match resp.msg {
+            Response::ClockGranted { min_clock } => {
+                self.clock = next;
+                self.granted = min_clock;
+                Ok(min_clock)
+            }
+            other => Err(CallError::unexpected(&other).into()),
+        }
+    }
+
+    /// Leases the next data partition, reporting `done` as fully processed. `None` means no data
+    /// is left in any epoch.
+    pub async fn next_partition(&mut self, done: Option<Partition>) -> Result<Option<Partition>, ClientError> {
+        self.check_lost()?;
+        let mut done = done;
+        loop {
+            let r = self
+                .job
+                .coordinator
+                .call(Request::NextPartition { worker: self.worker, done }, Bytes::new())
+                .await;
+            match r {
+                Ok(resp) => {
+                    return match resp.msg {
+                        Response::Partition(p) => Ok(p),
+                        other => Err(CallError::unexpected(&other).into()),
+                    };
+                }
+                // The coordinator recorded `done` before the long poll timed out.
+                Err(e) if e.code() == Some(ErrorCode::NotReady) => done = None,
+                Err(e) => return Err(self.map_dropped(e.into())),
+            }
+        }
+    }
+
+    /// Leaves gracefully: the coordinator stops counting this worker and returns its data.
+    pub async fn leave(self) -> Result<(), ClientError> {
+        self.stop.cancel();
+        self.job
+            .coordinator
+            .call(Request::Leave { worker: self.worker }, Bytes::new())
+            .await
+            .map_err(|e| self.map_dropped(e.into()))?;
+        Ok(())
+    }
+}

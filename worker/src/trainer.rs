@@ -1,0 +1,221 @@
+//! The training loop: lease a partition, and for each mini-batch pull, compute, push, advance
+//! the clock; leave gracefully on shutdown. Also the data order and the evaluation pass.
+
+use std::time::{Duration, Instant};
+
+use edl_shared::proto::ids::Clock;
+use edl_shared::proto::{JobConfig, ModelSpec};
+use edl_shared::shutdown::CancellationToken;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use thiserror::Error;
+
+use crate::backend::{Backend, BackendError, StepStats};
+use crate::client::{ClientError, Job};
+use crate::data::{DataError, Dataset};
+use crate::model::{Mlp, ModelError};
+
+/// Why training stopped with an error.
+#[derive(Debug, Error)]
+pub enum TrainError {
+    /// Talking to the job failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The compute backend refused the batch.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The dataset could not serve a batch.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// The job's model cannot be built.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The job and the local dataset or model do not fit together.
+    #[error("job does not fit this worker: {0}")]
+    Mismatch(String),
+}
+
+/// What one completed step looked like, for callers that record clocks.
+#[derive(Clone, Copy, Debug)]
+pub struct StepEvent {
+    /// The worker's clock after the step.
+    pub clock: Clock,
+    /// The slowest active worker's clock when this worker was let go on.
+    pub min_clock: Clock,
+    /// When the step ended.
+    pub at: Instant,
+}
+
+/// Knobs of a training run beyond the job config.
+#[derive(Default)]
+pub struct TrainOptions {
+    /// Stop (and leave) after this many steps.
+    pub max_steps: Option<u64>,
+    /// Extra time per step, to make a worker artificially slow in tests.
+    pub step_delay: Duration,
+    /// Called after each step.
+    pub on_step: Option<Box<dyn FnMut(StepEvent) + Send>>,
+    /// Stop heartbeating and return without leaving after this many steps (simulates a hang).
+    pub hang_after: Option<u64>,
+}
+
+/// What a worker did.
+#[derive(Clone, Debug, Default)]
+pub struct TrainSummary {
+    /// Steps completed.
+    pub steps: u64,
+    /// Samples processed.
+    pub samples: u64,
+    /// Sum of training losses.
+    pub loss_sum: f64,
+    /// Wall time.
+    pub wall: Duration,
+}
+
+/// Builds the MLP a job trains.
+pub fn model_of(job: &JobConfig) -> Result<Mlp, TrainError> {
+    match &job.model {
+        ModelSpec::Mlp { layers } => Ok(Mlp::new(layers.iter().map(|&l| l as usize).collect())?),
+        ModelSpec::Custom => Err(TrainError::Mismatch("the job has no built-in model to train".into())),
+    }
+}
+
+/// The order in which epoch `epoch` visits the first `n` samples: a Fisher-Yates shuffle seeded
+/// by the job seed and the epoch, so every worker derives the same order.
+pub fn epoch_order(seed: u64, epoch: u32, n: u32) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..n).collect();
+    let mut rng = StdRng::seed_from_u64(seed ^ (u64::from(epoch) + 1).wrapping_mul(0xa076_1d64_78bd_642f));
+    for i in (1..order.len()).rev() {
+        let j = rng.random_range(0..=i);
+        order.swap(i, j);
+    }
+    order
+}
+
+fn check_fit(job: &JobConfig, mlp: &Mlp, train: &Dataset) -> Result<(), TrainError> {
+    if train.len() < job.train_samples as usize {
+        return Err(TrainError::Mismatch(format!(
+            "the job uses {} training samples, the local dataset has {}",
+            job.train_samples,
+            train.len()
+        )));
+    }
+    if train.dim() != mlp.input_dim() || train.classes() > mlp.classes() {
+        return Err(TrainError::Mismatch(format!(
+            "dataset has {} inputs and {} classes, model expects {} and {}",
+            train.dim(),
+            train.classes(),
+            mlp.input_dim(),
+            mlp.classes()
+        )));
+    }
+    Ok(())
+}
+
+/// Registers with the job and trains until the data runs out, `shutdown` fires (the current
+/// step is finished first) or `max_steps` is reached; then leaves.
+pub async fn train(
+    job: Job,
+    name: &str,
+    train: &Dataset,
+    backend: &mut dyn Backend,
+    mut opts: TrainOptions,
+    shutdown: CancellationToken,
+) -> Result<TrainSummary, TrainError> {
+    let cfg = job.config().clone();
+    let mlp = model_of(&cfg)?;
+    check_fit(&cfg, &mlp, train)?;
+    let mut params = vec![0f32; job.param_count()];
+    let mut grads = vec![0f32; job.param_count()];
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    // All slow preparation is done: ask to be admitted.
+    let mut session = job.register(name).await?;
+    let started = Instant::now();
+    let mut summary = TrainSummary::default();
+    let mut order: Option<(u32, Vec<u32>)> = None;
+    let mut done = None;
+    'outer: while !shutdown.is_cancelled() {
+        let Some(part) = session.next_partition(done.take()).await? else {
+            break;
+        };
+        if order.as_ref().map(|(e, _)| *e) != Some(part.epoch) {
+            order = Some((part.epoch, epoch_order(cfg.seed, part.epoch, cfg.train_samples)));
+        }
+        let Some(indices) = order
+            .as_ref()
+            .and_then(|(_, o)| o.get(part.start as usize..(part.start + part.len) as usize))
+        else {
+            return Err(TrainError::Mismatch(format!(
+                "partition {}..{} is outside the epoch",
+                part.start,
+                part.start + part.len
+            )));
+        };
+        for batch in indices.chunks(cfg.batch_size.max(1) as usize) {
+            session.pull(&mut params).await?;
+            train.gather(batch, &mut x, &mut y)?;
+            let stats: StepStats = backend.forward_backward(&mlp, &params, &x, &y, &mut grads)?;
+            if !opts.step_delay.is_zero() {
+                tokio::time::sleep(opts.step_delay).await;
+            }
+            session.push(&grads).await?;
+            let min_clock = session
+                .advance(part.epoch, stats.samples as u32, stats.loss_sum)
+                .await?;
+            summary.steps += 1;
+            summary.samples += stats.samples as u64;
+            summary.loss_sum += stats.loss_sum;
+            if let Some(f) = opts.on_step.as_mut() {
+                f(StepEvent {
+                    clock: session.clock(),
+                    min_clock,
+                    at: Instant::now(),
+                });
+            }
+            if opts.hang_after == Some(summary.steps) {
+                session.stop_heartbeat();
+                summary.wall = started.elapsed();
+                return Ok(summary);
+            }
+            if opts.max_steps == Some(summary.steps) || shutdown.is_cancelled() {
+                // The partition is unfinished: leaving returns it to the pool.
+                break 'outer;
+            }
+        }
+        done = Some(part);
+    }
+    if let Some(part) = done {
+        // Report the last finished partition before leaving so that it is not handed out again.
+        let _ = session.next_partition(Some(part)).await;
+    }
+    summary.wall = started.elapsed();
+    session.leave().await?;
+    Ok(summary)
+}
+
+/// Pulls the current parameters and evaluates them on `test`. Pending BSP steps are closed only
+/// once the job has finished, so evaluating a running job never applies a partial step.
+pub async fn evaluate(job: &Job, test: &Dataset, backend: &mut dyn Backend) -> Result<StepStats, TrainError> {
+    let mlp = model_of(job.config())?;
+    let status = job.status().await?;
+    let through = if status.finished { Clock(u64::MAX) } else { status.min_clock };
+    let mut params = vec![0f32; job.param_count()];
+    job.pull_all(&mut params, through).await?;
+    Ok(backend.evaluate(&mlp, &params, test.images(), test.labels())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_order_is_a_permutation_that_differs_by_epoch() {
+        let a = epoch_order(7, 0, 1000);
+        let b = epoch_order(7, 1, 1000);
+        assert_ne!(a, b);
+        assert_eq!(a, epoch_order(7, 0, 1000));
+        let mut s = a.clone();
+        s.sort_unstable();
+        assert_eq!(s, (0..1000).collect::<Vec<_>>());
+    }
+}

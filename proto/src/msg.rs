@@ -205,7 +205,13 @@ pub enum Response {
         clock: Clock,
     },
     /// The next partition, or `None` when no data is left.
-    Partition(Option<Partition>),
+    Partition {
+        /// The partition.
+        partition: Option<Partition>,
+        /// The worker's clock from here on. A worker that waited for data did not count in the
+        /// consistency model meanwhile; it re-enters at the current minimum clock, like a join.
+        clock: Clock,
+    },
     /// The worker may start its next step.
     ClockGranted {
         /// The slowest active worker's clock.

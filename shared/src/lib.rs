@@ -4,6 +4,7 @@
 //! The wire types themselves (ids, job config, shard map, messages) live in `edl-proto`, which
 //! does no I/O; they are re-exported here as [`proto`] so that callers need one import.
 
+pub mod cli;
 pub mod pki;
 pub mod server;
 pub mod shutdown;

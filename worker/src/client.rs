@@ -560,7 +560,11 @@ impl Session {
             match r {
                 Ok(resp) => {
                     return match resp.msg {
-                        Response::Partition(p) => Ok(p),
+                        Response::Partition { partition, clock } => {
+                            self.clock = clock;
+                            self.granted = self.granted.max(clock);
+                            Ok(partition)
+                        }
                         other => Err(CallError::unexpected(&other).into()),
                     };
                 }

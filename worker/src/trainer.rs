@@ -135,7 +135,11 @@ pub async fn train(
     let mut order: Option<(u32, Vec<u32>)> = None;
     let mut done = None;
     'outer: while !shutdown.is_cancelled() {
-        let Some(part) = session.next_partition(done.take()).await? else {
+        let next = tokio::select! {
+            r = session.next_partition(done.take()) => r?,
+            _ = shutdown.cancelled() => break,
+        };
+        let Some(part) = next else {
             break;
         };
         if order.as_ref().map(|(e, _)| *e) != Some(part.epoch) {
@@ -152,16 +156,21 @@ pub async fn train(
             )));
         };
         for batch in indices.chunks(cfg.batch_size.max(1) as usize) {
+            tracing::trace!(clock = %session.clock(), "pull");
             session.pull(&mut params).await?;
             train.gather(batch, &mut x, &mut y)?;
             let stats: StepStats = backend.forward_backward(&mlp, &params, &x, &y, &mut grads)?;
             if !opts.step_delay.is_zero() {
                 tokio::time::sleep(opts.step_delay).await;
             }
+            tracing::trace!(clock = %session.clock(), "push");
             session.push(&grads).await?;
-            let min_clock = session
-                .advance(part.epoch, stats.samples as u32, stats.loss_sum)
-                .await?;
+            tracing::trace!(clock = %session.clock(), "advance");
+            // The step is pushed; a shutdown during the wait leaves right away.
+            let min_clock = tokio::select! {
+                r = session.advance(part.epoch, stats.samples as u32, stats.loss_sum) => r?,
+                _ = shutdown.cancelled() => break 'outer,
+            };
             summary.steps += 1;
             summary.samples += stats.samples as u64;
             summary.loss_sum += stats.loss_sum;

@@ -168,10 +168,14 @@ impl Service for Coordinator {
                     if let Err((code, msg)) = r {
                         return Frame::new(Response::error(code, msg));
                     }
-                    self.bump();
                 }
+                // While it waits for data the worker does not hold back the others' clocks.
+                if let Err((code, msg)) = self.lock().set_idle(worker) {
+                    return Frame::new(Response::error(code, msg));
+                }
+                self.bump();
                 match self.wait_for(|st| st.next_partition(worker, now())).await {
-                    Ok(p) => Response::Partition(p),
+                    Ok((partition, clock)) => Response::Partition { partition, clock },
                     Err(e) => e,
                 }
             }
@@ -187,8 +191,12 @@ impl Service for Coordinator {
                     Err((code, msg)) => Response::error(code, msg),
                     Ok(()) => {
                         self.bump();
+                        tracing::trace!(%worker, %clock, "clock: waiting");
                         match self.wait_for(|st| st.may_proceed(worker)).await {
-                            Ok(min_clock) => Response::ClockGranted { min_clock },
+                            Ok(min_clock) => {
+                                tracing::trace!(%worker, %clock, %min_clock, "clock: granted");
+                                Response::ClockGranted { min_clock }
+                            }
                             Err(e) => e,
                         }
                     }

@@ -34,6 +34,14 @@ struct Worker {
     last_seen: Instant,
     /// Partitions leased and not yet completed.
     leased: Vec<Partition>,
+    /// Waiting for data: not counted by the consistency model until it gets a partition.
+    idle: bool,
+}
+
+impl Worker {
+    fn counts(&self) -> bool {
+        self.state == WorkerState::Active && !self.idle
+    }
 }
 
 /// Everything the coordinator knows about a job.
@@ -135,7 +143,7 @@ impl CoordinatorState {
     fn min_active_clock(&self) -> Option<Clock> {
         self.workers
             .values()
-            .filter(|w| w.state == WorkerState::Active)
+            .filter(|w| w.counts())
             .map(|w| w.clock)
             .min()
     }
@@ -160,6 +168,7 @@ impl CoordinatorState {
                 clock,
                 last_seen: now,
                 leased: Vec::new(),
+                idle: false,
             },
         );
         Poll::Ready((id, self.job.clone(), map, clock))
@@ -229,21 +238,41 @@ impl CoordinatorState {
         Ok(())
     }
 
-    /// Leases the next partition; `Ready(None)` once all data of all epochs is done, `Pending`
-    /// while the rest is leased to others (it may come back if they fail).
-    pub fn next_partition(&mut self, worker: WorkerId, now: Instant) -> Poll<Option<Partition>> {
-        if let Err((code, msg)) = self.active(worker) {
-            return Poll::Failed(code, msg);
-        }
-        if let Some(p) = self.data.next() {
-            if let Ok(w) = self.active(worker) {
-                w.leased.push(p);
-                w.last_seen = now;
+    /// Marks a worker as waiting for data: it stops counting in the consistency model, so
+    /// workers that still train never wait on one that has nothing to train on.
+    pub fn set_idle(&mut self, worker: WorkerId) -> Result<(), Refusal> {
+        self.active(worker)?.idle = true;
+        Ok(())
+    }
+
+    /// Leases the next partition to an idle worker; `Ready(None)` once all data of all epochs is
+    /// done, `Pending` while the rest is leased to others (it may come back if they fail). The
+    /// worker re-enters the consistency model at the current minimum clock, as a joiner does.
+    pub fn next_partition(
+        &mut self,
+        worker: WorkerId,
+        now: Instant,
+    ) -> Poll<(Option<Partition>, Clock)> {
+        let min = self.min_active_clock();
+        let finished = self.data.finished();
+        let w = match self.workers.get_mut(&worker) {
+            Some(w) if w.state == WorkerState::Active => w,
+            _ => {
+                let (code, msg) = unknown(worker);
+                return Poll::Failed(code, msg);
             }
-            return Poll::Ready(Some(p));
+        };
+        w.last_seen = now;
+        if let Some(p) = self.data.next() {
+            w.leased.push(p);
+            if w.idle {
+                w.idle = false;
+                w.clock = w.clock.max(min.unwrap_or(self.floor));
+            }
+            return Poll::Ready((Some(p), w.clock));
         }
-        if self.data.finished() {
-            Poll::Ready(None)
+        if finished {
+            Poll::Ready((None, w.clock))
         } else {
             Poll::Pending
         }
@@ -395,18 +424,46 @@ mod tests {
         st.shard_join("x").expect("join");
         let (a, ..) = ready(st.register("a", t0));
         let (b, ..) = ready(st.register("b", t0));
-        let pa = ready(st.next_partition(a, t0)).expect("partition");
-        let pb = ready(st.next_partition(b, t0)).expect("partition");
+        let pa = ready(st.next_partition(a, t0)).0.expect("partition");
+        let pb = ready(st.next_partition(b, t0)).0.expect("partition");
         assert!(matches!(st.next_partition(b, t0), Poll::Pending));
         st.complete(b, pb, t0).expect("complete");
         assert!(st.complete(b, pb, t0).is_err(), "completing twice must fail");
         st.heartbeat(b, t0 + Duration::from_millis(1100)).expect("hb");
         assert_eq!(st.expire_leases(t0 + Duration::from_millis(1200)), vec![a]);
-        let again = ready(st.next_partition(b, t0)).expect("reissued");
+        let again = ready(st.next_partition(b, t0)).0.expect("reissued");
         assert_eq!(again, pa);
         st.complete(b, again, t0).expect("complete");
         assert!(st.finished());
-        assert_eq!(ready(st.next_partition(b, t0)), None);
+        assert_eq!(ready(st.next_partition(b, t0)).0, None);
+    }
+
+    #[test]
+    fn a_worker_waiting_for_data_does_not_hold_back_the_others() {
+        let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
+        let t0 = Instant::now();
+        st.shard_join("x").expect("join");
+        let (a, ..) = ready(st.register("a", t0));
+        let (b, ..) = ready(st.register("b", t0));
+        st.set_idle(a).expect("idle");
+        let pa = ready(st.next_partition(a, t0)).0.expect("partition");
+        st.set_idle(b).expect("idle");
+        let pb = ready(st.next_partition(b, t0)).0.expect("partition");
+        st.complete(a, pa, t0).expect("complete");
+        st.set_idle(a).expect("idle");
+        assert!(matches!(st.next_partition(a, t0), Poll::Pending));
+        // Under BSP, b would wait for a at every step if a still counted.
+        for c in 1..=3 {
+            st.advance(b, Clock(c), 0, 2, 1.0, t0).expect("advance");
+            assert!(matches!(st.may_proceed(b), Poll::Ready(_)), "b blocked at {c}");
+        }
+        // b dies; its partition returns and a re-enters at the clock b reached.
+        st.heartbeat(a, t0 + Duration::from_millis(900)).expect("hb");
+        assert_eq!(st.expire_leases(t0 + Duration::from_millis(1100)), vec![b]);
+        let (p, clock) = ready(st.next_partition(a, t0));
+        assert_eq!(p, Some(pb));
+        assert_eq!(clock, Clock(3));
+        st.advance(a, Clock(4), 0, 2, 1.0, t0).expect("advance from the re-entry clock");
     }
 
     #[test]

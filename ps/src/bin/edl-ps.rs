@@ -1,0 +1,203 @@
+//! `edl-ps`: runs an EDL coordinator or shard server, or manages the cluster CA.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use edl_ps::coordinator::{self, CoordinatorConfig};
+use edl_ps::shard::{self, ShardConfig};
+use edl_shared::cli::IdentityArgs;
+use edl_shared::pki::PkiDir;
+use edl_shared::proto::{Consistency, JobConfig, ModelSpec, OptimizerSpec};
+use edl_shared::transport::TransportSettings;
+use edl_shared::{Role, shutdown, telemetry};
+
+/// EDL parameter-server processes.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the coordinator: job config, worker registry, shard map, data partitions, clocks.
+    Coordinator(CoordinatorArgs),
+    /// Run a shard server that holds part of the model.
+    Shard(ShardArgs),
+    /// Manage the cluster CA in a state directory.
+    #[command(subcommand)]
+    Ca(CaCmd),
+}
+
+#[derive(clap::Args, Debug)]
+struct CoordinatorArgs {
+    /// Address to listen on (UDP, QUIC).
+    #[arg(long, default_value = "0.0.0.0:7070")]
+    listen: SocketAddr,
+    /// Write the bound address to this file once listening (useful with port 0).
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
+    /// Number of shard servers; the shard map forms once they have all joined.
+    #[arg(long, default_value_t = 1)]
+    shards: u32,
+    /// MLP layer widths, input to classes.
+    #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
+    layers: Vec<u32>,
+    /// Server-side optimizer: sgd:LR, momentum:LR:M or adam:LR.
+    #[arg(long, default_value = "adam:0.001")]
+    optimizer: OptimizerSpec,
+    /// Consistency model: asp, ssp:S (bounded staleness S) or bsp.
+    #[arg(long, default_value = "ssp:2")]
+    consistency: Consistency,
+    /// Samples per mini-batch.
+    #[arg(long, default_value_t = 64)]
+    batch_size: u32,
+    /// Passes over the training data.
+    #[arg(long, default_value_t = 3)]
+    epochs: u32,
+    /// Samples per data partition leased to a worker.
+    #[arg(long, default_value_t = 1024)]
+    partition_size: u32,
+    /// Training samples used per epoch (the first N of the training set).
+    #[arg(long, default_value_t = 60_000)]
+    train_samples: u32,
+    /// Floats per parameter key; tensors are cut into chunks of this size.
+    #[arg(long, default_value_t = 16_384)]
+    chunk_size: u32,
+    /// Seed for initialization and data order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Worker heartbeat lease in milliseconds; silent workers are dropped after it.
+    #[arg(long, default_value_t = 3000)]
+    lease_ms: u32,
+    #[command(flatten)]
+    identity: IdentityArgs,
+}
+
+#[derive(clap::Args, Debug)]
+struct ShardArgs {
+    /// The coordinator's address.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    coordinator: String,
+    /// Address to listen on (UDP, QUIC).
+    #[arg(long, default_value = "0.0.0.0:7071")]
+    listen: SocketAddr,
+    /// Address workers should use to reach this shard (defaults to the bound address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Name of this shard (its certificate name).
+    #[arg(long, default_value = "shard")]
+    name: String,
+    /// Write the bound address to this file once listening.
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
+    #[command(flatten)]
+    identity: IdentityArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum CaCmd {
+    /// Create a cluster CA in the state directory (does nothing if one exists).
+    Init {
+        /// State directory.
+        #[arg(long, default_value = "edl-state")]
+        state_dir: PathBuf,
+    },
+    /// Issue a node certificate signed by the cluster CA.
+    Issue {
+        /// State directory holding the CA.
+        #[arg(long, default_value = "edl-state")]
+        state_dir: PathBuf,
+        /// Role: coordinator, shard, worker or admin.
+        #[arg(long)]
+        role: Role,
+        /// Node name.
+        #[arg(long)]
+        name: String,
+        /// Extra host names or IP addresses the certificate is valid for.
+        #[arg(long)]
+        host: Vec<String>,
+    },
+}
+
+fn write_addr(file: &Option<PathBuf>, addr: SocketAddr) -> anyhow::Result<()> {
+    if let Some(f) = file {
+        edl_shared::pki::write_atomic(f, addr.to_string().as_bytes())?;
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    telemetry::init("info");
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Coordinator(a) => {
+            let identity = a.identity.identity(Role::Coordinator, "coordinator")?;
+            let job = JobConfig {
+                tensors: ModelSpec::mlp_tensors(&a.layers),
+                model: ModelSpec::Mlp { layers: a.layers },
+                chunk_size: a.chunk_size,
+                optimizer: a.optimizer,
+                consistency: a.consistency,
+                batch_size: a.batch_size,
+                epochs: a.epochs,
+                partition_size: a.partition_size,
+                train_samples: a.train_samples,
+                seed: a.seed,
+                lease_ms: a.lease_ms,
+            };
+            let cfg = CoordinatorConfig { job, shards: a.shards };
+            let bound = coordinator::bind(cfg, a.listen, &identity, TransportSettings::default())
+                .context("starting the coordinator")?;
+            write_addr(&a.addr_file, bound.addr)?;
+            bound.run(shutdown::on_signals()).await;
+        }
+        Cmd::Shard(a) => {
+            let identity = a.identity.identity(Role::Shard, &a.name)?;
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let cfg = ShardConfig {
+                coordinator: a.coordinator,
+                listen: a.listen,
+                advertise: a.advertise,
+            };
+            let run = tokio::spawn(shard::run(
+                cfg,
+                identity,
+                TransportSettings::default(),
+                shutdown::on_signals(),
+                Some(tx),
+            ));
+            if let Ok(addr) = rx.await {
+                write_addr(&a.addr_file, addr)?;
+            }
+            run.await??;
+        }
+        Cmd::Ca(CaCmd::Init { state_dir }) => {
+            let pki = PkiDir::new(&state_dir);
+            if pki.init_ca()? {
+                println!("created cluster CA {}", pki.ca_cert().display());
+            } else {
+                println!("cluster CA already exists: {}", pki.ca_cert().display());
+            }
+        }
+        Cmd::Ca(CaCmd::Issue {
+            state_dir,
+            role,
+            name,
+            host,
+        }) => {
+            let pki = PkiDir::new(&state_dir);
+            pki.issue(role, &name, &host)?;
+            println!(
+                "issued {} and {}",
+                pki.node_cert(role, &name).display(),
+                pki.node_key(role, &name).display()
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! `edl-worker`: trains the job's model on Fashion-MNIST as one elastic worker, or evaluates
+//! the current parameters on the test set.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use edl_shared::cli::IdentityArgs;
+use edl_shared::transport::TransportSettings;
+use edl_shared::{Role, shutdown, telemetry};
+use edl_worker::backend::{Backend, CpuBackend};
+use edl_worker::data::{DEFAULT_DATA_DIR, Dataset, Split};
+use edl_worker::trainer::{self, TrainOptions};
+use edl_worker::{ClientConfig, Job};
+
+/// An EDL training worker.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    /// The coordinator's address.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    coordinator: String,
+    /// This worker's name (its certificate name).
+    #[arg(long, default_value = "worker")]
+    name: String,
+    /// Directory with the Fashion-MNIST idx files (gzip or not).
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    data_dir: PathBuf,
+    /// Do not train: pull the current parameters, evaluate them on the 10,000 test images and
+    /// print one JSON line.
+    #[arg(long)]
+    evaluate: bool,
+    /// Leave after this many steps.
+    #[arg(long)]
+    max_steps: Option<u64>,
+    #[command(flatten)]
+    identity: IdentityArgs,
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    telemetry::init("info");
+    let cli = Cli::parse();
+    let shutdown = shutdown::on_signals();
+    let identity = cli.identity.identity(Role::Worker, &cli.name)?;
+    let mut backend = CpuBackend::new();
+    // Slow preparation first: data and backend are ready before the worker asks to join.
+    let split = if cli.evaluate { Split::Test } else { Split::Train };
+    let data = Dataset::load(&cli.data_dir, split).context("loading Fashion-MNIST")?;
+    let cfg = ClientConfig {
+        coordinator: cli.coordinator.clone(),
+        identity,
+        settings: TransportSettings::default(),
+    };
+    let job = Job::connect(&cfg).await.context("connecting to the job")?;
+    if cli.evaluate {
+        let stats = trainer::evaluate(&job, &data, &mut backend).await?;
+        println!(
+            "{{\"test_accuracy\":{},\"test_loss\":{},\"test_samples\":{}}}",
+            stats.accuracy(),
+            stats.mean_loss(),
+            stats.samples
+        );
+        return Ok(());
+    }
+    let opts = TrainOptions {
+        max_steps: cli.max_steps,
+        ..TrainOptions::default()
+    };
+    tracing::info!(backend = backend.name(), "worker prepared; asking to join");
+    let s = trainer::train(job, &cli.name, &data, &mut backend, opts, shutdown).await?;
+    tracing::info!(
+        steps = s.steps,
+        samples = s.samples,
+        mean_loss = s.loss_sum / s.samples.max(1) as f64,
+        wall_s = s.wall.as_secs_f64(),
+        "worker done"
+    );
+    Ok(())
+}

@@ -116,7 +116,7 @@ async fn connection<S: Service>(
                     format!("protocol version {version} not supported; this server speaks {PROTOCOL_VERSION}"),
                 ),
                 Ok(_) => Response::error(ErrorCode::HandshakeRequired, "the first request must be Hello"),
-                Err(e) => Response::error(ErrorCode::Malformed, e.to_string()),
+                Err(e) => Response::error(read_error_code(&e), e.to_string()),
             };
             let ok = matches!(reply, Response::Hello { .. });
             let _ = write_frame(&mut send, Frame::new(reply)).await;
@@ -151,7 +151,7 @@ async fn connection<S: Service>(
         let peer = peer.clone();
         streams.spawn(async move {
             let reply = match read_frame::<Request>(&mut recv, &limits).await {
-                Err(e) => Frame::new(Response::error(ErrorCode::Malformed, e.to_string())),
+                Err(e) => Frame::new(Response::error(read_error_code(&e), e.to_string())),
                 Ok(f) if matches!(f.msg, Request::Hello { .. }) => {
                     Frame::new(Response::error(ErrorCode::InvalidRequest, "repeated handshake"))
                 }
@@ -168,6 +168,14 @@ async fn connection<S: Service>(
     }
     streams.abort_all();
     info!(%addr, name = %peer.name, "disconnected");
+}
+
+/// The wire code for a request that could not be read.
+fn read_error_code(e: &crate::transport::CallError) -> ErrorCode {
+    match e {
+        crate::transport::CallError::Proto(p) => p.code(),
+        _ => ErrorCode::Malformed,
+    }
 }
 
 fn peer_of(conn: &quinn::Connection, addr: SocketAddr) -> Result<Peer, String> {

@@ -42,6 +42,12 @@ pub enum ClientError {
         /// What was wrong.
         what: String,
     },
+    /// A gradient holds NaN or infinity; nothing was sent.
+    #[error("gradient value at float {index} is not finite; nothing was pushed")]
+    NonFinite {
+        /// Position of the first bad value.
+        index: usize,
+    },
     /// The caller passed a buffer of the wrong size.
     #[error("buffer has {got} floats, the model has {want}")]
     BufferSize {
@@ -334,6 +340,9 @@ impl Job {
     /// Pushes the flat gradient vector `grads` for step `clock`, to all shards in parallel.
     async fn push_all(&self, worker: WorkerId, clock: Clock, grads: &[f32]) -> Result<(), ClientError> {
         self.check_len(grads.len())?;
+        // Shards refuse non-finite values too, but each sees only its part: checking here keeps
+        // a bad gradient from being applied on some shards and refused on others.
+        check_finite(grads)?;
         let mut set = JoinSet::new();
         for s in &self.shards {
             let mut chunks = Vec::new();
@@ -374,6 +383,9 @@ impl Job {
 
     /// Pushes `(key, values)` pairs for step `clock` (a sparse write).
     pub async fn push_keys(&self, worker: WorkerId, clock: Clock, chunks: &[(Key, &[f32])]) -> Result<(), ClientError> {
+        for (_, v) in chunks {
+            check_finite(v)?;
+        }
         for s in &self.shards {
             let mine: Vec<&(Key, &[f32])> = chunks
                 .iter()
@@ -396,6 +408,13 @@ impl Job {
     }
 }
 
+fn check_finite(values: &[f32]) -> Result<(), ClientError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(index) => Err(ClientError::NonFinite { index }),
+        None => Ok(()),
+    }
+}
+
 /// Fetches the job configuration.
 async fn fetch_job(coordinator: &Conn) -> Result<JobConfig, ClientError> {
     match retry_not_ready(600, || coordinator.call(Request::GetJob, Bytes::new())).await?.msg {
@@ -405,22 +424,19 @@ async fn fetch_job(coordinator: &Conn) -> Result<JobConfig, ClientError> {
 }
 
 async fn connect_retry(ep: &quinn::Endpoint, addr: &str, name: &str, settings: &TransportSettings) -> Result<Conn, ClientError> {
-    let mut delay = Duration::from_millis(50);
-    for attempt in 0.. {
+    let mut attempt = 0;
+    loop {
         match Conn::connect(ep, addr, name, settings).await {
             Ok(c) => return Ok(c),
-            // Refusals (bad certificate, wrong version) are final; an absent server may be
-            // starting up, so retry for a while.
-            Err(e @ CallError::Remote { .. }) => return Err(e.into()),
-            Err(e) if attempt >= 40 => return Err(e.into()),
-            Err(e) => {
-                tracing::debug!(%addr, error = %e, "connect failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_millis(500));
+            // A server that does not answer may be starting up: retry a few times. Anything
+            // else (a refused certificate, a wrong version) is final.
+            Err(e @ CallError::Connection(quinn::ConnectionError::TimedOut)) if attempt < 3 => {
+                tracing::debug!(%addr, error = %e, "connect timed out; retrying");
+                attempt += 1;
             }
+            Err(e) => return Err(e.into()),
         }
     }
-    unreachable!("the retry loop returns")
 }
 
 async fn heartbeat(conn: Conn, worker: WorkerId, period: Duration, stop: CancellationToken, lost: Arc<AtomicBool>) {

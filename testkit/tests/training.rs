@@ -1,0 +1,92 @@
+//! End-to-end training on real Fashion-MNIST data in an in-process cluster: three workers and
+//! two shards under SSP reach a clear accuracy bar on the 10,000 test images.
+//!
+//! The dataset comes from Debian's `dataset-fashion-mnist`; CI installs it. Without it the test
+//! says it was skipped, unless `EDL_REQUIRE_DATA=1` (set by CI) makes that a failure.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use edl_shared::proto::{Consistency, OptimizerSpec};
+use edl_shared::shutdown::CancellationToken;
+use edl_testkit::{TestCluster, mlp_job};
+use edl_worker::backend::{Backend, CpuBackend};
+use edl_worker::data::{DEFAULT_DATA_DIR, Dataset, Split};
+use edl_worker::trainer::{self, TrainOptions};
+
+fn datasets() -> anyhow::Result<Option<(Dataset, Dataset)>> {
+    let dir = Path::new(DEFAULT_DATA_DIR);
+    if !dir.exists() {
+        if std::env::var("EDL_REQUIRE_DATA").is_ok_and(|v| v == "1") {
+            anyhow::bail!("{DEFAULT_DATA_DIR} is missing and EDL_REQUIRE_DATA=1");
+        }
+        eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+        return Ok(None);
+    }
+    Ok(Some((Dataset::load(dir, Split::Train)?, Dataset::load(dir, Split::Test)?)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_workers_two_shards_reach_the_accuracy_bar() -> anyhow::Result<()> {
+    let Some((mut train, test)) = datasets()? else {
+        return Ok(());
+    };
+    const SAMPLES: u32 = 30_000;
+    train.truncate(SAMPLES as usize);
+    let train = Arc::new(train);
+    let job = mlp_job(
+        &[784, 128, 10],
+        Consistency::Ssp { staleness: 2 },
+        OptimizerSpec::Adam {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+        SAMPLES,
+        2,
+    );
+    let cluster = TestCluster::start(job, 2).await?;
+    let mut workers = tokio::task::JoinSet::new();
+    for i in 0..3 {
+        let job = cluster.connect(&format!("w{i}")).await?;
+        let train = train.clone();
+        workers.spawn(async move {
+            let mut backend = CpuBackend::new();
+            trainer::train(
+                job,
+                &format!("w{i}"),
+                &train,
+                &mut backend,
+                TrainOptions::default(),
+                CancellationToken::new(),
+            )
+            .await
+        });
+    }
+    let mut samples = 0;
+    let mut busy = 0;
+    while let Some(r) = workers.join_next().await {
+        let s = r??;
+        samples += s.samples;
+        busy += u32::from(s.steps > 0);
+    }
+    assert_eq!(samples, u64::from(SAMPLES) * 2, "every sample of both epochs was used");
+    assert!(busy >= 2, "only {busy} worker(s) trained");
+    let status = cluster.coordinator.status();
+    assert!(status.finished);
+    for e in &status.epochs {
+        assert_eq!(e.samples, u64::from(SAMPLES));
+    }
+    // Training loss fell from the first epoch to the second.
+    let loss = |i: usize| status.epochs[i].loss_sum / status.epochs[i].samples as f64;
+    assert!(loss(1) < loss(0), "loss went from {} to {}", loss(0), loss(1));
+
+    let eval = cluster.connect("eval").await?;
+    let mut backend = CpuBackend::new();
+    let stats = trainer::evaluate(&eval, &test, &mut backend).await?;
+    assert_eq!(stats.samples, 10_000);
+    eprintln!("test accuracy {:.4} ({})", stats.accuracy(), backend.name());
+    assert!(stats.accuracy() >= 0.80, "test accuracy {}", stats.accuracy());
+    Ok(())
+}

@@ -90,9 +90,7 @@ pub fn parse_prefix(buf: &[u8], limits: &FrameLimits) -> Result<Prefix, ProtoErr
         return Err(ProtoError::Flags(flags));
     }
     let header_len = u64::from(u32::from_le_bytes([p[8], p[9], p[10], p[11]]));
-    let payload_len = u64::from_le_bytes([
-        p[12], p[13], p[14], p[15], p[16], p[17], p[18], p[19],
-    ]);
+    let payload_len = u64::from_le_bytes([p[12], p[13], p[14], p[15], p[16], p[17], p[18], p[19]]);
     if header_len > limits.max_header {
         return Err(ProtoError::HeaderTooLarge {
             len: header_len,
@@ -251,7 +249,10 @@ mod tests {
                 epoch: MapEpoch(3),
                 worker: WorkerId(7),
                 clock: Clock(42),
-                chunks: vec![ChunkRef { key: Key(9), len: 4 }],
+                chunks: vec![ChunkRef {
+                    key: Key(9),
+                    len: 4,
+                }],
             },
             payload,
         )
@@ -335,15 +336,24 @@ mod tests {
         };
         let mut p = encode_prefix(10, 10);
         p[0] = b'X';
-        assert!(matches!(parse_prefix(&p, &limits), Err(ProtoError::BadMagic(_))));
+        assert!(matches!(
+            parse_prefix(&p, &limits),
+            Err(ProtoError::BadMagic(_))
+        ));
         let mut p = encode_prefix(10, 10);
         p[4] = 9;
-        assert!(matches!(parse_prefix(&p, &limits), Err(ProtoError::Version { .. })));
+        assert!(matches!(
+            parse_prefix(&p, &limits),
+            Err(ProtoError::Version { .. })
+        ));
         let mut p = encode_prefix(10, 10);
         p[6] = 1;
         assert_eq!(parse_prefix(&p, &limits), Err(ProtoError::Flags(1)));
         let p = encode_prefix(65, 10);
-        assert!(matches!(parse_prefix(&p, &limits), Err(ProtoError::HeaderTooLarge { .. })));
+        assert!(matches!(
+            parse_prefix(&p, &limits),
+            Err(ProtoError::HeaderTooLarge { .. })
+        ));
         let p = encode_prefix(10, 1025);
         let e = parse_prefix(&p, &limits).expect_err("oversized payload");
         assert_eq!(e.code(), crate::ErrorCode::TooLarge);

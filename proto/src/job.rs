@@ -137,7 +137,11 @@ impl FromStr for OptimizerSpec {
                 beta2: 0.999,
                 eps: 1e-8,
             },
-            _ => return Err(format!("unknown optimizer {s:?}: use sgd:LR, momentum:LR:M or adam:LR")),
+            _ => {
+                return Err(format!(
+                    "unknown optimizer {s:?}: use sgd:LR, momentum:LR:M or adam:LR"
+                ));
+            }
         };
         if parts.next().is_some() {
             return Err(format!("too many fields in optimizer {s:?}"));
@@ -422,7 +426,10 @@ mod tests {
     fn layout_cuts_tensors_into_chunks() {
         let tensors = ModelSpec::mlp_tensors(&[784, 256, 128, 10]);
         let layout = KeyLayout::new(&tensors, 16384);
-        assert_eq!(layout.total_len(), 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10);
+        assert_eq!(
+            layout.total_len(),
+            784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
+        );
         // 200704 floats of fc0.weight make 13 chunks, the last one partial.
         let fc0: Vec<_> = layout.spans().iter().filter(|s| s.tensor == 0).collect();
         assert_eq!(fc0.len(), 13);

@@ -14,7 +14,9 @@ use dashmap::DashMap;
 use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, KeyRange};
-use edl_shared::proto::{Consistency, ErrorCode, Frame, Init, JobConfig, Request, Response, ShardMap};
+use edl_shared::proto::{
+    Consistency, ErrorCode, Frame, Init, JobConfig, Request, Response, ShardMap,
+};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint, server_endpoint};
 use edl_shared::{Identity, Peer, Role, Service};
@@ -44,7 +46,36 @@ pub struct ShardState {
     chunks: DashMap<Key, Chunk>,
 }
 
-type Refusal = (ErrorCode, String);
+/// A refused request: a stable code, a message and, for a stale epoch, the current map.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refusal {
+    /// The wire code.
+    pub code: ErrorCode,
+    /// What was wrong.
+    pub message: String,
+    /// With [`ErrorCode::StaleEpoch`]: the current map.
+    pub map: Option<Box<ShardMap>>,
+}
+
+impl Refusal {
+    fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Refusal {
+            code,
+            message: message.into(),
+            map: None,
+        }
+    }
+}
+
+impl From<Refusal> for Response {
+    fn from(r: Refusal) -> Response {
+        Response::Error {
+            code: r.code.as_u16(),
+            message: r.message,
+            map: r.map.map(|m| *m),
+        }
+    }
+}
 
 impl ShardState {
     /// Initializes the chunks `map` places on `id`, seeded per key so that values do not depend
@@ -54,14 +85,17 @@ impl ShardState {
         let chunks = DashMap::new();
         for r in map.ranges_of(id) {
             for k in r.start..r.end {
-                let Some(span) = layout.span(Key(k)) else { continue };
+                let Some(span) = layout.span(Key(k)) else {
+                    continue;
+                };
                 let len = span.len as usize;
                 let params = match job.tensors.get(span.tensor).map(|t| &t.init) {
                     Some(Init::Uniform { limit }) if *limit > 0.0 => {
-                        let mut rng = StdRng::seed_from_u64(
-                            job.seed ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                        );
-                        (0..len).map(|_| rng.random_range(-limit..=*limit)).collect()
+                        let mut rng =
+                            StdRng::seed_from_u64(job.seed ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                        (0..len)
+                            .map(|_| rng.random_range(-limit..=*limit))
+                            .collect()
                     }
                     _ => vec![0.0; len],
                 };
@@ -94,15 +128,15 @@ impl ShardState {
         self.chunks.len()
     }
 
-    fn check_epoch(&self, epoch: MapEpoch) -> Result<(), Response> {
+    fn check_epoch(&self, epoch: MapEpoch) -> Result<(), Refusal> {
         if epoch != self.map.epoch {
-            return Err(Response::Error {
-                code: ErrorCode::StaleEpoch.as_u16(),
+            return Err(Refusal {
+                code: ErrorCode::StaleEpoch,
                 message: format!(
                     "request routed with shard map {epoch}, current is {}",
                     self.map.epoch
                 ),
-                map: Some(self.map.clone()),
+                map: Some(Box::new(self.map.clone())),
             });
         }
         Ok(())
@@ -118,12 +152,12 @@ impl ShardState {
         epoch: MapEpoch,
         ranges: &[KeyRange],
         apply_through: Clock,
-    ) -> Result<Frame<Response>, Response> {
+    ) -> Result<Frame<Response>, Refusal> {
         self.check_epoch(epoch)?;
         let mut keys = Vec::new();
         for r in ranges {
             if r.end < r.start || r.end - r.start > self.chunks.len() as u64 {
-                return Err(Response::error(
+                return Err(Refusal::new(
                     ErrorCode::UnknownKey,
                     format!("range {}..{} is not held by {}", r.start, r.end, self.id),
                 ));
@@ -134,7 +168,7 @@ impl ShardState {
         let mut out = BytesMut::new();
         for key in keys {
             let Some(mut chunk) = self.chunks.get_mut(&key) else {
-                return Err(Response::error(
+                return Err(Refusal::new(
                     ErrorCode::UnknownKey,
                     format!("{key} is not held by {}", self.id),
                 ));
@@ -166,9 +200,11 @@ impl ShardState {
         clock: Clock,
         chunks: &[ChunkRef],
         payload: &[u8],
-    ) -> Result<(), Response> {
+    ) -> Result<(), Refusal> {
         self.check_epoch(epoch)?;
-        let bad = |(code, msg): Refusal| Response::error(code, format!("push from {worker}: {msg}"));
+        let bad = |(code, msg): (ErrorCode, String)| {
+            Refusal::new(code, format!("push from {worker}: {msg}"))
+        };
         let total: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
         if total * 4 != payload.len() as u64 {
             return Err(bad((
@@ -177,7 +213,8 @@ impl ShardState {
             )));
         }
         let mut grads = vec![0f32; total as usize];
-        bytes_to_f32s(payload, &mut grads).map_err(|e| bad((ErrorCode::Malformed, e.to_string())))?;
+        bytes_to_f32s(payload, &mut grads)
+            .map_err(|e| bad((ErrorCode::Malformed, e.to_string())))?;
         if let Some(i) = grads.iter().position(|g| !g.is_finite()) {
             return Err(bad((
                 ErrorCode::NonFinite,
@@ -195,7 +232,12 @@ impl ShardState {
                 Some(chunk) if chunk.params.len() != c.len as usize => {
                     return Err(bad((
                         ErrorCode::ShapeMismatch,
-                        format!("{} has {} floats, push has {}", c.key, chunk.params.len(), c.len),
+                        format!(
+                            "{} has {} floats, push has {}",
+                            c.key,
+                            chunk.params.len(),
+                            c.len
+                        ),
                     )));
                 }
                 Some(chunk) if self.bsp() && clock.0 < chunk.applied_through => {
@@ -218,7 +260,10 @@ impl ShardState {
             if self.bsp() {
                 // Re-check under the chunk lock: a pull may have applied this step meanwhile.
                 if clock.0 < chunk.applied_through {
-                    return Err(bad((ErrorCode::StaleClock, format!("step {} closed", clock.0))));
+                    return Err(bad((
+                        ErrorCode::StaleClock,
+                        format!("step {} closed", clock.0),
+                    )));
                 }
                 let slot = chunk
                     .pending
@@ -229,7 +274,9 @@ impl ShardState {
                 }
                 slot.1 += 1;
             } else {
-                chunk.opt.apply(&self.job.optimizer, &mut chunk.params, g, 1.0);
+                chunk
+                    .opt
+                    .apply(&self.job.optimizer, &mut chunk.params, g, 1.0);
             }
         }
         Ok(())
@@ -275,14 +322,19 @@ impl Service for ShardService {
 
     async fn handle(&self, _peer: &Peer, req: Request, payload: Bytes) -> Frame<Response> {
         let Some(st) = self.ready().await else {
-            return Frame::new(Response::error(ErrorCode::NotReady, "shard has no assignment yet"));
+            return Frame::new(Response::error(
+                ErrorCode::NotReady,
+                "shard has no assignment yet",
+            ));
         };
         let out = match req {
             Request::Pull {
                 epoch,
                 ranges,
                 apply_through,
-            } => st.pull(epoch, &ranges, apply_through),
+            } => st
+                .pull(epoch, &ranges, apply_through)
+                .map_err(Response::from),
             Request::Push {
                 epoch,
                 worker,
@@ -290,7 +342,8 @@ impl Service for ShardService {
                 chunks,
             } => st
                 .push(epoch, worker, clock, &chunks, &payload)
-                .map(|()| Frame::new(Response::Ack)),
+                .map(|()| Frame::new(Response::Ack))
+                .map_err(Response::from),
             Request::GetMap => Ok(Frame::new(Response::Map(st.map.clone()))),
             other => Err(Response::error(
                 ErrorCode::InvalidRequest,
@@ -434,14 +487,27 @@ mod tests {
 
     fn read(st: &ShardState, through: u64) -> Vec<f32> {
         let f = st
-            .pull(MapEpoch(1), &[KeyRange { start: 0, end: 2 }], Clock(through))
+            .pull(
+                MapEpoch(1),
+                &[KeyRange { start: 0, end: 2 }],
+                Clock(through),
+            )
             .expect("pull");
         let mut out = vec![0.0; f.payload.len() / 4];
         bytes_to_f32s(&f.payload, &mut out).expect("floats");
         out
     }
 
-    const BOTH: [ChunkRef; 2] = [ChunkRef { key: Key(0), len: 4 }, ChunkRef { key: Key(1), len: 2 }];
+    const BOTH: [ChunkRef; 2] = [
+        ChunkRef {
+            key: Key(0),
+            len: 4,
+        },
+        ChunkRef {
+            key: Key(1),
+            len: 2,
+        },
+    ];
 
     #[test]
     fn bad_pushes_change_nothing() {
@@ -452,45 +518,88 @@ mod tests {
         nan[20..24].copy_from_slice(&f32::NAN.to_le_bytes());
         let cases: Vec<(MapEpoch, Vec<ChunkRef>, Vec<u8>, ErrorCode)> = vec![
             (MapEpoch(1), BOTH.to_vec(), nan, ErrorCode::NonFinite),
-            (MapEpoch(1), BOTH.to_vec(), good[..20].to_vec(), ErrorCode::ShapeMismatch),
-            (MapEpoch(0), BOTH.to_vec(), good.clone(), ErrorCode::StaleEpoch),
             (
                 MapEpoch(1),
-                vec![BOTH[0], ChunkRef { key: Key(7), len: 2 }],
+                BOTH.to_vec(),
+                good[..20].to_vec(),
+                ErrorCode::ShapeMismatch,
+            ),
+            (
+                MapEpoch(0),
+                BOTH.to_vec(),
+                good.clone(),
+                ErrorCode::StaleEpoch,
+            ),
+            (
+                MapEpoch(1),
+                vec![
+                    BOTH[0],
+                    ChunkRef {
+                        key: Key(7),
+                        len: 2,
+                    },
+                ],
                 good.clone(),
                 ErrorCode::UnknownKey,
             ),
             (
                 MapEpoch(1),
-                vec![ChunkRef { key: Key(0), len: 3 }, ChunkRef { key: Key(1), len: 3 }],
+                vec![
+                    ChunkRef {
+                        key: Key(0),
+                        len: 3,
+                    },
+                    ChunkRef {
+                        key: Key(1),
+                        len: 3,
+                    },
+                ],
                 good.clone(),
                 ErrorCode::ShapeMismatch,
             ),
         ];
         for (epoch, chunks, payload, want) in cases {
-            let err = st.push(epoch, w, Clock(0), &chunks, &payload).expect_err("must fail");
-            match err {
-                Response::Error { code, .. } => assert_eq!(code, want.as_u16()),
-                other => panic!("{other:?}"),
-            }
+            let err = st
+                .push(epoch, w, Clock(0), &chunks, &payload)
+                .expect_err("must fail");
+            assert_eq!(err.code, want, "{}", err.message);
         }
         assert_eq!(read(&st, 0), vec![0.0; 6]);
-        st.push(MapEpoch(1), w, Clock(0), &BOTH, &good).expect("good push");
+        st.push(MapEpoch(1), w, Clock(0), &BOTH, &good)
+            .expect("good push");
         assert_eq!(read(&st, 0), vec![1.0; 6]);
     }
 
     #[test]
     fn bsp_applies_the_mean_once_the_step_closes() {
         let st = state(Consistency::Bsp);
-        st.push(MapEpoch(1), WorkerId(1), Clock(0), &BOTH, &floats(&[-1.0; 6]))
-            .expect("push");
-        st.push(MapEpoch(1), WorkerId(2), Clock(0), &BOTH, &floats(&[-3.0; 6]))
-            .expect("push");
+        st.push(
+            MapEpoch(1),
+            WorkerId(1),
+            Clock(0),
+            &BOTH,
+            &floats(&[-1.0; 6]),
+        )
+        .expect("push");
+        st.push(
+            MapEpoch(1),
+            WorkerId(2),
+            Clock(0),
+            &BOTH,
+            &floats(&[-3.0; 6]),
+        )
+        .expect("push");
         // Step 0 is not closed until a pull says so.
         assert_eq!(read(&st, 0), vec![0.0; 6]);
         assert_eq!(read(&st, 1), vec![2.0; 6]);
         // A late push to a closed step is refused.
-        let late = st.push(MapEpoch(1), WorkerId(3), Clock(0), &BOTH, &floats(&[-1.0; 6]));
+        let late = st.push(
+            MapEpoch(1),
+            WorkerId(3),
+            Clock(0),
+            &BOTH,
+            &floats(&[-1.0; 6]),
+        );
         assert!(late.is_err());
         assert_eq!(read(&st, 1), vec![2.0; 6]);
     }

@@ -9,10 +9,10 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::shutdown::CancellationToken;
 use bytes::Bytes;
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, Request, Response};
 use quinn::{Endpoint, VarInt};
-use crate::shutdown::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::pki::{Role, subject_of};
@@ -92,7 +92,10 @@ async fn connection<S: Service>(
         Ok(p) => p,
         Err(why) => {
             warn!(%addr, %why, "refused peer");
-            conn.close(VarInt::from_u32(ErrorCode::Forbidden.as_u16().into()), why.as_bytes());
+            conn.close(
+                VarInt::from_u32(ErrorCode::Forbidden.as_u16().into()),
+                why.as_bytes(),
+            );
             return;
         }
     };
@@ -113,9 +116,14 @@ async fn connection<S: Service>(
                     ..
                 }) => Response::error(
                     ErrorCode::UnsupportedVersion,
-                    format!("protocol version {version} not supported; this server speaks {PROTOCOL_VERSION}"),
+                    format!(
+                        "protocol version {version} not supported; this server speaks {PROTOCOL_VERSION}"
+                    ),
                 ),
-                Ok(_) => Response::error(ErrorCode::HandshakeRequired, "the first request must be Hello"),
+                Ok(_) => Response::error(
+                    ErrorCode::HandshakeRequired,
+                    "the first request must be Hello",
+                ),
                 Err(e) => Response::error(read_error_code(&e), e.to_string()),
             };
             let ok = matches!(reply, Response::Hello { .. });
@@ -123,7 +131,10 @@ async fn connection<S: Service>(
             if !ok {
                 // Let the error response reach the peer before closing.
                 let _ = send.stopped().await;
-                conn.close(VarInt::from_u32(ErrorCode::HandshakeRequired.as_u16().into()), b"handshake failed");
+                conn.close(
+                    VarInt::from_u32(ErrorCode::HandshakeRequired.as_u16().into()),
+                    b"handshake failed",
+                );
                 return;
             }
         }
@@ -152,9 +163,10 @@ async fn connection<S: Service>(
         streams.spawn(async move {
             let reply = match read_frame::<Request>(&mut recv, &limits).await {
                 Err(e) => Frame::new(Response::error(read_error_code(&e), e.to_string())),
-                Ok(f) if matches!(f.msg, Request::Hello { .. }) => {
-                    Frame::new(Response::error(ErrorCode::InvalidRequest, "repeated handshake"))
-                }
+                Ok(f) if matches!(f.msg, Request::Hello { .. }) => Frame::new(Response::error(
+                    ErrorCode::InvalidRequest,
+                    "repeated handshake",
+                )),
                 Ok(f) if !service.allowed(peer.role, &f.msg) => Frame::new(Response::error(
                     ErrorCode::Forbidden,
                     format!("role {} may not send this request", peer.role),

@@ -9,9 +9,10 @@ pub fn on_signals() -> CancellationToken {
     let t = token.clone();
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut int), Ok(mut term)) =
-            (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-        else {
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
             tracing::error!("cannot install signal handlers");
             return;
         };

@@ -1,5 +1,7 @@
 //! Structured logging set-up: tracing to stderr, filtered by `RUST_LOG`.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 /// Installs a stderr subscriber; `RUST_LOG` overrides `default` (e.g. `"info"`). Safe to call
@@ -9,6 +11,7 @@ pub fn init(default: &str) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .try_init();
 }

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use edl_proto::ShardMap;
 use edl_proto::frame::{Message, PREFIX_LEN, parse_prefix};
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, ProtoError, Request, Response};
-use edl_proto::ShardMap;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Endpoint, RecvStream, SendStream, VarInt};
 use rustls::RootCertStore;
@@ -78,7 +78,10 @@ fn roots(id: &Identity) -> Result<Arc<RootCertStore>, PkiError> {
 }
 
 /// A QUIC server configuration that demands a client certificate signed by the cluster CA.
-pub fn server_config(id: &Identity, settings: &TransportSettings) -> Result<quinn::ServerConfig, PkiError> {
+pub fn server_config(
+    id: &Identity,
+    settings: &TransportSettings,
+) -> Result<quinn::ServerConfig, PkiError> {
     let tls = |e: rustls::Error| PkiError::Tls(e.to_string());
     let verifier = WebPkiClientVerifier::builder_with_provider(roots(id)?, provider())
         .build()
@@ -97,7 +100,10 @@ pub fn server_config(id: &Identity, settings: &TransportSettings) -> Result<quin
 }
 
 /// A QUIC client configuration that presents `id` and trusts only the cluster CA.
-pub fn client_config(id: &Identity, settings: &TransportSettings) -> Result<quinn::ClientConfig, PkiError> {
+pub fn client_config(
+    id: &Identity,
+    settings: &TransportSettings,
+) -> Result<quinn::ClientConfig, PkiError> {
     let tls = |e: rustls::Error| PkiError::Tls(e.to_string());
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -113,13 +119,21 @@ pub fn client_config(id: &Identity, settings: &TransportSettings) -> Result<quin
 }
 
 /// Binds a server endpoint on `addr`.
-pub fn server_endpoint(addr: SocketAddr, id: &Identity, settings: &TransportSettings) -> Result<Endpoint, CallError> {
+pub fn server_endpoint(
+    addr: SocketAddr,
+    id: &Identity,
+    settings: &TransportSettings,
+) -> Result<Endpoint, CallError> {
     let cfg = server_config(id, settings)?;
     Endpoint::server(cfg, addr).map_err(CallError::Bind)
 }
 
 /// Binds a client endpoint on an ephemeral port of the given address family.
-pub fn client_endpoint(id: &Identity, settings: &TransportSettings, ipv6: bool) -> Result<Endpoint, CallError> {
+pub fn client_endpoint(
+    id: &Identity,
+    settings: &TransportSettings,
+    ipv6: bool,
+) -> Result<Endpoint, CallError> {
     let bind: SocketAddr = if ipv6 {
         SocketAddr::from(([0u16; 8], 0))
     } else {
@@ -195,7 +209,10 @@ impl CallError {
 }
 
 /// Reads one frame from a stream, checking the size limits before allocating.
-pub async fn read_frame<T: Message>(recv: &mut RecvStream, limits: &FrameLimits) -> Result<Frame<T>, CallError> {
+pub async fn read_frame<T: Message>(
+    recv: &mut RecvStream,
+    limits: &FrameLimits,
+) -> Result<Frame<T>, CallError> {
     let mut prefix = [0u8; PREFIX_LEN];
     recv.read_exact(&mut prefix).await?;
     let p = parse_prefix(&prefix, limits)?;
@@ -208,7 +225,10 @@ pub async fn read_frame<T: Message>(recv: &mut RecvStream, limits: &FrameLimits)
 }
 
 /// Writes one frame to a stream and finishes it. The payload is handed to quinn uncopied.
-pub async fn write_frame<T: Message>(send: &mut SendStream, frame: Frame<T>) -> Result<(), CallError> {
+pub async fn write_frame<T: Message>(
+    send: &mut SendStream,
+    frame: Frame<T>,
+) -> Result<(), CallError> {
     let head = frame.encode_head()?;
     let mut chunks = [head, frame.payload];
     send.write_all_chunks(&mut chunks).await?;
@@ -225,7 +245,12 @@ pub struct Conn {
 
 impl Conn {
     /// Connects to `addr`, verifies the server against the cluster CA and shakes hands.
-    pub async fn connect(endpoint: &Endpoint, addr: &str, name: &str, settings: &TransportSettings) -> Result<Conn, CallError> {
+    pub async fn connect(
+        endpoint: &Endpoint,
+        addr: &str,
+        name: &str,
+        settings: &TransportSettings,
+    ) -> Result<Conn, CallError> {
         let sock = resolve(addr).await?;
         let conn = endpoint.connect(sock, CLUSTER_SERVER_NAME)?.await?;
         let c = Conn {

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use edl_shared::proto::msg::WorkerState;
 use edl_shared::proto::{Consistency, OptimizerSpec};
 use edl_testkit::{TestCluster, counter_job, mlp_job};
+use edl_worker::ClientError;
 use edl_worker::backend::{Backend, CpuBackend};
 use edl_worker::model::Mlp;
-use edl_worker::ClientError;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -29,7 +29,9 @@ async fn bsp_with_one_worker_equals_local_sgd() -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(11);
     let batches: Vec<(Vec<f32>, Vec<u8>)> = (0..8)
         .map(|_| {
-            let x = (0..32 * 64).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let x = (0..32 * 64)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
             let y = (0..32).map(|_| rng.random_range(0..10u8)).collect();
             (x, y)
         })
@@ -37,7 +39,10 @@ async fn bsp_with_one_worker_equals_local_sgd() -> anyhow::Result<()> {
 
     let mut local = vec![0f32; n];
     session.pull(&mut local).await?;
-    assert!(local.iter().any(|&v| v != 0.0), "weights must be initialized");
+    assert!(
+        local.iter().any(|&v| v != 0.0),
+        "weights must be initialized"
+    );
     let initial = local.clone();
     let mut backend = CpuBackend::new();
     let mut remote = vec![0f32; n];
@@ -68,15 +73,28 @@ async fn bsp_with_one_worker_equals_local_sgd() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// (when, who, clock, minimum clock granted with it).
+type ClockEvent = (Instant, &'static str, u64, u64);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ssp_never_lets_a_worker_run_more_than_s_clocks_ahead() -> anyhow::Result<()> {
     const S: u64 = 2;
     const STEPS: u64 = 25;
-    let cluster = TestCluster::start(counter_job(64, 16, Consistency::Ssp { staleness: S as u32 }), 2).await?;
+    let cluster = TestCluster::start(
+        counter_job(
+            64,
+            16,
+            Consistency::Ssp {
+                staleness: S as u32,
+            },
+        ),
+        2,
+    )
+    .await?;
     // Every event: (time, worker, clock). The slow worker logs the clock it is about to report
     // before sending it, which can only overstate its progress; the fast worker logs the clock
     // it was allowed to start from after the grant arrives.
-    let log: Arc<Mutex<Vec<(Instant, &'static str, u64, u64)>>> = Arc::default();
+    let log: Arc<Mutex<Vec<ClockEvent>>> = Arc::default();
 
     let mut slow = cluster.connect("slow").await?.register("slow").await?;
     let mut fast = cluster.connect("fast").await?.register("fast").await?;
@@ -86,7 +104,10 @@ async fn ssp_never_lets_a_worker_run_more_than_s_clocks_ahead() -> anyhow::Resul
         for _ in 0..STEPS {
             tokio::time::sleep(Duration::from_millis(15)).await;
             slow.push(&grads).await?;
-            slow_log.lock().expect("log").push((Instant::now(), "slow", slow.clock().0 + 1, 0));
+            slow_log
+                .lock()
+                .expect("log")
+                .push((Instant::now(), "slow", slow.clock().0 + 1, 0));
             slow.advance(0, 1, 0.0).await?;
         }
         slow.leave().await?;
@@ -96,7 +117,9 @@ async fn ssp_never_lets_a_worker_run_more_than_s_clocks_ahead() -> anyhow::Resul
     for _ in 0..STEPS {
         fast.push(&grads).await?;
         let min = fast.advance(0, 1, 0.0).await?;
-        log.lock().expect("log").push((Instant::now(), "fast", fast.clock().0, min.0));
+        log.lock()
+            .expect("log")
+            .push((Instant::now(), "fast", fast.clock().0, min.0));
     }
     fast.leave().await?;
     slow_task.await??;
@@ -116,7 +139,10 @@ async fn ssp_never_lets_a_worker_run_more_than_s_clocks_ahead() -> anyhow::Resul
         assert!(clock <= min + S, "grant at clock {clock} with min {min}");
         waited |= clock == slow_clock + S;
     }
-    assert!(waited, "the fast worker never hit the bound: the test did not exercise SSP");
+    assert!(
+        waited,
+        "the fast worker never hit the bound: the test did not exercise SSP"
+    );
     Ok(())
 }
 
@@ -142,9 +168,16 @@ async fn a_silent_worker_is_dropped_and_the_others_do_not_hang() -> anyhow::Resu
         tokio::time::timeout(Duration::from_secs(5), alive.advance(0, 1, 0.0)).await??;
     }
     let waited = started.elapsed();
-    assert!(waited < Duration::from_secs(3), "the live worker waited {waited:?}");
+    assert!(
+        waited < Duration::from_secs(3),
+        "the live worker waited {waited:?}"
+    );
     let status = cluster.coordinator.status();
-    let s = status.workers.iter().find(|w| w.id == silent_id).expect("listed");
+    let s = status
+        .workers
+        .iter()
+        .find(|w| w.id == silent_id)
+        .expect("listed");
     assert_eq!(s.state, WorkerState::Dead);
     // The dropped worker learns it was dropped.
     let err = silent.advance(0, 1, 0.0).await.expect_err("dropped");
@@ -164,7 +197,11 @@ async fn concurrent_pushes_lose_no_update() -> anyhow::Result<()> {
     let cluster = TestCluster::start(counter_job(1000, 128, Consistency::Asp), 2).await?;
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..CLIENTS {
-        let session = cluster.connect(&format!("c{i}")).await?.register("c").await?;
+        let session = cluster
+            .connect(&format!("c{i}"))
+            .await?
+            .register("c")
+            .await?;
         tasks.spawn(async move {
             // Each client adds (i + 1) to every counter per push.
             let grads = vec![-(i as f32 + 1.0); 1000];

@@ -34,7 +34,10 @@ async fn a_certificate_from_another_ca_is_refused() -> anyhow::Result<()> {
     let rogue = PkiDir::new(rogue_dir.path()).ensure(Role::Worker, "mallory")?;
     // Trust the real cluster CA, so that only the server's check can fail.
     let real = cluster.identity(Role::Worker, "honest")?;
-    let identity = Identity { ca: real.ca, ..rogue };
+    let identity = Identity {
+        ca: real.ca,
+        ..rogue
+    };
     let cfg = ClientConfig {
         coordinator: cluster.coordinator_addr.to_string(),
         identity,
@@ -43,7 +46,10 @@ async fn a_certificate_from_another_ca_is_refused() -> anyhow::Result<()> {
     let r = tokio::time::timeout(Duration::from_secs(20), Job::connect(&cfg)).await?;
     let err = r.expect_err("a rogue certificate must be refused");
     assert!(
-        matches!(err, ClientError::Call(CallError::Connection(_) | CallError::Read(_))),
+        matches!(
+            err,
+            ClientError::Call(CallError::Connection(_) | CallError::Read(_))
+        ),
         "unexpected error: {err}"
     );
     // The honest identity still works.
@@ -69,14 +75,19 @@ async fn a_client_without_certificate_is_refused() -> anyhow::Result<()> {
     // TLS 1.3 lets the client finish its side before the server checks the certificate, so
     // the refusal may surface on connect or on the first request; either way nothing works.
     let outcome = tokio::time::timeout(Duration::from_secs(20), async {
-        let conn = ep.connect(cluster.coordinator_addr, CLUSTER_SERVER_NAME)?.await?;
+        let conn = ep
+            .connect(cluster.coordinator_addr, CLUSTER_SERVER_NAME)?
+            .await?;
         let (mut send, mut recv) = conn.open_bi().await?;
         transport::write_frame(&mut send, Frame::new(Request::Status)).await?;
         let f: Frame<Response> = read_frame(&mut recv, &FrameLimits::default()).await?;
         anyhow::Ok(f.msg)
     })
     .await?;
-    assert!(outcome.is_err(), "a client without a certificate got an answer: {outcome:?}");
+    assert!(
+        outcome.is_err(),
+        "a client without a certificate got an answer: {outcome:?}"
+    );
     Ok(())
 }
 
@@ -89,7 +100,10 @@ async fn roles_are_checked() -> anyhow::Result<()> {
         settings: TransportSettings::default(),
     };
     let job = Job::connect(&cfg).await?;
-    let err = job.register("impostor").await.expect_err("a shard may not register");
+    let err = job
+        .register("impostor")
+        .await
+        .expect_err("a shard may not register");
     assert_eq!(remote_code(&err), Some(ErrorCode::Forbidden), "{err}");
     Ok(())
 }
@@ -121,19 +135,38 @@ async fn malformed_and_oversized_frames_get_errors_and_the_server_lives_on() -> 
         // Garbage behind a valid prefix.
         let mut garbage = encode_prefix(40, 0).to_vec();
         garbage.extend((0..40u8).map(|i| i.wrapping_mul(97)));
-        assert_eq!(code_of(&raw_call(&conn, garbage).await?), Some(ErrorCode::Malformed));
+        assert_eq!(
+            code_of(&raw_call(&conn, garbage).await?),
+            Some(ErrorCode::Malformed)
+        );
         // Not a frame at all.
         let junk = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec();
-        assert_eq!(code_of(&raw_call(&conn, junk).await?), Some(ErrorCode::Malformed));
+        assert_eq!(
+            code_of(&raw_call(&conn, junk).await?),
+            Some(ErrorCode::Malformed)
+        );
         // A 2 GiB payload announced: refused before anything is allocated.
         let huge = encode_prefix(8, 2 << 30).to_vec();
-        assert_eq!(code_of(&raw_call(&conn, huge).await?), Some(ErrorCode::TooLarge));
+        assert_eq!(
+            code_of(&raw_call(&conn, huge).await?),
+            Some(ErrorCode::TooLarge)
+        );
         // Truncated: the prefix promises more than arrives.
         let short = encode_prefix(100, 100).to_vec();
-        assert_eq!(code_of(&raw_call(&conn, short).await?), Some(ErrorCode::Malformed));
+        assert_eq!(
+            code_of(&raw_call(&conn, short).await?),
+            Some(ErrorCode::Malformed)
+        );
         // A second handshake is refused.
-        let hello = Frame::new(Request::Hello { version: 1, name: "again".into() }).encode()?;
-        assert_eq!(code_of(&raw_call(&conn, hello.to_vec()).await?), Some(ErrorCode::InvalidRequest));
+        let hello = Frame::new(Request::Hello {
+            version: 1,
+            name: "again".into(),
+        })
+        .encode()?;
+        assert_eq!(
+            code_of(&raw_call(&conn, hello.to_vec()).await?),
+            Some(ErrorCode::InvalidRequest)
+        );
         // The same connection still serves valid requests.
         let ok = conn.call(Request::GetMap, Bytes::new()).await?;
         assert!(matches!(ok.msg, Response::Map(_)));
@@ -147,15 +180,23 @@ async fn a_wrong_protocol_version_is_refused_at_the_handshake() -> anyhow::Resul
     let id = cluster.identity(Role::Worker, "old")?;
     let settings = TransportSettings::default();
     let ep = transport::client_endpoint(&id, &settings, false)?;
-    let conn = ep.connect(cluster.coordinator_addr, CLUSTER_SERVER_NAME)?.await?;
+    let conn = ep
+        .connect(cluster.coordinator_addr, CLUSTER_SERVER_NAME)?
+        .await?;
     let (mut send, mut recv) = conn.open_bi().await?;
-    let hello = Request::Hello { version: 99, name: "old".into() };
+    let hello = Request::Hello {
+        version: 99,
+        name: "old".into(),
+    };
     transport::write_frame(&mut send, Frame::new(hello)).await?;
     let f: Frame<Response> = read_frame(&mut recv, &FrameLimits::default()).await?;
     assert_eq!(code_of(&f.msg), Some(ErrorCode::UnsupportedVersion));
     // The server closes the connection after a failed handshake.
     let closed = tokio::time::timeout(Duration::from_secs(10), conn.closed()).await;
-    assert!(closed.is_ok(), "connection stayed open after a failed handshake");
+    assert!(
+        closed.is_ok(),
+        "connection stayed open after a failed handshake"
+    );
     Ok(())
 }
 
@@ -184,24 +225,48 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
         let conn = conn.clone();
         async move {
             conn.call(
-                Request::Push { epoch, worker: session_worker(), clock: Clock(0), chunks },
+                Request::Push {
+                    epoch,
+                    worker: session_worker(),
+                    clock: Clock(0),
+                    chunks,
+                },
                 f32s_to_bytes(&values),
             )
             .await
         }
     };
-    let one = vec![ChunkRef { key: Key(0), len: 16 }];
-    let stale = push(MapEpoch(0), one.clone(), vec![-1.0; 16]).await.expect_err("stale epoch");
-    assert_eq!(stale.code(), Some(ErrorCode::StaleEpoch));
-    assert!(matches!(stale, CallError::Remote { map: Some(_), .. }), "the new map comes along");
-    let epoch = job.map().epoch;
-    let short = push(epoch, one.clone(), vec![-1.0; 15]).await.expect_err("short payload");
-    assert_eq!(short.code(), Some(ErrorCode::ShapeMismatch));
-    let unknown = push(epoch, vec![ChunkRef { key: Key(999), len: 16 }], vec![-1.0; 16])
+    let one = vec![ChunkRef {
+        key: Key(0),
+        len: 16,
+    }];
+    let stale = push(MapEpoch(0), one.clone(), vec![-1.0; 16])
         .await
-        .expect_err("unknown key");
+        .expect_err("stale epoch");
+    assert_eq!(stale.code(), Some(ErrorCode::StaleEpoch));
+    assert!(
+        matches!(stale, CallError::Remote { map: Some(_), .. }),
+        "the new map comes along"
+    );
+    let epoch = job.map().epoch;
+    let short = push(epoch, one.clone(), vec![-1.0; 15])
+        .await
+        .expect_err("short payload");
+    assert_eq!(short.code(), Some(ErrorCode::ShapeMismatch));
+    let unknown = push(
+        epoch,
+        vec![ChunkRef {
+            key: Key(999),
+            len: 16,
+        }],
+        vec![-1.0; 16],
+    )
+    .await
+    .expect_err("unknown key");
     assert_eq!(unknown.code(), Some(ErrorCode::UnknownKey));
-    let inf = push(epoch, one.clone(), vec![f32::INFINITY; 16]).await.expect_err("infinite");
+    let inf = push(epoch, one.clone(), vec![f32::INFINITY; 16])
+        .await
+        .expect_err("infinite");
     assert_eq!(inf.code(), Some(ErrorCode::NonFinite));
 
     let mut after = vec![0f32; 64];
@@ -215,7 +280,12 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
     // Unknown workers are told so.
     let coord = Conn::connect(&ep, &cluster.coordinator_addr.to_string(), "raw", &settings).await?;
     let hb = coord
-        .call(Request::Heartbeat { worker: WorkerId(424242) }, Bytes::new())
+        .call(
+            Request::Heartbeat {
+                worker: WorkerId(424242),
+            },
+            Bytes::new(),
+        )
         .await
         .expect_err("unknown worker");
     assert_eq!(hb.code(), Some(ErrorCode::UnknownWorker));

@@ -23,7 +23,10 @@ fn datasets() -> anyhow::Result<Option<(Dataset, Dataset)>> {
         eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
         return Ok(None);
     }
-    Ok(Some((Dataset::load(dir, Split::Train)?, Dataset::load(dir, Split::Test)?)))
+    Ok(Some((
+        Dataset::load(dir, Split::Train)?,
+        Dataset::load(dir, Split::Test)?,
+    )))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,7 +74,11 @@ async fn three_workers_two_shards_reach_the_accuracy_bar() -> anyhow::Result<()>
         samples += s.samples;
         busy += u32::from(s.steps > 0);
     }
-    assert_eq!(samples, u64::from(SAMPLES) * 2, "every sample of both epochs was used");
+    assert_eq!(
+        samples,
+        u64::from(SAMPLES) * 2,
+        "every sample of both epochs was used"
+    );
     assert!(busy >= 2, "only {busy} worker(s) trained");
     let status = cluster.coordinator.status();
     assert!(status.finished);
@@ -80,13 +87,22 @@ async fn three_workers_two_shards_reach_the_accuracy_bar() -> anyhow::Result<()>
     }
     // Training loss fell from the first epoch to the second.
     let loss = |i: usize| status.epochs[i].loss_sum / status.epochs[i].samples as f64;
-    assert!(loss(1) < loss(0), "loss went from {} to {}", loss(0), loss(1));
+    assert!(
+        loss(1) < loss(0),
+        "loss went from {} to {}",
+        loss(0),
+        loss(1)
+    );
 
     let eval = cluster.connect("eval").await?;
     let mut backend = CpuBackend::new();
     let stats = trainer::evaluate(&eval, &test, &mut backend).await?;
     assert_eq!(stats.samples, 10_000);
     eprintln!("test accuracy {:.4} ({})", stats.accuracy(), backend.name());
-    assert!(stats.accuracy() >= 0.80, "test accuracy {}", stats.accuracy());
+    assert!(
+        stats.accuracy() >= 0.80,
+        "test accuracy {}",
+        stats.accuracy()
+    );
     Ok(())
 }

@@ -15,9 +15,12 @@ async fn thousands_of_calls_on_one_connection_do_not_stall() -> anyhow::Result<(
             .await
             .map_err(|_| anyhow::anyhow!("status call {i} stalled"))??;
         if i % 3 == 0 {
-            tokio::time::timeout(Duration::from_secs(5), job.pull_all(&mut v, edl_shared::proto::Clock(0)))
-                .await
-                .map_err(|_| anyhow::anyhow!("pull {i} stalled"))??;
+            tokio::time::timeout(
+                Duration::from_secs(5),
+                job.pull_all(&mut v, edl_shared::proto::Clock(0)),
+            )
+            .await
+            .map_err(|_| anyhow::anyhow!("pull {i} stalled"))??;
         }
     }
     Ok(())

@@ -15,13 +15,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use edl_shared::Identity;
 use edl_shared::proto::frame::{bytes_to_f32s, f32s_to_bytes};
 use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, JobStatus, KeyRange, Partition};
 use edl_shared::proto::{ErrorCode, JobConfig, KeyLayout, Request, Response, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
-use edl_shared::Identity;
 use thiserror::Error;
 use tokio::task::JoinSet;
 
@@ -156,7 +156,10 @@ impl Job {
                     _ => {
                         return Err(ClientError::Inconsistent {
                             from: "coordinator".into(),
-                            what: format!("shard map range {}..{} is outside the job", r.start, r.end),
+                            what: format!(
+                                "shard map range {}..{} is outside the job",
+                                r.start, r.end
+                            ),
                         });
                     }
                 }
@@ -200,7 +203,12 @@ impl Job {
 
     /// Asks the coordinator for a status snapshot.
     pub async fn status(&self) -> Result<JobStatus, ClientError> {
-        match self.coordinator.call(Request::Status, Bytes::new()).await?.msg {
+        match self
+            .coordinator
+            .call(Request::Status, Bytes::new())
+            .await?
+            .msg
+        {
             Response::Status(s) => Ok(s),
             other => Err(CallError::unexpected(&other).into()),
         }
@@ -210,8 +218,12 @@ impl Job {
     /// leaves.
     pub async fn register(self, name: &str) -> Result<Session, ClientError> {
         let resp = retry_not_ready(600, || {
-            self.coordinator
-                .call(Request::Register { name: name.to_string() }, Bytes::new())
+            self.coordinator.call(
+                Request::Register {
+                    name: name.to_string(),
+                },
+                Bytes::new(),
+            )
         })
         .await?;
         let (worker, clock) = match resp.msg {
@@ -220,7 +232,8 @@ impl Job {
         };
         let stop = CancellationToken::new();
         let lost = Arc::new(AtomicBool::new(false));
-        let period = Duration::from_millis(u64::from(self.job.lease_ms) / 4).max(Duration::from_millis(10));
+        let period =
+            Duration::from_millis(u64::from(self.job.lease_ms) / 4).max(Duration::from_millis(10));
         tokio::spawn(heartbeat(
             self.coordinator.clone(),
             worker,
@@ -266,44 +279,73 @@ impl Job {
         Ok(())
     }
 
-    fn scatter(&self, link: &ShardLink, chunks: &[ChunkRef], payload: &[u8], out: &mut [f32]) -> Result<(), ClientError> {
+    fn scatter(
+        &self,
+        link: &ShardLink,
+        chunks: &[ChunkRef],
+        payload: &[u8],
+        out: &mut [f32],
+    ) -> Result<(), ClientError> {
         let mut at = 0usize;
         for c in chunks {
             let span = self
                 .layout
                 .span(c.key)
                 .filter(|s| s.len == c.len)
-                .ok_or_else(|| self.inconsistent(&link.id.to_string(), format!("chunk {} of {} floats does not fit the layout", c.key, c.len)))?;
+                .ok_or_else(|| {
+                    self.inconsistent(
+                        &link.id.to_string(),
+                        format!(
+                            "chunk {} of {} floats does not fit the layout",
+                            c.key, c.len
+                        ),
+                    )
+                })?;
             let n = c.len as usize;
-            let bytes = payload
-                .get(at..at + n * 4)
-                .ok_or_else(|| self.inconsistent(&link.id.to_string(), "payload shorter than its chunks".into()))?;
+            let bytes = payload.get(at..at + n * 4).ok_or_else(|| {
+                self.inconsistent(
+                    &link.id.to_string(),
+                    "payload shorter than its chunks".into(),
+                )
+            })?;
             let off = span.offset as usize;
             bytes_to_f32s(bytes, &mut out[off..off + n])
                 .map_err(|e| self.inconsistent(&link.id.to_string(), e.to_string()))?;
             at += n * 4;
         }
         if at != payload.len() {
-            return Err(self.inconsistent(&link.id.to_string(), "payload longer than its chunks".into()));
+            return Err(self.inconsistent(
+                &link.id.to_string(),
+                "payload longer than its chunks".into(),
+            ));
         }
         Ok(())
     }
 
     /// Pulls only `keys` (a sparse read); returns each key's floats.
-    pub async fn pull_keys(&self, keys: &[Key], apply_through: Clock) -> Result<Vec<(Key, Vec<f32>)>, ClientError> {
+    pub async fn pull_keys(
+        &self,
+        keys: &[Key],
+        apply_through: Clock,
+    ) -> Result<Vec<(Key, Vec<f32>)>, ClientError> {
         let mut out = Vec::new();
         for key in keys {
             let owner = self
                 .map
                 .owner(*key)
                 .and_then(|id| self.shards.iter().find(|s| s.id == id))
-                .ok_or_else(|| self.inconsistent("client", format!("{key} is not in the shard map")))?;
+                .ok_or_else(|| {
+                    self.inconsistent("client", format!("{key} is not in the shard map"))
+                })?;
             let resp = owner
                 .conn
                 .call(
                     Request::Pull {
                         epoch: self.map.epoch,
-                        ranges: vec![KeyRange { start: key.0, end: key.0 + 1 }],
+                        ranges: vec![KeyRange {
+                            start: key.0,
+                            end: key.0 + 1,
+                        }],
                         apply_through,
                     },
                     Bytes::new(),
@@ -314,7 +356,8 @@ impl Job {
             };
             let n = chunks.first().map(|c| c.len as usize).unwrap_or(0);
             let mut v = vec![0.0; n];
-            bytes_to_f32s(&resp.payload, &mut v).map_err(|e| self.inconsistent(&owner.id.to_string(), e.to_string()))?;
+            bytes_to_f32s(&resp.payload, &mut v)
+                .map_err(|e| self.inconsistent(&owner.id.to_string(), e.to_string()))?;
             out.push((*key, v));
         }
         Ok(out)
@@ -338,7 +381,12 @@ impl Job {
     }
 
     /// Pushes the flat gradient vector `grads` for step `clock`, to all shards in parallel.
-    async fn push_all(&self, worker: WorkerId, clock: Clock, grads: &[f32]) -> Result<(), ClientError> {
+    async fn push_all(
+        &self,
+        worker: WorkerId,
+        clock: Clock,
+        grads: &[f32],
+    ) -> Result<(), ClientError> {
         self.check_len(grads.len())?;
         // Shards refuse non-finite values too, but each sees only its part: checking here keeps
         // a bad gradient from being applied on some shards and refused on others.
@@ -349,7 +397,10 @@ impl Job {
             for r in &s.ranges {
                 for k in r.start..r.end {
                     if let Some(span) = self.layout.span(Key(k)) {
-                        chunks.push(ChunkRef { key: span.key, len: span.len });
+                        chunks.push(ChunkRef {
+                            key: span.key,
+                            len: span.len,
+                        });
                     }
                 }
             }
@@ -358,7 +409,11 @@ impl Job {
                 let (off, len) = s.flat[0];
                 f32s_to_bytes(&grads[off..off + len])
             } else {
-                let parts: Vec<f32> = s.flat.iter().flat_map(|&(o, l)| grads[o..o + l].iter().copied()).collect();
+                let parts: Vec<f32> = s
+                    .flat
+                    .iter()
+                    .flat_map(|&(o, l)| grads[o..o + l].iter().copied())
+                    .collect();
                 f32s_to_bytes(&parts)
             };
             let req = Request::Push {
@@ -382,7 +437,12 @@ impl Job {
     }
 
     /// Pushes `(key, values)` pairs for step `clock` (a sparse write).
-    pub async fn push_keys(&self, worker: WorkerId, clock: Clock, chunks: &[(Key, &[f32])]) -> Result<(), ClientError> {
+    pub async fn push_keys(
+        &self,
+        worker: WorkerId,
+        clock: Clock,
+        chunks: &[(Key, &[f32])],
+    ) -> Result<(), ClientError> {
         for (_, v) in chunks {
             check_finite(v)?;
         }
@@ -394,7 +454,13 @@ impl Job {
             if mine.is_empty() {
                 continue;
             }
-            let refs = mine.iter().map(|(k, v)| ChunkRef { key: *k, len: v.len() as u32 }).collect();
+            let refs = mine
+                .iter()
+                .map(|(k, v)| ChunkRef {
+                    key: *k,
+                    len: v.len() as u32,
+                })
+                .collect();
             let floats: Vec<f32> = mine.iter().flat_map(|(_, v)| v.iter().copied()).collect();
             let req = Request::Push {
                 epoch: self.map.epoch,
@@ -417,13 +483,21 @@ fn check_finite(values: &[f32]) -> Result<(), ClientError> {
 
 /// Fetches the job configuration.
 async fn fetch_job(coordinator: &Conn) -> Result<JobConfig, ClientError> {
-    match retry_not_ready(600, || coordinator.call(Request::GetJob, Bytes::new())).await?.msg {
+    match retry_not_ready(600, || coordinator.call(Request::GetJob, Bytes::new()))
+        .await?
+        .msg
+    {
         Response::Job(job) => Ok(job),
         other => Err(CallError::unexpected(&other).into()),
     }
 }
 
-async fn connect_retry(ep: &quinn::Endpoint, addr: &str, name: &str, settings: &TransportSettings) -> Result<Conn, ClientError> {
+async fn connect_retry(
+    ep: &quinn::Endpoint,
+    addr: &str,
+    name: &str,
+    settings: &TransportSettings,
+) -> Result<Conn, ClientError> {
     let mut attempt = 0;
     loop {
         match Conn::connect(ep, addr, name, settings).await {
@@ -439,7 +513,13 @@ async fn connect_retry(ep: &quinn::Endpoint, addr: &str, name: &str, settings: &
     }
 }
 
-async fn heartbeat(conn: Conn, worker: WorkerId, period: Duration, stop: CancellationToken, lost: Arc<AtomicBool>) {
+async fn heartbeat(
+    conn: Conn,
+    worker: WorkerId,
+    period: Duration,
+    stop: CancellationToken,
+    lost: Arc<AtomicBool>,
+) {
     let mut tick = tokio::time::interval(period);
     loop {
         tokio::select! {
@@ -505,7 +585,9 @@ impl Session {
 
     fn map_dropped(&self, e: ClientError) -> ClientError {
         match &e {
-            ClientError::Call(c) if c.code() == Some(ErrorCode::UnknownWorker) => ClientError::Dropped(self.worker),
+            ClientError::Call(c) if c.code() == Some(ErrorCode::UnknownWorker) => {
+                ClientError::Dropped(self.worker)
+            }
             _ => e,
         }
     }
@@ -530,7 +612,12 @@ impl Session {
 
     /// Ends the current step: reports its progress and waits until the consistency model lets
     /// this worker start the next one. Returns the slowest active worker's clock.
-    pub async fn advance(&mut self, epoch: u32, samples: u32, loss_sum: f64) -> Result<Clock, ClientError> {
+    pub async fn advance(
+        &mut self,
+        epoch: u32,
+        samples: u32,
+        loss_sum: f64,
+    ) -> Result<Clock, ClientError> {
         self.check_lost()?;
         let next = Clock(self.clock.0 + 1);
         let resp = retry_not_ready(u32::MAX, || {
@@ -564,14 +651,23 @@ impl Session {
 
     /// Leases the next data partition, reporting `done` as fully processed. `None` means no data
     /// is left in any epoch.
-    pub async fn next_partition(&mut self, done: Option<Partition>) -> Result<Option<Partition>, ClientError> {
+    pub async fn next_partition(
+        &mut self,
+        done: Option<Partition>,
+    ) -> Result<Option<Partition>, ClientError> {
         self.check_lost()?;
         let mut done = done;
         loop {
             let r = self
                 .job
                 .coordinator
-                .call(Request::NextPartition { worker: self.worker, done }, Bytes::new())
+                .call(
+                    Request::NextPartition {
+                        worker: self.worker,
+                        done,
+                    },
+                    Bytes::new(),
+                )
                 .await;
             match r {
                 Ok(resp) => {
@@ -596,7 +692,12 @@ impl Session {
         self.stop.cancel();
         self.job
             .coordinator
-            .call(Request::Leave { worker: self.worker }, Bytes::new())
+            .call(
+                Request::Leave {
+                    worker: self.worker,
+                },
+                Bytes::new(),
+            )
             .await
             .map_err(|e| self.map_dropped(e.into()))?;
         Ok(())

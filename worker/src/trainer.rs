@@ -76,7 +76,9 @@ pub struct TrainSummary {
 pub fn model_of(job: &JobConfig) -> Result<Mlp, TrainError> {
     match &job.model {
         ModelSpec::Mlp { layers } => Ok(Mlp::new(layers.iter().map(|&l| l as usize).collect())?),
-        ModelSpec::Custom => Err(TrainError::Mismatch("the job has no built-in model to train".into())),
+        ModelSpec::Custom => Err(TrainError::Mismatch(
+            "the job has no built-in model to train".into(),
+        )),
     }
 }
 
@@ -84,7 +86,8 @@ pub fn model_of(job: &JobConfig) -> Result<Mlp, TrainError> {
 /// by the job seed and the epoch, so every worker derives the same order.
 pub fn epoch_order(seed: u64, epoch: u32, n: u32) -> Vec<u32> {
     let mut order: Vec<u32> = (0..n).collect();
-    let mut rng = StdRng::seed_from_u64(seed ^ (u64::from(epoch) + 1).wrapping_mul(0xa076_1d64_78bd_642f));
+    let mut rng =
+        StdRng::seed_from_u64(seed ^ (u64::from(epoch) + 1).wrapping_mul(0xa076_1d64_78bd_642f));
     for i in (1..order.len()).rev() {
         let j = rng.random_range(0..=i);
         order.swap(i, j);
@@ -143,7 +146,10 @@ pub async fn train(
             break;
         };
         if order.as_ref().map(|(e, _)| *e) != Some(part.epoch) {
-            order = Some((part.epoch, epoch_order(cfg.seed, part.epoch, cfg.train_samples)));
+            order = Some((
+                part.epoch,
+                epoch_order(cfg.seed, part.epoch, cfg.train_samples),
+            ));
         }
         let Some(indices) = order
             .as_ref()
@@ -204,10 +210,18 @@ pub async fn train(
 
 /// Pulls the current parameters and evaluates them on `test`. Pending BSP steps are closed only
 /// once the job has finished, so evaluating a running job never applies a partial step.
-pub async fn evaluate(job: &Job, test: &Dataset, backend: &mut dyn Backend) -> Result<StepStats, TrainError> {
+pub async fn evaluate(
+    job: &Job,
+    test: &Dataset,
+    backend: &mut dyn Backend,
+) -> Result<StepStats, TrainError> {
     let mlp = model_of(job.config())?;
     let status = job.status().await?;
-    let through = if status.finished { Clock(u64::MAX) } else { status.min_clock };
+    let through = if status.finished {
+        Clock(u64::MAX)
+    } else {
+        status.min_clock
+    };
     let mut params = vec![0f32; job.param_count()];
     job.pull_all(&mut params, through).await?;
     Ok(backend.evaluate(&mlp, &params, test.images(), test.labels())?)

@@ -15,7 +15,7 @@ use edl_shared::{Role, shutdown, telemetry};
 
 /// EDL parameter-server processes.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -150,7 +150,10 @@ async fn main() -> anyhow::Result<()> {
                 seed: a.seed,
                 lease_ms: a.lease_ms,
             };
-            let cfg = CoordinatorConfig { job, shards: a.shards };
+            let cfg = CoordinatorConfig {
+                job,
+                shards: a.shards,
+            };
             let bound = coordinator::bind(cfg, a.listen, &identity, TransportSettings::default())
                 .context("starting the coordinator")?;
             write_addr(&a.addr_file, bound.addr)?;

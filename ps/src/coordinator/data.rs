@@ -42,7 +42,7 @@ impl DataPlan {
     }
 
     /// The next partition to lease, if any is left to hand out.
-    pub fn next(&mut self) -> Option<Partition> {
+    pub fn lease_next(&mut self) -> Option<Partition> {
         if let Some(p) = self.returned.pop_front() {
             return Some(p);
         }
@@ -97,7 +97,7 @@ mod tests {
         let mut plan = DataPlan::new(2, 10, 4);
         assert_eq!(plan.per_epoch(), 3);
         let mut got = Vec::new();
-        while let Some(p) = plan.next() {
+        while let Some(p) = plan.lease_next() {
             got.push(p);
         }
         assert_eq!(got.len(), 6);
@@ -106,7 +106,7 @@ mod tests {
         let sum: u32 = got.iter().filter(|p| p.epoch == 0).map(|p| p.len).sum();
         assert_eq!(sum, 10);
         plan.give_back(got[1]);
-        assert_eq!(plan.next(), Some(got[1]));
+        assert_eq!(plan.lease_next(), Some(got[1]));
         for p in &got {
             plan.complete(p);
         }

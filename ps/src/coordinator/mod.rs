@@ -75,7 +75,12 @@ impl Coordinator {
             }
             match tokio::time::timeout_at(deadline, rx.changed()).await {
                 Ok(Ok(())) => {}
-                _ => return Err(Response::error(ErrorCode::NotReady, "timed out waiting; retry")),
+                _ => {
+                    return Err(Response::error(
+                        ErrorCode::NotReady,
+                        "timed out waiting; retry",
+                    ));
+                }
             }
         }
     }
@@ -132,7 +137,11 @@ impl Service for Coordinator {
                         info!(shard = %id, %addr, "shard joined");
                         self.bump();
                         match self.wait_for(|st| st.assignment(id)).await {
-                            Ok((job, map)) => Response::ShardAssigned { shard: id, job, map },
+                            Ok((job, map)) => Response::ShardAssigned {
+                                shard: id,
+                                job,
+                                map,
+                            },
                             Err(e) => e,
                         }
                     }
@@ -142,7 +151,12 @@ impl Service for Coordinator {
                 match self.wait_for(|st| st.register(&name, now())).await {
                     Ok((worker, job, map, clock)) => {
                         info!(%worker, %name, addr = %peer.addr, %clock, "worker admitted");
-                        Response::Registered { worker, job, map, clock }
+                        Response::Registered {
+                            worker,
+                            job,
+                            map,
+                            clock,
+                        }
                     }
                     Err(e) => e,
                 }
@@ -186,7 +200,9 @@ impl Service for Coordinator {
                 samples,
                 loss_sum,
             } => {
-                let r = self.lock().advance(worker, clock, epoch, samples, loss_sum, now());
+                let r = self
+                    .lock()
+                    .advance(worker, clock, epoch, samples, loss_sum, now());
                 match r {
                     Err((code, msg)) => Response::error(code, msg),
                     Ok(()) => {

@@ -224,13 +224,21 @@ impl CoordinatorState {
     }
 
     /// A worker reports a partition fully processed.
-    pub fn complete(&mut self, worker: WorkerId, p: Partition, now: Instant) -> Result<(), Refusal> {
+    pub fn complete(
+        &mut self,
+        worker: WorkerId,
+        p: Partition,
+        now: Instant,
+    ) -> Result<(), Refusal> {
         let w = self.active(worker)?;
         w.last_seen = now;
         let Some(i) = w.leased.iter().position(|l| *l == p) else {
             return Err((
                 ErrorCode::InvalidRequest,
-                format!("partition {}/{} is not leased to {worker}", p.epoch, p.index),
+                format!(
+                    "partition {}/{} is not leased to {worker}",
+                    p.epoch, p.index
+                ),
             ));
         };
         w.leased.swap_remove(i);
@@ -263,7 +271,7 @@ impl CoordinatorState {
             }
         };
         w.last_seen = now;
-        if let Some(p) = self.data.next() {
+        if let Some(p) = self.data.lease_next() {
             w.leased.push(p);
             if w.idle {
                 w.idle = false;
@@ -292,7 +300,10 @@ impl CoordinatorState {
             return Err((ErrorCode::NonFinite, "reported loss is not finite".into()));
         }
         let Some(stats) = self.epochs.get_mut(epoch as usize) else {
-            return Err((ErrorCode::InvalidRequest, format!("no epoch {epoch} in this job")));
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!("no epoch {epoch} in this job"),
+            ));
         };
         let w = match self.workers.get_mut(&worker) {
             Some(w) if w.state == WorkerState::Active => w,
@@ -306,7 +317,10 @@ impl CoordinatorState {
         if clock.0 != w.clock.0 + 1 {
             return Err((
                 ErrorCode::InvalidRequest,
-                format!("{worker} is at clock {}, cannot advance to {}", w.clock.0, clock.0),
+                format!(
+                    "{worker} is at clock {}, cannot advance to {}",
+                    w.clock.0, clock.0
+                ),
             ));
         }
         w.clock = clock;
@@ -407,7 +421,8 @@ mod tests {
         // a is two clocks ahead of b with s = 1: it must wait.
         assert!(matches!(st.may_proceed(a), Poll::Pending));
         // b never heartbeats: once its lease expires it stops counting.
-        st.heartbeat(a, t0 + Duration::from_millis(900)).expect("hb");
+        st.heartbeat(a, t0 + Duration::from_millis(900))
+            .expect("hb");
         let dead = st.expire_leases(t0 + Duration::from_millis(1500));
         assert_eq!(dead, vec![b]);
         assert!(matches!(st.may_proceed(a), Poll::Ready(Clock(2))));
@@ -428,8 +443,12 @@ mod tests {
         let pb = ready(st.next_partition(b, t0)).0.expect("partition");
         assert!(matches!(st.next_partition(b, t0), Poll::Pending));
         st.complete(b, pb, t0).expect("complete");
-        assert!(st.complete(b, pb, t0).is_err(), "completing twice must fail");
-        st.heartbeat(b, t0 + Duration::from_millis(1100)).expect("hb");
+        assert!(
+            st.complete(b, pb, t0).is_err(),
+            "completing twice must fail"
+        );
+        st.heartbeat(b, t0 + Duration::from_millis(1100))
+            .expect("hb");
         assert_eq!(st.expire_leases(t0 + Duration::from_millis(1200)), vec![a]);
         let again = ready(st.next_partition(b, t0)).0.expect("reissued");
         assert_eq!(again, pa);
@@ -455,15 +474,20 @@ mod tests {
         // Under BSP, b would wait for a at every step if a still counted.
         for c in 1..=3 {
             st.advance(b, Clock(c), 0, 2, 1.0, t0).expect("advance");
-            assert!(matches!(st.may_proceed(b), Poll::Ready(_)), "b blocked at {c}");
+            assert!(
+                matches!(st.may_proceed(b), Poll::Ready(_)),
+                "b blocked at {c}"
+            );
         }
         // b dies; its partition returns and a re-enters at the clock b reached.
-        st.heartbeat(a, t0 + Duration::from_millis(900)).expect("hb");
+        st.heartbeat(a, t0 + Duration::from_millis(900))
+            .expect("hb");
         assert_eq!(st.expire_leases(t0 + Duration::from_millis(1100)), vec![b]);
         let (p, clock) = ready(st.next_partition(a, t0));
         assert_eq!(p, Some(pb));
         assert_eq!(clock, Clock(3));
-        st.advance(a, Clock(4), 0, 2, 1.0, t0).expect("advance from the re-entry clock");
+        st.advance(a, Clock(4), 0, 2, 1.0, t0)
+            .expect("advance from the re-entry clock");
     }
 
     #[test]

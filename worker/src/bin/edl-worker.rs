@@ -15,7 +15,7 @@ use edl_worker::{ClientConfig, Job};
 
 /// An EDL training worker.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Cli {
     /// The coordinator's address.
     #[arg(long, default_value = "127.0.0.1:7070")]
@@ -45,7 +45,11 @@ async fn main() -> anyhow::Result<()> {
     let identity = cli.identity.identity(Role::Worker, &cli.name)?;
     let mut backend = CpuBackend::new();
     // Slow preparation first: data and backend are ready before the worker asks to join.
-    let split = if cli.evaluate { Split::Test } else { Split::Train };
+    let split = if cli.evaluate {
+        Split::Test
+    } else {
+        Split::Train
+    };
     let data = Dataset::load(&cli.data_dir, split).context("loading Fashion-MNIST")?;
     let cfg = ClientConfig {
         coordinator: cli.coordinator.clone(),
@@ -55,12 +59,12 @@ async fn main() -> anyhow::Result<()> {
     let job = Job::connect(&cfg).await.context("connecting to the job")?;
     if cli.evaluate {
         let stats = trainer::evaluate(&job, &data, &mut backend).await?;
-        println!(
-            "{{\"test_accuracy\":{},\"test_loss\":{},\"test_samples\":{}}}",
-            stats.accuracy(),
-            stats.mean_loss(),
-            stats.samples
-        );
+        let line = serde_json::json!({
+            "test_accuracy": stats.accuracy(),
+            "test_loss": stats.mean_loss(),
+            "test_samples": stats.samples,
+        });
+        println!("{line}");
         return Ok(());
     }
     let opts = TrainOptions {

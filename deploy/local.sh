@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs a local elastic training job on this machine: installs Fashion-MNIST (Debian package
+# dataset-fashion-mnist) if it is missing, builds EDL in release mode, then runs edl-local with
+# the arguments given (see `edl-local --help`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -d /usr/share/datasets/fashion-mnist ] && ! printf '%s\n' "$@" | grep -q -- '--data-dir'; then
+  echo "Fashion-MNIST is missing: installing dataset-fashion-mnist" >&2
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq dataset-fashion-mnist
+fi
+
+cargo build --release --locked -p edl-ps -p edl-worker -p edl-deploy
+exec target/release/edl-local "$@"

@@ -1,0 +1,108 @@
+//! `edl-local`: runs a whole EDL training job on this machine (coordinator, shards and workers
+//! as separate processes), evaluates the result and reports it.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use edl_deploy::LocalConfig;
+use edl_shared::proto::{Consistency, OptimizerSpec};
+use edl_shared::{shutdown, telemetry};
+use edl_worker::data::DEFAULT_DATA_DIR;
+
+/// Run an EDL job locally: a coordinator, shard servers and workers as separate processes,
+/// then an evaluation of the trained model on the Fashion-MNIST test set.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Cli {
+    /// Number of shard servers holding the model.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    shards: u32,
+    /// Number of training workers.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    workers: u32,
+    /// Passes over the training data.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    epochs: u32,
+    /// Consistency model: asp, ssp:S (bounded staleness S) or bsp.
+    #[arg(long, default_value = "ssp:2")]
+    consistency: Consistency,
+    /// Server-side optimizer: sgd:LR, momentum:LR:M or adam:LR.
+    #[arg(long, default_value = "adam:0.001")]
+    optimizer: OptimizerSpec,
+    /// Samples per mini-batch.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    batch_size: u32,
+    /// Training samples used per epoch (the first N of the training set).
+    #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u32).range(1..))]
+    train_samples: u32,
+    /// Worker heartbeat lease in milliseconds; silent workers are dropped after it.
+    #[arg(long, default_value_t = 3000)]
+    lease_ms: u32,
+    /// MLP layer widths, input to classes.
+    #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
+    layers: Vec<u32>,
+    /// Seed for initialization and data order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Directory with the Fashion-MNIST idx files (gzip or not).
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
+    data_dir: PathBuf,
+    /// Write a JSON report of the run to this file.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// State directory for the PKI, the coordinator's address file and one log per process
+    /// [default: a new edl-local-<timestamp> directory in the system's temporary directory].
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Directory holding the edl-ps and edl-worker binaries [default: this program's
+    /// directory].
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// Give up (and stop every process) when training makes no progress for this many
+    /// seconds; 0 waits forever. A warning comes after 30 s either way.
+    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    stall_timeout: u64,
+    /// Do not draw a progress bar; print one line per finished epoch instead (also the
+    /// behaviour when stderr is not a terminal).
+    #[arg(long)]
+    no_progress: bool,
+}
+
+impl Cli {
+    fn into_config(self) -> LocalConfig {
+        LocalConfig {
+            shards: self.shards,
+            workers: self.workers,
+            epochs: self.epochs,
+            consistency: self.consistency,
+            optimizer: self.optimizer,
+            batch_size: self.batch_size,
+            train_samples: self.train_samples,
+            lease_ms: self.lease_ms,
+            layers: self.layers,
+            seed: self.seed,
+            data_dir: self.data_dir,
+            report: self.report,
+            state_dir: self.state_dir,
+            bin_dir: self.bin_dir,
+            progress_bar: !self.no_progress && std::io::stderr().is_terminal(),
+            stall_timeout: (self.stall_timeout > 0)
+                .then(|| Duration::from_secs(self.stall_timeout)),
+        }
+    }
+}
+
+// One thread is plenty: the launcher mostly waits, and the cores belong to the children.
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    telemetry::init("warn");
+    let cfg = Cli::parse().into_config();
+    let report = edl_deploy::run(&cfg, shutdown::on_signals()).await?;
+    println!("{report}");
+    if let Some(path) = &cfg.report {
+        println!("  report: {}", path.display());
+    }
+    Ok(())
+}

@@ -156,7 +156,9 @@ impl ShardState {
         self.check_epoch(epoch)?;
         let mut keys = Vec::new();
         for r in ranges {
-            if r.end < r.start || r.end - r.start > self.chunks.len() as u64 {
+            // A shard never holds more keys than it has chunks, which also bounds what a
+            // request with many or huge ranges can make it allocate.
+            if r.end < r.start || r.end - r.start + keys.len() as u64 > self.chunks.len() as u64 {
                 return Err(Refusal::new(
                     ErrorCode::UnknownKey,
                     format!("range {}..{} is not held by {}", r.start, r.end, self.id),

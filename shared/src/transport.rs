@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use edl_proto::ShardMap;
 use edl_proto::frame::{Message, PREFIX_LEN, parse_prefix};
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, ProtoError, Request, Response};
@@ -168,6 +168,9 @@ pub enum CallError {
     /// Reading a stream failed.
     #[error("read: {0}")]
     Read(#[from] quinn::ReadExactError),
+    /// Reading a stream chunk failed.
+    #[error("read: {0}")]
+    ReadChunk(#[from] quinn::ReadError),
     /// The stream was closed early.
     #[error("stream closed: {0}")]
     Closed(#[from] quinn::ClosedStream),
@@ -219,10 +222,27 @@ pub async fn read_frame<T: Message>(
     // Both lengths passed the limits check, which keeps them far below usize::MAX.
     let mut header = vec![0u8; p.header_len as usize];
     recv.read_exact(&mut header).await?;
-    let mut payload = vec![0u8; p.payload_len as usize];
-    recv.read_exact(&mut payload).await?;
-    Ok(Frame::from_parts(&header, Bytes::from(payload))?)
+    // Grow the payload buffer with the data that actually arrives (bounded by the flow-control
+    // windows), so a peer that merely announces a large payload cannot make us allocate it.
+    let len = p.payload_len as usize;
+    let mut payload = BytesMut::with_capacity(len.min(PAYLOAD_PREALLOC));
+    while payload.len() < len {
+        match recv.read_chunk(len - payload.len(), true).await? {
+            Some(chunk) => payload.extend_from_slice(&chunk.bytes),
+            None => {
+                return Err(ProtoError::Truncated {
+                    needed: len as u64,
+                    got: payload.len() as u64,
+                }
+                .into());
+            }
+        }
+    }
+    Ok(Frame::from_parts(&header, payload.freeze())?)
 }
+
+/// Payload bytes reserved up front before any arrive.
+const PAYLOAD_PREALLOC: usize = 16 << 20;
 
 /// Writes one frame to a stream and finishes it. The payload is handed to quinn uncopied.
 pub async fn write_frame<T: Message>(

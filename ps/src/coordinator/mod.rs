@@ -101,16 +101,6 @@ impl Coordinator {
     pub fn status(&self) -> edl_shared::proto::msg::JobStatus {
         self.lock().status(Instant::now())
     }
-
-    /// Waits until every partition of every epoch is done.
-    pub async fn finished(&self) {
-        let mut rx = self.changed.subscribe();
-        while !self.lock().finished() {
-            if rx.changed().await.is_err() {
-                return;
-            }
-        }
-    }
 }
 
 impl Service for Coordinator {

@@ -253,6 +253,12 @@ mod tests {
                     key: Key(9),
                     len: 4,
                 }],
+                span: Some(crate::msg::DataSpan {
+                    epoch: 1,
+                    partition: 2,
+                    start: 128,
+                    end: 192,
+                }),
             },
             payload,
         )

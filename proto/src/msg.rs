@@ -36,6 +36,48 @@ pub struct Partition {
     pub len: u32,
 }
 
+/// The samples a push used: positions `[start, end)` of epoch `epoch`'s sample order, inside
+/// partition `partition`. Shards use it to apply each sample's gradient exactly once; the
+/// coordinator uses it to commit the worker's data progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct DataSpan {
+    /// The epoch, counted from 0.
+    pub epoch: u32,
+    /// The partition's index within its epoch.
+    pub partition: u32,
+    /// First position.
+    pub start: u32,
+    /// One past the last position.
+    pub end: u32,
+}
+
+impl DataSpan {
+    /// Number of samples.
+    pub fn len(&self) -> u32 {
+        self.end.saturating_sub(self.start)
+    }
+
+    /// True when the span holds no samples.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One shard's account of an epoch: how often each sample's gradient was applied there.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct EpochLedger {
+    /// The epoch, counted from 0.
+    pub epoch: u32,
+    /// Samples applied at least once.
+    pub applied: u64,
+    /// Samples applied more than once (each counted once).
+    pub duplicates: u64,
+    /// Samples never applied.
+    pub missing: u64,
+    /// Pushes refused as already applied (a re-issued span that this shard had applied).
+    pub skipped_pushes: u64,
+}
+
 /// Training progress of one epoch, as reported by workers.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct EpochStats {
@@ -124,12 +166,10 @@ pub enum Request {
         /// The worker.
         worker: WorkerId,
     },
-    /// A worker asks for data, reporting the partition it finished (if any).
+    /// A worker asks for data. Partitions complete as their spans are committed by `Clock`.
     NextPartition {
         /// The worker.
         worker: WorkerId,
-        /// The partition it has fully processed.
-        done: Option<Partition>,
     },
     /// A worker finished a step; answered when the consistency model lets it go on.
     Clock {
@@ -143,6 +183,8 @@ pub enum Request {
         samples: u32,
         /// Sum of their training losses.
         loss_sum: f64,
+        /// The samples of the step, now applied on every shard: commits the data progress.
+        span: Option<DataSpan>,
     },
     /// Asks for a job status snapshot.
     Status,
@@ -169,7 +211,11 @@ pub enum Request {
         clock: Clock,
         /// The chunks in the payload.
         chunks: Vec<ChunkRef>,
+        /// The samples the gradients came from; a span this shard already applied is skipped.
+        span: Option<DataSpan>,
     },
+    /// Asks a shard for its per-epoch data ledger.
+    Ledger,
 }
 
 /// A response header.
@@ -223,6 +269,8 @@ pub enum Response {
     Map(ShardMap),
     /// The job configuration.
     Job(JobConfig),
+    /// A shard's per-epoch data ledger.
+    Ledger(Vec<EpochLedger>),
     /// Parameters; the payload holds the chunks in this order.
     Pulled {
         /// The chunks in the payload.

@@ -5,5 +5,6 @@
 //! [`coordinator::run`] or [`shard::run`], so tests can run whole clusters in one process.
 
 pub mod coordinator;
+pub mod ledger;
 pub mod optimizer;
 pub mod shard;

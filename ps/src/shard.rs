@@ -6,14 +6,14 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
 use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
-use edl_shared::proto::msg::{ChunkRef, KeyRange};
+use edl_shared::proto::msg::{ChunkRef, DataSpan, EpochLedger, KeyRange};
 use edl_shared::proto::{
     Consistency, ErrorCode, Frame, Init, JobConfig, Request, Response, ShardMap,
 };
@@ -24,6 +24,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use tokio::sync::watch;
 use tracing::info;
 
+use crate::ledger::{Claim, DataLedger};
 use crate::optimizer::OptState;
 
 /// One chunk of parameters with its optimizer state.
@@ -44,6 +45,7 @@ pub struct ShardState {
     job: JobConfig,
     map: ShardMap,
     chunks: DashMap<Key, Chunk>,
+    ledger: Mutex<DataLedger>,
 }
 
 /// A refused request: a stable code, a message and, for a stale epoch, the current map.
@@ -112,6 +114,7 @@ impl ShardState {
         }
         ShardState {
             id,
+            ledger: Mutex::new(DataLedger::new(&job)),
             job,
             map,
             chunks,
@@ -194,7 +197,9 @@ impl ShardState {
     }
 
     /// Applies (ASP, SSP) or stages (BSP) a push. Everything is validated before any state
-    /// changes, so a bad push changes nothing.
+    /// changes, so a bad push changes nothing. A push whose data span this shard has applied
+    /// already is acknowledged and skipped.
+    #[allow(clippy::too_many_arguments)]
     pub fn push(
         &self,
         epoch: MapEpoch,
@@ -202,7 +207,8 @@ impl ShardState {
         clock: Clock,
         chunks: &[ChunkRef],
         payload: &[u8],
-    ) -> Result<(), Refusal> {
+        span: Option<&DataSpan>,
+    ) -> Result<Claim, Refusal> {
         self.check_epoch(epoch)?;
         let bad = |(code, msg): (ErrorCode, String)| {
             Refusal::new(code, format!("push from {worker}: {msg}"))
@@ -251,6 +257,15 @@ impl ShardState {
                 Some(_) => {}
             }
         }
+        // Claim the span last: once it is recorded, the chunks below are updated.
+        if let Some(span) = span {
+            let claim = self.ledger().claim(span).map_err(bad)?;
+            if claim == Claim::AlreadyApplied {
+                tracing::debug!(%worker, epoch = span.epoch, partition = span.partition,
+                    start = span.start, "span already applied here; skipped");
+                return Ok(Claim::AlreadyApplied);
+            }
+        }
         let mut offset = 0;
         for c in chunks {
             let g = &grads[offset..offset + c.len as usize];
@@ -281,7 +296,17 @@ impl ShardState {
                     .apply(&self.job.optimizer, &mut chunk.params, g, 1.0);
             }
         }
-        Ok(())
+        Ok(Claim::Apply)
+    }
+
+    fn ledger(&self) -> MutexGuard<'_, DataLedger> {
+        // The ledger is only ever updated whole under the lock; keep serving if a holder panicked.
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The per-epoch data ledger.
+    pub fn ledger_report(&self) -> Vec<EpochLedger> {
+        self.ledger().report()
     }
 }
 
@@ -342,10 +367,12 @@ impl Service for ShardService {
                 worker,
                 clock,
                 chunks,
+                span,
             } => st
-                .push(epoch, worker, clock, &chunks, &payload)
-                .map(|()| Frame::new(Response::Ack))
+                .push(epoch, worker, clock, &chunks, &payload, span.as_ref())
+                .map(|_| Frame::new(Response::Ack))
                 .map_err(Response::from),
+            Request::Ledger => Ok(Frame::new(Response::Ledger(st.ledger_report()))),
             Request::GetMap => Ok(Frame::new(Response::Map(st.map.clone()))),
             other => Err(Response::error(
                 ErrorCode::InvalidRequest,
@@ -562,14 +589,37 @@ mod tests {
         ];
         for (epoch, chunks, payload, want) in cases {
             let err = st
-                .push(epoch, w, Clock(0), &chunks, &payload)
+                .push(epoch, w, Clock(0), &chunks, &payload, None)
                 .expect_err("must fail");
             assert_eq!(err.code, want, "{}", err.message);
         }
         assert_eq!(read(&st, 0), vec![0.0; 6]);
-        st.push(MapEpoch(1), w, Clock(0), &BOTH, &good)
+        st.push(MapEpoch(1), w, Clock(0), &BOTH, &good, None)
             .expect("good push");
         assert_eq!(read(&st, 0), vec![1.0; 6]);
+    }
+
+    #[test]
+    fn a_span_applied_before_is_skipped_not_applied_twice() {
+        let st = state(Consistency::Asp);
+        let span = DataSpan {
+            epoch: 0,
+            partition: 0,
+            start: 0,
+            end: 1,
+        };
+        let g = floats(&[-1.0; 6]);
+        let first = st.push(MapEpoch(1), WorkerId(1), Clock(0), &BOTH, &g, Some(&span));
+        assert_eq!(first, Ok(Claim::Apply));
+        // The worker died before committing; its successor pushes the same span.
+        let again = st.push(MapEpoch(1), WorkerId(2), Clock(0), &BOTH, &g, Some(&span));
+        assert_eq!(again, Ok(Claim::AlreadyApplied));
+        assert_eq!(read(&st, 0), vec![1.0; 6]);
+        let r = st.ledger_report();
+        assert_eq!(
+            (r[0].applied, r[0].duplicates, r[0].skipped_pushes),
+            (1, 0, 1)
+        );
     }
 
     #[test]
@@ -581,6 +631,7 @@ mod tests {
             Clock(0),
             &BOTH,
             &floats(&[-1.0; 6]),
+            None,
         )
         .expect("push");
         st.push(
@@ -589,6 +640,7 @@ mod tests {
             Clock(0),
             &BOTH,
             &floats(&[-3.0; 6]),
+            None,
         )
         .expect("push");
         // Step 0 is not closed until a pull says so.
@@ -601,6 +653,7 @@ mod tests {
             Clock(0),
             &BOTH,
             &floats(&[-1.0; 6]),
+            None,
         );
         assert!(late.is_err());
         assert_eq!(read(&st, 1), vec![2.0; 6]);

@@ -230,6 +230,7 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
                     worker: session_worker(),
                     clock: Clock(0),
                     chunks,
+                    span: None,
                 },
                 f32s_to_bytes(&values),
             )

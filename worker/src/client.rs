@@ -18,7 +18,7 @@ use bytes::Bytes;
 use edl_shared::Identity;
 use edl_shared::proto::frame::{bytes_to_f32s, f32s_to_bytes};
 use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
-use edl_shared::proto::msg::{ChunkRef, JobStatus, KeyRange, Partition};
+use edl_shared::proto::msg::{ChunkRef, DataSpan, JobStatus, KeyRange, Partition};
 use edl_shared::proto::{ErrorCode, JobConfig, KeyLayout, Request, Response, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
@@ -386,6 +386,7 @@ impl Job {
         worker: WorkerId,
         clock: Clock,
         grads: &[f32],
+        span: Option<DataSpan>,
     ) -> Result<(), ClientError> {
         self.check_len(grads.len())?;
         // Shards refuse non-finite values too, but each sees only its part: checking here keeps
@@ -421,6 +422,7 @@ impl Job {
                 worker,
                 clock,
                 chunks,
+                span,
             };
             let conn = s.conn.clone();
             set.spawn(async move { conn.call(req, payload).await });
@@ -467,6 +469,7 @@ impl Job {
                 worker,
                 clock,
                 chunks: refs,
+                span: None,
             };
             s.conn.call(req, f32s_to_bytes(&floats)).await?;
         }
@@ -601,7 +604,18 @@ impl Session {
     /// Pushes the gradient of the current step.
     pub async fn push(&self, grads: &[f32]) -> Result<(), ClientError> {
         self.check_lost()?;
-        self.job.push_all(self.worker, self.clock, grads).await
+        self.job
+            .push_all(self.worker, self.clock, grads, None)
+            .await
+    }
+
+    /// Pushes the gradient of the current step, computed from the samples of `span`. Shards
+    /// that applied this span before (for a worker that died before committing it) skip it.
+    pub async fn push_span(&self, grads: &[f32], span: DataSpan) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job
+            .push_all(self.worker, self.clock, grads, Some(span))
+            .await
     }
 
     /// Pushes sparse gradients for the current step.
@@ -618,6 +632,23 @@ impl Session {
         samples: u32,
         loss_sum: f64,
     ) -> Result<Clock, ClientError> {
+        self.end_step(epoch, samples, loss_sum, None).await
+    }
+
+    /// Ends a step whose gradients came from `span` (pushed with [`Session::push_span`]):
+    /// commits the span as used, then waits as [`Session::advance`] does.
+    pub async fn commit(&mut self, span: DataSpan, loss_sum: f64) -> Result<Clock, ClientError> {
+        self.end_step(span.epoch, span.len(), loss_sum, Some(span))
+            .await
+    }
+
+    async fn end_step(
+        &mut self,
+        epoch: u32,
+        samples: u32,
+        loss_sum: f64,
+        span: Option<DataSpan>,
+    ) -> Result<Clock, ClientError> {
         self.check_lost()?;
         let next = Clock(self.clock.0 + 1);
         let resp = retry_not_ready(u32::MAX, || {
@@ -628,6 +659,7 @@ impl Session {
                     epoch,
                     samples,
                     loss_sum,
+                    span,
                 },
                 Bytes::new(),
             )
@@ -649,14 +681,9 @@ impl Session {
         }
     }
 
-    /// Leases the next data partition, reporting `done` as fully processed. `None` means no data
-    /// is left in any epoch.
-    pub async fn next_partition(
-        &mut self,
-        done: Option<Partition>,
-    ) -> Result<Option<Partition>, ClientError> {
+    /// Leases the next data partition. `None` means no data is left in any epoch.
+    pub async fn next_partition(&mut self) -> Result<Option<Partition>, ClientError> {
         self.check_lost()?;
-        let mut done = done;
         loop {
             let r = self
                 .job
@@ -664,7 +691,6 @@ impl Session {
                 .call(
                     Request::NextPartition {
                         worker: self.worker,
-                        done,
                     },
                     Bytes::new(),
                 )
@@ -680,8 +706,8 @@ impl Session {
                         other => Err(CallError::unexpected(&other).into()),
                     };
                 }
-                // The coordinator recorded `done` before the long poll timed out.
-                Err(e) if e.code() == Some(ErrorCode::NotReady) => done = None,
+                // The long poll timed out while others still hold the remaining data.
+                Err(e) if e.code() == Some(ErrorCode::NotReady) => {}
                 Err(e) => return Err(self.map_dropped(e.into())),
             }
         }

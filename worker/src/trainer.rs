@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use edl_shared::proto::ids::Clock;
+use edl_shared::proto::msg::DataSpan;
 use edl_shared::proto::{JobConfig, ModelSpec};
 use edl_shared::shutdown::CancellationToken;
 use rand::rngs::StdRng;
@@ -136,10 +137,10 @@ pub async fn train(
     let started = Instant::now();
     let mut summary = TrainSummary::default();
     let mut order: Option<(u32, Vec<u32>)> = None;
-    let mut done = None;
+    let batch_size = cfg.batch_size.max(1);
     'outer: while !shutdown.is_cancelled() {
         let next = tokio::select! {
-            r = session.next_partition(done.take()) => r?,
+            r = session.next_partition() => r?,
             _ = shutdown.cancelled() => break,
         };
         let Some(part) = next else {
@@ -151,17 +152,28 @@ pub async fn train(
                 epoch_order(cfg.seed, part.epoch, cfg.train_samples),
             ));
         }
-        let Some(indices) = order
-            .as_ref()
-            .and_then(|(_, o)| o.get(part.start as usize..(part.start + part.len) as usize))
-        else {
+        let end = part.start + part.len;
+        if order.as_ref().is_none_or(|(_, o)| o.len() < end as usize) {
             return Err(TrainError::Mismatch(format!(
-                "partition {}..{} is outside the epoch",
-                part.start,
-                part.start + part.len
+                "partition {}..{end} is outside the epoch",
+                part.start
             )));
-        };
-        for batch in indices.chunks(cfg.batch_size.max(1) as usize) {
+        }
+        // Batches start at the partition's (possibly re-issued) start, so a re-issued rest
+        // splits into exactly the spans its first holder would have pushed.
+        let mut start = part.start;
+        while start < end {
+            let span = DataSpan {
+                epoch: part.epoch,
+                partition: part.index,
+                start,
+                end: (start + batch_size).min(end),
+            };
+            start = span.end;
+            let batch = order
+                .as_ref()
+                .and_then(|(_, o)| o.get(span.start as usize..span.end as usize))
+                .unwrap_or_default();
             tracing::trace!(clock = %session.clock(), "pull");
             session.pull(&mut params).await?;
             train.gather(batch, &mut x, &mut y)?;
@@ -170,11 +182,12 @@ pub async fn train(
                 tokio::time::sleep(opts.step_delay).await;
             }
             tracing::trace!(clock = %session.clock(), "push");
-            session.push(&grads).await?;
-            tracing::trace!(clock = %session.clock(), "advance");
-            // The step is pushed; a shutdown during the wait leaves right away.
+            session.push_span(&grads, span).await?;
+            tracing::trace!(clock = %session.clock(), "commit");
+            // The step is pushed; a shutdown during the wait leaves right away. If the commit
+            // did not arrive, the span is re-issued and every shard skips it as applied.
             let min_clock = tokio::select! {
-                r = session.advance(part.epoch, stats.samples as u32, stats.loss_sum) => r?,
+                r = session.commit(span, stats.loss_sum) => r?,
                 _ = shutdown.cancelled() => break 'outer,
             };
             summary.steps += 1;
@@ -193,15 +206,10 @@ pub async fn train(
                 return Ok(summary);
             }
             if opts.max_steps == Some(summary.steps) || shutdown.is_cancelled() {
-                // The partition is unfinished: leaving returns it to the pool.
+                // Leaving returns the uncommitted rest of the partition to the pool.
                 break 'outer;
             }
         }
-        done = Some(part);
-    }
-    if let Some(part) = done {
-        // Report the last finished partition before leaving so that it is not handed out again.
-        let _ = session.next_partition(Some(part)).await;
     }
     summary.wall = started.elapsed();
     session.leave().await?;

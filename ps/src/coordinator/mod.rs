@@ -166,13 +166,7 @@ impl Service for Coordinator {
                     Err((code, msg)) => Response::error(code, msg),
                 }
             }
-            Request::NextPartition { worker, done } => {
-                if let Some(p) = done {
-                    let r = self.lock().complete(worker, p, now());
-                    if let Err((code, msg)) = r {
-                        return Frame::new(Response::error(code, msg));
-                    }
-                }
+            Request::NextPartition { worker } => {
                 // While it waits for data the worker does not hold back the others' clocks.
                 if let Err((code, msg)) = self.lock().set_idle(worker) {
                     return Frame::new(Response::error(code, msg));
@@ -189,10 +183,11 @@ impl Service for Coordinator {
                 epoch,
                 samples,
                 loss_sum,
+                span,
             } => {
                 let r = self
                     .lock()
-                    .advance(worker, clock, epoch, samples, loss_sum, now());
+                    .advance(worker, clock, epoch, samples, loss_sum, span, now());
                 match r {
                     Err((code, msg)) => Response::error(code, msg),
                     Ok(()) => {
@@ -238,6 +233,7 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::GetJob => "GetJob",
         Request::Pull { .. } => "Pull",
         Request::Push { .. } => "Push",
+        Request::Ledger => "Ledger",
     }
 }
 

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::job::ShardInfo;
-use edl_shared::proto::msg::{EpochStats, JobStatus, Partition, WorkerState, WorkerStatus};
+use edl_shared::proto::msg::{
+    DataSpan, EpochStats, JobStatus, Partition, WorkerState, WorkerStatus,
+};
 use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
 
 use super::data::DataPlan;
@@ -33,9 +35,23 @@ struct Worker {
     clock: Clock,
     last_seen: Instant,
     /// Partitions leased and not yet completed.
-    leased: Vec<Partition>,
+    leased: Vec<Lease>,
     /// Waiting for data: not counted by the consistency model until it gets a partition.
     idle: bool,
+}
+
+/// A partition leased to a worker, with the position up to which its samples are committed
+/// (their gradients acknowledged by every shard).
+#[derive(Debug, Clone, Copy)]
+struct Lease {
+    part: Partition,
+    committed: u32,
+}
+
+impl Lease {
+    fn end(&self) -> u32 {
+        self.part.start + self.part.len
+    }
 }
 
 impl Worker {
@@ -193,8 +209,15 @@ impl CoordinatorState {
         }
         if let Some(w) = self.workers.get_mut(&worker) {
             w.state = state;
-            for p in std::mem::take(&mut w.leased) {
-                self.data.give_back(p);
+            // The uncommitted rest of each lease goes back to the pool, starting exactly where
+            // the committed samples end. Shards skip spans they already applied, so a push that
+            // reached some shards before the worker died is not applied twice there.
+            for l in std::mem::take(&mut w.leased) {
+                self.data.give_back(Partition {
+                    start: l.committed,
+                    len: l.end() - l.committed,
+                    ..l.part
+                });
             }
         }
     }
@@ -223,29 +246,6 @@ impl CoordinatorState {
         dead
     }
 
-    /// A worker reports a partition fully processed.
-    pub fn complete(
-        &mut self,
-        worker: WorkerId,
-        p: Partition,
-        now: Instant,
-    ) -> Result<(), Refusal> {
-        let w = self.active(worker)?;
-        w.last_seen = now;
-        let Some(i) = w.leased.iter().position(|l| *l == p) else {
-            return Err((
-                ErrorCode::InvalidRequest,
-                format!(
-                    "partition {}/{} is not leased to {worker}",
-                    p.epoch, p.index
-                ),
-            ));
-        };
-        w.leased.swap_remove(i);
-        self.data.complete(&p);
-        Ok(())
-    }
-
     /// Marks a worker as waiting for data: it stops counting in the consistency model, so
     /// workers that still train never wait on one that has nothing to train on.
     pub fn set_idle(&mut self, worker: WorkerId) -> Result<(), Refusal> {
@@ -272,7 +272,10 @@ impl CoordinatorState {
         };
         w.last_seen = now;
         if let Some(p) = self.data.lease_next() {
-            w.leased.push(p);
+            w.leased.push(Lease {
+                part: p,
+                committed: p.start,
+            });
             if w.idle {
                 w.idle = false;
                 w.clock = w.clock.max(min.unwrap_or(self.floor));
@@ -286,7 +289,9 @@ impl CoordinatorState {
         }
     }
 
-    /// A worker finished a step: records its clock and progress.
+    /// A worker finished a step: records its clock and progress, and commits the step's data
+    /// span. A span must continue its lease exactly where the committed samples end.
+    #[allow(clippy::too_many_arguments)]
     pub fn advance(
         &mut self,
         worker: WorkerId,
@@ -294,6 +299,7 @@ impl CoordinatorState {
         epoch: u32,
         samples: u32,
         loss_sum: f64,
+        span: Option<DataSpan>,
         now: Instant,
     ) -> Result<(), Refusal> {
         if !loss_sum.is_finite() {
@@ -322,6 +328,52 @@ impl CoordinatorState {
                     w.clock.0, clock.0
                 ),
             ));
+        }
+        let lease = match span {
+            None => None,
+            Some(span) => {
+                let i = w
+                    .leased
+                    .iter()
+                    .position(|l| l.part.epoch == span.epoch && l.part.index == span.partition)
+                    .ok_or_else(|| {
+                        (
+                            ErrorCode::InvalidRequest,
+                            format!(
+                                "partition {}/{} is not leased to {worker}",
+                                span.epoch, span.partition
+                            ),
+                        )
+                    })?;
+                let l = &w.leased[i];
+                if span.epoch != epoch
+                    || span.len() != samples
+                    || span.start != l.committed
+                    || span.end > l.end()
+                    || span.is_empty()
+                {
+                    return Err((
+                        ErrorCode::InvalidRequest,
+                        format!(
+                            "span {}..{} of {}/{} does not continue the lease at {} (ends {})",
+                            span.start,
+                            span.end,
+                            span.epoch,
+                            span.partition,
+                            l.committed,
+                            l.end()
+                        ),
+                    ));
+                }
+                Some((i, span.end))
+            }
+        };
+        if let Some((i, end)) = lease {
+            w.leased[i].committed = end;
+            if end == w.leased[i].end() {
+                let done = w.leased.swap_remove(i);
+                self.data.complete(&done.part);
+            }
         }
         w.clock = clock;
         w.last_seen = now;
@@ -415,9 +467,11 @@ mod tests {
         st.shard_join("127.0.0.1:1").expect("join");
         let (a, ..) = ready(st.register("a", t0));
         let (b, ..) = ready(st.register("b", t0));
-        st.advance(a, Clock(1), 0, 2, 1.0, t0).expect("advance");
+        st.advance(a, Clock(1), 0, 2, 1.0, None, t0)
+            .expect("advance");
         assert!(matches!(st.may_proceed(a), Poll::Ready(Clock(0))));
-        st.advance(a, Clock(2), 0, 2, 1.0, t0).expect("advance");
+        st.advance(a, Clock(2), 0, 2, 1.0, None, t0)
+            .expect("advance");
         // a is two clocks ahead of b with s = 1: it must wait.
         assert!(matches!(st.may_proceed(a), Poll::Pending));
         // b never heartbeats: once its lease expires it stops counting.
@@ -433,7 +487,7 @@ mod tests {
     }
 
     #[test]
-    fn partitions_of_a_dead_worker_are_reissued() {
+    fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
         let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
         let t0 = Instant::now();
         st.shard_join("x").expect("join");
@@ -442,18 +496,52 @@ mod tests {
         let pa = ready(st.next_partition(a, t0)).0.expect("partition");
         let pb = ready(st.next_partition(b, t0)).0.expect("partition");
         assert!(matches!(st.next_partition(b, t0), Poll::Pending));
-        st.complete(b, pb, t0).expect("complete");
-        assert!(
-            st.complete(b, pb, t0).is_err(),
-            "completing twice must fail"
-        );
+        let span = |p: Partition, start: u32, end: u32| {
+            Some(DataSpan {
+                epoch: p.epoch,
+                partition: p.index,
+                start,
+                end,
+            })
+        };
+        let (b0, b1) = (pb.start, pb.start + 2);
+        st.advance(b, Clock(1), 0, 2, 1.0, span(pb, b0, b1), t0)
+            .expect("commit");
+        // A span that does not continue the lease is refused and changes nothing.
+        let gap = st.advance(b, Clock(2), 0, 1, 1.0, span(pb, b1 + 1, b1 + 2), t0);
+        assert!(gap.is_err());
+        let foreign = st.advance(b, Clock(2), 0, 2, 1.0, span(pa, pa.start, pa.start + 2), t0);
+        assert!(foreign.is_err(), "a span of another worker's lease");
+        st.advance(b, Clock(2), 0, 2, 1.0, span(pb, b1, b1 + 2), t0)
+            .expect("commit the rest");
+        // a commits half of its partition, then goes silent.
+        st.advance(a, Clock(1), 0, 2, 1.0, span(pa, pa.start, pa.start + 2), t0)
+            .expect("commit");
         st.heartbeat(b, t0 + Duration::from_millis(1100))
             .expect("hb");
         assert_eq!(st.expire_leases(t0 + Duration::from_millis(1200)), vec![a]);
         let again = ready(st.next_partition(b, t0)).0.expect("reissued");
-        assert_eq!(again, pa);
-        st.complete(b, again, t0).expect("complete");
+        assert_eq!(
+            again,
+            Partition {
+                start: pa.start + 2,
+                len: 2,
+                ..pa
+            }
+        );
+        assert!(!st.finished());
+        st.advance(
+            b,
+            Clock(3),
+            0,
+            2,
+            1.0,
+            span(again, again.start, again.start + 2),
+            t0,
+        )
+        .expect("commit");
         assert!(st.finished());
+        assert_eq!(st.status(t0).epochs[0].samples, 8);
         assert_eq!(ready(st.next_partition(b, t0)).0, None);
     }
 
@@ -468,12 +556,22 @@ mod tests {
         let pa = ready(st.next_partition(a, t0)).0.expect("partition");
         st.set_idle(b).expect("idle");
         let pb = ready(st.next_partition(b, t0)).0.expect("partition");
-        st.complete(a, pa, t0).expect("complete");
+        for (c, start) in [(1, pa.start), (2, pa.start + 2)] {
+            let span = DataSpan {
+                epoch: 0,
+                partition: pa.index,
+                start,
+                end: start + 2,
+            };
+            st.advance(a, Clock(c), 0, 2, 1.0, Some(span), t0)
+                .expect("commit");
+        }
         st.set_idle(a).expect("idle");
         assert!(matches!(st.next_partition(a, t0), Poll::Pending));
         // Under BSP, b would wait for a at every step if a still counted.
         for c in 1..=3 {
-            st.advance(b, Clock(c), 0, 2, 1.0, t0).expect("advance");
+            st.advance(b, Clock(c), 0, 2, 1.0, None, t0)
+                .expect("advance");
             assert!(
                 matches!(st.may_proceed(b), Poll::Ready(_)),
                 "b blocked at {c}"
@@ -486,7 +584,7 @@ mod tests {
         let (p, clock) = ready(st.next_partition(a, t0));
         assert_eq!(p, Some(pb));
         assert_eq!(clock, Clock(3));
-        st.advance(a, Clock(4), 0, 2, 1.0, t0)
+        st.advance(a, Clock(4), 0, 2, 1.0, None, t0)
             .expect("advance from the re-entry clock");
     }
 
@@ -496,10 +594,13 @@ mod tests {
         let t0 = Instant::now();
         st.shard_join("x").expect("join");
         let (a, ..) = ready(st.register("a", t0));
-        assert!(st.advance(a, Clock(1), 0, 2, f64::NAN, t0).is_err());
-        assert!(st.advance(a, Clock(1), 7, 2, 1.0, t0).is_err());
-        assert!(st.advance(a, Clock(5), 0, 2, 1.0, t0).is_err());
-        assert!(st.advance(WorkerId(99), Clock(1), 0, 2, 1.0, t0).is_err());
+        assert!(st.advance(a, Clock(1), 0, 2, f64::NAN, None, t0).is_err());
+        assert!(st.advance(a, Clock(1), 7, 2, 1.0, None, t0).is_err());
+        assert!(st.advance(a, Clock(5), 0, 2, 1.0, None, t0).is_err());
+        assert!(
+            st.advance(WorkerId(99), Clock(1), 0, 2, 1.0, None, t0)
+                .is_err()
+        );
         assert_eq!(st.status(t0).samples_done, 0);
     }
 }

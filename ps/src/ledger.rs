@@ -1,0 +1,160 @@
+//! A shard's data ledger: which samples' gradients this shard has applied, per epoch.
+//!
+//! Every push that carries a [`DataSpan`] claims its span here before any chunk changes. Per
+//! partition the ledger keeps the position up to which spans were applied; a span at or below
+//! it was applied already (its worker died after pushing, and the coordinator re-issued the
+//! uncommitted rest) and is skipped, so no sample's gradient is applied twice on this shard.
+//! Independently of that rule, the ledger counts applications per sample position, which is
+//! what a run reports as duplicates and misses.
+
+use std::collections::HashMap;
+
+use edl_shared::proto::msg::{DataSpan, EpochLedger};
+use edl_shared::proto::{ErrorCode, JobConfig};
+
+/// What a push should do with its span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// New samples: apply the push.
+    Apply,
+    /// Already applied here: acknowledge without applying.
+    AlreadyApplied,
+}
+
+/// Per-epoch application counts and per-partition progress of one shard.
+#[derive(Debug)]
+pub struct DataLedger {
+    epochs: u32,
+    samples: u32,
+    /// Applied-up-to position per (epoch, partition).
+    progress: HashMap<(u32, u32), u32>,
+    /// Applications per sample position, per epoch (allocated on first use).
+    counts: Vec<Vec<u8>>,
+    /// Spans skipped as already applied, per epoch.
+    skipped: Vec<u64>,
+}
+
+impl DataLedger {
+    /// An empty ledger for `job`.
+    pub fn new(job: &JobConfig) -> Self {
+        DataLedger {
+            epochs: job.epochs,
+            samples: job.train_samples,
+            progress: HashMap::new(),
+            counts: vec![Vec::new(); job.epochs as usize],
+            skipped: vec![0; job.epochs as usize],
+        }
+    }
+
+    /// Checks a span without recording it.
+    pub fn check(&self, span: &DataSpan) -> Result<Claim, (ErrorCode, String)> {
+        if span.epoch >= self.epochs || span.start >= span.end || span.end > self.samples {
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!(
+                    "span {}..{} of epoch {} is outside the job ({} epochs of {} samples)",
+                    span.start, span.end, span.epoch, self.epochs, self.samples
+                ),
+            ));
+        }
+        match self.progress.get(&(span.epoch, span.partition)) {
+            Some(&done) if span.end <= done => Ok(Claim::AlreadyApplied),
+            Some(&done) if span.start != done => Err((
+                ErrorCode::InvalidRequest,
+                format!(
+                    "span {}..{} does not continue partition {}/{} at {done}",
+                    span.start, span.end, span.epoch, span.partition
+                ),
+            )),
+            _ => Ok(Claim::Apply),
+        }
+    }
+
+    /// Checks a span and, if it is new, records it as applied.
+    pub fn claim(&mut self, span: &DataSpan) -> Result<Claim, (ErrorCode, String)> {
+        let claim = self.check(span)?;
+        let e = span.epoch as usize;
+        match claim {
+            Claim::AlreadyApplied => self.skipped[e] += 1,
+            Claim::Apply => {
+                self.progress.insert((span.epoch, span.partition), span.end);
+                let counts = &mut self.counts[e];
+                if counts.is_empty() {
+                    counts.resize(self.samples as usize, 0);
+                }
+                for c in &mut counts[span.start as usize..span.end as usize] {
+                    *c = c.saturating_add(1);
+                }
+            }
+        }
+        Ok(claim)
+    }
+
+    /// The per-epoch account.
+    pub fn report(&self) -> Vec<EpochLedger> {
+        (0..self.epochs)
+            .map(|epoch| {
+                let counts = &self.counts[epoch as usize];
+                let applied = counts.iter().filter(|&&c| c >= 1).count() as u64;
+                EpochLedger {
+                    epoch,
+                    applied,
+                    duplicates: counts.iter().filter(|&&c| c > 1).count() as u64,
+                    missing: u64::from(self.samples) - applied,
+                    skipped_pushes: self.skipped[epoch as usize],
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec};
+
+    fn ledger() -> DataLedger {
+        DataLedger::new(&JobConfig {
+            model: ModelSpec::Custom,
+            tensors: vec![],
+            chunk_size: 1,
+            optimizer: OptimizerSpec::Sgd { lr: 1.0 },
+            consistency: Consistency::Asp,
+            batch_size: 2,
+            epochs: 2,
+            partition_size: 4,
+            train_samples: 8,
+            seed: 0,
+            lease_ms: 1000,
+        })
+    }
+
+    fn span(epoch: u32, partition: u32, start: u32, end: u32) -> DataSpan {
+        DataSpan {
+            epoch,
+            partition,
+            start,
+            end,
+        }
+    }
+
+    #[test]
+    fn reissued_spans_are_skipped_and_gaps_refused() {
+        let mut l = ledger();
+        assert_eq!(l.claim(&span(0, 0, 0, 2)), Ok(Claim::Apply));
+        assert_eq!(l.claim(&span(0, 0, 2, 4)), Ok(Claim::Apply));
+        // The coordinator re-issued from 2 (the worker died before committing 2..4).
+        assert_eq!(l.claim(&span(0, 0, 2, 4)), Ok(Claim::AlreadyApplied));
+        assert!(l.claim(&span(0, 1, 4, 6)).is_ok());
+        assert!(l.claim(&span(0, 1, 7, 8)).is_err(), "a gap");
+        assert!(l.claim(&span(0, 1, 5, 7)).is_err(), "a misaligned overlap");
+        assert!(l.claim(&span(2, 0, 0, 2)).is_err(), "no such epoch");
+        assert!(l.claim(&span(0, 1, 6, 9)).is_err(), "past the data");
+        let r = l.report();
+        assert_eq!(r[0].applied, 6);
+        assert_eq!(r[0].missing, 2);
+        assert_eq!(r[0].duplicates, 0);
+        assert_eq!(r[0].skipped_pushes, 1);
+        assert_eq!(r[1].missing, 8);
+    }
+}

@@ -309,6 +309,7 @@ mod tests {
                     state: WorkerState::Active,
                     clock: Clock(3),
                     idle_ms: 0,
+                    draining: false,
                 },
                 WorkerStatus {
                     id: WorkerId(2),
@@ -316,6 +317,7 @@ mod tests {
                     state: WorkerState::Dead,
                     clock: Clock(1),
                     idle_ms: 9000,
+                    draining: false,
                 },
             ],
             min_clock: Clock(3),

@@ -100,6 +100,55 @@ pub enum WorkerState {
     Dead,
 }
 
+/// What happened to a worker, for the event trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum EventKind {
+    /// Admitted to the job.
+    Join,
+    /// Asked by an operator to leave after its current step.
+    Drain,
+    /// Left gracefully.
+    Leave,
+    /// Declared dead after its lease expired.
+    Dead,
+}
+
+/// One membership event.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct EventRecord {
+    /// Milliseconds since the coordinator started.
+    pub t_ms: u64,
+    /// For a join: when the admission request arrived (otherwise equal to `t_ms`).
+    pub requested_ms: u64,
+    /// What happened.
+    pub kind: EventKind,
+    /// To whom.
+    pub worker: WorkerId,
+    /// The worker's name.
+    pub name: String,
+}
+
+/// One completed step: when the coordinator received a worker's clock report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct StepRecord {
+    /// Milliseconds since the coordinator started.
+    pub t_ms: u64,
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its clock after the step.
+    pub clock: Clock,
+}
+
+/// The job's membership events and step times, from which a run computes what each event
+/// cost the other workers.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct JobTrace {
+    /// Membership events in time order.
+    pub events: Vec<EventRecord>,
+    /// Steps in time order (the oldest are dropped past a cap).
+    pub steps: Vec<StepRecord>,
+}
+
 /// One worker as the coordinator sees it.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct WorkerStatus {
@@ -113,6 +162,8 @@ pub struct WorkerStatus {
     pub clock: Clock,
     /// Milliseconds since its last heartbeat or request.
     pub idle_ms: u64,
+    /// Asked to leave after its current step.
+    pub draining: bool,
 }
 
 /// A snapshot of the job for launchers and operators.
@@ -216,6 +267,13 @@ pub enum Request {
     },
     /// Asks a shard for its per-epoch data ledger.
     Ledger,
+    /// An operator asks a worker to leave gracefully after its current step.
+    Drain {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// Asks the coordinator for its event trace.
+    Trace,
 }
 
 /// A response header.
@@ -262,7 +320,11 @@ pub enum Response {
     ClockGranted {
         /// The slowest active worker's clock.
         min_clock: Clock,
+        /// The worker is asked to leave now (an operator drained it).
+        drain: bool,
     },
+    /// The event trace.
+    Trace(JobTrace),
     /// A status snapshot.
     Status(JobStatus),
     /// The current shard map.

@@ -95,6 +95,17 @@ async fn three_workers_two_shards_reach_the_accuracy_bar() -> anyhow::Result<()>
     );
 
     let eval = cluster.connect("eval").await?;
+    // Every shard applied every sample of every epoch exactly once.
+    for (shard, ledgers) in eval.ledgers().await? {
+        for l in ledgers {
+            assert_eq!(
+                (l.applied, l.duplicates, l.missing),
+                (u64::from(SAMPLES), 0, 0),
+                "shard {shard}, epoch {}",
+                l.epoch
+            );
+        }
+    }
     let mut backend = CpuBackend::new();
     let stats = trainer::evaluate(&eval, &test, &mut backend).await?;
     assert_eq!(stats.samples, 10_000);

@@ -18,7 +18,9 @@ use bytes::Bytes;
 use edl_shared::Identity;
 use edl_shared::proto::frame::{bytes_to_f32s, f32s_to_bytes};
 use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
-use edl_shared::proto::msg::{ChunkRef, DataSpan, JobStatus, KeyRange, Partition};
+use edl_shared::proto::msg::{
+    ChunkRef, DataSpan, EpochLedger, JobStatus, JobTrace, KeyRange, Partition,
+};
 use edl_shared::proto::{ErrorCode, JobConfig, KeyLayout, Request, Response, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
@@ -214,6 +216,39 @@ impl Job {
         }
     }
 
+    /// The coordinator's membership events and step times.
+    pub async fn trace(&self) -> Result<JobTrace, ClientError> {
+        match self
+            .coordinator
+            .call(Request::Trace, Bytes::new())
+            .await?
+            .msg
+        {
+            Response::Trace(t) => Ok(t),
+            other => Err(CallError::unexpected(&other).into()),
+        }
+    }
+
+    /// Asks a worker to leave gracefully after its current step (admin role).
+    pub async fn drain(&self, worker: WorkerId) -> Result<(), ClientError> {
+        self.coordinator
+            .call(Request::Drain { worker }, Bytes::new())
+            .await?;
+        Ok(())
+    }
+
+    /// Every shard's per-epoch data ledger.
+    pub async fn ledgers(&self) -> Result<Vec<(ShardId, Vec<EpochLedger>)>, ClientError> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            match s.conn.call(Request::Ledger, Bytes::new()).await?.msg {
+                Response::Ledger(l) => out.push((s.id, l)),
+                other => return Err(CallError::unexpected(&other).into()),
+            }
+        }
+        Ok(out)
+    }
+
     /// Registers as a worker. The session heartbeats in the background until it is dropped or
     /// leaves.
     pub async fn register(self, name: &str) -> Result<Session, ClientError> {
@@ -248,6 +283,7 @@ impl Job {
             granted: clock,
             stop,
             lost,
+            drain: false,
         })
     }
 
@@ -550,6 +586,7 @@ pub struct Session {
     granted: Clock,
     stop: CancellationToken,
     lost: Arc<AtomicBool>,
+    drain: bool,
 }
 
 impl Drop for Session {
@@ -572,6 +609,11 @@ impl Session {
     /// Steps completed (the clock of the next push).
     pub fn clock(&self) -> Clock {
         self.clock
+    }
+
+    /// True once an operator asked this worker to leave (seen on a clock grant).
+    pub fn drain_requested(&self) -> bool {
+        self.drain
     }
 
     /// Stops heartbeating, as a worker that hangs would (tests use this to simulate a failure).
@@ -672,9 +714,10 @@ impl Session {
             Err(e) => return Err(self.map_dropped(e.into())),
         };
         match resp.msg {
-            Response::ClockGranted { min_clock } => {
+            Response::ClockGranted { min_clock, drain } => {
                 self.clock = next;
                 self.granted = min_clock;
+                self.drain |= drain;
                 Ok(min_clock)
             }
             other => Err(CallError::unexpected(&other).into()),

@@ -205,7 +205,10 @@ pub async fn train(
                 summary.wall = started.elapsed();
                 return Ok(summary);
             }
-            if opts.max_steps == Some(summary.steps) || shutdown.is_cancelled() {
+            if opts.max_steps == Some(summary.steps)
+                || shutdown.is_cancelled()
+                || session.drain_requested()
+            {
                 // Leaving returns the uncommitted rest of the partition to the pool.
                 break 'outer;
             }

@@ -112,6 +112,7 @@ impl Service for Coordinator {
             | Request::Leave { .. }
             | Request::NextPartition { .. }
             | Request::Clock { .. } => role == Role::Worker,
+            Request::Drain { .. } => role == Role::Admin,
             _ => true,
         }
     }
@@ -138,7 +139,11 @@ impl Service for Coordinator {
                 }
             }
             Request::Register { name } => {
-                match self.wait_for(|st| st.register(&name, now())).await {
+                let requested = now();
+                match self
+                    .wait_for(|st| st.register(&name, requested, now()))
+                    .await
+                {
                     Ok((worker, job, map, clock)) => {
                         info!(%worker, %name, addr = %peer.addr, %clock, "worker admitted");
                         Response::Registered {
@@ -194,9 +199,9 @@ impl Service for Coordinator {
                         self.bump();
                         tracing::trace!(%worker, %clock, "clock: waiting");
                         match self.wait_for(|st| st.may_proceed(worker)).await {
-                            Ok(min_clock) => {
+                            Ok((min_clock, drain)) => {
                                 tracing::trace!(%worker, %clock, %min_clock, "clock: granted");
-                                Response::ClockGranted { min_clock }
+                                Response::ClockGranted { min_clock, drain }
                             }
                             Err(e) => e,
                         }
@@ -204,6 +209,18 @@ impl Service for Coordinator {
                 }
             }
             Request::Status => Response::Status(self.status()),
+            Request::Trace => Response::Trace(self.lock().trace()),
+            Request::Drain { worker } => {
+                let r = self.lock().drain(worker);
+                match r {
+                    Ok(()) => {
+                        info!(%worker, "drain requested");
+                        self.bump();
+                        Response::Ack
+                    }
+                    Err((code, msg)) => Response::error(code, msg),
+                }
+            }
             Request::GetJob => Response::Job(self.lock().job().clone()),
             Request::GetMap => match self.lock().map() {
                 Some(map) => Response::Map(map),
@@ -234,6 +251,8 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::Pull { .. } => "Pull",
         Request::Push { .. } => "Push",
         Request::Ledger => "Ledger",
+        Request::Drain { .. } => "Drain",
+        Request::Trace => "Trace",
     }
 }
 

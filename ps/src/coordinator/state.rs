@@ -2,13 +2,14 @@
 //! clocks and the consistency rule, data partitions and per-epoch progress. No I/O, no async:
 //! every method is a synchronous step that the service layer calls under a lock.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::job::ShardInfo;
 use edl_shared::proto::msg::{
-    DataSpan, EpochStats, JobStatus, Partition, WorkerState, WorkerStatus,
+    DataSpan, EpochStats, EventKind, EventRecord, JobStatus, JobTrace, Partition, StepRecord,
+    WorkerState, WorkerStatus,
 };
 use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
 
@@ -38,6 +39,8 @@ struct Worker {
     leased: Vec<Lease>,
     /// Waiting for data: not counted by the consistency model until it gets a partition.
     idle: bool,
+    /// Asked to leave after its current step.
+    draining: bool,
 }
 
 /// A partition leased to a worker, with the position up to which its samples are committed
@@ -75,7 +78,14 @@ pub struct CoordinatorState {
     data: DataPlan,
     epochs: Vec<EpochStats>,
     samples_done: u64,
+    /// Time zero of the trace.
+    started: Instant,
+    events: Vec<EventRecord>,
+    steps: VecDeque<StepRecord>,
 }
+
+/// Step records kept for the trace; older ones are dropped.
+const MAX_STEP_RECORDS: usize = 1 << 20;
 
 fn unknown(worker: WorkerId) -> Refusal {
     (
@@ -106,7 +116,48 @@ impl CoordinatorState {
             data,
             epochs,
             samples_done: 0,
+            started: Instant::now(),
+            events: Vec::new(),
+            steps: VecDeque::new(),
         }
+    }
+
+    fn ms(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.started).as_millis() as u64
+    }
+
+    fn event(&mut self, kind: EventKind, worker: WorkerId, requested: Instant) {
+        let name = self
+            .workers
+            .get(&worker)
+            .map(|w| w.name.clone())
+            .unwrap_or_default();
+        let now = Instant::now();
+        self.events.push(EventRecord {
+            t_ms: self.ms(now),
+            requested_ms: self.ms(requested.min(now)),
+            kind,
+            worker,
+            name,
+        });
+    }
+
+    /// The membership events and step times so far.
+    pub fn trace(&self) -> JobTrace {
+        JobTrace {
+            events: self.events.clone(),
+            steps: self.steps.iter().copied().collect(),
+        }
+    }
+
+    /// Asks a worker to leave after its current step. A worker waiting for data leaves at once.
+    pub fn drain(&mut self, worker: WorkerId) -> Result<(), Refusal> {
+        let w = self.active(worker)?;
+        if !w.draining {
+            w.draining = true;
+            self.event(EventKind::Drain, worker, Instant::now());
+        }
+        Ok(())
     }
 
     /// The job configuration.
@@ -165,9 +216,11 @@ impl CoordinatorState {
     }
 
     /// Admits a worker once the shard map exists. It enters at the current minimum clock.
+    /// `requested` is when the admission request arrived, for the join latency.
     pub fn register(
         &mut self,
         name: &str,
+        requested: Instant,
         now: Instant,
     ) -> Poll<(WorkerId, JobConfig, ShardMap, Clock)> {
         let Some(map) = self.map.clone() else {
@@ -185,8 +238,10 @@ impl CoordinatorState {
                 last_seen: now,
                 leased: Vec::new(),
                 idle: false,
+                draining: false,
             },
         );
+        self.event(EventKind::Join, id, requested);
         Poll::Ready((id, self.job.clone(), map, clock))
     }
 
@@ -226,6 +281,7 @@ impl CoordinatorState {
     pub fn leave(&mut self, worker: WorkerId) -> Result<(), Refusal> {
         self.active(worker)?;
         self.retire(worker, WorkerState::Left);
+        self.event(EventKind::Leave, worker, Instant::now());
         Ok(())
     }
 
@@ -242,6 +298,7 @@ impl CoordinatorState {
             .collect();
         for id in &dead {
             self.retire(*id, WorkerState::Dead);
+            self.event(EventKind::Dead, *id, now);
         }
         dead
     }
@@ -271,6 +328,9 @@ impl CoordinatorState {
             }
         };
         w.last_seen = now;
+        if w.draining {
+            return Poll::Ready((None, w.clock));
+        }
         if let Some(p) = self.data.lease_next() {
             w.leased.push(Lease {
                 part: p,
@@ -377,6 +437,15 @@ impl CoordinatorState {
         }
         w.clock = clock;
         w.last_seen = now;
+        let t_ms = now.saturating_duration_since(self.started).as_millis() as u64;
+        if self.steps.len() >= MAX_STEP_RECORDS {
+            self.steps.pop_front();
+        }
+        self.steps.push_back(StepRecord {
+            t_ms,
+            worker,
+            clock,
+        });
         stats.samples += u64::from(samples);
         stats.loss_sum += loss_sum;
         self.samples_done += u64::from(samples);
@@ -385,7 +454,8 @@ impl CoordinatorState {
 
     /// Whether `worker` may start its next step: under SSP(s) (BSP is s = 0) only while the
     /// slowest active worker is at least at its clock minus s. Answers with the minimum clock.
-    pub fn may_proceed(&self, worker: WorkerId) -> Poll<Clock> {
+    /// Answers with the minimum clock and whether the worker is asked to leave.
+    pub fn may_proceed(&self, worker: WorkerId) -> Poll<(Clock, bool)> {
         let w = match self.workers.get(&worker) {
             Some(w) if w.state == WorkerState::Active => w,
             _ => {
@@ -395,8 +465,10 @@ impl CoordinatorState {
         };
         let min = self.min_active_clock().unwrap_or(w.clock);
         match self.job.consistency.staleness() {
-            None => Poll::Ready(min),
-            Some(s) if min.0 + s >= w.clock.0 => Poll::Ready(min),
+            // A draining worker leaves after this step: it need not wait for anyone.
+            _ if w.draining => Poll::Ready((min, true)),
+            None => Poll::Ready((min, false)),
+            Some(s) if min.0 + s >= w.clock.0 => Poll::Ready((min, false)),
             Some(_) => Poll::Pending,
         }
     }
@@ -423,6 +495,7 @@ impl CoordinatorState {
                     state: w.state,
                     clock: w.clock,
                     idle_ms: now.saturating_duration_since(w.last_seen).as_millis() as u64,
+                    draining: w.draining,
                 })
                 .collect(),
             min_clock: self.min_active_clock().unwrap_or(self.floor),
@@ -463,13 +536,13 @@ mod tests {
     fn ssp_bound_holds_and_dead_workers_stop_counting() {
         let mut st = CoordinatorState::new(job(Consistency::Ssp { staleness: 1 }), 1);
         let t0 = Instant::now();
-        assert!(matches!(st.register("a", t0), Poll::Pending));
+        assert!(matches!(st.register("a", t0, t0), Poll::Pending));
         st.shard_join("127.0.0.1:1").expect("join");
-        let (a, ..) = ready(st.register("a", t0));
-        let (b, ..) = ready(st.register("b", t0));
+        let (a, ..) = ready(st.register("a", t0, t0));
+        let (b, ..) = ready(st.register("b", t0, t0));
         st.advance(a, Clock(1), 0, 2, 1.0, None, t0)
             .expect("advance");
-        assert!(matches!(st.may_proceed(a), Poll::Ready(Clock(0))));
+        assert!(matches!(st.may_proceed(a), Poll::Ready((Clock(0), false))));
         st.advance(a, Clock(2), 0, 2, 1.0, None, t0)
             .expect("advance");
         // a is two clocks ahead of b with s = 1: it must wait.
@@ -479,10 +552,10 @@ mod tests {
             .expect("hb");
         let dead = st.expire_leases(t0 + Duration::from_millis(1500));
         assert_eq!(dead, vec![b]);
-        assert!(matches!(st.may_proceed(a), Poll::Ready(Clock(2))));
+        assert!(matches!(st.may_proceed(a), Poll::Ready((Clock(2), false))));
         assert!(st.heartbeat(b, t0).is_err());
         // A newcomer enters at the current minimum clock.
-        let (_, _, _, c) = ready(st.register("c", t0));
+        let (_, _, _, c) = ready(st.register("c", t0, t0));
         assert_eq!(c, Clock(2));
     }
 
@@ -491,8 +564,8 @@ mod tests {
         let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
         let t0 = Instant::now();
         st.shard_join("x").expect("join");
-        let (a, ..) = ready(st.register("a", t0));
-        let (b, ..) = ready(st.register("b", t0));
+        let (a, ..) = ready(st.register("a", t0, t0));
+        let (b, ..) = ready(st.register("b", t0, t0));
         let pa = ready(st.next_partition(a, t0)).0.expect("partition");
         let pb = ready(st.next_partition(b, t0)).0.expect("partition");
         assert!(matches!(st.next_partition(b, t0), Poll::Pending));
@@ -550,8 +623,8 @@ mod tests {
         let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
         let t0 = Instant::now();
         st.shard_join("x").expect("join");
-        let (a, ..) = ready(st.register("a", t0));
-        let (b, ..) = ready(st.register("b", t0));
+        let (a, ..) = ready(st.register("a", t0, t0));
+        let (b, ..) = ready(st.register("b", t0, t0));
         st.set_idle(a).expect("idle");
         let pa = ready(st.next_partition(a, t0)).0.expect("partition");
         st.set_idle(b).expect("idle");
@@ -593,7 +666,7 @@ mod tests {
         let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
         let t0 = Instant::now();
         st.shard_join("x").expect("join");
-        let (a, ..) = ready(st.register("a", t0));
+        let (a, ..) = ready(st.register("a", t0, t0));
         assert!(st.advance(a, Clock(1), 0, 2, f64::NAN, None, t0).is_err());
         assert!(st.advance(a, Clock(1), 7, 2, 1.0, None, t0).is_err());
         assert!(st.advance(a, Clock(5), 0, 2, 1.0, None, t0).is_err());

@@ -132,7 +132,13 @@ pub async fn train(
     let mut params = vec![0f32; job.param_count()];
     let mut grads = vec![0f32; job.param_count()];
     let (mut x, mut y) = (Vec::new(), Vec::new());
-    // All slow preparation is done: ask to be admitted.
+    // Stop-free join: do every slow thing before asking to be admitted, while the others keep
+    // training. The first pull warms the shard connections and buffers, and a pass over one
+    // batch warms the backend (for a GPU: context, kernels, device buffers). Neither counts.
+    job.pull_all(&mut params, Clock(0)).await?;
+    let warm: Vec<u32> = (0..cfg.batch_size.clamp(1, cfg.train_samples.max(1))).collect();
+    train.gather(&warm, &mut x, &mut y)?;
+    backend.forward_backward(&mlp, &params, &x, &y, &mut grads)?;
     let mut session = job.register(name).await?;
     let started = Instant::now();
     let mut summary = TrainSummary::default();

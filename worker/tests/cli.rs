@@ -35,3 +35,40 @@ fn a_missing_dataset_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("dataset-fashion-mnist"), "{err}");
 }
+
+#[test]
+fn a_signal_before_admission_exits_cleanly_and_promptly() {
+    let data = std::path::Path::new(edl_worker::data::DEFAULT_DATA_DIR);
+    if !data.exists() {
+        eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Nothing listens on this port: the worker keeps trying to reach the coordinator.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edl-worker"))
+        .args(["--coordinator", "127.0.0.1:9"])
+        .arg("--state-dir")
+        .arg(dir.path())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawns");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let pid = child.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            started.elapsed().as_secs() < 10,
+            "the worker ignored SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+}

@@ -56,7 +56,11 @@ async fn main() -> anyhow::Result<()> {
         identity,
         settings: TransportSettings::default(),
     };
-    let job = Job::connect(&cfg).await.context("connecting to the job")?;
+    let job = tokio::select! {
+        r = Job::connect(&cfg) => r.context("connecting to the job")?,
+        // Not admitted yet: nothing to hand back, so a signal simply ends the process.
+        _ = shutdown.cancelled() => return Ok(()),
+    };
     if cli.evaluate {
         let stats = trainer::evaluate(&job, &data, &mut backend).await?;
         let line = serde_json::json!({

@@ -166,6 +166,52 @@ pub struct WorkerStatus {
     pub draining: bool,
 }
 
+/// One worker in detail, for operators.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct WorkerInfo {
+    /// Its id.
+    pub id: WorkerId,
+    /// The name in its certificate.
+    pub name: String,
+    /// The address it registered from.
+    pub addr: String,
+    /// Its state.
+    pub state: WorkerState,
+    /// Steps completed.
+    pub clock: Clock,
+    /// Milliseconds since its last heartbeat or request.
+    pub idle_ms: u64,
+    /// Asked to leave after its current step.
+    pub draining: bool,
+    /// Steps per second over the last ten seconds.
+    pub steps_per_s: f64,
+    /// Samples it committed.
+    pub samples: u64,
+}
+
+/// One shard's holdings and load, for operators.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ShardStats {
+    /// Its id.
+    pub shard: ShardId,
+    /// The key ranges it holds.
+    pub ranges: Vec<KeyRange>,
+    /// Keys held.
+    pub keys: u64,
+    /// Parameter floats held.
+    pub floats: u64,
+    /// Bytes of parameters and optimizer state.
+    pub state_bytes: u64,
+    /// Pushes applied or staged.
+    pub pushes: u64,
+    /// Pulls served.
+    pub pulls: u64,
+    /// Payload bytes received.
+    pub bytes_in: u64,
+    /// Payload bytes sent.
+    pub bytes_out: u64,
+}
+
 /// A snapshot of the job for launchers and operators.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct JobStatus {
@@ -274,6 +320,10 @@ pub enum Request {
     },
     /// Asks the coordinator for its event trace.
     Trace,
+    /// Asks the coordinator for every worker in detail.
+    Members,
+    /// Asks a shard for its holdings and load.
+    ShardStats,
 }
 
 /// A response header.
@@ -325,6 +375,10 @@ pub enum Response {
     },
     /// The event trace.
     Trace(JobTrace),
+    /// Every worker in detail.
+    Members(Vec<WorkerInfo>),
+    /// A shard's holdings and load.
+    ShardStats(ShardStats),
     /// A status snapshot.
     Status(JobStatus),
     /// The current shard map.

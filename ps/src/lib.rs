@@ -4,6 +4,7 @@
 //! Both are libraries first: the `edl-ps` binary only parses flags and calls
 //! [`coordinator::run`] or [`shard::run`], so tests can run whole clusters in one process.
 
+pub mod admin;
 pub mod coordinator;
 pub mod ledger;
 pub mod optimizer;

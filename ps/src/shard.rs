@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
 use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
-use edl_shared::proto::msg::{ChunkRef, DataSpan, EpochLedger, KeyRange};
+use edl_shared::proto::msg::{ChunkRef, DataSpan, EpochLedger, KeyRange, ShardStats};
 use edl_shared::proto::{
     Consistency, ErrorCode, Frame, Init, JobConfig, Request, Response, ShardMap,
 };
@@ -46,6 +47,16 @@ pub struct ShardState {
     map: ShardMap,
     chunks: DashMap<Key, Chunk>,
     ledger: Mutex<DataLedger>,
+    load: Load,
+}
+
+/// Request counters for operators.
+#[derive(Debug, Default)]
+struct Load {
+    pushes: AtomicU64,
+    pulls: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
 }
 
 /// A refused request: a stable code, a message and, for a stale epoch, the current map.
@@ -115,6 +126,7 @@ impl ShardState {
         ShardState {
             id,
             ledger: Mutex::new(DataLedger::new(&job)),
+            load: Load::default(),
             job,
             map,
             chunks,
@@ -190,6 +202,10 @@ impl ShardState {
                 len: chunk.params.len() as u32,
             });
         }
+        self.load.pulls.fetch_add(1, Ordering::Relaxed);
+        self.load
+            .bytes_out
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(Frame::with_payload(
             Response::Pulled { chunks: refs },
             out.freeze(),
@@ -266,6 +282,10 @@ impl ShardState {
                 return Ok(Claim::AlreadyApplied);
             }
         }
+        self.load.pushes.fetch_add(1, Ordering::Relaxed);
+        self.load
+            .bytes_in
+            .fetch_add(payload.len() as u64, Ordering::Relaxed);
         let mut offset = 0;
         for c in chunks {
             let g = &grads[offset..offset + c.len as usize];
@@ -302,6 +322,40 @@ impl ShardState {
     fn ledger(&self) -> MutexGuard<'_, DataLedger> {
         // The ledger is only ever updated whole under the lock; keep serving if a holder panicked.
         self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Holdings and load.
+    pub fn stats(&self) -> ShardStats {
+        let mut floats = 0u64;
+        let mut state_bytes = 0u64;
+        for c in self.chunks.iter() {
+            let n = c.params.len() as u64;
+            floats += n;
+            let opt = match &c.opt {
+                OptState::Sgd => 0,
+                OptState::Momentum { v } => v.len() as u64,
+                OptState::Adam { m, v, .. } => (m.len() + v.len()) as u64,
+            };
+            state_bytes += 4 * (n + opt);
+        }
+        ShardStats {
+            shard: self.id,
+            ranges: self
+                .map
+                .ranges_of(self.id)
+                .map(|r| KeyRange {
+                    start: r.start,
+                    end: r.end,
+                })
+                .collect(),
+            keys: self.chunks.len() as u64,
+            floats,
+            state_bytes,
+            pushes: self.load.pushes.load(Ordering::Relaxed),
+            pulls: self.load.pulls.load(Ordering::Relaxed),
+            bytes_in: self.load.bytes_in.load(Ordering::Relaxed),
+            bytes_out: self.load.bytes_out.load(Ordering::Relaxed),
+        }
     }
 
     /// The per-epoch data ledger.
@@ -373,6 +427,7 @@ impl Service for ShardService {
                 .map(|_| Frame::new(Response::Ack))
                 .map_err(Response::from),
             Request::Ledger => Ok(Frame::new(Response::Ledger(st.ledger_report()))),
+            Request::ShardStats => Ok(Frame::new(Response::ShardStats(st.stats()))),
             Request::GetMap => Ok(Frame::new(Response::Map(st.map.clone()))),
             other => Err(Response::error(
                 ErrorCode::InvalidRequest,

@@ -141,7 +141,7 @@ impl Service for Coordinator {
             Request::Register { name } => {
                 let requested = now();
                 match self
-                    .wait_for(|st| st.register(&name, requested, now()))
+                    .wait_for(|st| st.register(&name, &peer.addr.to_string(), requested, now()))
                     .await
                 {
                     Ok((worker, job, map, clock)) => {
@@ -210,6 +210,7 @@ impl Service for Coordinator {
             }
             Request::Status => Response::Status(self.status()),
             Request::Trace => Response::Trace(self.lock().trace()),
+            Request::Members => Response::Members(self.lock().members(Instant::now())),
             Request::Drain { worker } => {
                 let r = self.lock().drain(worker);
                 match r {
@@ -253,6 +254,8 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::Ledger => "Ledger",
         Request::Drain { .. } => "Drain",
         Request::Trace => "Trace",
+        Request::Members => "Members",
+        Request::ShardStats => "ShardStats",
     }
 }
 

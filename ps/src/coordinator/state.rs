@@ -9,7 +9,7 @@ use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::job::ShardInfo;
 use edl_shared::proto::msg::{
     DataSpan, EpochStats, EventKind, EventRecord, JobStatus, JobTrace, Partition, StepRecord,
-    WorkerState, WorkerStatus,
+    WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
 
@@ -32,6 +32,8 @@ pub type Refusal = (ErrorCode, String);
 #[derive(Debug)]
 struct Worker {
     name: String,
+    addr: String,
+    samples: u64,
     state: WorkerState,
     clock: Clock,
     last_seen: Instant,
@@ -220,6 +222,7 @@ impl CoordinatorState {
     pub fn register(
         &mut self,
         name: &str,
+        addr: &str,
         requested: Instant,
         now: Instant,
     ) -> Poll<(WorkerId, JobConfig, ShardMap, Clock)> {
@@ -233,6 +236,8 @@ impl CoordinatorState {
             id,
             Worker {
                 name: name.to_string(),
+                addr: addr.to_string(),
+                samples: 0,
                 state: WorkerState::Active,
                 clock,
                 last_seen: now,
@@ -437,6 +442,7 @@ impl CoordinatorState {
         }
         w.clock = clock;
         w.last_seen = now;
+        w.samples += u64::from(samples);
         let t_ms = now.saturating_duration_since(self.started).as_millis() as u64;
         if self.steps.len() >= MAX_STEP_RECORDS {
             self.steps.pop_front();
@@ -476,6 +482,36 @@ impl CoordinatorState {
     /// True when every partition of every epoch is complete.
     pub fn finished(&self) -> bool {
         self.data.finished()
+    }
+
+    /// Every worker in detail.
+    pub fn members(&self, now: Instant) -> Vec<WorkerInfo> {
+        let window_ms = 10_000;
+        let since = self.ms(now).saturating_sub(window_ms);
+        let span_s = (self.ms(now) - since).max(1) as f64 / 1000.0;
+        self.workers
+            .iter()
+            .map(|(id, w)| {
+                let recent = self
+                    .steps
+                    .iter()
+                    .rev()
+                    .take_while(|s| s.t_ms >= since)
+                    .filter(|s| s.worker == *id)
+                    .count();
+                WorkerInfo {
+                    id: *id,
+                    name: w.name.clone(),
+                    addr: w.addr.clone(),
+                    state: w.state,
+                    clock: w.clock,
+                    idle_ms: now.saturating_duration_since(w.last_seen).as_millis() as u64,
+                    draining: w.draining,
+                    steps_per_s: recent as f64 / span_s,
+                    samples: w.samples,
+                }
+            })
+            .collect()
     }
 
     /// A snapshot for status requests.
@@ -536,10 +572,10 @@ mod tests {
     fn ssp_bound_holds_and_dead_workers_stop_counting() {
         let mut st = CoordinatorState::new(job(Consistency::Ssp { staleness: 1 }), 1);
         let t0 = Instant::now();
-        assert!(matches!(st.register("a", t0, t0), Poll::Pending));
+        assert!(matches!(st.register("a", "x", t0, t0), Poll::Pending));
         st.shard_join("127.0.0.1:1").expect("join");
-        let (a, ..) = ready(st.register("a", t0, t0));
-        let (b, ..) = ready(st.register("b", t0, t0));
+        let (a, ..) = ready(st.register("a", "x", t0, t0));
+        let (b, ..) = ready(st.register("b", "x", t0, t0));
         st.advance(a, Clock(1), 0, 2, 1.0, None, t0)
             .expect("advance");
         assert!(matches!(st.may_proceed(a), Poll::Ready((Clock(0), false))));
@@ -555,7 +591,7 @@ mod tests {
         assert!(matches!(st.may_proceed(a), Poll::Ready((Clock(2), false))));
         assert!(st.heartbeat(b, t0).is_err());
         // A newcomer enters at the current minimum clock.
-        let (_, _, _, c) = ready(st.register("c", t0, t0));
+        let (_, _, _, c) = ready(st.register("c", "x", t0, t0));
         assert_eq!(c, Clock(2));
     }
 
@@ -564,8 +600,8 @@ mod tests {
         let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
         let t0 = Instant::now();
         st.shard_join("x").expect("join");
-        let (a, ..) = ready(st.register("a", t0, t0));
-        let (b, ..) = ready(st.register("b", t0, t0));
+        let (a, ..) = ready(st.register("a", "x", t0, t0));
+        let (b, ..) = ready(st.register("b", "x", t0, t0));
         let pa = ready(st.next_partition(a, t0)).0.expect("partition");
         let pb = ready(st.next_partition(b, t0)).0.expect("partition");
         assert!(matches!(st.next_partition(b, t0), Poll::Pending));
@@ -623,8 +659,8 @@ mod tests {
         let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
         let t0 = Instant::now();
         st.shard_join("x").expect("join");
-        let (a, ..) = ready(st.register("a", t0, t0));
-        let (b, ..) = ready(st.register("b", t0, t0));
+        let (a, ..) = ready(st.register("a", "x", t0, t0));
+        let (b, ..) = ready(st.register("b", "x", t0, t0));
         st.set_idle(a).expect("idle");
         let pa = ready(st.next_partition(a, t0)).0.expect("partition");
         st.set_idle(b).expect("idle");
@@ -666,7 +702,7 @@ mod tests {
         let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
         let t0 = Instant::now();
         st.shard_join("x").expect("join");
-        let (a, ..) = ready(st.register("a", t0, t0));
+        let (a, ..) = ready(st.register("a", "x", t0, t0));
         assert!(st.advance(a, Clock(1), 0, 2, f64::NAN, None, t0).is_err());
         assert!(st.advance(a, Clock(1), 7, 2, 1.0, None, t0).is_err());
         assert!(st.advance(a, Clock(5), 0, 2, 1.0, None, t0).is_err());

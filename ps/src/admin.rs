@@ -1,0 +1,343 @@
+//! The operator's client: a light connection to the coordinator (and, for shard details, to
+//! each shard) with the admin role, plus serializable views of what it reads, for `edlctl`.
+
+use bytes::Bytes;
+use edl_shared::Identity;
+use edl_shared::proto::msg::{JobStatus, ShardStats, WorkerInfo, WorkerState};
+use edl_shared::proto::{JobConfig, ModelSpec, Request, Response, ShardMap, WorkerId};
+use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
+use serde::Serialize;
+
+/// An authenticated admin connection to a job.
+pub struct Admin {
+    coordinator: Conn,
+    endpoint: quinn::Endpoint,
+    settings: TransportSettings,
+    name: String,
+}
+
+impl Admin {
+    /// Connects to the coordinator at `addr`.
+    pub async fn connect(
+        addr: &str,
+        identity: &Identity,
+        settings: TransportSettings,
+    ) -> Result<Admin, CallError> {
+        let endpoint = client_endpoint(identity, &settings, false)?;
+        let coordinator = Conn::connect(&endpoint, addr, &identity.name, &settings).await?;
+        Ok(Admin {
+            coordinator,
+            endpoint,
+            settings,
+            name: identity.name.clone(),
+        })
+    }
+
+    async fn ask(&self, req: Request) -> Result<Response, CallError> {
+        Ok(self.coordinator.call(req, Bytes::new()).await?.msg)
+    }
+
+    /// The job status.
+    pub async fn status(&self) -> Result<JobStatus, CallError> {
+        match self.ask(Request::Status).await? {
+            Response::Status(s) => Ok(s),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// The job configuration.
+    pub async fn job(&self) -> Result<JobConfig, CallError> {
+        match self.ask(Request::GetJob).await? {
+            Response::Job(j) => Ok(j),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// The shard map.
+    pub async fn map(&self) -> Result<ShardMap, CallError> {
+        match self.ask(Request::GetMap).await? {
+            Response::Map(m) => Ok(m),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Every worker in detail.
+    pub async fn members(&self) -> Result<Vec<WorkerInfo>, CallError> {
+        match self.ask(Request::Members).await? {
+            Response::Members(m) => Ok(m),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Asks a worker to leave after its current step.
+    pub async fn drain(&self, worker: WorkerId) -> Result<(), CallError> {
+        self.ask(Request::Drain { worker }).await.map(|_| ())
+    }
+
+    /// Each shard's holdings and load, in map order; a shard that cannot be reached gives its
+    /// error instead.
+    pub async fn shard_stats(&self) -> Result<Vec<(ShardRow, Option<String>)>, CallError> {
+        let map = self.map().await?;
+        let mut out = Vec::new();
+        for info in &map.shards {
+            let got = async {
+                let conn =
+                    Conn::connect(&self.endpoint, &info.addr, &self.name, &self.settings).await?;
+                match conn.call(Request::ShardStats, Bytes::new()).await?.msg {
+                    Response::ShardStats(s) => Ok(s),
+                    other => Err(CallError::unexpected(&other)),
+                }
+            }
+            .await;
+            match got {
+                Ok(s) => out.push((ShardRow::new(&info.addr, &s), None)),
+                Err(e) => out.push((
+                    ShardRow {
+                        id: info.id.0,
+                        addr: info.addr.clone(),
+                        ..ShardRow::default()
+                    },
+                    Some(e.to_string()),
+                )),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `edlctl status`, as JSON.
+#[derive(Debug, Serialize)]
+pub struct StatusView {
+    /// Model description.
+    pub model: String,
+    /// Optimizer.
+    pub optimizer: String,
+    /// Consistency model.
+    pub consistency: String,
+    /// Epochs.
+    pub epochs: u32,
+    /// Batch size.
+    pub batch_size: u32,
+    /// Shards joined / expected.
+    pub shards: (u32, u32),
+    /// Active workers.
+    pub active_workers: usize,
+    /// The slowest active worker's clock.
+    pub min_clock: u64,
+    /// The fastest active worker's clock.
+    pub max_clock: u64,
+    /// Samples done / total.
+    pub samples: (u64, u64),
+    /// Committed samples per second over the last ten seconds, all workers together.
+    pub samples_per_s: f64,
+    /// Every epoch's data is done.
+    pub finished: bool,
+}
+
+impl StatusView {
+    /// Builds the view.
+    pub fn new(job: &JobConfig, st: &JobStatus, members: &[WorkerInfo]) -> Self {
+        let active: Vec<&WorkerInfo> = members
+            .iter()
+            .filter(|w| w.state == WorkerState::Active)
+            .collect();
+        let model = match &job.model {
+            ModelSpec::Mlp { layers } => format!(
+                "mlp {}",
+                layers
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join("-")
+            ),
+            ModelSpec::Custom => format!("custom ({} tensors)", job.tensors.len()),
+        };
+        StatusView {
+            model,
+            optimizer: job.optimizer.to_string(),
+            consistency: job.consistency.to_string(),
+            epochs: job.epochs,
+            batch_size: job.batch_size,
+            shards: (st.shards_joined, st.shards_expected),
+            active_workers: active.len(),
+            min_clock: st.min_clock.0,
+            max_clock: active.iter().map(|w| w.clock.0).max().unwrap_or(0),
+            samples: (st.samples_done, st.samples_total),
+            samples_per_s: active
+                .iter()
+                .map(|w| w.steps_per_s * f64::from(job.batch_size))
+                .sum(),
+            finished: st.finished,
+        }
+    }
+}
+
+/// One row of `edlctl workers`.
+#[derive(Debug, Serialize)]
+pub struct WorkerRow {
+    /// Worker id.
+    pub id: u64,
+    /// Certificate name.
+    pub name: String,
+    /// Address it registered from.
+    pub addr: String,
+    /// active, draining, left or dead.
+    pub state: String,
+    /// Steps completed.
+    pub clock: u64,
+    /// Steps per second over the last ten seconds.
+    pub steps_per_s: f64,
+    /// Samples committed.
+    pub samples: u64,
+    /// Milliseconds since its last heartbeat.
+    pub last_heartbeat_ms: u64,
+}
+
+impl From<&WorkerInfo> for WorkerRow {
+    fn from(w: &WorkerInfo) -> Self {
+        let state = match (w.state, w.draining) {
+            (WorkerState::Active, true) => "draining",
+            (WorkerState::Active, false) => "active",
+            (WorkerState::Left, _) => "left",
+            (WorkerState::Dead, _) => "dead",
+        };
+        WorkerRow {
+            id: w.id.0,
+            name: w.name.clone(),
+            addr: w.addr.clone(),
+            state: state.into(),
+            clock: w.clock.0,
+            steps_per_s: w.steps_per_s,
+            samples: w.samples,
+            last_heartbeat_ms: w.idle_ms,
+        }
+    }
+}
+
+/// One row of `edlctl shards`.
+#[derive(Debug, Default, Serialize)]
+pub struct ShardRow {
+    /// Shard id.
+    pub id: u32,
+    /// Address.
+    pub addr: String,
+    /// Key ranges held, as `start..end`.
+    pub ranges: Vec<String>,
+    /// Keys held.
+    pub keys: u64,
+    /// Bytes of parameters and optimizer state.
+    pub bytes: u64,
+    /// Pushes served.
+    pub pushes: u64,
+    /// Pulls served.
+    pub pulls: u64,
+    /// Payload bytes received and sent.
+    pub traffic_bytes: u64,
+}
+
+impl ShardRow {
+    fn new(addr: &str, s: &ShardStats) -> Self {
+        ShardRow {
+            id: s.shard.0,
+            addr: addr.to_string(),
+            ranges: s
+                .ranges
+                .iter()
+                .map(|r| format!("{}..{}", r.start, r.end))
+                .collect(),
+            keys: s.keys,
+            bytes: s.state_bytes,
+            pushes: s.pushes,
+            pulls: s.pulls,
+            traffic_bytes: s.bytes_in + s.bytes_out,
+        }
+    }
+}
+
+/// Picks the worker a `drain` means: a numeric id, or the name of exactly one active worker.
+pub fn resolve_worker(members: &[WorkerInfo], which: &str) -> Result<WorkerId, String> {
+    if let Ok(id) = which.parse::<u64>() {
+        return members
+            .iter()
+            .find(|w| w.id.0 == id)
+            .map(|w| w.id)
+            .ok_or_else(|| format!("no worker with id {id}"));
+    }
+    let active: Vec<&WorkerInfo> = members
+        .iter()
+        .filter(|w| w.name == which && w.state == WorkerState::Active)
+        .collect();
+    match active.as_slice() {
+        [one] => Ok(one.id),
+        [] => Err(format!("no active worker named {which:?}")),
+        many => Err(format!(
+            "{} active workers are named {which:?} (ids {}); give the id",
+            many.len(),
+            many.iter()
+                .map(|w| w.id.0.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+/// Human-readable byte counts.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_shared::proto::Clock;
+
+    fn w(id: u64, name: &str, state: WorkerState) -> WorkerInfo {
+        WorkerInfo {
+            id: WorkerId(id),
+            name: name.into(),
+            addr: "127.0.0.1:1".into(),
+            state,
+            clock: Clock(0),
+            idle_ms: 0,
+            draining: false,
+            steps_per_s: 0.0,
+            samples: 0,
+        }
+    }
+
+    #[test]
+    fn drain_targets_resolve_by_id_or_unique_active_name() {
+        let ms = vec![
+            w(1, "w0", WorkerState::Left),
+            w(2, "w0", WorkerState::Active),
+            w(3, "w1", WorkerState::Active),
+            w(4, "w1", WorkerState::Active),
+        ];
+        assert_eq!(resolve_worker(&ms, "w0"), Ok(WorkerId(2)));
+        assert_eq!(resolve_worker(&ms, "4"), Ok(WorkerId(4)));
+        assert!(
+            resolve_worker(&ms, "w1")
+                .expect_err("ambiguous")
+                .contains("3, 4")
+        );
+        assert!(resolve_worker(&ms, "w9").is_err());
+        assert!(resolve_worker(&ms, "99").is_err());
+    }
+
+    #[test]
+    fn bytes_are_human() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 << 20), "3.0 MiB");
+    }
+}

@@ -1,0 +1,117 @@
+//! `edlctl` against a live in-process cluster: tables and JSON for every command, clear errors
+//! and non-zero exit codes.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use edl_shared::proto::Consistency;
+use edl_shared::proto::msg::WorkerState;
+use edl_testkit::{TestCluster, counter_job};
+
+/// `edlctl`, built beside this test by `cargo test --workspace` (edl-ps's own tests need it).
+fn edlctl() -> PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target directory");
+    dir.join("edlctl")
+}
+
+async fn run(cluster: &TestCluster, args: &[&str]) -> Output {
+    let mut cmd = Command::new(edlctl());
+    cmd.arg("--coordinator")
+        .arg(cluster.coordinator_addr.to_string())
+        .arg("--state-dir")
+        .arg(cluster.state_dir())
+        .args(args);
+    tokio::task::spawn_blocking(move || cmd.output().expect("edlctl runs"))
+        .await
+        .expect("join")
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("valid JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_prints_a_table_and_json() -> anyhow::Result<()> {
+    if !edlctl().exists() {
+        anyhow::bail!(
+            "{} is missing: run the tests with cargo test --workspace",
+            edlctl().display()
+        );
+    }
+    let cluster = TestCluster::start(counter_job(256, 64, Consistency::Asp), 2).await?;
+    let mut w = cluster.connect("w0").await?.register("w0").await?;
+    for _ in 0..5 {
+        w.push(&[-1.0; 256]).await?;
+        w.advance(0, 1, 0.0).await?;
+    }
+
+    let status = json(&run(&cluster, &["--json", "status"]).await);
+    assert_eq!(status["active_workers"], 1);
+    assert_eq!(status["max_clock"], 5);
+    assert_eq!(status["consistency"], "asp");
+    let table = run(&cluster, &["status"]).await;
+    assert!(String::from_utf8_lossy(&table.stdout).contains("consistency"));
+
+    let workers = json(&run(&cluster, &["workers", "--json"]).await);
+    let row = &workers.as_array().expect("array")[0];
+    assert_eq!(row["name"], "w0");
+    assert_eq!(row["state"], "active");
+    assert_eq!(row["clock"], 5);
+    assert!(
+        row["addr"]
+            .as_str()
+            .expect("addr")
+            .starts_with("127.0.0.1:")
+    );
+
+    let shards = json(&run(&cluster, &["shards", "--json"]).await);
+    let shards = shards.as_array().expect("array");
+    assert_eq!(shards.len(), 2);
+    let keys: u64 = shards
+        .iter()
+        .map(|s| s["keys"].as_u64().expect("keys"))
+        .sum();
+    assert_eq!(keys, 4);
+    let pushes: u64 = shards
+        .iter()
+        .map(|s| s["pushes"].as_u64().expect("pushes"))
+        .sum();
+    assert_eq!(pushes, 10, "5 pushes fanned out to 2 shards");
+    let table = String::from_utf8_lossy(&run(&cluster, &["shards"]).await.stdout).to_string();
+    assert!(table.contains("0..2") && table.contains("2..4"), "{table}");
+
+    let drained = json(&run(&cluster, &["--json", "drain", "w0"]).await);
+    assert_eq!(drained["drained"], w.worker().0);
+    w.push(&[-1.0; 256]).await?;
+    w.advance(0, 1, 0.0).await?;
+    assert!(w.drain_requested());
+    let id = w.worker();
+    w.leave().await?;
+    let st = cluster.coordinator.status();
+    assert_eq!(
+        st.workers.iter().find(|x| x.id == id).map(|x| x.state),
+        Some(WorkerState::Left)
+    );
+
+    // Errors: clear message, non-zero exit.
+    let bad = run(&cluster, &["drain", "nobody"]).await;
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("no active worker named"));
+    let mut cmd = Command::new(edlctl());
+    cmd.args(["--coordinator", "not-an-address", "--state-dir"])
+        .arg(cluster.state_dir())
+        .arg("status");
+    let out = tokio::task::spawn_blocking(move || cmd.output().expect("runs")).await?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not-an-address"));
+    Ok(())
+}

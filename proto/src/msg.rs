@@ -324,6 +324,8 @@ pub enum Request {
     Members,
     /// Asks a shard for its holdings and load.
     ShardStats,
+    /// Asks a shard to write a checkpoint now.
+    Checkpoint,
 }
 
 /// A response header.
@@ -379,6 +381,15 @@ pub enum Response {
     Members(Vec<WorkerInfo>),
     /// A shard's holdings and load.
     ShardStats(ShardStats),
+    /// A checkpoint was written.
+    Checkpointed {
+        /// Its path on the shard's machine.
+        path: String,
+        /// Bytes written.
+        bytes: u64,
+        /// Milliseconds spent (copying the state, writing and syncing).
+        millis: f64,
+    },
     /// A status snapshot.
     Status(JobStatus),
     /// The current shard map.

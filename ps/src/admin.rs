@@ -74,6 +74,44 @@ impl Admin {
         self.ask(Request::Drain { worker }).await.map(|_| ())
     }
 
+    /// Asks every shard to write a checkpoint now; per shard the outcome.
+    pub async fn checkpoint_all(&self) -> Result<Vec<CheckpointRow>, CallError> {
+        let map = self.map().await?;
+        let mut out = Vec::new();
+        for info in &map.shards {
+            let got = async {
+                let conn =
+                    Conn::connect(&self.endpoint, &info.addr, &self.name, &self.settings).await?;
+                match conn.call(Request::Checkpoint, Bytes::new()).await?.msg {
+                    Response::Checkpointed {
+                        path,
+                        bytes,
+                        millis,
+                    } => Ok((path, bytes, millis)),
+                    other => Err(CallError::unexpected(&other)),
+                }
+            }
+            .await;
+            out.push(match got {
+                Ok((path, bytes, millis)) => CheckpointRow {
+                    shard: info.id.0,
+                    path,
+                    bytes,
+                    millis,
+                    error: None,
+                },
+                Err(e) => CheckpointRow {
+                    shard: info.id.0,
+                    path: String::new(),
+                    bytes: 0,
+                    millis: 0.0,
+                    error: Some(e.to_string()),
+                },
+            });
+        }
+        Ok(out)
+    }
+
     /// Each shard's holdings and load, in map order; a shard that cannot be reached gives its
     /// error instead.
     pub async fn shard_stats(&self) -> Result<Vec<(ShardRow, Option<String>)>, CallError> {
@@ -212,6 +250,21 @@ impl From<&WorkerInfo> for WorkerRow {
             last_heartbeat_ms: w.idle_ms,
         }
     }
+}
+
+/// One row of `edlctl checkpoint`.
+#[derive(Debug, Serialize)]
+pub struct CheckpointRow {
+    /// Shard id.
+    pub shard: u32,
+    /// Where the shard wrote it.
+    pub path: String,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Milliseconds the shard spent.
+    pub millis: f64,
+    /// Why it failed.
+    pub error: Option<String>,
 }
 
 /// One row of `edlctl shards`.

@@ -12,6 +12,8 @@ use std::collections::HashMap;
 use edl_shared::proto::msg::{DataSpan, EpochLedger};
 use edl_shared::proto::{ErrorCode, JobConfig};
 
+use crate::checkpoint::LedgerSnap;
+
 /// What a push should do with its span.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Claim {
@@ -59,13 +61,16 @@ impl DataLedger {
         }
         match self.progress.get(&(span.epoch, span.partition)) {
             Some(&done) if span.end <= done => Ok(Claim::AlreadyApplied),
-            Some(&done) if span.start != done => Err((
+            // A span that starts inside applied samples would apply some of them twice.
+            Some(&done) if span.start < done => Err((
                 ErrorCode::InvalidRequest,
                 format!(
-                    "span {}..{} does not continue partition {}/{} at {done}",
+                    "span {}..{} overlaps partition {}/{}, applied up to {done}",
                     span.start, span.end, span.epoch, span.partition
                 ),
             )),
+            // A span past the applied position leaves a gap: this shard lost those samples'
+            // updates (restored from an older checkpoint). They count as missing.
             _ => Ok(Claim::Apply),
         }
     }
@@ -88,6 +93,43 @@ impl DataLedger {
             }
         }
         Ok(claim)
+    }
+
+    /// The ledger's state, for a checkpoint.
+    pub fn snapshot(&self) -> LedgerSnap {
+        let mut progress: Vec<(u32, u32, u32)> = self
+            .progress
+            .iter()
+            .map(|(&(e, p), &done)| (e, p, done))
+            .collect();
+        progress.sort_unstable();
+        LedgerSnap {
+            progress,
+            counts: self.counts.clone(),
+            skipped: self.skipped.clone(),
+        }
+    }
+
+    /// A ledger for `job` with the state of a checkpoint.
+    pub fn restore(job: &JobConfig, snap: &LedgerSnap) -> Result<Self, String> {
+        let mut l = DataLedger::new(job);
+        if snap.counts.len() != l.counts.len()
+            || snap.skipped.len() != l.skipped.len()
+            || snap
+                .counts
+                .iter()
+                .any(|c| !c.is_empty() && c.len() != job.train_samples as usize)
+        {
+            return Err("the checkpoint's data ledger does not fit the job".into());
+        }
+        l.counts = snap.counts.clone();
+        l.skipped = snap.skipped.clone();
+        l.progress = snap
+            .progress
+            .iter()
+            .map(|&(e, p, done)| ((e, p), done))
+            .collect();
+        Ok(l)
     }
 
     /// The per-epoch account.
@@ -146,13 +188,14 @@ mod tests {
         // The coordinator re-issued from 2 (the worker died before committing 2..4).
         assert_eq!(l.claim(&span(0, 0, 2, 4)), Ok(Claim::AlreadyApplied));
         assert!(l.claim(&span(0, 1, 4, 6)).is_ok());
-        assert!(l.claim(&span(0, 1, 7, 8)).is_err(), "a gap");
         assert!(l.claim(&span(0, 1, 5, 7)).is_err(), "a misaligned overlap");
         assert!(l.claim(&span(2, 0, 0, 2)).is_err(), "no such epoch");
         assert!(l.claim(&span(0, 1, 6, 9)).is_err(), "past the data");
+        // A gap (updates lost with a shard's state) is accepted and shows as missing.
+        assert_eq!(l.claim(&span(0, 1, 7, 8)), Ok(Claim::Apply));
         let r = l.report();
-        assert_eq!(r[0].applied, 6);
-        assert_eq!(r[0].missing, 2);
+        assert_eq!(r[0].applied, 7);
+        assert_eq!(r[0].missing, 1);
         assert_eq!(r[0].duplicates, 0);
         assert_eq!(r[0].skipped_pushes, 1);
         assert_eq!(r[1].missing, 8);

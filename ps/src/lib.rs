@@ -5,6 +5,7 @@
 //! [`coordinator::run`] or [`shard::run`], so tests can run whole clusters in one process.
 
 pub mod admin;
+pub mod checkpoint;
 pub mod coordinator;
 pub mod ledger;
 pub mod optimizer;

@@ -6,8 +6,9 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -16,7 +17,7 @@ use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, EpochLedger, KeyRange, ShardStats};
 use edl_shared::proto::{
-    Consistency, ErrorCode, Frame, Init, JobConfig, Request, Response, ShardMap,
+    Consistency, ErrorCode, Frame, Init, JobConfig, OptimizerSpec, Request, Response, ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint, server_endpoint};
@@ -25,6 +26,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use tokio::sync::watch;
 use tracing::info;
 
+use crate::checkpoint::{self, CheckpointError, ChunkSnap, ShardCheckpoint};
 use crate::ledger::{Claim, DataLedger};
 use crate::optimizer::OptState;
 
@@ -48,6 +50,9 @@ pub struct ShardState {
     chunks: DashMap<Key, Chunk>,
     ledger: Mutex<DataLedger>,
     load: Load,
+    /// Pushes hold it shared while they apply; a checkpoint holds it exclusively while it
+    /// copies the state, so it never sees half a push.
+    gate: RwLock<()>,
 }
 
 /// Request counters for operators.
@@ -127,9 +132,113 @@ impl ShardState {
             id,
             ledger: Mutex::new(DataLedger::new(&job)),
             load: Load::default(),
+            gate: RwLock::new(()),
             job,
             map,
             chunks,
+        }
+    }
+
+    /// A shard with the state of a checkpoint. The checkpoint must come from this shard of
+    /// this job and hold exactly the keys the map places here.
+    pub fn restore(
+        id: ShardId,
+        job: JobConfig,
+        map: ShardMap,
+        ckpt: ShardCheckpoint,
+    ) -> Result<Self, CheckpointError> {
+        let mismatch = |what: String| CheckpointError::Mismatch(what);
+        if ckpt.shard != id.0 {
+            return Err(mismatch(format!(
+                "checkpoint of shard {} offered to shard {id}",
+                ckpt.shard
+            )));
+        }
+        if ckpt.job_fingerprint != checkpoint::fingerprint(&job) {
+            return Err(mismatch(
+                "the checkpoint belongs to another job configuration".into(),
+            ));
+        }
+        let fresh = ShardState::new(id, job, map);
+        if ckpt.chunks.len() != fresh.chunks.len() {
+            return Err(mismatch(format!(
+                "checkpoint holds {} keys, the shard map places {} here",
+                ckpt.chunks.len(),
+                fresh.chunks.len()
+            )));
+        }
+        for snap in ckpt.chunks {
+            let Some(mut chunk) = fresh.chunks.get_mut(&Key(snap.key)) else {
+                return Err(mismatch(format!("key {} is not placed on {id}", snap.key)));
+            };
+            let n = chunk.params.len();
+            let opt = match (&fresh.job.optimizer, snap.m.len(), snap.v.len()) {
+                (OptimizerSpec::Sgd { .. }, 0, 0) => OptState::Sgd,
+                (OptimizerSpec::Momentum { .. }, m, 0) if m == n => {
+                    OptState::Momentum { v: snap.m }
+                }
+                (OptimizerSpec::Adam { .. }, m, v) if m == n && v == n => OptState::Adam {
+                    m: snap.m,
+                    v: snap.v,
+                    t: snap.t,
+                },
+                _ => {
+                    return Err(mismatch(format!(
+                        "optimizer state of key {} does not fit",
+                        snap.key
+                    )));
+                }
+            };
+            if snap.params.len() != n || snap.pending.iter().any(|(_, s, _)| s.len() != n) {
+                return Err(mismatch(format!("key {} has the wrong length", snap.key)));
+            }
+            chunk.params = snap.params;
+            chunk.opt = opt;
+            chunk.pending = snap
+                .pending
+                .into_iter()
+                .map(|(c, s, k)| (c, (s, k)))
+                .collect();
+            chunk.applied_through = snap.applied_through;
+        }
+        let ledger = DataLedger::restore(&fresh.job, &ckpt.ledger).map_err(mismatch)?;
+        *fresh.ledger() = ledger;
+        Ok(fresh)
+    }
+
+    /// A consistent copy of the state, for a checkpoint.
+    pub fn snapshot(&self) -> ShardCheckpoint {
+        let _gate = self.gate.write().unwrap_or_else(|p| p.into_inner());
+        let mut chunks: Vec<ChunkSnap> = self
+            .chunks
+            .iter()
+            .map(|c| {
+                let (m, v, t) = match &c.opt {
+                    OptState::Sgd => (Vec::new(), Vec::new(), 0),
+                    OptState::Momentum { v } => (v.clone(), Vec::new(), 0),
+                    OptState::Adam { m, v, t } => (m.clone(), v.clone(), *t),
+                };
+                ChunkSnap {
+                    key: c.key().0,
+                    params: c.params.clone(),
+                    m,
+                    v,
+                    t,
+                    pending: c
+                        .pending
+                        .iter()
+                        .map(|(k, (s, n))| (*k, s.clone(), *n))
+                        .collect(),
+                    applied_through: c.applied_through,
+                }
+            })
+            .collect();
+        chunks.sort_unstable_by_key(|c| c.key);
+        ShardCheckpoint {
+            shard: self.id.0,
+            job_fingerprint: checkpoint::fingerprint(&self.job),
+            chunks,
+            ledger: self.ledger().snapshot(),
         }
     }
 
@@ -273,6 +382,8 @@ impl ShardState {
                 Some(_) => {}
             }
         }
+        // From the claim to the last chunk, a checkpoint must not cut this push in two.
+        let _gate = self.gate.read().unwrap_or_else(|p| p.into_inner());
         // Claim the span last: once it is recorded, the chunks below are updated.
         if let Some(span) = span {
             let claim = self.ledger().claim(span).map_err(bad)?;
@@ -380,6 +491,7 @@ fn apply_due(job: &JobConfig, chunk: &mut Chunk, through: u64) {
 /// The shard service: waits for its assignment, then serves pulls and pushes.
 pub struct ShardService {
     state: watch::Receiver<Option<Arc<ShardState>>>,
+    checkpoint: Option<PathBuf>,
 }
 
 impl ShardService {
@@ -397,6 +509,7 @@ impl Service for ShardService {
     fn allowed(&self, role: Role, req: &Request) -> bool {
         match req {
             Request::Push { .. } => role == Role::Worker,
+            Request::Checkpoint => role == Role::Admin,
             _ => true,
         }
     }
@@ -428,6 +541,29 @@ impl Service for ShardService {
                 .map_err(Response::from),
             Request::Ledger => Ok(Frame::new(Response::Ledger(st.ledger_report()))),
             Request::ShardStats => Ok(Frame::new(Response::ShardStats(st.stats()))),
+            Request::Checkpoint => match &self.checkpoint {
+                None => Err(Response::error(
+                    ErrorCode::InvalidRequest,
+                    "this shard runs without a checkpoint path",
+                )),
+                Some(path) => {
+                    let (st, path) = (st.clone(), path.clone());
+                    // Copying is quick; writing and syncing block, so keep them off the runtime.
+                    let written = tokio::task::spawn_blocking(move || {
+                        write_checkpoint(&st, &path).map(|r| (r, path))
+                    })
+                    .await;
+                    match written {
+                        Ok(Ok(((bytes, millis), path))) => Ok(Frame::new(Response::Checkpointed {
+                            path: path.display().to_string(),
+                            bytes,
+                            millis,
+                        })),
+                        Ok(Err(e)) => Err(Response::error(ErrorCode::Internal, e.to_string())),
+                        Err(e) => Err(Response::error(ErrorCode::Internal, e.to_string())),
+                    }
+                }
+            },
             Request::GetMap => Ok(Frame::new(Response::Map(st.map.clone()))),
             other => Err(Response::error(
                 ErrorCode::InvalidRequest,
@@ -450,6 +586,17 @@ pub struct ShardConfig {
     pub listen: SocketAddr,
     /// The address to announce to workers (defaults to the bound address).
     pub advertise: Option<String>,
+    /// Where this shard keeps its checkpoint; `None` disables checkpoints.
+    pub checkpoint: Option<PathBuf>,
+    /// Write a checkpoint this often (and on demand, and at shutdown).
+    pub checkpoint_every: Option<Duration>,
+}
+
+/// Writes a checkpoint of `state` to `path`; returns (bytes, milliseconds).
+pub fn write_checkpoint(state: &ShardState, path: &Path) -> Result<(u64, f64), CheckpointError> {
+    let t = std::time::Instant::now();
+    let bytes = checkpoint::write(path, &state.snapshot())?;
+    Ok((bytes, t.elapsed().as_secs_f64() * 1000.0))
 }
 
 /// Runs a shard until `shutdown`: binds, joins the coordinator, initializes its ranges, serves.
@@ -466,7 +613,10 @@ pub async fn run(
         let _ = tx.send(addr);
     }
     let (tx, rx) = watch::channel(None);
-    let service = Arc::new(ShardService { state: rx });
+    let service = Arc::new(ShardService {
+        state: rx,
+        checkpoint: config.checkpoint.clone(),
+    });
     let server = tokio::spawn(edl_shared::serve(
         endpoint,
         service,
@@ -478,12 +628,58 @@ pub async fn run(
         _ = shutdown.cancelled() => None,
         r = join(&config.coordinator, &advertise, &identity, &settings) => Some(r?),
     };
-    if let Some((id, job, map)) = joined {
-        let state = ShardState::new(id, job, map);
-        info!(shard = %id, %addr, keys = state.num_keys(), "shard serving");
-        let _ = tx.send(Some(Arc::new(state)));
-    }
+    let Some((id, job, map)) = joined else {
+        server.await?;
+        return Ok(());
+    };
+    let state = match config.checkpoint.as_deref().filter(|p| p.exists()) {
+        Some(path) => {
+            let t = std::time::Instant::now();
+            let restored = checkpoint::read(path)
+                .and_then(|ckpt| ShardState::restore(id, job, map, ckpt))
+                .map_err(|e| anyhow::anyhow!("restoring {}: {e}", path.display()))?;
+            info!(shard = %id, path = %path.display(), keys = restored.num_keys(),
+                millis = t.elapsed().as_secs_f64() * 1000.0, "restored from checkpoint");
+            restored
+        }
+        None => ShardState::new(id, job, map),
+    };
+    let state = Arc::new(state);
+    info!(shard = %id, %addr, keys = state.num_keys(), "shard serving");
+    let _ = tx.send(Some(state.clone()));
+    let periodic = match (&config.checkpoint, config.checkpoint_every) {
+        (Some(path), Some(every)) => {
+            let (state, path, stop) = (state.clone(), path.clone(), shutdown.clone());
+            Some(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.tick().await;
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tick.tick() => {}
+                    }
+                    let (st, p) = (state.clone(), path.clone());
+                    match tokio::task::spawn_blocking(move || write_checkpoint(&st, &p)).await {
+                        Ok(Ok((bytes, ms))) => tracing::debug!(bytes, ms, "checkpoint written"),
+                        Ok(Err(e)) => tracing::error!(error = %e, "checkpoint failed"),
+                        Err(e) => tracing::error!(error = %e, "checkpoint task failed"),
+                    }
+                }
+            }))
+        }
+        _ => None,
+    };
     server.await?;
+    if let Some(p) = periodic {
+        let _ = p.await;
+    }
+    // A clean shutdown leaves a checkpoint of the final state.
+    if let Some(path) = &config.checkpoint {
+        match write_checkpoint(&state, path) {
+            Ok((bytes, ms)) => info!(bytes, ms, path = %path.display(), "final checkpoint written"),
+            Err(e) => tracing::error!(error = %e, "final checkpoint failed"),
+        }
+    }
     Ok(())
 }
 

@@ -40,8 +40,10 @@ impl Default for TransportSettings {
         TransportSettings {
             stream_window: 32 << 20,
             conn_window: 128 << 20,
-            idle_timeout: Duration::from_secs(30),
-            keep_alive: Duration::from_secs(5),
+            // Short enough that a peer that died (a SIGKILLed shard) is noticed within seconds;
+            // keep-alives keep quiet but healthy connections, long polls included, open.
+            idle_timeout: Duration::from_secs(6),
+            keep_alive: Duration::from_millis(1500),
             limits: FrameLimits::default(),
         }
     }

@@ -69,6 +69,8 @@ impl TestCluster {
                 coordinator: coordinator_addr.to_string(),
                 listen: "127.0.0.1:0".parse()?,
                 advertise: None,
+                checkpoint: None,
+                checkpoint_every: None,
             };
             let stop = shutdown.clone();
             let settings = settings.clone();

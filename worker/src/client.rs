@@ -10,8 +10,8 @@
 //! s.leave().await?;
 //! ```
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -21,7 +21,7 @@ use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, JobStatus, JobTrace, KeyRange, Partition,
 };
-use edl_shared::proto::{ErrorCode, JobConfig, KeyLayout, Request, Response, ShardMap};
+use edl_shared::proto::{ErrorCode, Frame, JobConfig, KeyLayout, Request, Response, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use thiserror::Error;
@@ -75,20 +75,92 @@ pub struct ClientConfig {
 #[derive(Clone, Debug)]
 struct ShardLink {
     id: ShardId,
-    conn: Conn,
+    /// Replaced when the shard restarts and the client reconnects.
+    conn: Arc<Mutex<Conn>>,
     ranges: Vec<KeyRange>,
     /// For each range: its flat float offset and length.
     flat: Vec<(usize, usize)>,
+}
+
+impl ShardLink {
+    fn current(&self) -> Conn {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// A connection to a job: the coordinator, every shard, the job config and the shard map.
 #[derive(Clone, Debug)]
 pub struct Job {
     coordinator: Conn,
+    net: Arc<Net>,
     shards: Vec<ShardLink>,
     job: JobConfig,
     map: ShardMap,
     layout: KeyLayout,
+}
+
+/// What a client needs to reconnect.
+#[derive(Debug)]
+struct Net {
+    endpoint: quinn::Endpoint,
+    settings: TransportSettings,
+    name: String,
+}
+
+/// How long a client keeps trying to reach a shard that went away (a restart).
+const RECONNECT_WINDOW: Duration = Duration::from_secs(60);
+
+/// True for failures of the connection itself, after which a retry on a new connection may
+/// succeed; false for answers (errors the server sent, malformed replies).
+fn is_connection_failure(e: &CallError) -> bool {
+    matches!(
+        e,
+        CallError::Connect(_)
+            | CallError::Connection(_)
+            | CallError::Read(_)
+            | CallError::ReadChunk(_)
+            | CallError::Write(_)
+            | CallError::Closed(_)
+    )
+}
+
+/// Calls a shard; with `retry`, a failed connection is replaced (the shard's address is read
+/// again from the coordinator's map) and the call repeated until [`RECONNECT_WINDOW`] ends.
+/// Only idempotent requests may be retried: pulls, and pushes that carry a data span (a shard
+/// skips a span it applied).
+async fn call_shard(
+    link: ShardLink,
+    net: Arc<Net>,
+    coordinator: Conn,
+    req: Request,
+    payload: Bytes,
+    retry: bool,
+) -> Result<Frame<Response>, CallError> {
+    let deadline = tokio::time::Instant::now() + RECONNECT_WINDOW;
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let err = match link.current().call(req.clone(), payload.clone()).await {
+            Err(e) if retry && is_connection_failure(&e) => e,
+            other => return other,
+        };
+        if tokio::time::Instant::now() >= deadline {
+            return Err(err);
+        }
+        tracing::warn!(shard = %link.id, error = %err, "shard unreachable; reconnecting");
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(2));
+        let addr = match coordinator.call(Request::GetMap, Bytes::new()).await {
+            Ok(Frame {
+                msg: Response::Map(m),
+                ..
+            }) => m.addr_of(link.id).map(str::to_string),
+            _ => None,
+        };
+        let Some(addr) = addr else { continue };
+        if let Ok(c) = Conn::connect(&net.endpoint, &addr, &net.name, &net.settings).await {
+            *link.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
+        }
+    }
 }
 
 /// Retries `f` while the server answers `NotReady`, up to `tries` times.
@@ -169,13 +241,18 @@ impl Job {
             let conn = connect_retry(&ep, &info.addr, name, settings).await?;
             shards.push(ShardLink {
                 id: info.id,
-                conn,
+                conn: Arc::new(Mutex::new(conn)),
                 ranges,
                 flat,
             });
         }
         Ok(Job {
             coordinator,
+            net: Arc::new(Net {
+                endpoint: ep,
+                settings: settings.clone(),
+                name: name.to_string(),
+            }),
             shards,
             job,
             map,
@@ -241,7 +318,7 @@ impl Job {
     pub async fn ledgers(&self) -> Result<Vec<(ShardId, Vec<EpochLedger>)>, ClientError> {
         let mut out = Vec::new();
         for s in &self.shards {
-            match s.conn.call(Request::Ledger, Bytes::new()).await?.msg {
+            match s.current().call(Request::Ledger, Bytes::new()).await?.msg {
                 Response::Ledger(l) => out.push((s.id, l)),
                 other => return Err(CallError::unexpected(&other).into()),
             }
@@ -293,13 +370,20 @@ impl Job {
         self.check_len(out.len())?;
         let mut set = JoinSet::new();
         for (i, s) in self.shards.iter().enumerate() {
-            let conn = s.conn.clone();
             let req = Request::Pull {
                 epoch: self.map.epoch,
                 ranges: s.ranges.clone(),
                 apply_through,
             };
-            set.spawn(async move { (i, conn.call(req, Bytes::new()).await) });
+            let call = call_shard(
+                s.clone(),
+                self.net.clone(),
+                self.coordinator.clone(),
+                req,
+                Bytes::new(),
+                true,
+            );
+            set.spawn(async move { (i, call.await) });
         }
         while let Some(joined) = set.join_next().await {
             let Ok((i, resp)) = joined else {
@@ -374,7 +458,7 @@ impl Job {
                     self.inconsistent("client", format!("{key} is not in the shard map"))
                 })?;
             let resp = owner
-                .conn
+                .current()
                 .call(
                     Request::Pull {
                         epoch: self.map.epoch,
@@ -460,8 +544,15 @@ impl Job {
                 chunks,
                 span,
             };
-            let conn = s.conn.clone();
-            set.spawn(async move { conn.call(req, payload).await });
+            let call = call_shard(
+                s.clone(),
+                self.net.clone(),
+                self.coordinator.clone(),
+                req,
+                payload,
+                span.is_some(),
+            );
+            set.spawn(call);
         }
         while let Some(joined) = set.join_next().await {
             match joined {
@@ -507,7 +598,7 @@ impl Job {
                 chunks: refs,
                 span: None,
             };
-            s.conn.call(req, f32s_to_bytes(&floats)).await?;
+            s.current().call(req, f32s_to_bytes(&floats)).await?;
         }
         Ok(())
     }

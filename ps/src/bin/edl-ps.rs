@@ -94,6 +94,17 @@ struct ShardArgs {
     /// Write the bound address to this file once listening.
     #[arg(long)]
     addr_file: Option<PathBuf>,
+    /// Checkpoint file [default: STATE_DIR/shards/NAME.ckpt]. A shard that finds one on start
+    /// restores it (it must come from the same shard of the same job).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Write a checkpoint every this many seconds (and on `edlctl checkpoint` and at a clean
+    /// shutdown); 0 writes only on demand and at shutdown.
+    #[arg(long, default_value_t = 30)]
+    checkpoint_every: u64,
+    /// Run without checkpoints: a restarted shard starts from fresh parameters.
+    #[arg(long, conflicts_with = "checkpoint")]
+    no_checkpoint: bool,
     #[command(flatten)]
     identity: IdentityArgs,
 }
@@ -162,10 +173,21 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Shard(a) => {
             let identity = a.identity.identity(Role::Shard, &a.name)?;
             let (tx, rx) = tokio::sync::oneshot::channel();
+            let checkpoint = (!a.no_checkpoint).then(|| {
+                a.checkpoint.clone().unwrap_or_else(|| {
+                    a.identity
+                        .state_dir
+                        .join("shards")
+                        .join(format!("{}.ckpt", a.name))
+                })
+            });
             let cfg = ShardConfig {
                 coordinator: a.coordinator,
                 listen: a.listen,
                 advertise: a.advertise,
+                checkpoint,
+                checkpoint_every: (a.checkpoint_every > 0)
+                    .then(|| std::time::Duration::from_secs(a.checkpoint_every)),
             };
             let run = tokio::spawn(shard::run(
                 cfg,

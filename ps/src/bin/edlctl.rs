@@ -43,6 +43,8 @@ enum Cmd {
         /// Worker id or name.
         worker: String,
     },
+    /// Make every shard write a checkpoint now (parameters, optimizer state, data ledger).
+    Checkpoint,
 }
 
 fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
@@ -187,6 +189,29 @@ async fn main() -> anyhow::Result<()> {
             println!("{t}");
             if rows.iter().any(|(_, e)| e.is_some()) {
                 anyhow::bail!("some shards could not be reached");
+            }
+        }
+        Cmd::Checkpoint => {
+            let rows = admin.checkpoint_all().await?;
+            if cli.json {
+                print_json(&rows)?;
+            } else {
+                let mut t = table(&["shard", "path", "bytes", "time"]);
+                for r in &rows {
+                    match &r.error {
+                        Some(e) => t.add_row(vec![r.shard.to_string(), format!("failed: {e}")]),
+                        None => t.add_row(vec![
+                            r.shard.to_string(),
+                            r.path.clone(),
+                            admin::human_bytes(r.bytes),
+                            format!("{:.1} ms", r.millis),
+                        ]),
+                    };
+                }
+                println!("{t}");
+            }
+            if rows.iter().any(|r| r.error.is_some()) {
+                anyhow::bail!("some shards did not write a checkpoint");
             }
         }
         Cmd::Drain { worker } => {

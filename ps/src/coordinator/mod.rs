@@ -121,7 +121,7 @@ impl Service for Coordinator {
         let now = Instant::now;
         let resp = match req {
             Request::ShardJoin { addr } => {
-                let joined = self.lock().shard_join(&addr);
+                let joined = self.lock().shard_join(&peer.name, &addr);
                 match joined {
                     Err((code, msg)) => Response::error(code, msg),
                     Ok(id) => {
@@ -256,6 +256,7 @@ pub fn request_name(req: &Request) -> &'static str {
         Request::Trace => "Trace",
         Request::Members => "Members",
         Request::ShardStats => "ShardStats",
+        Request::Checkpoint => "Checkpoint",
     }
 }
 

@@ -71,6 +71,8 @@ pub struct CoordinatorState {
     job: JobConfig,
     shards_expected: u32,
     shards: Vec<ShardInfo>,
+    /// Certificate names of the shards, by index.
+    shard_names: Vec<String>,
     map: Option<ShardMap>,
     workers: BTreeMap<WorkerId, Worker>,
     next_worker: u64,
@@ -111,6 +113,7 @@ impl CoordinatorState {
             job,
             shards_expected: shards.max(1),
             shards: Vec::new(),
+            shard_names: Vec::new(),
             map: None,
             workers: BTreeMap::new(),
             next_worker: 1,
@@ -172,10 +175,21 @@ impl CoordinatorState {
         self.map.clone()
     }
 
-    /// A shard announces itself. A shard that rejoins from the same address keeps its id.
-    pub fn shard_join(&mut self, addr: &str) -> Result<ShardId, Refusal> {
-        if let Some(s) = self.shards.iter().find(|s| s.addr == addr) {
-            return Ok(s.id);
+    /// A shard announces itself. A shard that rejoins under the same certificate name (after
+    /// a restart) keeps its id and ranges; if its address changed, the map's address is
+    /// updated (ownership did not change, so the map epoch stays).
+    pub fn shard_join(&mut self, name: &str, addr: &str) -> Result<ShardId, Refusal> {
+        if let Some(i) = self.shard_names.iter().position(|n| n == name) {
+            let id = self.shards[i].id;
+            if self.shards[i].addr != addr {
+                self.shards[i].addr = addr.to_string();
+                if let Some(map) = &mut self.map {
+                    for s in map.shards.iter_mut().filter(|s| s.id == id) {
+                        s.addr = addr.to_string();
+                    }
+                }
+            }
+            return Ok(id);
         }
         if self.shards.len() as u32 >= self.shards_expected {
             return Err((
@@ -187,6 +201,7 @@ impl CoordinatorState {
             ));
         }
         let id = ShardId(self.shards.len() as u32);
+        self.shard_names.push(name.to_string());
         self.shards.push(ShardInfo {
             id,
             addr: addr.to_string(),
@@ -573,7 +588,7 @@ mod tests {
         let mut st = CoordinatorState::new(job(Consistency::Ssp { staleness: 1 }), 1);
         let t0 = Instant::now();
         assert!(matches!(st.register("a", "x", t0, t0), Poll::Pending));
-        st.shard_join("127.0.0.1:1").expect("join");
+        st.shard_join("s0", "127.0.0.1:1").expect("join");
         let (a, ..) = ready(st.register("a", "x", t0, t0));
         let (b, ..) = ready(st.register("b", "x", t0, t0));
         st.advance(a, Clock(1), 0, 2, 1.0, None, t0)
@@ -599,7 +614,7 @@ mod tests {
     fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
         let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
         let t0 = Instant::now();
-        st.shard_join("x").expect("join");
+        st.shard_join("s0", "x").expect("join");
         let (a, ..) = ready(st.register("a", "x", t0, t0));
         let (b, ..) = ready(st.register("b", "x", t0, t0));
         let pa = ready(st.next_partition(a, t0)).0.expect("partition");
@@ -658,7 +673,7 @@ mod tests {
     fn a_worker_waiting_for_data_does_not_hold_back_the_others() {
         let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
         let t0 = Instant::now();
-        st.shard_join("x").expect("join");
+        st.shard_join("s0", "x").expect("join");
         let (a, ..) = ready(st.register("a", "x", t0, t0));
         let (b, ..) = ready(st.register("b", "x", t0, t0));
         st.set_idle(a).expect("idle");
@@ -701,7 +716,7 @@ mod tests {
     fn bad_reports_change_nothing() {
         let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
         let t0 = Instant::now();
-        st.shard_join("x").expect("join");
+        st.shard_join("s0", "x").expect("join");
         let (a, ..) = ready(st.register("a", "x", t0, t0));
         assert!(st.advance(a, Clock(1), 0, 2, f64::NAN, None, t0).is_err());
         assert!(st.advance(a, Clock(1), 7, 2, 1.0, None, t0).is_err());

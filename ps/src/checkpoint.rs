@@ -1,0 +1,218 @@
+//! Shard checkpoints: parameters, optimizer state, staged BSP steps and the data ledger of one
+//! shard, written atomically (temporary file, fsync, rename, fsync of the directory) in a
+//! versioned format with a checksum.
+//!
+//! ```text
+//! 0        8         12        16          24      28
+//! | EDLCKPT1 | version | reserved | body_len | crc32 | body (rkyv ShardCheckpoint) |
+//! ```
+//! A checkpoint is a consistent cut: the shard blocks pushes while it copies its state, so no
+//! push is half in it, and its ledger matches its parameters.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use rkyv::rancor::BoxedError;
+use rkyv::util::AlignedVec;
+use thiserror::Error;
+
+const MAGIC: &[u8; 8] = b"EDLCKPT1";
+const VERSION: u32 = 1;
+const HEADER: usize = 28;
+
+/// One chunk's state.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ChunkSnap {
+    /// The key.
+    pub key: u64,
+    /// Parameters.
+    pub params: Vec<f32>,
+    /// Momentum velocity or Adam first moment (empty for SGD).
+    pub m: Vec<f32>,
+    /// Adam second moment (empty otherwise).
+    pub v: Vec<f32>,
+    /// Adam step count.
+    pub t: u64,
+    /// BSP: staged sums per step `(step, sum, count)`.
+    pub pending: Vec<(u64, Vec<f32>, u32)>,
+    /// BSP: steps before this one are applied.
+    pub applied_through: u64,
+}
+
+/// A shard's data ledger.
+#[derive(Clone, Debug, PartialEq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct LedgerSnap {
+    /// `(epoch, partition, applied_up_to)`.
+    pub progress: Vec<(u32, u32, u32)>,
+    /// Applications per sample position, per epoch.
+    pub counts: Vec<Vec<u8>>,
+    /// Skipped pushes per epoch.
+    pub skipped: Vec<u64>,
+}
+
+/// Everything a shard needs to come back.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ShardCheckpoint {
+    /// The shard's id.
+    pub shard: u32,
+    /// A checksum of the job configuration, so a checkpoint is never loaded into another job.
+    pub job_fingerprint: u32,
+    /// The chunks.
+    pub chunks: Vec<ChunkSnap>,
+    /// The data ledger.
+    pub ledger: LedgerSnap,
+}
+
+/// Why a checkpoint could not be written or read.
+#[derive(Debug, Error)]
+pub enum CheckpointError {
+    /// A file operation failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not a checkpoint, or of another version.
+    #[error("{0}: not an EDL checkpoint of version {VERSION}")]
+    Format(PathBuf),
+    /// The body does not match its checksum (a torn or corrupted file).
+    #[error("{0}: checksum mismatch")]
+    Checksum(PathBuf),
+    /// The body could not be decoded.
+    #[error("{path}: {what}")]
+    Decode {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        what: String,
+    },
+    /// The checkpoint belongs to another shard or job.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Writes `ckpt` to `path` atomically; returns the bytes written.
+pub fn write(path: &Path, ckpt: &ShardCheckpoint) -> Result<u64, CheckpointError> {
+    let body = rkyv::to_bytes::<BoxedError>(ckpt).map_err(|e| CheckpointError::Decode {
+        path: path.to_path_buf(),
+        what: e.to_string(),
+    })?;
+    let mut header = Vec::with_capacity(HEADER);
+    header.extend_from_slice(MAGIC);
+    header.extend_from_slice(&VERSION.to_le_bytes());
+    header.extend_from_slice(&0u32.to_le_bytes());
+    header.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    header.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(io(dir))?;
+    }
+    let tmp = path.with_extension("ckpt.tmp");
+    let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
+    f.write_all(&header).map_err(io(&tmp))?;
+    f.write_all(&body).map_err(io(&tmp))?;
+    f.sync_all().map_err(io(&tmp))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(io(path))?;
+    // The rename is durable only once the directory entry is.
+    if let Some(dir) = path.parent() {
+        fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(dir))?;
+    }
+    Ok((HEADER + body.len()) as u64)
+}
+
+/// Reads and verifies a checkpoint.
+pub fn read(path: &Path) -> Result<ShardCheckpoint, CheckpointError> {
+    let bytes = fs::read(path).map_err(io(path))?;
+    let format = || CheckpointError::Format(path.to_path_buf());
+    let header = bytes.get(..HEADER).ok_or_else(format)?;
+    if &header[..8] != MAGIC || header[8..12] != VERSION.to_le_bytes() {
+        return Err(format());
+    }
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&header[16..24]);
+    let len = u64::from_le_bytes(len8);
+    let mut crc4 = [0u8; 4];
+    crc4.copy_from_slice(&header[24..28]);
+    let body = bytes.get(HEADER..).ok_or_else(format)?;
+    if body.len() as u64 != len {
+        return Err(CheckpointError::Checksum(path.to_path_buf()));
+    }
+    if crc32fast::hash(body) != u32::from_le_bytes(crc4) {
+        return Err(CheckpointError::Checksum(path.to_path_buf()));
+    }
+    let mut aligned = AlignedVec::<16>::with_capacity(body.len());
+    aligned.extend_from_slice(body);
+    rkyv::from_bytes::<ShardCheckpoint, BoxedError>(&aligned).map_err(|e| CheckpointError::Decode {
+        path: path.to_path_buf(),
+        what: e.to_string(),
+    })
+}
+
+/// A checksum of a job configuration.
+pub fn fingerprint(job: &edl_shared::proto::JobConfig) -> u32 {
+    // A job that cannot be archived gets a fingerprint no checkpoint has.
+    rkyv::to_bytes::<BoxedError>(job)
+        .map(|b| crc32fast::hash(&b))
+        .unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ShardCheckpoint {
+        ShardCheckpoint {
+            shard: 3,
+            job_fingerprint: 42,
+            chunks: vec![ChunkSnap {
+                key: 7,
+                params: vec![1.0, -2.0, 3.5],
+                m: vec![0.1; 3],
+                v: vec![0.2; 3],
+                t: 9,
+                pending: vec![(4, vec![1.0; 3], 2)],
+                applied_through: 4,
+            }],
+            ledger: LedgerSnap {
+                progress: vec![(0, 1, 64)],
+                counts: vec![vec![1, 1, 0]],
+                skipped: vec![2],
+            },
+        }
+    }
+
+    #[test]
+    fn round_trip_and_corruption_is_detected() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("s0.ckpt");
+        let bytes = write(&path, &sample()).expect("write");
+        assert!(bytes > HEADER as u64);
+        assert_eq!(read(&path).expect("read"), sample());
+        let mut raw = fs::read(&path).expect("raw");
+        let last = raw.len() - 1;
+        raw[last] ^= 0x40;
+        fs::write(&path, &raw).expect("corrupt");
+        assert!(matches!(read(&path), Err(CheckpointError::Checksum(_))));
+        raw.truncate(40);
+        fs::write(&path, &raw).expect("truncate");
+        assert!(matches!(read(&path), Err(CheckpointError::Checksum(_))));
+        fs::write(&path, b"hello").expect("junk");
+        assert!(matches!(read(&path), Err(CheckpointError::Format(_))));
+        assert!(matches!(
+            read(&dir.path().join("none")),
+            Err(CheckpointError::Io { .. })
+        ));
+    }
+}

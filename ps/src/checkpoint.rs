@@ -75,8 +75,8 @@ pub enum CheckpointError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The file is not a checkpoint, or of another version.
-    #[error("{0}: not an EDL checkpoint of version {VERSION}")]
+    /// The file is not of the expected kind, or of another version.
+    #[error("{0}: not an EDL state file of version {VERSION}")]
     Format(PathBuf),
     /// The body does not match its checksum (a torn or corrupted file).
     #[error("{0}: checksum mismatch")]
@@ -107,19 +107,34 @@ pub fn write(path: &Path, ckpt: &ShardCheckpoint) -> Result<u64, CheckpointError
         path: path.to_path_buf(),
         what: e.to_string(),
     })?;
+    write_blob(path, MAGIC, &body)
+}
+
+/// Reads and verifies a checkpoint.
+pub fn read(path: &Path) -> Result<ShardCheckpoint, CheckpointError> {
+    let body = read_blob(path, MAGIC)?;
+    rkyv::from_bytes::<ShardCheckpoint, BoxedError>(&body).map_err(|e| CheckpointError::Decode {
+        path: path.to_path_buf(),
+        what: e.to_string(),
+    })
+}
+
+/// Writes `body` behind a header with `magic`, the format version, its length and CRC32:
+/// to a temporary file, fsynced, renamed over `path`, and the directory fsynced.
+pub fn write_blob(path: &Path, magic: &[u8; 8], body: &[u8]) -> Result<u64, CheckpointError> {
     let mut header = Vec::with_capacity(HEADER);
-    header.extend_from_slice(MAGIC);
+    header.extend_from_slice(magic);
     header.extend_from_slice(&VERSION.to_le_bytes());
     header.extend_from_slice(&0u32.to_le_bytes());
     header.extend_from_slice(&(body.len() as u64).to_le_bytes());
-    header.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+    header.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
     if let Some(dir) = path.parent() {
         fs::create_dir_all(dir).map_err(io(dir))?;
     }
-    let tmp = path.with_extension("ckpt.tmp");
+    let tmp = path.with_extension("tmp");
     let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
     f.write_all(&header).map_err(io(&tmp))?;
-    f.write_all(&body).map_err(io(&tmp))?;
+    f.write_all(body).map_err(io(&tmp))?;
     f.sync_all().map_err(io(&tmp))?;
     drop(f);
     fs::rename(&tmp, path).map_err(io(path))?;
@@ -132,32 +147,28 @@ pub fn write(path: &Path, ckpt: &ShardCheckpoint) -> Result<u64, CheckpointError
     Ok((HEADER + body.len()) as u64)
 }
 
-/// Reads and verifies a checkpoint.
-pub fn read(path: &Path) -> Result<ShardCheckpoint, CheckpointError> {
+/// Reads a blob written by [`write_blob`], checking magic, version, length and checksum. The
+/// body comes back aligned for rkyv.
+pub fn read_blob(path: &Path, magic: &[u8; 8]) -> Result<AlignedVec<16>, CheckpointError> {
     let bytes = fs::read(path).map_err(io(path))?;
     let format = || CheckpointError::Format(path.to_path_buf());
     let header = bytes.get(..HEADER).ok_or_else(format)?;
-    if &header[..8] != MAGIC || header[8..12] != VERSION.to_le_bytes() {
+    if &header[..8] != magic || header[8..12] != VERSION.to_le_bytes() {
         return Err(format());
     }
     let mut len8 = [0u8; 8];
     len8.copy_from_slice(&header[16..24]);
-    let len = u64::from_le_bytes(len8);
     let mut crc4 = [0u8; 4];
     crc4.copy_from_slice(&header[24..28]);
     let body = bytes.get(HEADER..).ok_or_else(format)?;
-    if body.len() as u64 != len {
-        return Err(CheckpointError::Checksum(path.to_path_buf()));
-    }
-    if crc32fast::hash(body) != u32::from_le_bytes(crc4) {
+    if body.len() as u64 != u64::from_le_bytes(len8)
+        || crc32fast::hash(body) != u32::from_le_bytes(crc4)
+    {
         return Err(CheckpointError::Checksum(path.to_path_buf()));
     }
     let mut aligned = AlignedVec::<16>::with_capacity(body.len());
     aligned.extend_from_slice(body);
-    rkyv::from_bytes::<ShardCheckpoint, BoxedError>(&aligned).map_err(|e| CheckpointError::Decode {
-        path: path.to_path_buf(),
-        what: e.to_string(),
-    })
+    Ok(aligned)
 }
 
 /// A checksum of a job configuration.

@@ -121,13 +121,35 @@ pub fn client_config(
 }
 
 /// Binds a server endpoint on `addr`.
+///
+/// The key that signs stateless resets is derived from the node's private key, so it survives
+/// a restart: when a crashed server comes back on the same address, its answer to a client's
+/// packets for a connection it no longer knows is a reset the client can verify, and the client
+/// learns at once that it must reconnect (instead of waiting for the idle timeout).
 pub fn server_endpoint(
     addr: SocketAddr,
     id: &Identity,
     settings: &TransportSettings,
 ) -> Result<Endpoint, CallError> {
+    use aws_lc_rs::hmac;
     let cfg = server_config(id, settings)?;
-    Endpoint::server(cfg, addr).map_err(CallError::Bind)
+    let derive = hmac::Key::new(hmac::HMAC_SHA256, id.key.secret_der());
+    let secret = hmac::sign(&derive, b"edl stateless reset key v1");
+    let reset_key = hmac::Key::new(hmac::HMAC_SHA256, secret.as_ref());
+    let mut endpoint_cfg = quinn::EndpointConfig::new(Arc::new(reset_key));
+    // Connection ids carry a keyed check that the endpoint uses to drop stray packets; keep
+    // that key across restarts too, or the restarted server drops old packets silently
+    // instead of answering them with a reset.
+    let mut cid_key = [0u8; 8];
+    cid_key.copy_from_slice(&secret.as_ref()[..8]);
+    let cid_key = u64::from_le_bytes(cid_key);
+    endpoint_cfg.cid_generator(move || {
+        Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
+    });
+    let socket = std::net::UdpSocket::bind(addr).map_err(CallError::Bind)?;
+    let runtime = quinn::default_runtime()
+        .ok_or_else(|| CallError::Bind(std::io::Error::other("no async runtime")))?;
+    Endpoint::new(endpoint_cfg, Some(cfg), socket, runtime).map_err(CallError::Bind)
 }
 
 /// Binds a client endpoint on an ephemeral port of the given address family.

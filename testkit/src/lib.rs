@@ -53,7 +53,11 @@ impl TestCluster {
         let mut tasks = JoinSet::new();
         let id = pki.ensure(Role::Coordinator, "coordinator")?;
         let bound = coordinator::bind(
-            CoordinatorConfig { job, shards },
+            CoordinatorConfig {
+                job,
+                shards,
+                state_file: None,
+            },
             "127.0.0.1:0".parse()?,
             &id,
             settings.clone(),

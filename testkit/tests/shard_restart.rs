@@ -1,6 +1,7 @@
 //! Durability with real processes: a shard killed with SIGKILL and restarted comes back from its
 //! last checkpoint, workers reconnect and go on, and exactly the updates since the checkpoint
-//! are lost on that shard (its data ledger shows them as missing).
+//! are lost on that shard (its data ledger shows them as missing). A coordinator killed with
+//! SIGKILL comes back from its saved state and the job finishes with an exact ledger.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -242,5 +243,141 @@ async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> an
         );
     }
     w.leave().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_coordinator_restarts_from_its_state_and_workers_carry_on() -> anyhow::Result<()> {
+    if !bin("edl-ps").exists() {
+        anyhow::bail!(
+            "{} is missing: run the tests with cargo test --workspace",
+            bin("edl-ps").display()
+        );
+    }
+    let dir = tempfile::tempdir()?;
+    let state = dir.path();
+    let pki = PkiDir::new(state);
+    pki.init_ca()?;
+    for (role, name) in [
+        (Role::Coordinator, "coordinator"),
+        (Role::Shard, "s0"),
+        (Role::Shard, "s1"),
+    ] {
+        pki.ensure(role, name)?;
+    }
+    let coordinator = format!("127.0.0.1:{}", free_port());
+    let start_coordinator = || {
+        spawn(
+            &[
+                "coordinator",
+                "--listen",
+                &coordinator,
+                "--shards",
+                "2",
+                "--layers",
+                "4,4",
+                "--chunk-size",
+                "4",
+                "--optimizer",
+                "sgd:1",
+                "--consistency",
+                "ssp:1",
+                "--train-samples",
+                "64",
+                "--partition-size",
+                "16",
+                "--batch-size",
+                "4",
+                "--epochs",
+                "1",
+                "--lease-ms",
+                "5000",
+            ],
+            state,
+            "coordinator.log",
+        )
+    };
+    let mut coord = start_coordinator();
+    let _shards: Vec<Proc> = (0..2)
+        .map(|i| {
+            let name = format!("s{i}");
+            spawn(
+                &[
+                    "shard",
+                    "--coordinator",
+                    &coordinator,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--name",
+                    &name,
+                ],
+                state,
+                &format!("{name}.log"),
+            )
+        })
+        .collect();
+    let cfg = ClientConfig {
+        coordinator: coordinator.clone(),
+        identity: pki.ensure(Role::Worker, "w")?,
+        settings: TransportSettings::default(),
+    };
+    let job = Job::connect(&cfg).await?;
+    let mut w = job.clone().register("w").await?;
+    let first = w.next_partition().await?.expect("data");
+    let mut at = first.start;
+    for _ in 0..2 {
+        let span = DataSpan {
+            epoch: 0,
+            partition: first.index,
+            start: at,
+            end: at + 4,
+        };
+        at += 4;
+        w.push_span(&[-1.0; 20], span).await?;
+        w.commit(span, 0.0).await?;
+    }
+    // Let the coordinator save its state, then kill it and start it again.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    coord.0.kill()?;
+    coord.0.wait()?;
+    coord = start_coordinator();
+    let restarted_at = Instant::now();
+    // The worker finishes its partition and then takes the rest of the data, as if nothing
+    // had happened; its calls reconnect.
+    let mut part = Some(first);
+    while let Some(p) = part {
+        while at < p.start + p.len {
+            let span = DataSpan {
+                epoch: 0,
+                partition: p.index,
+                start: at,
+                end: at + 4,
+            };
+            at += 4;
+            w.push_span(&[-1.0; 20], span).await?;
+            tokio::time::timeout(Duration::from_secs(60), w.commit(span, 0.0)).await??;
+        }
+        part = w.next_partition().await?;
+        if let Some(p) = part {
+            at = p.start;
+        }
+    }
+    eprintln!(
+        "coordinator restart to finished job: {:?}",
+        restarted_at.elapsed()
+    );
+    let status = job.status().await?;
+    assert!(status.finished, "{status:?}");
+    assert_eq!(status.epochs[0].samples, 64);
+    for (shard, ledgers) in job.ledgers().await? {
+        let l = &ledgers[0];
+        assert_eq!(
+            (l.applied, l.missing, l.duplicates),
+            (64, 0, 0),
+            "shard {shard}"
+        );
+    }
+    w.leave().await?;
+    drop(coord);
     Ok(())
 }

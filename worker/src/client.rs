@@ -91,12 +91,49 @@ impl ShardLink {
 /// A connection to a job: the coordinator, every shard, the job config and the shard map.
 #[derive(Clone, Debug)]
 pub struct Job {
-    coordinator: Conn,
+    coordinator: CoordLink,
     net: Arc<Net>,
     shards: Vec<ShardLink>,
     job: JobConfig,
     map: ShardMap,
     layout: KeyLayout,
+}
+
+/// The connection to the coordinator, replaced when the coordinator restarts.
+#[derive(Clone, Debug)]
+struct CoordLink {
+    addr: String,
+    conn: Arc<Mutex<Conn>>,
+    net: Arc<Net>,
+}
+
+impl CoordLink {
+    /// Calls the coordinator; a failed connection is replaced and the call repeated until
+    /// [`RECONNECT_WINDOW`] ends. Every coordinator request can be repeated: a repeated clock
+    /// report or leave is recognized, and a partition leased twice returns to the pool when
+    /// the worker leaves.
+    async fn call(&self, req: Request, payload: Bytes) -> Result<Frame<Response>, CallError> {
+        let deadline = tokio::time::Instant::now() + RECONNECT_WINDOW;
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let err = match conn.call(req.clone(), payload.clone()).await {
+                Err(e) if is_connection_failure(&e) => e,
+                other => return other,
+            };
+            if tokio::time::Instant::now() >= deadline {
+                return Err(err);
+            }
+            tracing::warn!(error = %err, "coordinator unreachable; reconnecting");
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(2));
+            let net = &self.net;
+            if let Ok(c) = Conn::connect(&net.endpoint, &self.addr, &net.name, &net.settings).await
+            {
+                *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
+            }
+        }
+    }
 }
 
 /// What a client needs to reconnect.
@@ -131,7 +168,7 @@ fn is_connection_failure(e: &CallError) -> bool {
 async fn call_shard(
     link: ShardLink,
     net: Arc<Net>,
-    coordinator: Conn,
+    coordinator: CoordLink,
     req: Request,
     payload: Bytes,
     retry: bool,
@@ -188,7 +225,16 @@ impl Job {
     pub async fn connect(cfg: &ClientConfig) -> Result<Job, ClientError> {
         let ep = client_endpoint(&cfg.identity, &cfg.settings, false)?;
         let name = &cfg.identity.name;
-        let coordinator = connect_retry(&ep, &cfg.coordinator, name, &cfg.settings).await?;
+        let conn = connect_retry(&ep, &cfg.coordinator, name, &cfg.settings).await?;
+        let coordinator = CoordLink {
+            addr: cfg.coordinator.clone(),
+            conn: Arc::new(Mutex::new(conn)),
+            net: Arc::new(Net {
+                endpoint: ep.clone(),
+                settings: cfg.settings.clone(),
+                name: name.to_string(),
+            }),
+        };
         let map = retry_not_ready(600, || async {
             match coordinator.call(Request::GetMap, Bytes::new()).await?.msg {
                 Response::Map(m) => Ok(m),
@@ -202,7 +248,7 @@ impl Job {
 
     async fn with_map(
         ep: quinn::Endpoint,
-        coordinator: Conn,
+        coordinator: CoordLink,
         job: JobConfig,
         map: ShardMap,
         settings: &TransportSettings,
@@ -247,12 +293,8 @@ impl Job {
             });
         }
         Ok(Job {
+            net: coordinator.net.clone(),
             coordinator,
-            net: Arc::new(Net {
-                endpoint: ep,
-                settings: settings.clone(),
-                name: name.to_string(),
-            }),
             shards,
             job,
             map,
@@ -612,7 +654,7 @@ fn check_finite(values: &[f32]) -> Result<(), ClientError> {
 }
 
 /// Fetches the job configuration.
-async fn fetch_job(coordinator: &Conn) -> Result<JobConfig, ClientError> {
+async fn fetch_job(coordinator: &CoordLink) -> Result<JobConfig, ClientError> {
     match retry_not_ready(600, || coordinator.call(Request::GetJob, Bytes::new()))
         .await?
         .msg
@@ -644,7 +686,7 @@ async fn connect_retry(
 }
 
 async fn heartbeat(
-    conn: Conn,
+    conn: CoordLink,
     worker: WorkerId,
     period: Duration,
     stop: CancellationToken,
@@ -850,7 +892,8 @@ impl Session {
     /// Leaves gracefully: the coordinator stops counting this worker and returns its data.
     pub async fn leave(self) -> Result<(), ClientError> {
         self.stop.cancel();
-        self.job
+        let r = self
+            .job
             .coordinator
             .call(
                 Request::Leave {
@@ -858,8 +901,16 @@ impl Session {
                 },
                 Bytes::new(),
             )
-            .await
-            .map_err(|e| self.map_dropped(e.into()))?;
-        Ok(())
+            .await;
+        match r {
+            Ok(_) => Ok(()),
+            // Already gone (a repeated leave after a reconnect, or dropped meanwhile): the
+            // worker is no longer registered, which is what leaving asks for.
+            Err(e) if e.code() == Some(ErrorCode::UnknownWorker) => {
+                tracing::warn!(worker = %self.worker, "already unregistered when leaving");
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }

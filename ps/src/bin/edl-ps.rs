@@ -73,6 +73,11 @@ struct CoordinatorArgs {
     /// Worker heartbeat lease in milliseconds; silent workers are dropped after it.
     #[arg(long, default_value_t = 3000)]
     lease_ms: u32,
+    /// Keep no durable state. By default the coordinator saves membership, the shard map, the
+    /// job and the data progress to STATE_DIR/coordinator/state.bin (twice a second while it
+    /// changes, and at shutdown) and restores them on start.
+    #[arg(long)]
+    no_persist: bool,
     #[command(flatten)]
     identity: IdentityArgs,
 }
@@ -161,9 +166,12 @@ async fn main() -> anyhow::Result<()> {
                 seed: a.seed,
                 lease_ms: a.lease_ms,
             };
+            let state_file =
+                (!a.no_persist).then(|| a.identity.state_dir.join("coordinator").join("state.bin"));
             let cfg = CoordinatorConfig {
                 job,
                 shards: a.shards,
+                state_file,
             };
             let bound = coordinator::bind(cfg, a.listen, &identity, TransportSettings::default())
                 .context("starting the coordinator")?;

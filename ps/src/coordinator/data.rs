@@ -82,6 +82,35 @@ impl DataPlan {
         self.completed.iter().all(|&c| c >= self.per_epoch())
     }
 
+    /// The plan's progress, for persistence: the cursor, the returned partitions and the
+    /// completed count per epoch.
+    pub fn snapshot(&self) -> ((u32, u32), Vec<Partition>, Vec<u32>) {
+        (
+            self.cursor,
+            self.returned.iter().copied().collect(),
+            self.completed.clone(),
+        )
+    }
+
+    /// A plan with restored progress.
+    pub fn restore(
+        epochs: u32,
+        samples: u32,
+        partition_size: u32,
+        cursor: (u32, u32),
+        returned: Vec<Partition>,
+        completed: Vec<u32>,
+    ) -> Result<Self, String> {
+        let mut plan = DataPlan::new(epochs, samples, partition_size);
+        if completed.len() != plan.completed.len() || cursor.0 > epochs {
+            return Err("the saved data plan does not fit the job".into());
+        }
+        plan.cursor = cursor;
+        plan.returned = returned.into();
+        plan.completed = completed;
+        Ok(plan)
+    }
+
     /// Total samples over all epochs.
     pub fn samples_total(&self) -> u64 {
         u64::from(self.epochs) * u64::from(self.samples)

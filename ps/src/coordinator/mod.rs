@@ -6,6 +6,7 @@ pub mod data;
 pub mod state;
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,10 @@ use edl_shared::{Identity, Peer, Role, Service};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use state::{CoordinatorState, Poll};
+use rkyv::rancor::BoxedError;
+use state::{CoordinatorSnap, CoordinatorState, Poll};
+
+use crate::checkpoint;
 
 /// How long a long-polling request waits before it is answered with `NotReady`.
 const LONG_POLL: Duration = Duration::from_secs(60);
@@ -29,7 +33,15 @@ pub struct CoordinatorConfig {
     pub job: JobConfig,
     /// Shard servers to wait for before the shard map is formed.
     pub shards: u32,
+    /// Where the coordinator keeps its durable state; restored from on start if present.
+    pub state_file: Option<PathBuf>,
 }
+
+/// Magic bytes of the coordinator's state file.
+const STATE_MAGIC: &[u8; 8] = b"EDLCOORD";
+
+/// How often the durable state is written while it changes.
+const PERSIST_EVERY: Duration = Duration::from_millis(500);
 
 /// The coordinator service: the state behind a lock, and a version counter that wakes waiters
 /// whenever the state changes.
@@ -41,10 +53,35 @@ pub struct Coordinator {
 impl Coordinator {
     /// A coordinator for `config`.
     pub fn new(config: CoordinatorConfig) -> Self {
+        Self::with_state(CoordinatorState::new(config.job, config.shards))
+    }
+
+    fn with_state(state: CoordinatorState) -> Self {
         Coordinator {
-            state: Mutex::new(CoordinatorState::new(config.job, config.shards)),
+            state: Mutex::new(state),
             changed: watch::Sender::new(0),
         }
+    }
+
+    /// A coordinator for `config`, restored from its state file when there is one.
+    pub fn open(config: CoordinatorConfig) -> anyhow::Result<Self> {
+        let Some(path) = config.state_file.as_deref().filter(|p| p.exists()) else {
+            return Ok(Self::new(config));
+        };
+        let body = checkpoint::read_blob(path, STATE_MAGIC)?;
+        let snap = rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&body)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let state = CoordinatorState::restore(snap, &config.job, config.shards, Instant::now())
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        info!(path = %path.display(), "coordinator state restored");
+        Ok(Self::with_state(state))
+    }
+
+    /// Writes the durable state to `path`; returns the bytes written.
+    pub fn persist(&self, path: &Path) -> anyhow::Result<u64> {
+        let snap = self.lock().snapshot();
+        let body = rkyv::to_bytes::<BoxedError>(&snap)?;
+        Ok(checkpoint::write_blob(path, STATE_MAGIC, &body)?)
     }
 
     fn lock(&self) -> MutexGuard<'_, CoordinatorState> {
@@ -268,6 +305,7 @@ pub struct BoundCoordinator {
     pub addr: SocketAddr,
     endpoint: quinn::Endpoint,
     settings: TransportSettings,
+    state_file: Option<PathBuf>,
 }
 
 /// Binds a coordinator on `listen`.
@@ -277,13 +315,16 @@ pub fn bind(
     identity: &Identity,
     settings: TransportSettings,
 ) -> anyhow::Result<BoundCoordinator> {
+    let state_file = config.state_file.clone();
+    let coordinator = Arc::new(Coordinator::open(config)?);
     let endpoint = server_endpoint(listen, identity, &settings)?;
     let addr = endpoint.local_addr()?;
     Ok(BoundCoordinator {
-        coordinator: Arc::new(Coordinator::new(config)),
+        coordinator,
         addr,
         endpoint,
         settings,
+        state_file,
     })
 }
 
@@ -302,14 +343,47 @@ impl BoundCoordinator {
                 }
             }
         });
+        let persister = self.state_file.clone().map(|path| {
+            let (c, stop) = (self.coordinator.clone(), shutdown.clone());
+            tokio::spawn(async move {
+                let mut rx = c.changed.subscribe();
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(PERSIST_EVERY) => {}
+                    }
+                    if !rx.has_changed().unwrap_or(false) {
+                        continue;
+                    }
+                    rx.mark_unchanged();
+                    let (c, path) = (c.clone(), path.clone());
+                    match tokio::task::spawn_blocking(move || c.persist(&path)).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => {
+                            tracing::error!(error = %e, "saving coordinator state failed")
+                        }
+                        Err(e) => tracing::error!(error = %e, "saving coordinator state failed"),
+                    }
+                }
+            })
+        });
         info!(addr = %self.addr, "coordinator serving");
         edl_shared::serve(
             self.endpoint,
-            self.coordinator,
+            self.coordinator.clone(),
             self.settings.limits,
             shutdown,
         )
         .await;
         sweeper.abort();
+        if let Some(p) = persister {
+            let _ = p.await;
+        }
+        if let Some(path) = &self.state_file {
+            match self.coordinator.persist(path) {
+                Ok(bytes) => info!(bytes, path = %path.display(), "coordinator state saved"),
+                Err(e) => tracing::error!(error = %e, "saving coordinator state failed"),
+            }
+        }
     }
 }

@@ -26,6 +26,38 @@ pub enum Poll<T> {
     Failed(ErrorCode, String),
 }
 
+/// A worker as persisted.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct WorkerSnap {
+    id: WorkerId,
+    name: String,
+    addr: String,
+    state: WorkerState,
+    clock: Clock,
+    leased: Vec<(Partition, u32)>,
+    draining: bool,
+    samples: u64,
+}
+
+/// The coordinator's durable state: what it needs to come back after a crash. The event and
+/// step trace and the lease timers are not kept: restored workers get a fresh lease.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct CoordinatorSnap {
+    job: JobConfig,
+    shards_expected: u32,
+    shards: Vec<ShardInfo>,
+    shard_names: Vec<String>,
+    map: Option<ShardMap>,
+    workers: Vec<WorkerSnap>,
+    next_worker: u64,
+    floor: Clock,
+    cursor: (u32, u32),
+    returned: Vec<Partition>,
+    completed: Vec<u32>,
+    epochs: Vec<EpochStats>,
+    samples_done: u64,
+}
+
 /// An error answer: a stable code and a message.
 pub type Refusal = (ErrorCode, String);
 
@@ -43,6 +75,9 @@ struct Worker {
     idle: bool,
     /// Asked to leave after its current step.
     draining: bool,
+    /// Restored after a coordinator restart and not heard from since: its clock and committed
+    /// positions may lag what it did before the crash, so its next report may jump ahead.
+    restored: bool,
 }
 
 /// A partition leased to a worker, with the position up to which its samples are committed
@@ -125,6 +160,94 @@ impl CoordinatorState {
             events: Vec::new(),
             steps: VecDeque::new(),
         }
+    }
+
+    /// The durable part of the state.
+    pub fn snapshot(&self) -> CoordinatorSnap {
+        let (cursor, returned, completed) = self.data.snapshot();
+        CoordinatorSnap {
+            job: self.job.clone(),
+            shards_expected: self.shards_expected,
+            shards: self.shards.clone(),
+            shard_names: self.shard_names.clone(),
+            map: self.map.clone(),
+            workers: self
+                .workers
+                .iter()
+                .map(|(id, w)| WorkerSnap {
+                    id: *id,
+                    name: w.name.clone(),
+                    addr: w.addr.clone(),
+                    state: w.state,
+                    clock: w.clock,
+                    leased: w.leased.iter().map(|l| (l.part, l.committed)).collect(),
+                    draining: w.draining,
+                    samples: w.samples,
+                })
+                .collect(),
+            next_worker: self.next_worker,
+            floor: self.floor,
+            cursor,
+            returned,
+            completed,
+            epochs: self.epochs.clone(),
+            samples_done: self.samples_done,
+        }
+    }
+
+    /// The state saved in `snap`, for the job `job` (they must be the same job). Active
+    /// workers get a fresh lease from `now`: those that do not come back are dropped by it.
+    pub fn restore(
+        snap: CoordinatorSnap,
+        job: &JobConfig,
+        shards: u32,
+        now: Instant,
+    ) -> Result<Self, String> {
+        if snap.job != *job || snap.shards_expected != shards.max(1) {
+            return Err(
+                "the saved state belongs to another job configuration; use another state directory"
+                    .into(),
+            );
+        }
+        let data = DataPlan::restore(
+            job.epochs,
+            job.train_samples,
+            job.partition_size,
+            snap.cursor,
+            snap.returned,
+            snap.completed,
+        )?;
+        let mut st = CoordinatorState::new(snap.job, snap.shards_expected);
+        st.shards = snap.shards;
+        st.shard_names = snap.shard_names;
+        st.map = snap.map;
+        st.next_worker = snap.next_worker;
+        st.floor = snap.floor;
+        st.data = data;
+        st.epochs = snap.epochs;
+        st.samples_done = snap.samples_done;
+        for w in snap.workers {
+            st.workers.insert(
+                w.id,
+                Worker {
+                    name: w.name,
+                    addr: w.addr,
+                    samples: w.samples,
+                    state: w.state,
+                    clock: w.clock,
+                    last_seen: now,
+                    leased: w
+                        .leased
+                        .into_iter()
+                        .map(|(part, committed)| Lease { part, committed })
+                        .collect(),
+                    idle: false,
+                    draining: w.draining,
+                    restored: true,
+                },
+            );
+        }
+        Ok(st)
     }
 
     fn ms(&self, t: Instant) -> u64 {
@@ -259,6 +382,7 @@ impl CoordinatorState {
                 leased: Vec::new(),
                 idle: false,
                 draining: false,
+                restored: false,
             },
         );
         self.event(EventKind::Join, id, requested);
@@ -400,7 +524,9 @@ impl CoordinatorState {
             // counted once, so only the wait is repeated.
             return Ok(());
         }
-        if clock.0 != w.clock.0 + 1 {
+        // A restored worker may report past the saved clock: steps whose reports were lost
+        // with the coordinator's crash.
+        if clock.0 != w.clock.0 + 1 && !(w.restored && clock.0 > w.clock.0) {
             return Err((
                 ErrorCode::InvalidRequest,
                 format!(
@@ -425,6 +551,12 @@ impl CoordinatorState {
                             ),
                         )
                     })?;
+                let l = &mut w.leased[i];
+                // Likewise its span may start past the saved position: those samples were
+                // pushed (the shards' ledgers have them) but their commit was lost.
+                if w.restored && span.start > l.committed && span.start <= l.end() {
+                    l.committed = span.start;
+                }
                 let l = &w.leased[i];
                 if span.epoch != epoch
                     || span.len() != samples
@@ -457,6 +589,7 @@ impl CoordinatorState {
         }
         w.clock = clock;
         w.last_seen = now;
+        w.restored = false;
         w.samples += u64::from(samples);
         let t_ms = now.saturating_duration_since(self.started).as_millis() as u64;
         if self.steps.len() >= MAX_STEP_RECORDS {

@@ -3,13 +3,17 @@
 //! behind the `edl-local` binary.
 //!
 //! The pieces are split by concern: [`procs`] starts, watches and stops child processes,
-//! [`progress`] shows how training is going, and [`report`] turns the outcome into a summary and
-//! a JSON report.
+//! [`scenario`] reads the timed membership changes a run replays, [`progress`] shows how
+//! training is going, [`costs`] works out what each membership event cost from the
+//! coordinator's trace, and [`report`] turns the outcome into a summary and a JSON report.
 
+pub mod costs;
 pub mod local;
 pub mod procs;
 pub mod progress;
 pub mod report;
+pub mod scenario;
 
-pub use local::{LocalConfig, run};
+pub use local::{LocalConfig, ScenarioFile, run};
 pub use report::Report;
+pub use scenario::Scenario;

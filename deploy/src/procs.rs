@@ -126,6 +126,39 @@ impl Proc {
         ))
     }
 
+    /// Sends `signal` to the child unless it has already exited; returns whether it was sent.
+    pub fn signal(&mut self, signal: Signal) -> anyhow::Result<bool> {
+        if self.try_exit()?.is_some() {
+            return Ok(false);
+        }
+        // A missing pid means tokio has already reaped the child.
+        let Some(pid) = self.child.id() else {
+            return Ok(false);
+        };
+        let pid = i32::try_from(pid).with_context(|| format!("pid {pid} out of range"))?;
+        match kill(Pid::from_raw(pid), signal) {
+            Ok(()) => Ok(true),
+            // It exited between the check above and the signal.
+            Err(nix::errno::Errno::ESRCH) => Ok(false),
+            Err(e) => bail!("cannot send {signal} to {} (pid {pid}): {e}", self.name),
+        }
+    }
+
+    /// Waits up to `limit` for the child to exit; `None` if it is still running then.
+    pub async fn wait_exit(&mut self, limit: Duration) -> anyhow::Result<Option<ExitStatus>> {
+        if let Some(status) = self.try_exit()? {
+            return Ok(Some(status));
+        }
+        match tokio::time::timeout(limit, self.child.wait()).await {
+            Ok(status) => {
+                let status = status.with_context(|| format!("cannot wait for {}", self.name))?;
+                self.exited = Some(status);
+                Ok(Some(status))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
     /// Asks the child to stop with SIGTERM, waits up to `grace`, then kills it.
     pub async fn terminate(&mut self, grace: Duration) -> anyhow::Result<Stopped> {
         if let Some(status) = self.try_exit()? {
@@ -299,6 +332,28 @@ mod tests {
             .await
             .expect("terminate");
         assert_eq!(stopped, Stopped::Killed);
+
+        let mut victim = Proc::spawn(sh(dir.path(), "victim", "sleep 30", false)).expect("spawn");
+        assert_eq!(
+            victim
+                .wait_exit(Duration::from_millis(50))
+                .await
+                .expect("wait"),
+            None
+        );
+        assert!(victim.signal(Signal::SIGKILL).expect("signal"));
+        let status = victim
+            .wait_exit(Duration::from_secs(5))
+            .await
+            .expect("wait")
+            .expect("exited");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(9));
+        assert!(
+            !victim
+                .signal(Signal::SIGTERM)
+                .expect("no signal to the dead")
+        );
 
         let mut done = Proc::spawn(sh(dir.path(), "done", "exit 0", false)).expect("spawn");
         tokio::time::sleep(Duration::from_millis(200)).await;

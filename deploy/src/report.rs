@@ -5,8 +5,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use edl_shared::proto::msg::JobStatus;
+use edl_shared::proto::msg::JobTrace;
 use serde::{Deserialize, Serialize};
+
+use crate::costs::{KindSummary, StallNoise};
 
 /// The line `edl-worker --evaluate` prints on stdout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -33,15 +35,91 @@ impl Evaluation {
     }
 }
 
-/// Training figures of one epoch.
+/// Training figures of one epoch. The data account comes from the shards' ledgers, worst case
+/// over shards; a correct run has `samples` equal to the training samples per epoch and no
+/// duplicates or misses.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EpochReport {
     /// The epoch, counted from 0.
     pub epoch: u32,
-    /// Samples trained on.
+    /// Sample positions whose gradient was applied, on the shard that applied fewest.
     pub samples: u64,
+    /// Sample positions applied more than once, on the worst shard.
+    pub duplicates: u64,
+    /// Sample positions never applied, on the worst shard.
+    pub missing: u64,
+    /// Pushes a shard skipped as already applied (re-issued data of a departed worker), most
+    /// on one shard.
+    pub skipped_pushes: u64,
+    /// Samples the workers reported to the coordinator.
+    pub reported_samples: u64,
     /// Mean per-sample training loss (0 when the epoch has no samples).
     pub train_loss: f64,
+}
+
+/// One membership event and what it cost the other workers (see [`crate::costs`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EventReport {
+    /// Milliseconds since the coordinator started.
+    pub t_ms: u64,
+    /// `join`, `drain`, `leave` or `dead`.
+    pub kind: String,
+    /// The worker's name.
+    pub worker: String,
+    /// The other workers' median step time just before the event.
+    pub step_ms: Option<f64>,
+    /// How much longer than usual the others' step across the event took, the worst of them.
+    pub stall_ms: Option<f64>,
+    /// For a join: from the admission request to the worker's first step.
+    pub join_latency_ms: Option<f64>,
+}
+
+/// One stop-everything restart of the `--restart-on-change` baseline.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RestartReport {
+    /// When it began, in milliseconds since the coordinator started.
+    pub t_ms: u64,
+    /// The scenario event that caused it.
+    pub cause: String,
+    /// Workers training before it.
+    pub workers_before: u32,
+    /// Workers started by it.
+    pub workers_after: u32,
+    /// Pulling every parameter and writing the checkpoint file.
+    pub checkpoint_ms: f64,
+    /// From SIGTERM to every old worker having exited.
+    pub stop_ms: f64,
+    /// From starting the new workers to each of them having taken a step (or exited because
+    /// no data was left).
+    pub start_ms: f64,
+    /// The checkpoint file.
+    pub checkpoint: PathBuf,
+    /// Its size.
+    pub checkpoint_bytes: u64,
+}
+
+/// A scenario event that did not happen, and why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SkippedEvent {
+    /// Its time in the scenario.
+    pub at_s: f64,
+    /// What it would have done.
+    pub action: String,
+    /// Why it did not.
+    pub reason: String,
+}
+
+/// A worker process the launcher started, and how it ended.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerProcess {
+    /// Its name (certificate name and log file).
+    pub name: String,
+    /// What the launcher did to it: `none`, `drained`, `termed`, `killed` or `restarted`.
+    pub fate: String,
+    /// Its exit code, when it exited normally.
+    pub exit_code: Option<i32>,
+    /// The signal that ended it, when one did.
+    pub signal: Option<i32>,
 }
 
 /// Everything a run reports; written as JSON with `--report`.
@@ -55,7 +133,7 @@ pub struct Report {
     pub test_samples: u64,
     /// Per-epoch training figures.
     pub epochs: Vec<EpochReport>,
-    /// Samples trained on in all epochs.
+    /// Samples trained on in all epochs, as the workers reported them to the coordinator.
     pub samples: u64,
     /// Whether the coordinator saw every partition of every epoch completed.
     pub finished: bool,
@@ -67,7 +145,7 @@ pub struct Report {
     pub train_wall_s: f64,
     /// Shard servers.
     pub shards: u32,
-    /// Training workers.
+    /// Training workers at the start.
     pub workers: u32,
     /// The consistency model, as given on the command line (`ssp:2`).
     pub consistency: String,
@@ -81,26 +159,101 @@ pub struct Report {
     pub train_samples: u32,
     /// Seed for initialization and data order.
     pub seed: u64,
-    /// The state directory: PKI, address file and logs.
+    /// The scenario file replayed, if any.
+    pub scenario: Option<PathBuf>,
+    /// How membership changes were carried out: `elastic` or `restart-on-change`.
+    pub membership: String,
+    /// What that means, in a sentence or two.
+    pub membership_note: String,
+    /// Membership events from the coordinator's trace, with their costs.
+    pub events: Vec<EventReport>,
+    /// The events' costs per kind.
+    pub event_summary: Vec<KindSummary>,
+    /// The same stall measure at moments without any event: the floor to read the events'
+    /// stalls against (`None` when the run had no such moments).
+    pub stall_noise: Option<StallNoise>,
+    /// The restarts of `--restart-on-change` (empty otherwise).
+    pub restarts: Vec<RestartReport>,
+    /// Scenario events that did not happen.
+    pub scenario_skipped: Vec<SkippedEvent>,
+    /// Every worker process started, and how it ended.
+    pub worker_processes: Vec<WorkerProcess>,
+    /// The state directory: PKI, address file, logs and checkpoints.
     pub state_dir: PathBuf,
     /// Problems seen while stopping the servers (empty when they all stopped cleanly).
     pub shutdown_problems: Vec<String>,
 }
 
-/// Per-epoch figures from a status snapshot.
-pub fn epoch_reports(st: &JobStatus) -> Vec<EpochReport> {
-    st.epochs
-        .iter()
-        .map(|e| EpochReport {
-            epoch: e.epoch,
-            samples: e.samples,
-            train_loss: if e.samples > 0 {
-                e.loss_sum / e.samples as f64
-            } else {
-                0.0
-            },
-        })
-        .collect()
+/// The coordinator's raw trace as JSON (`--trace`), for a closer look than the report's
+/// per-event figures.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceDump {
+    /// Membership events in time order.
+    pub events: Vec<TraceEvent>,
+    /// Step reports in time order.
+    pub steps: Vec<TraceStep>,
+}
+
+/// One membership event of the trace.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceEvent {
+    /// Milliseconds since the coordinator started.
+    pub t_ms: u64,
+    /// For a join: when the admission request arrived.
+    pub requested_ms: u64,
+    /// `join`, `drain`, `leave` or `dead`.
+    pub kind: String,
+    /// The coordinator's id for the worker.
+    pub worker_id: u64,
+    /// The worker's name.
+    pub name: String,
+}
+
+/// One step report of the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceStep {
+    /// Milliseconds since the coordinator started.
+    pub t_ms: u64,
+    /// The coordinator's id for the worker.
+    pub worker_id: u64,
+    /// The worker's clock after the step.
+    pub clock: u64,
+}
+
+impl TraceDump {
+    /// The dump of `trace`.
+    pub fn of(trace: &JobTrace) -> TraceDump {
+        TraceDump {
+            events: trace
+                .events
+                .iter()
+                .map(|e| TraceEvent {
+                    t_ms: e.t_ms,
+                    requested_ms: e.requested_ms,
+                    kind: crate::costs::kind_name(e.kind).into(),
+                    worker_id: e.worker.0,
+                    name: e.name.clone(),
+                })
+                .collect(),
+            steps: trace
+                .steps
+                .iter()
+                .map(|s| TraceStep {
+                    t_ms: s.t_ms,
+                    worker_id: s.worker.0,
+                    clock: s.clock.0,
+                })
+                .collect(),
+        }
+    }
+
+    /// Writes the dump as JSON, atomically.
+    pub fn write_json(&self, path: &Path) -> anyhow::Result<()> {
+        let mut json = serde_json::to_vec(self).context("encoding the trace")?;
+        json.push(b'\n');
+        edl_shared::pki::write_atomic(path, &json)
+            .with_context(|| format!("writing the trace {}", path.display()))
+    }
 }
 
 /// Samples per second, or 0 when no time was measured.
@@ -136,13 +289,18 @@ impl fmt::Display for Report {
             self.train_samples
         )?;
         for e in &self.epochs {
-            writeln!(
+            write!(
                 f,
-                "  epoch {}: {} samples, mean train loss {:.4}",
+                "  epoch {}: {} samples applied ({} duplicates, {} missing",
                 e.epoch + 1,
                 e.samples,
-                e.train_loss
+                e.duplicates,
+                e.missing
             )?;
+            if e.skipped_pushes > 0 {
+                write!(f, ", {} re-issued pushes skipped", e.skipped_pushes)?;
+            }
+            writeln!(f, "), mean train loss {:.4}", e.train_loss)?;
         }
         if !self.finished {
             writeln!(
@@ -160,6 +318,63 @@ impl fmt::Display for Report {
             "  throughput {:.0} samples/s ({} samples in {:.1} s of training); {:.1} s in all",
             self.throughput_samples_per_s, self.samples, self.train_wall_s, self.wall_s
         )?;
+        if self.scenario.is_some() || !self.restarts.is_empty() {
+            writeln!(f, "  membership: {}", self.membership)?;
+        }
+        for k in &self.event_summary {
+            write!(f, "    {:<5} x{}", k.kind, k.count)?;
+            if let (Some(med), Some(max)) = (k.median_stall_ms, k.max_stall_ms) {
+                write!(
+                    f,
+                    ": stall median {med:.0} ms, max {max:.0} ms ({} measured",
+                    k.measured
+                )?;
+                if let Some(step) = k.median_step_ms {
+                    write!(f, "; a step took {step:.1} ms")?;
+                }
+                write!(f, ")")?;
+            }
+            if let Some(j) = k.median_join_latency_ms {
+                write!(f, "; join latency median {j:.0} ms")?;
+            }
+            writeln!(f)?;
+        }
+        if let Some(n) = &self.stall_noise
+            && !self.events.is_empty()
+        {
+            write!(
+                f,
+                "    without any event the same measure gives: median {:.0} ms, p90 {:.0} ms \
+                 ({} moments",
+                n.median_stall_ms, n.p90_stall_ms, n.moments
+            )?;
+            if let Some(step) = n.median_step_ms {
+                write!(f, "; a step took {step:.1} ms")?;
+            }
+            writeln!(f, ")")?;
+        }
+        for (i, r) in self.restarts.iter().enumerate() {
+            writeln!(
+                f,
+                "  restart {} at {:.1} s ({}): checkpoint {:.0} ms, stop {:.0} ms, start {:.0} ms; \
+                 {} -> {} workers",
+                i + 1,
+                r.t_ms as f64 / 1000.0,
+                r.cause,
+                r.checkpoint_ms,
+                r.stop_ms,
+                r.start_ms,
+                r.workers_before,
+                r.workers_after
+            )?;
+        }
+        for s in &self.scenario_skipped {
+            writeln!(
+                f,
+                "  skipped scenario event at {:.1} s ({}): {}",
+                s.at_s, s.action, s.reason
+            )?;
+        }
         for p in &self.shutdown_problems {
             writeln!(f, "  warning: {p}")?;
         }
@@ -174,8 +389,6 @@ impl fmt::Display for Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use edl_shared::proto::Clock;
-    use edl_shared::proto::msg::EpochStats;
 
     #[test]
     fn evaluation_reads_the_last_line() {
@@ -197,32 +410,7 @@ mod tests {
     }
 
     #[test]
-    fn epoch_reports_divide_loss_by_samples() {
-        let st = JobStatus {
-            shards_joined: 1,
-            shards_expected: 1,
-            samples_total: 200,
-            samples_done: 100,
-            epochs: vec![
-                EpochStats {
-                    epoch: 0,
-                    samples: 100,
-                    loss_sum: 25.0,
-                },
-                EpochStats {
-                    epoch: 1,
-                    samples: 0,
-                    loss_sum: 0.0,
-                },
-            ],
-            workers: vec![],
-            min_clock: Clock(0),
-            finished: false,
-        };
-        let r = epoch_reports(&st);
-        assert_eq!(r.len(), 2);
-        assert_eq!((r[0].epoch, r[0].samples, r[0].train_loss), (0, 100, 0.25));
-        assert_eq!((r[1].samples, r[1].train_loss), (0, 0.0));
+    fn throughput_needs_time() {
         assert_eq!(throughput(1000, 2.0), 500.0);
         assert_eq!(throughput(1000, 0.0), 0.0);
     }
@@ -236,6 +424,10 @@ mod tests {
             epochs: vec![EpochReport {
                 epoch: 0,
                 samples: 60_000,
+                duplicates: 0,
+                missing: 0,
+                skipped_pushes: 2,
+                reported_samples: 60_000,
                 train_loss: 0.5,
             }],
             samples: 60_000,
@@ -251,6 +443,53 @@ mod tests {
             batch_size: 64,
             train_samples: 60_000,
             seed: 1,
+            scenario: Some("churn.toml".into()),
+            membership: "restart-on-change".into(),
+            membership_note: "stops everything".into(),
+            events: vec![EventReport {
+                t_ms: 4000,
+                kind: "leave".into(),
+                worker: "w0".into(),
+                step_ms: Some(12.0),
+                stall_ms: Some(2500.0),
+                join_latency_ms: None,
+            }],
+            event_summary: crate::costs::kind_summaries(&[EventReport {
+                t_ms: 4000,
+                kind: "leave".into(),
+                worker: "w0".into(),
+                step_ms: Some(12.0),
+                stall_ms: Some(2500.0),
+                join_latency_ms: None,
+            }]),
+            stall_noise: Some(StallNoise {
+                moments: 120,
+                median_stall_ms: 9.0,
+                p90_stall_ms: 31.0,
+                median_step_ms: Some(11.5),
+            }),
+            restarts: vec![RestartReport {
+                t_ms: 3900,
+                cause: "drain w0".into(),
+                workers_before: 3,
+                workers_after: 2,
+                checkpoint_ms: 4.0,
+                stop_ms: 300.0,
+                start_ms: 2000.0,
+                checkpoint: "/tmp/edl-local-1/checkpoint-1.bin".into(),
+                checkpoint_bytes: 1024,
+            }],
+            scenario_skipped: vec![SkippedEvent {
+                at_s: 99.0,
+                action: "add w5".into(),
+                reason: "training had ended".into(),
+            }],
+            worker_processes: vec![WorkerProcess {
+                name: "w0".into(),
+                fate: "restarted".into(),
+                exit_code: Some(0),
+                signal: None,
+            }],
             state_dir: "/tmp/edl-local-1".into(),
             shutdown_problems: vec![],
         };
@@ -273,14 +512,41 @@ mod tests {
             "batch_size",
             "train_samples",
             "state_dir",
+            "events",
+            "restarts",
+            "membership",
         ] {
             assert!(value.get(key).is_some(), "missing {key}");
         }
         assert_eq!(value["epochs"][0]["train_loss"], 0.5);
+        assert_eq!(value["epochs"][0]["duplicates"], 0);
+        assert_eq!(value["events"][0]["stall_ms"], 2500.0);
+        assert!(value["events"][0]["join_latency_ms"].is_null());
+        assert_eq!(value["restarts"][0]["checkpoint_ms"], 4.0);
         let back: Report = serde_json::from_str(&text).expect("decode");
         assert_eq!(back, report);
         let summary = report.to_string();
         assert!(summary.contains("test accuracy 0.8600"), "{summary}");
+        assert!(
+            summary.contains("60000 samples applied (0 duplicates, 0 missing"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("leave x1: stall median 2500 ms, max 2500 ms"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("restart 1 at 3.9 s (drain w0)"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("without any event the same measure gives: median 9 ms, p90 31 ms"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("skipped scenario event at 99.0 s"),
+            "{summary}"
+        );
         assert!(summary.contains("/tmp/edl-local-1/logs"), "{summary}");
     }
 }

@@ -5,7 +5,8 @@
 //! (an absolute path, e.g. `$PWD/target/release`). Without the dataset the test says it was
 //! skipped, unless `EDL_REQUIRE_DATA=1` (set by CI) makes that a failure.
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::Duration;
 
 use edl_deploy::LocalConfig;
@@ -13,34 +14,12 @@ use edl_shared::proto::Consistency;
 use edl_shared::shutdown::CancellationToken;
 use edl_worker::data::DEFAULT_DATA_DIR;
 
-/// Where the server and worker binaries are: `EDL_BIN_DIR`, or next to this test's launcher.
-fn bin_dir() -> PathBuf {
-    match std::env::var_os("EDL_BIN_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_BIN_EXE_edl-local"))
-            .parent()
-            .map(PathBuf::from)
-            .unwrap_or_default(),
-    }
-}
-
 #[tokio::test]
 async fn small_job_trains_evaluates_and_reports() {
-    if !std::path::Path::new(DEFAULT_DATA_DIR).exists() {
-        assert!(
-            std::env::var("EDL_REQUIRE_DATA").as_deref() != Ok("1"),
-            "{DEFAULT_DATA_DIR} is missing and EDL_REQUIRE_DATA=1"
-        );
-        eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+    if !common::have_dataset() {
         return;
     }
-    let bins = bin_dir();
-    if !bins.join("edl-ps").is_file() || !bins.join("edl-worker").is_file() {
-        panic!(
-            "edl-ps and edl-worker are not in {}: build them (cargo build) or set EDL_BIN_DIR",
-            bins.display()
-        );
-    }
+    let bins = common::bin_dir();
     let dir = tempfile::tempdir().expect("tempdir");
     let report_path = dir.path().join("report.json");
     let cfg = LocalConfig {
@@ -56,10 +35,13 @@ async fn small_job_trains_evaluates_and_reports() {
         seed: 7,
         data_dir: DEFAULT_DATA_DIR.into(),
         report: Some(report_path.clone()),
+        trace: None,
         state_dir: Some(dir.path().join("state")),
         bin_dir: Some(bins),
         progress_bar: false,
         stall_timeout: Some(Duration::from_secs(60)),
+        scenario: None,
+        restart_on_change: false,
     };
     let report = edl_deploy::run(&cfg, CancellationToken::new())
         .await

@@ -5,8 +5,10 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::Parser;
-use edl_deploy::LocalConfig;
+use edl_deploy::local::RESTART_NOTE;
+use edl_deploy::{LocalConfig, Scenario, ScenarioFile};
 use edl_shared::proto::{Consistency, OptimizerSpec};
 use edl_shared::{shutdown, telemetry};
 use edl_worker::data::DEFAULT_DATA_DIR;
@@ -52,6 +54,10 @@ struct Cli {
     /// Write a JSON report of the run to this file.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Write the coordinator's raw trace (membership events and the time of every step) as
+    /// JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
     /// State directory for the PKI, the coordinator's address file and one log per process
     /// [default: a new edl-local-<timestamp> directory in the system's temporary directory].
     #[arg(long)]
@@ -68,11 +74,33 @@ struct Cli {
     /// behaviour when stderr is not a terminal).
     #[arg(long)]
     no_progress: bool,
+    /// Replay the timed membership changes of this TOML file (add, drain, kill, term) while
+    /// the job trains; see deploy/scenarios/. Times count from the first admitted worker;
+    /// worker names are w0.. for the initial workers and continue for added ones. The file is
+    /// checked before anything starts.
+    #[arg(long, value_name = "FILE")]
+    scenario: Option<PathBuf>,
+    /// The classic baseline: carry out every membership change of the scenario by
+    /// checkpointing, stopping all workers and starting the new number afresh.
+    #[arg(long, requires = "scenario", long_help = format!(
+        "{RESTART_NOTE} \
+         The report lists each restart with its checkpoint, stop and start times, and the \
+         events' stalls include the whole restart."
+    ))]
+    restart_on_change: bool,
 }
 
 impl Cli {
-    fn into_config(self) -> LocalConfig {
-        LocalConfig {
+    fn into_config(self) -> anyhow::Result<LocalConfig> {
+        let scenario = match self.scenario {
+            Some(path) => Some(ScenarioFile {
+                scenario: Scenario::load(&path, self.workers)
+                    .with_context(|| format!("--scenario {}", path.display()))?,
+                path,
+            }),
+            None => None,
+        };
+        Ok(LocalConfig {
             shards: self.shards,
             workers: self.workers,
             epochs: self.epochs,
@@ -85,12 +113,15 @@ impl Cli {
             seed: self.seed,
             data_dir: self.data_dir,
             report: self.report,
+            trace: self.trace,
             state_dir: self.state_dir,
             bin_dir: self.bin_dir,
             progress_bar: !self.no_progress && std::io::stderr().is_terminal(),
             stall_timeout: (self.stall_timeout > 0)
                 .then(|| Duration::from_secs(self.stall_timeout)),
-        }
+            scenario,
+            restart_on_change: self.restart_on_change,
+        })
     }
 }
 
@@ -98,7 +129,7 @@ impl Cli {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     telemetry::init("warn");
-    let cfg = Cli::parse().into_config();
+    let cfg = Cli::parse().into_config()?;
     let report = edl_deploy::run(&cfg, shutdown::on_signals()).await?;
     println!("{report}");
     if let Some(path) = &cfg.report {

@@ -5,17 +5,27 @@
 //! Every process is a separate OS process started from the `edl-ps` and `edl-worker` binaries,
 //! exactly as on a real cluster, so a local run exercises the same code paths (QUIC, mutual TLS,
 //! leases) and leaves one log per process in the state directory.
+//!
+//! With a scenario ([`crate::scenario`]) the launcher also changes the membership while the job
+//! trains (module `play`): elastically, or with the stop-everything restarts of the
+//! `--restart-on-change` baseline. Afterwards it reads the coordinator's trace and the shards'
+//! ledgers, so the report says what every event cost and whether each sample was applied
+//! exactly once.
+
+mod play;
+mod setup;
+mod workers;
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
-use edl_shared::proto::msg::JobStatus;
-use edl_shared::proto::{Consistency, OptimizerSpec};
+use edl_shared::proto::msg::{EpochLedger, JobStatus, JobTrace};
+use edl_shared::proto::{Consistency, OptimizerSpec, ShardId};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_worker::data::{Dataset, Split};
@@ -23,9 +33,16 @@ use edl_worker::{ClientConfig, Job};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::costs::{epoch_reports, event_costs, kind_summaries, stall_noise};
 use crate::procs::{Proc, Spawn, Stopped, failure_message};
 use crate::progress::{Progress, StallWatch, active_workers, worker_states};
-use crate::report::{Evaluation, Report, epoch_reports, throughput};
+use crate::report::{Evaluation, Report, RestartReport, SkippedEvent, TraceDump, throughput};
+use crate::scenario::{Scenario, worker_name};
+use play::Player;
+use workers::{Fate, WorkerProc, Workers};
+
+pub use setup::fresh_state_dir;
+use setup::{Binaries, issue_certificates, shard_name};
 
 /// The coordinator's certificate name; `edl-ps coordinator` always uses it.
 const COORDINATOR_NAME: &str = "coordinator";
@@ -35,8 +52,11 @@ const EVALUATOR_NAME: &str = "eval";
 const LAUNCHER_NAME: &str = "launcher";
 /// How long the coordinator may take to start listening.
 const COORDINATOR_START: Duration = Duration::from_secs(30);
-/// How often child processes are checked for an exit.
+/// How often child processes are checked for an exit (and scenario events for being due).
 const CHILD_CHECK: Duration = Duration::from_millis(50);
+/// How often the launcher looks for the coordinator's address file. Its appearance is the
+/// launcher's best estimate of the coordinator's time zero, which the trace counts from.
+const ADDR_CHECK: Duration = Duration::from_millis(10);
 /// How often the coordinator is asked for its status.
 const STATUS_PERIOD: Duration = Duration::from_millis(250);
 /// How long one status call may take before it is given up (the next one is tried).
@@ -77,6 +97,8 @@ pub struct LocalConfig {
     pub data_dir: PathBuf,
     /// Where to write the JSON report, if anywhere.
     pub report: Option<PathBuf>,
+    /// Where to write the coordinator's raw trace as JSON, if anywhere.
+    pub trace: Option<PathBuf>,
     /// The state directory; `None` creates a fresh one under the system's temporary directory.
     pub state_dir: Option<PathBuf>,
     /// Where `edl-ps` and `edl-worker` are; `None` means next to the running executable.
@@ -85,7 +107,38 @@ pub struct LocalConfig {
     pub progress_bar: bool,
     /// Give up when the sample count has not moved for this long; `None` waits forever.
     pub stall_timeout: Option<Duration>,
+    /// Membership changes to replay while the job trains.
+    pub scenario: Option<ScenarioFile>,
+    /// Carry out each membership change of the scenario by checkpointing, stopping every
+    /// worker and starting the new number afresh (the classic baseline), instead of
+    /// elastically.
+    pub restart_on_change: bool,
 }
+
+/// A checked scenario and the file it came from.
+#[derive(Clone, Debug)]
+pub struct ScenarioFile {
+    /// The file.
+    pub path: PathBuf,
+    /// Its events, checked against the run's initial workers.
+    pub scenario: Scenario,
+}
+
+/// What `--restart-on-change` does, for `--help` readers and the report alike.
+pub const RESTART_NOTE: &str = "The classic stop-everything baseline, for comparison: at \
+    each membership change of the scenario the launcher checkpoints (an admin client pulls \
+    every parameter and writes them to <state>/checkpoint-N.bin, timed) while the old workers \
+    still train, then stops every worker with SIGTERM (each finishes its in-flight step and \
+    leaves) and waits for them, then starts the new number of workers as fresh processes with \
+    new names. The parameter servers keep running and keep the parameters, so the new \
+    workers' first pull is the restore; the checkpoint file is written but never read back. A \
+    kill is SIGKILL to the victim first, then the same restart with one worker fewer; as in \
+    elastic mode, the coordinator counts the victim until its lease expires.";
+
+/// What elastic membership means, for the report.
+const ELASTIC_NOTE: &str = "Workers are added, drained, sent SIGTERM or killed while \
+    the others keep training; the coordinator re-issues a departed worker's uncommitted data \
+    from where its committed samples end.";
 
 /// Runs the job described by `cfg` to the end and returns its report, written to
 /// `cfg.report` as well when that is set.
@@ -119,12 +172,15 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     let mut run = Launch {
         cfg,
         bins,
+        pki: PkiDir::new(&state_dir),
         state_dir: state_dir.clone(),
         logs,
         progress: Progress::new(cfg.progress_bar)?,
         coordinator: None,
+        coordinator_addr: None,
+        coordinator_zero: None,
         shards: Vec::new(),
-        workers: Vec::new(),
+        workers: Workers::default(),
         poller: None,
     };
     run.progress.println(&format!(
@@ -154,12 +210,13 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     })?;
 
     let samples: u64 = trained.status.epochs.iter().map(|e| e.samples).sum();
+    let events = event_costs(&trained.trace);
     let train_wall_s = trained.train_wall.as_secs_f64();
     let report = Report {
         test_accuracy: trained.evaluation.test_accuracy,
         test_loss: trained.evaluation.test_loss,
         test_samples: trained.evaluation.test_samples,
-        epochs: epoch_reports(&trained.status),
+        epochs: epoch_reports(&trained.status, &trained.ledgers, cfg.train_samples),
         samples,
         finished: trained.status.finished,
         throughput_samples_per_s: throughput(samples, train_wall_s),
@@ -173,116 +230,48 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         batch_size: cfg.batch_size,
         train_samples: cfg.train_samples,
         seed: cfg.seed,
+        scenario: cfg.scenario.as_ref().map(|s| s.path.clone()),
+        membership: if cfg.restart_on_change {
+            "restart-on-change"
+        } else {
+            "elastic"
+        }
+        .into(),
+        membership_note: if cfg.restart_on_change {
+            RESTART_NOTE
+        } else {
+            ELASTIC_NOTE
+        }
+        .into(),
+        event_summary: kind_summaries(&events),
+        stall_noise: stall_noise(&trained.trace),
+        events,
+        restarts: trained.restarts,
+        scenario_skipped: trained.skipped,
+        worker_processes: trained.worker_processes,
         state_dir,
         shutdown_problems: problems,
     };
     if let Some(path) = &cfg.report {
         report.write_json(path)?;
     }
+    if let Some(path) = &cfg.trace {
+        TraceDump::of(&trained.trace).write_json(path)?;
+    }
     Ok(report)
-}
-
-/// Creates a new directory `edl-local-<unix seconds>` under `parent`, with a counter appended
-/// when runs start within the same second.
-pub fn fresh_state_dir(parent: &Path) -> anyhow::Result<PathBuf> {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    for n in 0..1000 {
-        let name = match n {
-            0 => format!("edl-local-{secs}"),
-            n => format!("edl-local-{secs}-{n}"),
-        };
-        let dir = parent.join(name);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => return Ok(dir),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("cannot create state directory {}", dir.display()));
-            }
-        }
-    }
-    bail!(
-        "cannot find a free name for a state directory in {}",
-        parent.display()
-    )
-}
-
-/// Creates the CA and every certificate of the run before any process starts, so that the
-/// children only load credentials and never race each other to create a CA. Returns the
-/// launcher's own identity.
-fn issue_certificates(state_dir: &Path, cfg: &LocalConfig) -> anyhow::Result<edl_shared::Identity> {
-    let pki = PkiDir::new(state_dir);
-    pki.init_ca()
-        .with_context(|| format!("creating the cluster CA in {}", state_dir.display()))?;
-    let mut nodes = vec![
-        (Role::Coordinator, COORDINATOR_NAME.to_string()),
-        (Role::Worker, EVALUATOR_NAME.to_string()),
-    ];
-    nodes.extend((0..cfg.shards).map(|i| (Role::Shard, shard_name(i))));
-    nodes.extend((0..cfg.workers).map(|i| (Role::Worker, worker_name(i))));
-    for (role, name) in nodes {
-        pki.ensure(role, &name)
-            .with_context(|| format!("issuing the certificate of {role}/{name}"))?;
-    }
-    pki.ensure(Role::Admin, LAUNCHER_NAME)
-        .context("issuing the launcher's certificate")
-}
-
-fn shard_name(i: u32) -> String {
-    format!("s{i}")
-}
-
-fn worker_name(i: u32) -> String {
-    format!("w{i}")
-}
-
-/// The programs the launcher starts.
-#[derive(Clone, Debug)]
-struct Binaries {
-    ps: PathBuf,
-    worker: PathBuf,
-}
-
-impl Binaries {
-    /// Finds `edl-ps` and `edl-worker` in `dir`, or next to the running executable.
-    fn locate(dir: Option<&Path>) -> anyhow::Result<Binaries> {
-        let dir = match dir {
-            Some(d) => d.to_path_buf(),
-            None => {
-                let exe = std::env::current_exe().context("cannot find the running executable")?;
-                exe.parent()
-                    .map(Path::to_path_buf)
-                    .with_context(|| format!("{} has no parent directory", exe.display()))?
-            }
-        };
-        let find = |name: &str| {
-            let path = dir.join(name);
-            if path.is_file() {
-                Ok(path)
-            } else {
-                Err(anyhow!(
-                    "{name} not found in {}: build it with `cargo build --release -p edl-ps \
-                     -p edl-worker` or pass --bin-dir",
-                    dir.display()
-                ))
-            }
-        };
-        Ok(Binaries {
-            ps: find("edl-ps")?,
-            worker: find("edl-worker")?,
-        })
-    }
 }
 
 /// What the training phase produced.
 #[derive(Debug)]
 struct Trained {
     status: JobStatus,
+    trace: JobTrace,
+    ledgers: Vec<(ShardId, Vec<EpochLedger>)>,
     evaluation: Evaluation,
     train_wall: Duration,
+    restarts: Vec<RestartReport>,
+    skipped: Vec<SkippedEvent>,
+    worker_processes: Vec<crate::report::WorkerProcess>,
 }
 
 /// What the status poller tells the launcher.
@@ -298,26 +287,45 @@ enum Polled {
 struct Launch<'a> {
     cfg: &'a LocalConfig,
     bins: Binaries,
+    pki: PkiDir,
     state_dir: PathBuf,
     logs: PathBuf,
     progress: Progress,
     coordinator: Option<Proc>,
+    coordinator_addr: Option<SocketAddr>,
+    /// When the coordinator's trace clock started, as near as the launcher can tell.
+    coordinator_zero: Option<Instant>,
     shards: Vec<Proc>,
-    workers: Vec<Proc>,
+    workers: Workers,
     poller: Option<JoinHandle<()>>,
 }
 
 impl Launch<'_> {
-    /// Starts the cluster, trains, evaluates. Leaves stopping the servers to [`Launch::stop`].
+    /// Starts the cluster, trains (replaying the scenario, if any), evaluates. Leaves stopping
+    /// the servers to [`Launch::stop`].
     async fn drive(&mut self, launcher: edl_shared::Identity) -> anyhow::Result<Trained> {
         let coordinator = self.start_coordinator().await?;
         self.start_shards(&coordinator)?;
-        self.start_workers(&coordinator)?;
+        self.start_workers()?;
         let workers_started = Instant::now();
         self.progress.println(&format!(
             "edl-local: coordinator at {coordinator}, {} shards and {} workers started",
             self.cfg.shards, self.cfg.workers
         ));
+        let mut player = self.cfg.scenario.as_ref().map(|s| {
+            self.progress.println(&format!(
+                "edl-local: replaying {} ({} events, {}); its times count from the first \
+                 admitted worker",
+                s.path.display(),
+                s.scenario.events.len(),
+                if self.cfg.restart_on_change {
+                    "restart on every change"
+                } else {
+                    "elastic"
+                }
+            ));
+            Player::new(&s.scenario, self.cfg.restart_on_change)
+        });
 
         let (tx, mut rx) = mpsc::channel(4);
         let client = ClientConfig {
@@ -355,13 +363,16 @@ impl Launch<'_> {
                         }
                     }
                     // The poller only stops when it cannot connect, and it has said why; the
-                    // run goes on without live progress.
+                    // run goes on without live progress (and without its scenario).
                     None => polling = false,
                 },
                 _ = tick.tick() => {
                     self.check_servers()?;
-                    if let Some(at) = self.check_workers()? {
+                    if let Some(at) = self.workers.check()? {
                         break at;
+                    }
+                    if let (Some(p), Some(zero), Some(j)) = (player.as_mut(), first_active, &job) {
+                        self.play_due(p, zero, j).await?;
                     }
                 }
             }
@@ -372,6 +383,20 @@ impl Launch<'_> {
         // Without a status showing an active worker (a very short run), the clock starts when
         // the workers were started, which includes their data loading.
         let train_wall = last_exit.duration_since(first_active.unwrap_or(workers_started));
+        let (restarts, skipped) = match player {
+            Some(mut p) => {
+                let elapsed = first_active.map(|z| last_exit.duration_since(z));
+                p.finish(elapsed);
+                for s in &p.skipped {
+                    self.progress.println(&format!(
+                        "edl-local: skipped scenario event at {:.1} s ({}): {}",
+                        s.at_s, s.action, s.reason
+                    ));
+                }
+                (p.restarts, p.skipped)
+            }
+            None => (Vec::new(), Vec::new()),
+        };
 
         let job = match job {
             Some(j) => j,
@@ -391,14 +416,27 @@ impl Launch<'_> {
             .await
             .context("the final status request timed out")?
             .context("asking the coordinator for the final status")?;
+        let trace = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.trace())
+            .await
+            .context("the trace request timed out")?
+            .context("asking the coordinator for its event trace")?;
+        let ledgers = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.ledgers())
+            .await
+            .context("the ledger requests timed out")?
+            .context("asking the shards for their data ledgers")?;
         self.progress.finish(&status);
         self.progress
             .println("edl-local: training done; evaluating on the test set");
         let evaluation = self.evaluate(&coordinator).await?;
         Ok(Trained {
             status,
+            trace,
+            ledgers,
             evaluation,
             train_wall,
+            restarts,
+            skipped,
+            worker_processes: self.workers.report(),
         })
     }
 
@@ -458,9 +496,13 @@ impl Launch<'_> {
         loop {
             // The file is written atomically, so once it exists it holds the whole address.
             if let Ok(text) = std::fs::read_to_string(&addr_file) {
-                return text.trim().parse().with_context(|| {
+                // The coordinator starts its clock just before it writes the file.
+                self.coordinator_zero = Some(Instant::now());
+                let addr: SocketAddr = text.trim().parse().with_context(|| {
                     format!("{} holds {text:?}, not an address", addr_file.display())
-                });
+                })?;
+                self.coordinator_addr = Some(addr);
+                return Ok(addr);
             }
             if let Some(status) = proc.try_exit()? {
                 bail!("{}", proc.failure("exited before it was listening", status));
@@ -473,7 +515,7 @@ impl Launch<'_> {
                     proc.log().display()
                 );
             }
-            tokio::time::sleep(CHILD_CHECK).await;
+            tokio::time::sleep(ADDR_CHECK).await;
         }
     }
 
@@ -500,17 +542,35 @@ impl Launch<'_> {
         Ok(())
     }
 
-    fn start_workers(&mut self, coordinator: &SocketAddr) -> anyhow::Result<()> {
+    fn start_workers(&mut self) -> anyhow::Result<()> {
         for i in 0..self.cfg.workers {
             let name = worker_name(i);
-            self.workers.push(Proc::spawn(Spawn {
-                log: self.logs.join(format!("{name}.log")),
-                args: self.worker_args(coordinator, &name, false),
-                name,
-                program: self.bins.worker.clone(),
-                capture_stdout: false,
-            })?);
+            self.spawn_worker(&name, &name)?;
         }
+        Ok(())
+    }
+
+    /// Starts a worker process named `name` that stands for the scenario's worker `slot`,
+    /// issuing its certificate first if it has none yet.
+    fn spawn_worker(&mut self, name: &str, slot: &str) -> anyhow::Result<()> {
+        let coordinator = self
+            .coordinator_addr
+            .context("workers cannot start before the coordinator")?;
+        self.pki
+            .ensure(Role::Worker, name)
+            .with_context(|| format!("issuing the certificate of worker/{name}"))?;
+        let proc = Proc::spawn(Spawn {
+            log: self.logs.join(format!("{name}.log")),
+            args: self.worker_args(&coordinator, name, false),
+            name: name.to_string(),
+            program: self.bins.worker.clone(),
+            capture_stdout: false,
+        })?;
+        self.workers.push(WorkerProc {
+            proc,
+            slot: slot.to_string(),
+            fate: Fate::Trains,
+        });
         Ok(())
     }
 
@@ -540,20 +600,6 @@ impl Launch<'_> {
             }
         }
         Ok(())
-    }
-
-    /// Fails if a worker has exited with an error; returns the time of the check that found
-    /// every worker gone.
-    fn check_workers(&mut self) -> anyhow::Result<Option<Instant>> {
-        let mut running = 0;
-        for w in &mut self.workers {
-            match w.try_exit()? {
-                None => running += 1,
-                Some(status) if status.success() => {}
-                Some(status) => bail!("{}", w.failure("failed", status)),
-            }
-        }
-        Ok((running == 0).then(Instant::now))
     }
 
     /// Runs the evaluator on the final parameters and reads its verdict.
@@ -592,14 +638,7 @@ impl Launch<'_> {
         if let Some(p) = self.poller.take() {
             p.abort();
         }
-        let mut problems = Vec::new();
-        for w in &mut self.workers {
-            // A worker that is still running here is one the failed run no longer needs; how
-            // it stops is not news.
-            if let Err(e) = w.terminate(STOP_GRACE).await {
-                problems.push(format!("{e:#}"));
-            }
-        }
+        let mut problems = self.workers.terminate_all(STOP_GRACE).await;
         let servers = self.shards.iter_mut().chain(self.coordinator.iter_mut());
         for p in servers {
             match p.terminate(STOP_GRACE).await {
@@ -658,71 +697,5 @@ async fn poll_status(client: ClientConfig, tx: mpsc::Sender<Polled>) {
             Ok(Err(e)) => tracing::debug!(error = %e, "status request failed"),
             Err(_) => tracing::debug!("status request timed out"),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fresh_state_dirs_do_not_collide() {
-        let parent = tempfile::tempdir().expect("tempdir");
-        let a = fresh_state_dir(parent.path()).expect("first");
-        let b = fresh_state_dir(parent.path()).expect("second");
-        assert_ne!(a, b);
-        assert!(a.is_dir() && b.is_dir());
-        let name = a.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        assert!(name.starts_with("edl-local-"), "{name}");
-    }
-
-    #[test]
-    fn missing_binaries_are_named() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let err = Binaries::locate(Some(dir.path())).expect_err("empty dir");
-        let msg = err.to_string();
-        assert!(msg.contains("edl-ps not found"), "{msg}");
-        assert!(msg.contains("--bin-dir"), "{msg}");
-    }
-
-    #[test]
-    fn certificates_cover_every_process() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = LocalConfig {
-            shards: 2,
-            workers: 3,
-            epochs: 1,
-            consistency: Consistency::Bsp,
-            optimizer: "sgd:0.1".parse().expect("optimizer"),
-            batch_size: 64,
-            train_samples: 1000,
-            lease_ms: 3000,
-            layers: vec![784, 10],
-            seed: 1,
-            data_dir: dir.path().into(),
-            report: None,
-            state_dir: None,
-            bin_dir: None,
-            progress_bar: false,
-            stall_timeout: None,
-        };
-        let launcher = issue_certificates(dir.path(), &cfg).expect("issue");
-        assert_eq!(
-            (launcher.role, launcher.name.as_str()),
-            (Role::Admin, "launcher")
-        );
-        let pki = PkiDir::new(dir.path());
-        for (role, name) in [
-            (Role::Coordinator, "coordinator"),
-            (Role::Shard, "s0"),
-            (Role::Shard, "s1"),
-            (Role::Worker, "w0"),
-            (Role::Worker, "w2"),
-            (Role::Worker, "eval"),
-        ] {
-            let id = pki.load(role, name).expect("load");
-            assert_eq!((id.role, id.name.as_str()), (role, name));
-        }
-        assert!(pki.load(Role::Worker, "w3").is_err());
     }
 }

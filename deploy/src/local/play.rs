@@ -1,0 +1,382 @@
+//! Scenario playback: each event, once due, is carried out against the running job, either
+//! elastically (start workers, drain one through the coordinator, signal one) or, with
+//! `--restart-on-change`, as a stop-everything restart (see [`super::RESTART_NOTE`]).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use edl_shared::proto::ErrorCode;
+use edl_shared::proto::frame::f32s_to_bytes;
+use edl_shared::proto::msg::{EventKind, WorkerState};
+use edl_worker::{ClientError, Job};
+use nix::sys::signal::Signal;
+
+use super::Launch;
+use super::workers::{Fate, allowed};
+use crate::report::{RestartReport, SkippedEvent};
+use crate::scenario::{Action, Scenario, ScenarioEvent};
+
+/// How long a drain waits for its worker to be admitted (it may still be loading its data).
+const ADMISSION_WAIT: Duration = Duration::from_secs(120);
+/// How long one admin request to the coordinator may take.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the old workers of a restart get to leave after SIGTERM.
+const RESTART_STOP: Duration = Duration::from_secs(60);
+/// How long the new workers of a restart get to take their first step.
+const RESTART_START: Duration = Duration::from_secs(180);
+/// How often a restart checks whether its new workers have stepped.
+const RESTART_POLL: Duration = Duration::from_millis(50);
+/// How long a killed worker gets to disappear.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// The scenario's progress through a run.
+#[derive(Debug)]
+pub(super) struct Player {
+    pending: VecDeque<ScenarioEvent>,
+    restart: bool,
+    /// Since when the front event has waited for its worker to be admitted.
+    waiting_since: Option<Instant>,
+    /// The restarts done so far.
+    pub restarts: Vec<RestartReport>,
+    /// Events that did not happen, and why.
+    pub skipped: Vec<SkippedEvent>,
+}
+
+/// What became of a due event.
+enum Outcome {
+    Done,
+    Skipped(String),
+    /// Not possible yet; try again at the next check.
+    Waiting(String),
+}
+
+impl Player {
+    pub fn new(scenario: &Scenario, restart: bool) -> Player {
+        Player {
+            pending: scenario.events.iter().cloned().collect(),
+            restart,
+            waiting_since: None,
+            restarts: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+
+    fn skip(&mut self, ev: &ScenarioEvent, reason: String) {
+        self.skipped.push(SkippedEvent {
+            at_s: ev.at.as_secs_f64(),
+            action: ev.action.to_string(),
+            reason,
+        });
+    }
+
+    /// Training has ended after `elapsed` (since the first admitted worker; `None` if none
+    /// was ever seen): every event left did not happen.
+    pub fn finish(&mut self, elapsed: Option<Duration>) {
+        while let Some(ev) = self.pending.pop_front() {
+            let reason = match (self.waiting_since.take(), elapsed) {
+                (Some(_), _) => {
+                    "training ended while it waited for its worker to be admitted".to_string()
+                }
+                (None, Some(e)) => format!("training ended at {:.1} s", e.as_secs_f64()),
+                (None, None) => "training ended before any worker was admitted".to_string(),
+            };
+            self.skip(&ev, reason);
+        }
+    }
+}
+
+impl Launch<'_> {
+    /// Carries out, in order, every scenario event due by now; `zero` is when training started.
+    pub(super) async fn play_due(
+        &mut self,
+        player: &mut Player,
+        zero: Instant,
+        job: &Job,
+    ) -> anyhow::Result<()> {
+        while let Some(ev) = player.pending.front().cloned() {
+            if zero.elapsed() < ev.at {
+                break;
+            }
+            let outcome = if player.restart {
+                self.restart(player, &ev, job).await?
+            } else {
+                self.apply(&ev, job).await?
+            };
+            match outcome {
+                Outcome::Done => {}
+                Outcome::Skipped(reason) => {
+                    self.progress.println(&format!(
+                        "edl-local: {:.1} s: skipped {}: {reason}",
+                        ev.at.as_secs_f64(),
+                        ev.action
+                    ));
+                    player.skip(&ev, reason);
+                }
+                Outcome::Waiting(why) => {
+                    let since = *player.waiting_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > ADMISSION_WAIT {
+                        bail!(
+                            "scenario event at {:.1} s ({}) waited {} s: {why}",
+                            ev.at.as_secs_f64(),
+                            ev.action,
+                            ADMISSION_WAIT.as_secs()
+                        );
+                    }
+                    // Later events wait too, so that the scenario keeps its order.
+                    return Ok(());
+                }
+            }
+            player.waiting_since = None;
+            player.pending.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Carries out one event elastically.
+    async fn apply(&mut self, ev: &ScenarioEvent, job: &Job) -> anyhow::Result<Outcome> {
+        let at = ev.at.as_secs_f64();
+        match &ev.action {
+            Action::Add { names } => {
+                for name in names {
+                    self.spawn_worker(name, name)?;
+                }
+                self.progress
+                    .println(&format!("edl-local: {at:.1} s: {}", ev.action));
+                Ok(Outcome::Done)
+            }
+            Action::Drain { worker } => {
+                let Some(w) = self.workers.current(worker) else {
+                    return Ok(Outcome::Skipped(format!("{worker} is not running")));
+                };
+                if let Some(status) = w.proc.try_exit()? {
+                    return Ok(Outcome::Skipped(format!(
+                        "{worker} had already exited ({status})"
+                    )));
+                }
+                let st = tokio::time::timeout(ADMIN_TIMEOUT, job.status())
+                    .await
+                    .context("the status request for a drain timed out")?
+                    .context("asking the coordinator for the worker to drain")?;
+                // The latest registration under that name is the process's.
+                let Some(ws) = st.workers.iter().rev().find(|ws| ws.name == *worker) else {
+                    return Ok(Outcome::Waiting(format!(
+                        "{worker} has not been admitted yet"
+                    )));
+                };
+                if ws.state != WorkerState::Active {
+                    return Ok(Outcome::Skipped(format!(
+                        "{worker} had already left ({:?})",
+                        ws.state
+                    )));
+                }
+                let id = ws.id;
+                match tokio::time::timeout(ADMIN_TIMEOUT, job.drain(id)).await {
+                    Ok(Ok(())) => {}
+                    // It left between the status and the drain.
+                    Ok(Err(ClientError::Call(e))) if e.code() == Some(ErrorCode::UnknownWorker) => {
+                        return Ok(Outcome::Skipped(format!("{worker} had just left")));
+                    }
+                    Ok(Err(e)) => {
+                        return Err(e).with_context(|| format!("asking to drain {worker}"));
+                    }
+                    Err(_) => bail!("the drain request for {worker} timed out"),
+                }
+                w.fate = Fate::Drained;
+                self.progress
+                    .println(&format!("edl-local: {at:.1} s: {}", ev.action));
+                Ok(Outcome::Done)
+            }
+            Action::Kill { worker } | Action::Term { worker } => {
+                let (signal, fate) = match ev.action {
+                    Action::Kill { .. } => (Signal::SIGKILL, Fate::Killed),
+                    _ => (Signal::SIGTERM, Fate::Termed),
+                };
+                let Some(w) = self.workers.current(worker) else {
+                    return Ok(Outcome::Skipped(format!("{worker} is not running")));
+                };
+                if !w.proc.signal(signal)? {
+                    return Ok(Outcome::Skipped(format!("{worker} had already exited")));
+                }
+                w.fate = fate;
+                self.progress
+                    .println(&format!("edl-local: {at:.1} s: {}", ev.action));
+                Ok(Outcome::Done)
+            }
+        }
+    }
+
+    /// Carries out one event as a stop-everything restart: checkpoint, stop every worker,
+    /// start the new membership as fresh processes.
+    async fn restart(
+        &mut self,
+        player: &mut Player,
+        ev: &ScenarioEvent,
+        job: &Job,
+    ) -> anyhow::Result<Outcome> {
+        let before = self.workers.current_slots();
+        let mut after = before.clone();
+        match &ev.action {
+            Action::Add { names } => after.extend(names.iter().cloned()),
+            a => {
+                let target = a.target().unwrap_or_default();
+                if !before.iter().any(|s| s == target) {
+                    return Ok(Outcome::Skipped(format!("{target} is not running")));
+                }
+                after.retain(|s| s != target);
+            }
+        }
+        // A worker that exited on its own found no data left: training is ending, and a
+        // restart would only start workers with nothing to do.
+        if self.workers.running_untouched()?.len() < before.len() {
+            return Ok(Outcome::Skipped(
+                "training was ending (a worker had found no data left)".into(),
+            ));
+        }
+        let n = player.restarts.len() + 1;
+        let begun = Instant::now();
+        if let Action::Kill { worker } = &ev.action
+            && let Some(victim) = self.workers.current(worker)
+        {
+            victim.proc.signal(Signal::SIGKILL)?;
+            victim.fate = Fate::Killed;
+            if victim.proc.wait_exit(KILL_WAIT).await?.is_none() {
+                bail!(
+                    "{worker} did not die within {} s of SIGKILL",
+                    KILL_WAIT.as_secs()
+                );
+            }
+        }
+
+        let (checkpoint, checkpoint_bytes) = self.checkpoint(job, n).await?;
+        let checkpoint_ms = ms(begun.elapsed());
+
+        let stopping = Instant::now();
+        let mut old = Vec::new();
+        for w in self.workers.running_untouched()? {
+            w.proc.signal(Signal::SIGTERM)?;
+            w.fate = Fate::Restarted;
+            old.push(w.proc.name().to_string());
+        }
+        for name in &old {
+            let Some(w) = self.workers.by_name(name) else {
+                continue;
+            };
+            match w.proc.wait_exit(RESTART_STOP).await? {
+                Some(status) => allowed(w, status)?,
+                None => bail!(
+                    "{name} did not leave within {} s of SIGTERM for restart {n}; its log is {}",
+                    RESTART_STOP.as_secs(),
+                    w.proc.log().display()
+                ),
+            }
+        }
+        let stop_ms = ms(stopping.elapsed());
+
+        let starting = Instant::now();
+        let names: Vec<String> = after.iter().map(|slot| format!("{slot}-r{n}")).collect();
+        for (slot, name) in after.iter().zip(&names) {
+            self.spawn_worker(name, slot)?;
+        }
+        self.wait_first_steps(job, &names, n).await?;
+        let start_ms = ms(starting.elapsed());
+
+        let report = RestartReport {
+            t_ms: self.coordinator_ms(begun),
+            cause: ev.action.to_string(),
+            workers_before: before.len() as u32,
+            workers_after: after.len() as u32,
+            checkpoint_ms,
+            stop_ms,
+            start_ms,
+            checkpoint,
+            checkpoint_bytes,
+        };
+        self.progress.println(&format!(
+            "edl-local: {:.1} s: {} by restart {n}: checkpoint {checkpoint_ms:.0} ms, stop \
+             {stop_ms:.0} ms, start {start_ms:.0} ms; now {}",
+            ev.at.as_secs_f64(),
+            ev.action,
+            names.join(", ")
+        ));
+        player.restarts.push(report);
+        Ok(Outcome::Done)
+    }
+
+    /// Pulls every parameter as an admin client and writes them, as little-endian f32 in the
+    /// model's flat order, atomically to `<state>/checkpoint-N.bin`.
+    async fn checkpoint(&self, job: &Job, n: usize) -> anyhow::Result<(std::path::PathBuf, u64)> {
+        let st = tokio::time::timeout(ADMIN_TIMEOUT, job.status())
+            .await
+            .context("the status request for a checkpoint timed out")?
+            .context("asking the coordinator for the clock to checkpoint at")?;
+        let mut params = vec![0f32; job.param_count()];
+        // Like the evaluator: only steps every counting worker has passed are applied.
+        tokio::time::timeout(ADMIN_TIMEOUT, job.pull_all(&mut params, st.min_clock))
+            .await
+            .context("the checkpoint pull timed out")?
+            .context("pulling the parameters for a checkpoint")?;
+        let bytes = f32s_to_bytes(&params);
+        let path = self.state_dir.join(format!("checkpoint-{n}.bin"));
+        edl_shared::pki::write_atomic(&path, &bytes)
+            .with_context(|| format!("writing the checkpoint {}", path.display()))?;
+        Ok((path, bytes.len() as u64))
+    }
+
+    /// Waits until each of the workers `names` has taken its first step, or has exited
+    /// cleanly (no data was left for it).
+    async fn wait_first_steps(
+        &mut self,
+        job: &Job,
+        names: &[String],
+        n: usize,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + RESTART_START;
+        loop {
+            self.check_servers()?;
+            let mut exited = Vec::new();
+            for name in names {
+                if let Some(w) = self.workers.by_name(name)
+                    && let Some(status) = w.proc.try_exit()?
+                {
+                    allowed(w, status)?;
+                    exited.push(name.as_str());
+                }
+            }
+            let trace = tokio::time::timeout(ADMIN_TIMEOUT, job.trace())
+                .await
+                .context("the trace request of a restart timed out")?
+                .context("asking the coordinator for its trace")?;
+            let all_stepped = names.iter().all(|name| {
+                exited.contains(&name.as_str())
+                    || trace
+                        .events
+                        .iter()
+                        .filter(|e| e.kind == EventKind::Join && e.name == *name)
+                        .any(|e| trace.steps.iter().any(|s| s.worker == e.worker))
+            });
+            if all_stepped {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the workers of restart {n} ({}) did not all take a step within {} s",
+                    names.join(", "),
+                    RESTART_START.as_secs()
+                );
+            }
+            tokio::time::sleep(RESTART_POLL).await;
+        }
+    }
+
+    /// `at` in milliseconds since the coordinator started, the trace's time base.
+    fn coordinator_ms(&self, at: Instant) -> u64 {
+        self.coordinator_zero
+            .map(|z| at.saturating_duration_since(z).as_millis() as u64)
+            .unwrap_or(0)
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}

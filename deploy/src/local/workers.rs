@@ -1,0 +1,156 @@
+//! The launcher's worker processes: which scenario slot each one stands for, what the launcher
+//! did to it (and so how it may exit), and the check that notices a worker failing or every
+//! worker being done.
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+
+use crate::procs::Proc;
+use crate::report::WorkerProcess;
+
+/// What the launcher did to a worker, which says how it may end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Fate {
+    /// Nothing: it trains until the data runs out and exits 0.
+    Trains,
+    /// The coordinator was asked to drain it: it leaves after its step and exits 0.
+    Drained,
+    /// It was sent SIGTERM: it finishes its step, leaves and exits 0.
+    Termed,
+    /// It was sent SIGKILL: any exit is expected.
+    Killed,
+    /// It was sent SIGTERM to be replaced in a restart: it leaves and exits 0.
+    Restarted,
+}
+
+impl Fate {
+    fn name(self) -> &'static str {
+        match self {
+            Fate::Trains => "none",
+            Fate::Drained => "drained",
+            Fate::Termed => "termed",
+            Fate::Killed => "killed",
+            Fate::Restarted => "restarted",
+        }
+    }
+
+    /// How a failure is described: what happened before the worker exited badly.
+    fn failure(self) -> &'static str {
+        match self {
+            Fate::Trains | Fate::Killed => "failed",
+            Fate::Drained => "failed after it was drained",
+            Fate::Termed => "failed after SIGTERM",
+            Fate::Restarted => "failed when it was stopped for a restart",
+        }
+    }
+}
+
+/// One worker process.
+#[derive(Debug)]
+pub(super) struct WorkerProc {
+    /// The process; its name is the worker's certificate name.
+    pub proc: Proc,
+    /// The scenario's name for the worker it stands for. The same as the process name, except
+    /// after a restart of `--restart-on-change`, where `w1-r2` stands for `w1`.
+    pub slot: String,
+    /// What the launcher did to it.
+    pub fate: Fate,
+}
+
+/// Every worker process of a run, in start order.
+#[derive(Debug, Default)]
+pub(super) struct Workers {
+    list: Vec<WorkerProc>,
+}
+
+impl Workers {
+    pub fn push(&mut self, w: WorkerProc) {
+        self.list.push(w);
+    }
+
+    /// The worker process standing for `slot` that the launcher has left alone so far.
+    pub fn current(&mut self, slot: &str) -> Option<&mut WorkerProc> {
+        self.list
+            .iter_mut()
+            .rev()
+            .find(|w| w.slot == slot && w.fate == Fate::Trains)
+    }
+
+    /// The slots of the workers the launcher has left alone, in start order.
+    pub fn current_slots(&self) -> Vec<String> {
+        self.list
+            .iter()
+            .filter(|w| w.fate == Fate::Trains)
+            .map(|w| w.slot.clone())
+            .collect()
+    }
+
+    /// The processes the launcher has left alone and that still run.
+    pub fn running_untouched(&mut self) -> anyhow::Result<Vec<&mut WorkerProc>> {
+        let mut out = Vec::new();
+        for w in &mut self.list {
+            if w.fate == Fate::Trains && w.proc.try_exit()?.is_none() {
+                out.push(w);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The process named `name`.
+    pub fn by_name(&mut self, name: &str) -> Option<&mut WorkerProc> {
+        self.list.iter_mut().find(|w| w.proc.name() == name)
+    }
+
+    /// Fails if a worker has exited in a way its fate does not allow; returns the time of the
+    /// check that found every worker gone.
+    pub fn check(&mut self) -> anyhow::Result<Option<Instant>> {
+        let mut running = 0;
+        for w in &mut self.list {
+            match w.proc.try_exit()? {
+                None => running += 1,
+                Some(status) => allowed(w, status)?,
+            }
+        }
+        Ok((running == 0).then(Instant::now))
+    }
+
+    /// Stops every worker still running (after a failure), each with SIGTERM and `grace`.
+    pub async fn terminate_all(&mut self, grace: Duration) -> Vec<String> {
+        let mut problems = Vec::new();
+        for w in &mut self.list {
+            // A worker that is still running here is one the failed run no longer needs; how
+            // it stops is not news.
+            if let Err(e) = w.proc.terminate(grace).await {
+                problems.push(format!("{e:#}"));
+            }
+        }
+        problems
+    }
+
+    /// How every worker ended, for the report.
+    pub fn report(&mut self) -> Vec<WorkerProcess> {
+        self.list
+            .iter_mut()
+            .map(|w| {
+                let status = w.proc.try_exit().ok().flatten();
+                WorkerProcess {
+                    name: w.proc.name().to_string(),
+                    fate: w.fate.name().to_string(),
+                    exit_code: status.and_then(|s| s.code()),
+                    signal: status.and_then(|s| s.signal()),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Fails unless `status` is a way `w` may end.
+pub(super) fn allowed(w: &WorkerProc, status: ExitStatus) -> anyhow::Result<()> {
+    if status.success() || w.fate == Fate::Killed {
+        return Ok(());
+    }
+    bail!("{}", w.proc.failure(w.fate.failure(), status))
+}

@@ -1,0 +1,208 @@
+//! End-to-end runs of scenarios with real `edl-ps` and `edl-worker` processes: a job that
+//! grows, is drained and loses a worker to SIGKILL still trains every sample exactly once, both
+//! elastically and with the `--restart-on-change` baseline.
+//!
+//! The binaries and the dataset are found as in `local_run.rs`. Training is sized to last a
+//! few seconds in a debug build (small batches, so that there are many steps), and the
+//! scenario's events fall in its first half.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use edl_deploy::{LocalConfig, Report, Scenario, ScenarioFile};
+use edl_shared::proto::Consistency;
+use edl_shared::shutdown::CancellationToken;
+use edl_worker::data::DEFAULT_DATA_DIR;
+
+/// The runs take every core they can get and their events are timed: one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const TRAIN_SAMPLES: u32 = 30_000;
+
+/// Two workers to start with; two more join, w0 is drained, w1 is killed mid-epoch.
+const SCENARIO: &str = r#"
+[[event]]
+at_s = 0.3
+action = "add"
+count = 2
+
+[[event]]
+at_s = 1.0
+action = "drain"
+worker = "w0"
+
+[[event]]
+at_s = 2.5
+action = "kill"
+worker = "w1"
+"#;
+
+async fn run(dir: &Path, restart_on_change: bool) -> Report {
+    let path = dir.join("churn.toml");
+    std::fs::write(&path, SCENARIO).expect("write the scenario");
+    let cfg = LocalConfig {
+        shards: 2,
+        workers: 2,
+        epochs: 2,
+        consistency: "ssp:2".parse::<Consistency>().expect("consistency"),
+        optimizer: "adam:0.001".parse().expect("optimizer"),
+        batch_size: 16,
+        train_samples: TRAIN_SAMPLES,
+        lease_ms: 1000,
+        layers: vec![784, 64, 10],
+        seed: 3,
+        data_dir: DEFAULT_DATA_DIR.into(),
+        report: Some(dir.join("report.json")),
+        trace: None,
+        state_dir: Some(dir.join("state")),
+        bin_dir: Some(common::bin_dir()),
+        progress_bar: false,
+        stall_timeout: Some(Duration::from_secs(60)),
+        scenario: Some(ScenarioFile {
+            scenario: Scenario::parse(SCENARIO, 2).expect("scenario"),
+            path,
+        }),
+        restart_on_change,
+    };
+    edl_deploy::run(&cfg, CancellationToken::new())
+        .await
+        .expect("the run succeeds")
+}
+
+/// What every scenario run must show: the job finished, learned, and applied every sample of
+/// every epoch exactly once on every shard.
+fn assert_trained_exactly_once(r: &Report) {
+    println!("{r}");
+    assert!(r.finished);
+    assert!(r.scenario_skipped.is_empty(), "{:?}", r.scenario_skipped);
+    assert_eq!(r.epochs.len(), 2);
+    for e in &r.epochs {
+        assert_eq!(
+            (e.samples, e.duplicates, e.missing),
+            (u64::from(TRAIN_SAMPLES), 0, 0),
+            "epoch {e:?}"
+        );
+        assert_eq!(e.reported_samples, u64::from(TRAIN_SAMPLES), "epoch {e:?}");
+    }
+    // 60,000 samples of a small MLP reach about 0.85 here; chance is 0.1.
+    assert!(r.test_accuracy > 0.75, "{}", r.test_accuracy);
+    assert!(r.shutdown_problems.is_empty(), "{:?}", r.shutdown_problems);
+    let killed: Vec<_> = r
+        .worker_processes
+        .iter()
+        .filter(|p| p.fate == "killed")
+        .collect();
+    assert_eq!(killed.len(), 1, "{:?}", r.worker_processes);
+    assert_eq!(killed[0].signal, Some(9));
+    for p in r.worker_processes.iter().filter(|p| p.fate != "killed") {
+        assert_eq!(p.exit_code, Some(0), "{p:?}");
+    }
+    assert!(
+        r.events.iter().any(|e| e.kind == "dead"),
+        "the killed worker is declared dead: {:?}",
+        r.events
+    );
+}
+
+#[tokio::test]
+async fn an_elastic_job_grows_shrinks_and_survives_a_kill() {
+    if !common::have_dataset() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let r = run(dir.path(), false).await;
+    assert_trained_exactly_once(&r);
+    assert_eq!(r.membership, "elastic");
+    assert!(r.restarts.is_empty());
+
+    let fate = |name: &str| {
+        r.worker_processes
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no process {name}: {:?}", r.worker_processes))
+    };
+    assert_eq!(
+        (fate("w0").fate.as_str(), fate("w0").exit_code),
+        ("drained", Some(0))
+    );
+    assert_eq!(fate("w1").fate, "killed");
+    for name in ["w2", "w3"] {
+        assert_eq!(
+            (fate(name).fate.as_str(), fate(name).exit_code),
+            ("none", Some(0))
+        );
+    }
+    let has = |kind: &str, worker: &str| {
+        r.events
+            .iter()
+            .any(|e| e.kind == kind && e.worker == worker)
+    };
+    for w in ["w0", "w1", "w2", "w3"] {
+        assert!(has("join", w), "{w} joined: {:?}", r.events);
+    }
+    assert!(has("drain", "w0") && has("leave", "w0"), "{:?}", r.events);
+    assert!(has("dead", "w1") && !has("leave", "w1"), "{:?}", r.events);
+    // The added workers joined a running job: their costs were measured.
+    for w in ["w2", "w3"] {
+        let join = r
+            .events
+            .iter()
+            .find(|e| e.kind == "join" && e.worker == w)
+            .expect("join");
+        assert!(
+            join.step_ms.is_some() && join.join_latency_ms.is_some(),
+            "{join:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_restart_baseline_also_trains_every_sample_once() {
+    if !common::have_dataset() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let r = run(dir.path(), true).await;
+    assert_trained_exactly_once(&r);
+    assert_eq!(r.membership, "restart-on-change");
+    assert_eq!(r.restarts.len(), 3, "{:?}", r.restarts);
+    let counts: Vec<(u32, u32)> = r
+        .restarts
+        .iter()
+        .map(|x| (x.workers_before, x.workers_after))
+        .collect();
+    assert_eq!(counts, [(2, 4), (4, 3), (3, 2)]);
+    // The flat model: 784x64 + 64 + 64x10 + 10 floats.
+    let bytes = 4 * (784 * 64 + 64 + 64 * 10 + 10);
+    for x in &r.restarts {
+        assert_eq!(x.checkpoint_bytes, bytes, "{x:?}");
+        let len = std::fs::metadata(&x.checkpoint).expect("checkpoint").len();
+        assert_eq!(len, bytes);
+        assert!(
+            x.start_ms > 0.0 && x.stop_ms >= 0.0 && x.checkpoint_ms > 0.0,
+            "{x:?}"
+        );
+    }
+    // The baseline drains nobody: everyone is stopped and replaced.
+    assert!(r.events.iter().all(|e| e.kind != "drain"), "{:?}", r.events);
+    assert!(
+        r.worker_processes
+            .iter()
+            .any(|p| p.name == "w0-r1" && p.fate == "restarted"),
+        "{:?}",
+        r.worker_processes
+    );
+    // Stopping everyone shows: the leave that starts a restart stalls the others until the
+    // new workers step, which takes at least a process start and a dataset load.
+    let worst_leave = r
+        .events
+        .iter()
+        .filter(|e| e.kind == "leave")
+        .filter_map(|e| e.stall_ms)
+        .fold(0.0, f64::max);
+    assert!(worst_leave > 100.0, "{:?}", r.events);
+}

@@ -367,7 +367,7 @@ mod tests {
             warning.contains("no training progress for 11 s"),
             "{warning}"
         );
-        assert!(warning.contains("w0 (w1) Active at c3"), "{warning}");
+        assert!(warning.contains("w0 (worker#1) Active at c3"), "{warning}");
         assert_eq!(w.check(&st, t0 + Duration::from_secs(30)), None);
         // Progress resumes, then stalls again: a second warning.
         let moved = status(&[(60, 9.0)], 100, false);

@@ -27,7 +27,7 @@ macro_rules! id_type {
 
 id_type!(
     /// A worker's identity within one job, assigned by the coordinator at registration.
-    WorkerId(u64), "w"
+    WorkerId(u64), "worker#"
 );
 id_type!(
     /// A shard server's identity, assigned by the coordinator when the shard joins.

@@ -282,6 +282,9 @@ pub enum Request {
         loss_sum: f64,
         /// The samples of the step, now applied on every shard: commits the data progress.
         span: Option<DataSpan>,
+        /// The worker leaves after this step: record it and answer at once, without waiting
+        /// for the consistency model.
+        last: bool,
     },
     /// Asks for a job status snapshot.
     Status,

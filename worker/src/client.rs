@@ -807,14 +807,22 @@ impl Session {
         samples: u32,
         loss_sum: f64,
     ) -> Result<Clock, ClientError> {
-        self.end_step(epoch, samples, loss_sum, None).await
+        self.end_step(epoch, samples, loss_sum, None, false).await
     }
 
     /// Ends a step whose gradients came from `span` (pushed with [`Session::push_span`]):
     /// commits the span as used, then waits as [`Session::advance`] does.
     pub async fn commit(&mut self, span: DataSpan, loss_sum: f64) -> Result<Clock, ClientError> {
-        self.end_step(span.epoch, span.len(), loss_sum, Some(span))
+        self.end_step(span.epoch, span.len(), loss_sum, Some(span), false)
             .await
+    }
+
+    /// Commits the step of `span` without waiting for the others, before leaving. Safe to send
+    /// after an interrupted [`Session::commit`]: a repeated report is recognized.
+    pub async fn commit_last(&mut self, span: DataSpan, loss_sum: f64) -> Result<(), ClientError> {
+        self.end_step(span.epoch, span.len(), loss_sum, Some(span), true)
+            .await
+            .map(|_| ())
     }
 
     async fn end_step(
@@ -823,6 +831,7 @@ impl Session {
         samples: u32,
         loss_sum: f64,
         span: Option<DataSpan>,
+        last: bool,
     ) -> Result<Clock, ClientError> {
         self.check_lost()?;
         let next = Clock(self.clock.0 + 1);
@@ -835,6 +844,7 @@ impl Session {
                     samples,
                     loss_sum,
                     span,
+                    last,
                 },
                 Bytes::new(),
             )

@@ -190,11 +190,17 @@ pub async fn train(
             tracing::trace!(clock = %session.clock(), "push");
             session.push_span(&grads, span).await?;
             tracing::trace!(clock = %session.clock(), "commit");
-            // The step is pushed; a shutdown during the wait leaves right away. If the commit
-            // did not arrive, the span is re-issued and every shard skips it as applied.
+            // The step is pushed. A shutdown during the wait for the others commits it without
+            // waiting (a repeat of a commit that arrived is recognized) and leaves.
             let min_clock = tokio::select! {
                 r = session.commit(span, stats.loss_sum) => r?,
-                _ = shutdown.cancelled() => break 'outer,
+                _ = shutdown.cancelled() => {
+                    session.commit_last(span, stats.loss_sum).await?;
+                    summary.steps += 1;
+                    summary.samples += stats.samples as u64;
+                    summary.loss_sum += stats.loss_sum;
+                    break 'outer;
+                }
             };
             summary.steps += 1;
             summary.samples += stats.samples as u64;

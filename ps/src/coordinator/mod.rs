@@ -226,6 +226,7 @@ impl Service for Coordinator {
                 samples,
                 loss_sum,
                 span,
+                last,
             } => {
                 let r = self
                     .lock()
@@ -234,6 +235,12 @@ impl Service for Coordinator {
                     Err((code, msg)) => Response::error(code, msg),
                     Ok(()) => {
                         self.bump();
+                        if last {
+                            return Frame::new(Response::ClockGranted {
+                                min_clock: self.status().min_clock,
+                                drain: true,
+                            });
+                        }
                         tracing::trace!(%worker, %clock, "clock: waiting");
                         match self.wait_for(|st| st.may_proceed(worker)).await {
                             Ok((min_clock, drain)) => {

@@ -69,6 +69,12 @@ impl Admin {
         }
     }
 
+    /// One request to the shard at `addr`, on a connection of its own.
+    async fn ask_shard(&self, addr: &str, req: Request) -> Result<Response, CallError> {
+        let conn = Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
+        Ok(conn.call(req, Bytes::new()).await?.msg)
+    }
+
     /// Asks a worker to leave after its current step.
     pub async fn drain(&self, worker: WorkerId) -> Result<(), CallError> {
         self.ask(Request::Drain { worker }).await.map(|_| ())
@@ -79,19 +85,15 @@ impl Admin {
         let map = self.map().await?;
         let mut out = Vec::new();
         for info in &map.shards {
-            let got = async {
-                let conn =
-                    Conn::connect(&self.endpoint, &info.addr, &self.name, &self.settings).await?;
-                match conn.call(Request::Checkpoint, Bytes::new()).await?.msg {
-                    Response::Checkpointed {
-                        path,
-                        bytes,
-                        millis,
-                    } => Ok((path, bytes, millis)),
-                    other => Err(CallError::unexpected(&other)),
-                }
-            }
-            .await;
+            let got = match self.ask_shard(&info.addr, Request::Checkpoint).await {
+                Ok(Response::Checkpointed {
+                    path,
+                    bytes,
+                    millis,
+                }) => Ok((path, bytes, millis)),
+                Ok(other) => Err(CallError::unexpected(&other)),
+                Err(e) => Err(e),
+            };
             out.push(match got {
                 Ok((path, bytes, millis)) => CheckpointRow {
                     shard: info.id.0,
@@ -118,15 +120,11 @@ impl Admin {
         let map = self.map().await?;
         let mut out = Vec::new();
         for info in &map.shards {
-            let got = async {
-                let conn =
-                    Conn::connect(&self.endpoint, &info.addr, &self.name, &self.settings).await?;
-                match conn.call(Request::ShardStats, Bytes::new()).await?.msg {
-                    Response::ShardStats(s) => Ok(s),
-                    other => Err(CallError::unexpected(&other)),
-                }
-            }
-            .await;
+            let got = match self.ask_shard(&info.addr, Request::ShardStats).await {
+                Ok(Response::ShardStats(s)) => Ok(s),
+                Ok(other) => Err(CallError::unexpected(&other)),
+                Err(e) => Err(e),
+            };
             match got {
                 Ok(s) => out.push((ShardRow::new(&info.addr, &s), None)),
                 Err(e) => out.push((

@@ -70,16 +70,15 @@ fn wait_for_file(path: &Path) -> String {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> anyhow::Result<()> {
+/// Checks that the binaries are there and issues the certificates of a coordinator and two
+/// shards up front, so the processes never race to create the CA.
+fn cluster_pki(state: &Path) -> anyhow::Result<PkiDir> {
     if !bin("edl-ps").exists() {
         anyhow::bail!(
             "{} is missing: run the tests with cargo test --workspace",
             bin("edl-ps").display()
         );
     }
-    let dir = tempfile::tempdir()?;
-    let state = dir.path();
     let pki = PkiDir::new(state);
     pki.init_ca()?;
     for (role, name) in [
@@ -89,6 +88,14 @@ async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> an
     ] {
         pki.ensure(role, name)?;
     }
+    Ok(pki)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path();
+    let pki = cluster_pki(state)?;
     // A 4-4 MLP is 20 floats: 5 keys of 4, with SGD at rate 1, so a gradient of -1 adds 1.
     let addr_file = state.join("coordinator.addr");
     let _coordinator = spawn(
@@ -248,23 +255,9 @@ async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> an
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_coordinator_restarts_from_its_state_and_workers_carry_on() -> anyhow::Result<()> {
-    if !bin("edl-ps").exists() {
-        anyhow::bail!(
-            "{} is missing: run the tests with cargo test --workspace",
-            bin("edl-ps").display()
-        );
-    }
     let dir = tempfile::tempdir()?;
     let state = dir.path();
-    let pki = PkiDir::new(state);
-    pki.init_ca()?;
-    for (role, name) in [
-        (Role::Coordinator, "coordinator"),
-        (Role::Shard, "s0"),
-        (Role::Shard, "s1"),
-    ] {
-        pki.ensure(role, name)?;
-    }
+    let pki = cluster_pki(state)?;
     let coordinator = format!("127.0.0.1:{}", free_port());
     let start_coordinator = || {
         spawn(

@@ -331,6 +331,32 @@ pub enum Request {
     Checkpoint,
 }
 
+impl Request {
+    /// A short name of the request, for error messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Hello { .. } => "Hello",
+            Self::ShardJoin { .. } => "ShardJoin",
+            Self::Register { .. } => "Register",
+            Self::Heartbeat { .. } => "Heartbeat",
+            Self::Leave { .. } => "Leave",
+            Self::NextPartition { .. } => "NextPartition",
+            Self::Clock { .. } => "Clock",
+            Self::Status => "Status",
+            Self::GetMap => "GetMap",
+            Self::GetJob => "GetJob",
+            Self::Pull { .. } => "Pull",
+            Self::Push { .. } => "Push",
+            Self::Ledger => "Ledger",
+            Self::Drain { .. } => "Drain",
+            Self::Trace => "Trace",
+            Self::Members => "Members",
+            Self::ShardStats => "ShardStats",
+            Self::Checkpoint => "Checkpoint",
+        }
+    }
+}
+
 /// A response header.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum Response {

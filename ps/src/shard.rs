@@ -567,10 +567,7 @@ impl Service for ShardService {
             Request::GetMap => Ok(Frame::new(Response::Map(st.map.clone()))),
             other => Err(Response::error(
                 ErrorCode::InvalidRequest,
-                format!(
-                    "a shard does not serve {}",
-                    crate::coordinator::request_name(&other)
-                ),
+                format!("a shard does not serve {}", other.name()),
             )),
         };
         out.unwrap_or_else(Frame::new)

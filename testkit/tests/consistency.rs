@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use edl_shared::proto::msg::WorkerState;
-use edl_shared::proto::{Consistency, OptimizerSpec};
+use edl_shared::proto::{Clock, Consistency, Key, OptimizerSpec};
 use edl_testkit::{TestCluster, counter_job, mlp_job};
 use edl_worker::ClientError;
 use edl_worker::backend::{Backend, CpuBackend};
@@ -225,5 +225,37 @@ async fn concurrent_pushes_lose_no_update() -> anyhow::Result<()> {
     for (i, x) in v.iter().enumerate() {
         assert_eq!(*x, want, "counter {i}");
     }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sparse_pushes_and_pulls_touch_only_their_keys() -> anyhow::Result<()> {
+    // 1000 counters in 8 keys of 128 (the last 104) over 2 shards.
+    let cluster = TestCluster::start(counter_job(1000, 128, Consistency::Asp), 2).await?;
+    let session = cluster.connect("sparse").await?.register("sparse").await?;
+    let (k1, k6, k7) = (Key(1), Key(6), Key(7));
+    session
+        .push_keys(&[(k6, &[-2.0; 128]), (k1, &[-1.0; 128]), (k7, &[-3.0; 104])])
+        .await?;
+    let reader = cluster.connect("reader").await?;
+    let got = reader.pull_keys(&[k7, Key(0), k1, k6], Clock(0)).await?;
+    let keys: Vec<Key> = got.iter().map(|(k, _)| *k).collect();
+    assert_eq!(
+        keys,
+        [k7, Key(0), k1, k6],
+        "answers come in the order asked"
+    );
+    assert_eq!(got[0].1, vec![3.0; 104]);
+    assert_eq!(got[1].1, vec![0.0; 128], "an untouched key");
+    assert_eq!(got[2].1, vec![1.0; 128]);
+    assert_eq!(got[3].1, vec![2.0; 128]);
+    assert!(
+        reader.pull_keys(&[Key(8)], Clock(0)).await.is_err(),
+        "no key 8 in the job"
+    );
+    let mut all = vec![0f32; 1000];
+    reader.pull_all(&mut all, Clock(0)).await?;
+    assert_eq!(all.iter().sum::<f32>(), 128.0 + 2.0 * 128.0 + 3.0 * 104.0);
+    session.leave().await?;
     Ok(())
 }

@@ -70,6 +70,36 @@ fn wait_for_file(path: &Path) -> String {
     }
 }
 
+/// A coordinator for a 4-4 MLP (20 floats: 5 keys of 4) trained with SGD at rate 1, so that a
+/// gradient of -1 adds exactly 1; 64 samples in batches of 4, one epoch.
+fn coordinator_args<'a>(listen: &'a str, consistency: &'a str, partition: &'a str) -> Vec<&'a str> {
+    vec![
+        "coordinator",
+        "--listen",
+        listen,
+        "--shards",
+        "2",
+        "--layers",
+        "4,4",
+        "--chunk-size",
+        "4",
+        "--optimizer",
+        "sgd:1",
+        "--consistency",
+        consistency,
+        "--train-samples",
+        "64",
+        "--partition-size",
+        partition,
+        "--batch-size",
+        "4",
+        "--epochs",
+        "1",
+        "--lease-ms",
+        "5000",
+    ]
+}
+
 /// Checks that the binaries are there and issues the certificates of a coordinator and two
 /// shards up front, so the processes never race to create the CA.
 fn cluster_pki(state: &Path) -> anyhow::Result<PkiDir> {
@@ -96,39 +126,11 @@ async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> an
     let dir = tempfile::tempdir()?;
     let state = dir.path();
     let pki = cluster_pki(state)?;
-    // A 4-4 MLP is 20 floats: 5 keys of 4, with SGD at rate 1, so a gradient of -1 adds 1.
     let addr_file = state.join("coordinator.addr");
-    let _coordinator = spawn(
-        &[
-            "coordinator",
-            "--listen",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--layers",
-            "4,4",
-            "--chunk-size",
-            "4",
-            "--optimizer",
-            "sgd:1",
-            "--consistency",
-            "asp",
-            "--train-samples",
-            "64",
-            "--partition-size",
-            "64",
-            "--batch-size",
-            "4",
-            "--epochs",
-            "1",
-            "--lease-ms",
-            "5000",
-            "--addr-file",
-            addr_file.to_str().expect("utf-8"),
-        ],
-        state,
-        "coordinator.log",
-    );
+    let addr = addr_file.to_str().expect("utf-8");
+    let mut args = coordinator_args("127.0.0.1:0", "asp", "64");
+    args.extend(["--addr-file", addr]);
+    let _coordinator = spawn(&args, state, "coordinator.log");
     let coordinator = wait_for_file(&addr_file);
     let ports = [free_port(), free_port()];
     let shard = |i: usize| {
@@ -261,31 +263,7 @@ async fn a_killed_coordinator_restarts_from_its_state_and_workers_carry_on() -> 
     let coordinator = format!("127.0.0.1:{}", free_port());
     let start_coordinator = || {
         spawn(
-            &[
-                "coordinator",
-                "--listen",
-                &coordinator,
-                "--shards",
-                "2",
-                "--layers",
-                "4,4",
-                "--chunk-size",
-                "4",
-                "--optimizer",
-                "sgd:1",
-                "--consistency",
-                "ssp:1",
-                "--train-samples",
-                "64",
-                "--partition-size",
-                "16",
-                "--batch-size",
-                "4",
-                "--epochs",
-                "1",
-                "--lease-ms",
-                "5000",
-            ],
+            &coordinator_args(&coordinator, "ssp:1", "16"),
             state,
             "coordinator.log",
         )

@@ -82,6 +82,8 @@ struct ShardLink {
     ranges: Vec<KeyRange>,
     /// For each range: its flat float offset and length.
     flat: Vec<(usize, usize)>,
+    /// The chunks of a full push to this shard, in payload order (fixed by the map).
+    chunks: Vec<ChunkRef>,
 }
 
 impl ShardLink {
@@ -286,12 +288,22 @@ impl Job {
                     }
                 }
             }
+            let chunks = ranges
+                .iter()
+                .flat_map(|r| r.start..r.end)
+                .filter_map(|k| layout.span(Key(k)))
+                .map(|span| ChunkRef {
+                    key: span.key,
+                    len: span.len,
+                })
+                .collect();
             let conn = connect_retry(&ep, &info.addr, name, settings).await?;
             shards.push(ShardLink {
                 id: info.id,
                 conn: Arc::new(Mutex::new(conn)),
                 ranges,
                 flat,
+                chunks,
             });
         }
         Ok(Job {
@@ -486,45 +498,77 @@ impl Job {
         Ok(())
     }
 
-    /// Pulls only `keys` (a sparse read); returns each key's floats.
+    /// Pulls only `keys` (a sparse read), one request per shard that holds any of them;
+    /// returns each key's floats, in the order asked.
     pub async fn pull_keys(
         &self,
         keys: &[Key],
         apply_through: Clock,
     ) -> Result<Vec<(Key, Vec<f32>)>, ClientError> {
-        let mut out = Vec::new();
-        for key in keys {
-            let owner = self
-                .map
-                .owner(*key)
-                .and_then(|id| self.shards.iter().find(|s| s.id == id))
-                .ok_or_else(|| {
-                    self.inconsistent("client", format!("{key} is not in the shard map"))
-                })?;
-            let resp = owner
-                .current()
-                .call(
-                    Request::Pull {
-                        epoch: self.map.epoch,
-                        ranges: vec![KeyRange {
-                            start: key.0,
-                            end: key.0 + 1,
-                        }],
-                        apply_through,
-                    },
-                    Bytes::new(),
-                )
-                .await?;
+        if let Some(k) = keys.iter().find(|k| self.map.owner(**k).is_none()) {
+            return Err(self.inconsistent("client", format!("{k} is not in the shard map")));
+        }
+        let mut got: Vec<(Key, Vec<f32>)> = Vec::with_capacity(keys.len());
+        for s in &self.shards {
+            let ranges: Vec<KeyRange> = keys
+                .iter()
+                .filter(|k| self.map.owner(**k) == Some(s.id))
+                .map(|k| KeyRange {
+                    start: k.0,
+                    end: k.0 + 1,
+                })
+                .collect();
+            if ranges.is_empty() {
+                continue;
+            }
+            let req = Request::Pull {
+                epoch: self.map.epoch,
+                ranges,
+                apply_through,
+            };
+            let resp = call_shard(
+                s.clone(),
+                self.net.clone(),
+                self.coordinator.clone(),
+                req,
+                Bytes::new(),
+                true,
+            )
+            .await?;
             let Response::Pulled { chunks } = &resp.msg else {
                 return Err(CallError::unexpected(&resp.msg).into());
             };
-            let n = chunks.first().map(|c| c.len as usize).unwrap_or(0);
-            let mut v = vec![0.0; n];
-            bytes_to_f32s(&resp.payload, &mut v)
-                .map_err(|e| self.inconsistent(&owner.id.to_string(), e.to_string()))?;
-            out.push((*key, v));
+            let mut at = 0usize;
+            for c in chunks {
+                let n = self
+                    .layout
+                    .span(c.key)
+                    .filter(|sp| sp.len == c.len)
+                    .map(|sp| sp.len as usize)
+                    .ok_or_else(|| {
+                        self.inconsistent(
+                            &s.id.to_string(),
+                            format!("chunk {} does not fit", c.key),
+                        )
+                    })?;
+                let bytes = resp.payload.get(at..at + n * 4).ok_or_else(|| {
+                    self.inconsistent(&s.id.to_string(), "payload shorter than its chunks".into())
+                })?;
+                let mut v = vec![0.0; n];
+                bytes_to_f32s(bytes, &mut v)
+                    .map_err(|e| self.inconsistent(&s.id.to_string(), e.to_string()))?;
+                got.push((c.key, v));
+                at += n * 4;
+            }
         }
-        Ok(out)
+        keys.iter()
+            .map(|k| {
+                got.iter()
+                    .find(|(g, _)| g == k)
+                    .cloned()
+                    .ok_or_else(|| self.inconsistent("shards", format!("{k} was not returned")))
+            })
+            .collect()
     }
 
     fn check_len(&self, got: usize) -> Result<(), ClientError> {
@@ -558,17 +602,6 @@ impl Job {
         check_finite(grads)?;
         let mut set = JoinSet::new();
         for s in &self.shards {
-            let mut chunks = Vec::new();
-            for r in &s.ranges {
-                for k in r.start..r.end {
-                    if let Some(span) = self.layout.span(Key(k)) {
-                        chunks.push(ChunkRef {
-                            key: span.key,
-                            len: span.len,
-                        });
-                    }
-                }
-            }
             // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
             let payload = if s.flat.len() == 1 {
                 let (off, len) = s.flat[0];
@@ -585,7 +618,7 @@ impl Job {
                 epoch: self.map.epoch,
                 worker,
                 clock,
-                chunks,
+                chunks: s.chunks.clone(),
                 span,
             };
             let call = call_shard(

@@ -36,28 +36,11 @@ pub enum TrainError {
     Mismatch(String),
 }
 
-/// What one completed step looked like, for callers that record clocks.
-#[derive(Clone, Copy, Debug)]
-pub struct StepEvent {
-    /// The worker's clock after the step.
-    pub clock: Clock,
-    /// The slowest active worker's clock when this worker was let go on.
-    pub min_clock: Clock,
-    /// When the step ended.
-    pub at: Instant,
-}
-
 /// Knobs of a training run beyond the job config.
 #[derive(Default)]
 pub struct TrainOptions {
     /// Stop (and leave) after this many steps.
     pub max_steps: Option<u64>,
-    /// Extra time per step, to make a worker artificially slow in tests.
-    pub step_delay: Duration,
-    /// Called after each step.
-    pub on_step: Option<Box<dyn FnMut(StepEvent) + Send>>,
-    /// Stop heartbeating and return without leaving after this many steps (simulates a hang).
-    pub hang_after: Option<u64>,
 }
 
 /// What a worker did.
@@ -123,7 +106,7 @@ pub async fn train(
     name: &str,
     train: &Dataset,
     backend: &mut dyn Backend,
-    mut opts: TrainOptions,
+    opts: TrainOptions,
     shutdown: CancellationToken,
 ) -> Result<TrainSummary, TrainError> {
     let cfg = job.config().clone();
@@ -184,16 +167,13 @@ pub async fn train(
             session.pull(&mut params).await?;
             train.gather(batch, &mut x, &mut y)?;
             let stats: StepStats = backend.forward_backward(&mlp, &params, &x, &y, &mut grads)?;
-            if !opts.step_delay.is_zero() {
-                tokio::time::sleep(opts.step_delay).await;
-            }
             tracing::trace!(clock = %session.clock(), "push");
             session.push_span(&grads, span).await?;
             tracing::trace!(clock = %session.clock(), "commit");
             // The step is pushed. A shutdown during the wait for the others commits it without
             // waiting (a repeat of a commit that arrived is recognized) and leaves.
-            let min_clock = tokio::select! {
-                r = session.commit(span, stats.loss_sum) => r?,
+            tokio::select! {
+                r = session.commit(span, stats.loss_sum) => { r?; }
                 _ = shutdown.cancelled() => {
                     session.commit_last(span, stats.loss_sum).await?;
                     summary.steps += 1;
@@ -201,22 +181,10 @@ pub async fn train(
                     summary.loss_sum += stats.loss_sum;
                     break 'outer;
                 }
-            };
+            }
             summary.steps += 1;
             summary.samples += stats.samples as u64;
             summary.loss_sum += stats.loss_sum;
-            if let Some(f) = opts.on_step.as_mut() {
-                f(StepEvent {
-                    clock: session.clock(),
-                    min_clock,
-                    at: Instant::now(),
-                });
-            }
-            if opts.hang_after == Some(summary.steps) {
-                session.stop_heartbeat();
-                summary.wall = started.elapsed();
-                return Ok(summary);
-            }
             if opts.max_steps == Some(summary.steps)
                 || shutdown.is_cancelled()
                 || session.drain_requested()

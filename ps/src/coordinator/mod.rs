@@ -237,7 +237,7 @@ impl Service for Coordinator {
                         self.bump();
                         if last {
                             return Frame::new(Response::ClockGranted {
-                                min_clock: self.status().min_clock,
+                                min_clock: self.lock().min_clock(),
                                 drain: true,
                             });
                         }
@@ -273,34 +273,10 @@ impl Service for Coordinator {
             },
             other => Response::error(
                 ErrorCode::InvalidRequest,
-                format!("the coordinator does not serve {}", request_name(&other)),
+                format!("the coordinator does not serve {}", other.name()),
             ),
         };
         Frame::new(resp)
-    }
-}
-
-/// A short name of a request, for error messages.
-pub fn request_name(req: &Request) -> &'static str {
-    match req {
-        Request::Hello { .. } => "Hello",
-        Request::ShardJoin { .. } => "ShardJoin",
-        Request::Register { .. } => "Register",
-        Request::Heartbeat { .. } => "Heartbeat",
-        Request::Leave { .. } => "Leave",
-        Request::NextPartition { .. } => "NextPartition",
-        Request::Clock { .. } => "Clock",
-        Request::Status => "Status",
-        Request::GetMap => "GetMap",
-        Request::GetJob => "GetJob",
-        Request::Pull { .. } => "Pull",
-        Request::Push { .. } => "Push",
-        Request::Ledger => "Ledger",
-        Request::Drain { .. } => "Drain",
-        Request::Trace => "Trace",
-        Request::Members => "Members",
-        Request::ShardStats => "ShardStats",
-        Request::Checkpoint => "Checkpoint",
     }
 }
 

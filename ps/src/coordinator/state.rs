@@ -627,6 +627,11 @@ impl CoordinatorState {
         }
     }
 
+    /// The slowest counting worker's clock (where the job left off if none counts).
+    pub fn min_clock(&self) -> Clock {
+        self.min_active_clock().unwrap_or(self.floor)
+    }
+
     /// True when every partition of every epoch is complete.
     pub fn finished(&self) -> bool {
         self.data.finished()
@@ -682,7 +687,7 @@ impl CoordinatorState {
                     draining: w.draining,
                 })
                 .collect(),
-            min_clock: self.min_active_clock().unwrap_or(self.floor),
+            min_clock: self.min_clock(),
             finished: self.data.finished(),
         }
     }

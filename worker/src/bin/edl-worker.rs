@@ -73,7 +73,6 @@ async fn main() -> anyhow::Result<()> {
     }
     let opts = TrainOptions {
         max_steps: cli.max_steps,
-        ..TrainOptions::default()
     };
     tracing::info!(backend = backend.name(), "worker prepared; asking to join");
     let s = trainer::train(job, &cli.name, &data, &mut backend, opts, shutdown).await?;

@@ -360,7 +360,11 @@ mod tests {
     fn trace(events: Vec<EventRecord>, mut all: Vec<Vec<StepRecord>>) -> JobTrace {
         let mut steps: Vec<StepRecord> = all.drain(..).flatten().collect();
         steps.sort_by_key(|s| s.t_ms);
-        JobTrace { events, steps }
+        JobTrace {
+            events,
+            steps,
+            moves: Vec::new(),
+        }
     }
 
     #[test]

@@ -407,6 +407,120 @@ impl ShardMap {
             .find(|s| s.id == shard)
             .map(|s| s.addr.as_str())
     }
+
+    /// The number of keys the map covers.
+    pub fn num_keys(&self) -> u64 {
+        self.ranges.last().map_or(0, |r| r.end)
+    }
+
+    /// The shards that own at least one range, ordered by where their first range starts.
+    pub fn owners_in_order(&self) -> Vec<ShardId> {
+        let mut out: Vec<ShardId> = Vec::new();
+        for r in &self.ranges {
+            if !out.contains(&r.shard) {
+                out.push(r.shard);
+            }
+        }
+        out
+    }
+
+    /// The map one epoch later, with `[start, end)` owned by `to` (listed in `shards` as
+    /// `to_info` if it was not yet) and shards left without ranges dropped from `shards`
+    /// unless they are in `keep`. Adjacent ranges of one owner are merged.
+    pub fn with_move(
+        &self,
+        start: u64,
+        end: u64,
+        to_info: &ShardInfo,
+        keep: &[ShardId],
+    ) -> ShardMap {
+        let mut ranges: Vec<RangeOwner> = Vec::new();
+        let mut push = |r: RangeOwner| {
+            if r.end <= r.start {
+                return;
+            }
+            match ranges.last_mut() {
+                Some(last) if last.shard == r.shard && last.end == r.start => last.end = r.end,
+                _ => ranges.push(r),
+            }
+        };
+        for r in &self.ranges {
+            let (a, b) = (r.start.max(start), r.end.min(end));
+            if a >= b {
+                push(*r);
+                continue;
+            }
+            push(RangeOwner { end: a, ..*r });
+            push(RangeOwner {
+                start: a,
+                end: b,
+                shard: to_info.id,
+            });
+            push(RangeOwner { start: b, ..*r });
+        }
+        let mut shards = self.shards.clone();
+        if !shards.iter().any(|s| s.id == to_info.id) {
+            shards.push(to_info.clone());
+        }
+        shards.retain(|s| keep.contains(&s.id) || ranges.iter().any(|r| r.shard == s.id));
+        ShardMap {
+            epoch: MapEpoch(self.epoch.0 + 1),
+            shards,
+            ranges,
+        }
+    }
+
+    /// The moves that turn this map's placement into contiguous ranges over `targets` (in
+    /// that order) balanced by `weight` per key: each move is `(start, end, from, to)`, a
+    /// maximal run of keys that changes owner from one shard to the same other shard. Every
+    /// target gets at least one key when there are enough keys.
+    pub fn plan_balance(
+        &self,
+        targets: &[ShardId],
+        weight: &[f64],
+    ) -> Vec<(u64, u64, ShardId, ShardId)> {
+        let n = self.num_keys();
+        if targets.is_empty() || n == 0 || weight.len() as u64 != n {
+            return Vec::new();
+        }
+        let total: f64 = weight
+            .iter()
+            .map(|w| w.max(0.0))
+            .sum::<f64>()
+            .max(f64::MIN_POSITIVE);
+        let parts = targets.len() as u64;
+        // Key `k` goes to the part its weight midpoint falls in, advancing at most one part
+        // per key (so no part is skipped) and early enough that every later part gets a key.
+        let mut target_of = Vec::with_capacity(n as usize);
+        let (mut before, mut part, mut in_part) = (0.0, 0u64, 0u64);
+        for k in 0..n {
+            let w = weight[k as usize].max(0.0);
+            let want = (((before + w / 2.0) / total * parts as f64) as u64).min(parts - 1);
+            let must = n - k <= parts - 1 - part;
+            if (want > part || must) && in_part > 0 && part + 1 < parts {
+                part += 1;
+                in_part = 0;
+            }
+            target_of.push(part);
+            in_part += 1;
+            before += w;
+        }
+        let mut moves: Vec<(u64, u64, ShardId, ShardId)> = Vec::new();
+        for k in 0..n {
+            let Some(from) = self.owner(Key(k)) else {
+                continue;
+            };
+            let to = targets[target_of[k as usize] as usize];
+            if from == to {
+                continue;
+            }
+            match moves.last_mut() {
+                Some(m) if m.1 == k && m.2 == from && m.3 == to => m.1 = k + 1,
+                _ => moves.push((k, k + 1, from, to)),
+            }
+        }
+        moves
+    }
 }
 
 #[cfg(test)]
@@ -470,6 +584,63 @@ mod tests {
         for k in 0..3 {
             assert!(map.owner(Key(k)).is_some());
         }
+    }
+
+    #[test]
+    fn moves_reassign_ranges_and_plans_balance() {
+        let tensors = vec![TensorSpec {
+            name: "x".into(),
+            shape: vec![40],
+            init: Init::Zeros,
+        }];
+        let layout = KeyLayout::new(&tensors, 4);
+        let map = ShardMap::balanced(MapEpoch(1), shards(2), &layout);
+        assert_eq!(map.num_keys(), 10);
+        let s2 = ShardInfo {
+            id: ShardId(2),
+            addr: "new".into(),
+        };
+        let moved = map.with_move(3, 7, &s2, &[]);
+        assert_eq!(moved.epoch, MapEpoch(2));
+        let owners: Vec<u32> = (0..10)
+            .map(|k| moved.owner(Key(k)).expect("covered").0)
+            .collect();
+        assert_eq!(owners, [0, 0, 0, 2, 2, 2, 2, 1, 1, 1]);
+        assert_eq!(moved.addr_of(ShardId(2)), Some("new"));
+        // Moving a shard's last keys away drops it from the map; adjacent ranges merge.
+        let back = moved.with_move(3, 7, &shards(2)[0], &[]);
+        assert!(back.addr_of(ShardId(2)).is_none());
+        assert_eq!(back.ranges.len(), 2);
+
+        let sizes = vec![1.0; 10];
+        let plan = map.plan_balance(&[ShardId(0), ShardId(1), ShardId(2)], &sizes);
+        let mut after = map.clone();
+        for (a, b, from, to) in &plan {
+            assert_ne!(from, to);
+            let info = if to.0 == 2 {
+                s2.clone()
+            } else {
+                shards(2)[to.0 as usize].clone()
+            };
+            after = after.with_move(*a, *b, &info, &[]);
+        }
+        let count = |s: u32| {
+            (0..10)
+                .filter(|k| after.owner(Key(*k)) == Some(ShardId(s)))
+                .count()
+        };
+        assert!((3..=4).contains(&count(0)) && (3..=4).contains(&count(1)));
+        assert!((3..=4).contains(&count(2)));
+        // A balanced map needs no moves; every target gets a key even with skewed weights.
+        assert!(
+            after
+                .plan_balance(&after.owners_in_order(), &sizes)
+                .is_empty()
+        );
+        let mut skewed = vec![0.0; 10];
+        skewed[0] = 100.0;
+        let plan = map.plan_balance(&[ShardId(0), ShardId(1)], &skewed);
+        assert_eq!(plan, vec![(1, 5, ShardId(0), ShardId(1))]);
     }
 
     #[test]

@@ -147,6 +147,65 @@ pub struct JobTrace {
     pub events: Vec<EventRecord>,
     /// Steps in time order (the oldest are dropped past a cap).
     pub steps: Vec<StepRecord>,
+    /// Key-range moves in time order.
+    pub moves: Vec<MoveReport>,
+}
+
+/// One key-range move between shards (online resharding).
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct MoveReport {
+    /// Milliseconds since the coordinator started, when the move began.
+    pub t_ms: u64,
+    /// First key.
+    pub start: u64,
+    /// One past the last key.
+    pub end: u64,
+    /// The shard that held the range.
+    pub from: ShardId,
+    /// The shard that holds it now.
+    pub to: ShardId,
+    /// The map epoch the move published.
+    pub epoch: MapEpoch,
+    /// Bytes of state streamed (parameters, optimizer state, staged steps, data ledger).
+    pub bytes: u64,
+    /// Milliseconds from the start of the move to its publication.
+    pub millis: f64,
+    /// Milliseconds during which the range could be neither read nor written: from the
+    /// source giving it up to the destination holding it.
+    pub hold_ms: f64,
+}
+
+/// Where a shard server stands in the job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum ShardRole {
+    /// Holds key ranges in the current map.
+    Active,
+    /// Joined, holds nothing yet (`edlctl shard add` gives it ranges).
+    Standby,
+    /// Removed from the job (`edlctl shard remove`).
+    Retired,
+}
+
+/// A shard server the coordinator knows.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ShardEntry {
+    /// Its id.
+    pub id: ShardId,
+    /// The name in its certificate.
+    pub name: String,
+    /// Its address.
+    pub addr: String,
+    /// Where it stands.
+    pub role: ShardRole,
+}
+
+/// How much traffic one key drew since the last rebalance (floats pulled plus pushed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct KeyLoad {
+    /// The key.
+    pub key: Key,
+    /// Floats read and written.
+    pub load: u64,
 }
 
 /// One worker as the coordinator sees it.
@@ -329,6 +388,64 @@ pub enum Request {
     ShardStats,
     /// Asks a shard to write a checkpoint now.
     Checkpoint,
+    /// The coordinator tells a shard the current map (a shard that is no longer in it and
+    /// holds nothing retires).
+    SetMap {
+        /// The map.
+        map: ShardMap,
+        /// The shard was removed from the job: once it holds nothing, it stops.
+        retire: bool,
+    },
+    /// The coordinator asks a shard to hand keys `[start, end)` to shard `to`; `map` is the
+    /// map after the move.
+    MoveOut {
+        /// First key.
+        start: u64,
+        /// One past the last key.
+        end: u64,
+        /// The receiving shard.
+        to: ShardId,
+        /// The map after the move.
+        map: ShardMap,
+    },
+    /// A shard hands keys `[start, end)` to another: the payload is the range's state (an
+    /// rkyv-encoded export: parameters, optimizer state, staged steps, data ledger).
+    MoveIn {
+        /// First key.
+        start: u64,
+        /// One past the last key.
+        end: u64,
+        /// The map after the move.
+        map: ShardMap,
+    },
+    /// Asks a shard for its per-key load since the last rebalance.
+    KeyLoads,
+    /// Every shard server the coordinator knows, with its role.
+    ShardList,
+    /// An operator adds the (joined, standby) shard at `addr` and rebalances onto it.
+    ShardAdd {
+        /// The shard's advertised address, or its id as `sN`.
+        addr: String,
+    },
+    /// An operator removes a shard: its ranges move to the others, then it retires.
+    ShardRemove {
+        /// The shard.
+        shard: ShardId,
+    },
+    /// An operator rebalances the key ranges over the active shards.
+    Reshard {
+        /// Balance by recent load instead of by size.
+        by_load: bool,
+    },
+    /// An operator moves keys `[start, end)` to shard `to`.
+    MoveRange {
+        /// First key.
+        start: u64,
+        /// One past the last key.
+        end: u64,
+        /// The receiving shard.
+        to: ShardId,
+    },
 }
 
 impl Request {
@@ -353,6 +470,15 @@ impl Request {
             Self::Members => "Members",
             Self::ShardStats => "ShardStats",
             Self::Checkpoint => "Checkpoint",
+            Self::SetMap { .. } => "SetMap",
+            Self::MoveOut { .. } => "MoveOut",
+            Self::MoveIn { .. } => "MoveIn",
+            Self::KeyLoads => "KeyLoads",
+            Self::ShardList => "ShardList",
+            Self::ShardAdd { .. } => "ShardAdd",
+            Self::ShardRemove { .. } => "ShardRemove",
+            Self::Reshard { .. } => "Reshard",
+            Self::MoveRange { .. } => "MoveRange",
         }
     }
 }
@@ -432,6 +558,19 @@ pub enum Response {
         /// The chunks in the payload.
         chunks: Vec<ChunkRef>,
     },
+    /// A key range moved.
+    Moved(MoveReport),
+    /// A resharding finished: the moves made and the map epoch now current.
+    Resharded {
+        /// The moves, in order.
+        moves: Vec<MoveReport>,
+        /// The map now current.
+        map: ShardMap,
+    },
+    /// A shard's per-key load.
+    KeyLoads(Vec<KeyLoad>),
+    /// Every shard server the coordinator knows.
+    ShardList(Vec<ShardEntry>),
     /// A failure, with a stable code.
     Error {
         /// An [`crate::ErrorCode`] number.

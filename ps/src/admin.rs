@@ -3,7 +3,10 @@
 
 use bytes::Bytes;
 use edl_shared::Identity;
-use edl_shared::proto::msg::{JobStatus, ShardStats, WorkerInfo, WorkerState};
+use edl_shared::proto::ids::ShardId;
+use edl_shared::proto::msg::{
+    JobStatus, MoveReport, ShardRole, ShardStats, WorkerInfo, WorkerState,
+};
 use edl_shared::proto::{JobConfig, ModelSpec, Request, Response, ShardMap, WorkerId};
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use serde::Serialize;
@@ -114,31 +117,167 @@ impl Admin {
         Ok(out)
     }
 
-    /// Each shard's holdings and load, in map order; a shard that cannot be reached gives its
-    /// error instead.
+    /// Every shard the job has had, with its role; for those not retired, holdings and load
+    /// (a shard that cannot be reached gives its error instead).
     pub async fn shard_stats(&self) -> Result<Vec<(ShardRow, Option<String>)>, CallError> {
-        let map = self.map().await?;
+        let list = match self.ask(Request::ShardList).await? {
+            Response::ShardList(l) => l,
+            other => return Err(CallError::unexpected(&other)),
+        };
         let mut out = Vec::new();
-        for info in &map.shards {
-            let got = match self.ask_shard(&info.addr, Request::ShardStats).await {
-                Ok(Response::ShardStats(s)) => Ok(s),
-                Ok(other) => Err(CallError::unexpected(&other)),
-                Err(e) => Err(e),
+        for entry in &list {
+            let mut row = ShardRow {
+                id: entry.id.0,
+                addr: entry.addr.clone(),
+                role: role_name(entry.role).into(),
+                ..ShardRow::default()
             };
-            match got {
-                Ok(s) => out.push((ShardRow::new(&info.addr, &s), None)),
-                Err(e) => out.push((
-                    ShardRow {
-                        id: info.id.0,
-                        addr: info.addr.clone(),
-                        ..ShardRow::default()
-                    },
-                    Some(e.to_string()),
-                )),
+            if entry.role == ShardRole::Retired {
+                out.push((row, None));
+                continue;
+            }
+            match self.ask_shard(&entry.addr, Request::ShardStats).await {
+                Ok(Response::ShardStats(s)) => {
+                    row.fill(&s);
+                    out.push((row, None));
+                }
+                Ok(other) => out.push((row, Some(CallError::unexpected(&other).to_string()))),
+                Err(e) => out.push((row, Some(e.to_string()))),
             }
         }
         Ok(out)
     }
+
+    async fn reshape(&self, req: Request) -> Result<ReshardView, CallError> {
+        match self.ask(req).await? {
+            Response::Resharded { moves, map } => Ok(ReshardView::new(&moves, &map)),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Adds the standby shard at `addr` (or named `sN`) and moves its share of keys to it.
+    pub async fn shard_add(&self, addr: &str) -> Result<ReshardView, CallError> {
+        self.reshape(Request::ShardAdd {
+            addr: addr.to_string(),
+        })
+        .await
+    }
+
+    /// Moves every key off `shard` and retires it.
+    pub async fn shard_remove(&self, shard: ShardId) -> Result<ReshardView, CallError> {
+        self.reshape(Request::ShardRemove { shard }).await
+    }
+
+    /// Rebalances the key ranges over the active shards, by size or by recent load.
+    pub async fn reshard(&self, by_load: bool) -> Result<ReshardView, CallError> {
+        self.reshape(Request::Reshard { by_load }).await
+    }
+
+    /// Moves keys `[start, end)` to `to`.
+    pub async fn move_range(
+        &self,
+        start: u64,
+        end: u64,
+        to: ShardId,
+    ) -> Result<ReshardView, CallError> {
+        self.reshape(Request::MoveRange { start, end, to }).await
+    }
+}
+
+fn role_name(role: ShardRole) -> &'static str {
+    match role {
+        ShardRole::Active => "active",
+        ShardRole::Standby => "standby",
+        ShardRole::Retired => "retired",
+    }
+}
+
+/// One move of a resharding, for `edlctl`.
+#[derive(Debug, Serialize)]
+pub struct MoveRow {
+    /// Keys moved, as `start..end`.
+    pub range: String,
+    /// Source shard.
+    pub from: u32,
+    /// Destination shard.
+    pub to: u32,
+    /// Bytes of state streamed.
+    pub bytes: u64,
+    /// Milliseconds the range could not be read or written.
+    pub hold_ms: f64,
+    /// Milliseconds the whole move took.
+    pub millis: f64,
+    /// The map epoch it published.
+    pub epoch: u64,
+}
+
+/// What a resharding did, and the layout it left.
+#[derive(Debug, Serialize)]
+pub struct ReshardView {
+    /// The moves, in order.
+    pub moves: Vec<MoveRow>,
+    /// The map epoch now current.
+    pub epoch: u64,
+    /// The layout: per shard, its ranges as `start..end`.
+    pub layout: Vec<(u32, Vec<String>)>,
+}
+
+impl ReshardView {
+    fn new(moves: &[MoveReport], map: &ShardMap) -> Self {
+        let layout = map
+            .shards
+            .iter()
+            .map(|s| {
+                let ranges = map
+                    .ranges_of(s.id)
+                    .map(|r| format!("{}..{}", r.start, r.end))
+                    .collect();
+                (s.id.0, ranges)
+            })
+            .collect();
+        ReshardView {
+            moves: moves
+                .iter()
+                .map(|m| MoveRow {
+                    range: format!("{}..{}", m.start, m.end),
+                    from: m.from.0,
+                    to: m.to.0,
+                    bytes: m.bytes,
+                    hold_ms: m.hold_ms,
+                    millis: m.millis,
+                    epoch: m.epoch.0,
+                })
+                .collect(),
+            epoch: map.epoch.0,
+            layout,
+        }
+    }
+}
+
+/// Parses a key range `START..END` (keys may be written `k12`).
+pub fn parse_range(s: &str) -> Result<(u64, u64), String> {
+    let key = |p: &str| {
+        p.trim()
+            .trim_start_matches('k')
+            .parse::<u64>()
+            .map_err(|_| format!("{p:?} is not a key number"))
+    };
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("{s:?} is not a range START..END"))?;
+    let (a, b) = (key(a)?, key(b)?);
+    if a >= b {
+        return Err(format!("{s:?} is empty"));
+    }
+    Ok((a, b))
+}
+
+/// Parses a shard id `sN` or `N`.
+pub fn parse_shard(s: &str) -> Result<ShardId, String> {
+    s.trim_start_matches('s')
+        .parse::<u32>()
+        .map(ShardId)
+        .map_err(|_| format!("{s:?} is not a shard id (sN)"))
 }
 
 /// `edlctl status`, as JSON.
@@ -272,6 +411,8 @@ pub struct ShardRow {
     pub id: u32,
     /// Address.
     pub addr: String,
+    /// active, standby or retired.
+    pub role: String,
     /// Key ranges held, as `start..end`.
     pub ranges: Vec<String>,
     /// Keys held.
@@ -287,21 +428,17 @@ pub struct ShardRow {
 }
 
 impl ShardRow {
-    fn new(addr: &str, s: &ShardStats) -> Self {
-        ShardRow {
-            id: s.shard.0,
-            addr: addr.to_string(),
-            ranges: s
-                .ranges
-                .iter()
-                .map(|r| format!("{}..{}", r.start, r.end))
-                .collect(),
-            keys: s.keys,
-            bytes: s.state_bytes,
-            pushes: s.pushes,
-            pulls: s.pulls,
-            traffic_bytes: s.bytes_in + s.bytes_out,
-        }
+    fn fill(&mut self, s: &ShardStats) {
+        self.ranges = s
+            .ranges
+            .iter()
+            .map(|r| format!("{}..{}", r.start, r.end))
+            .collect();
+        self.keys = s.keys;
+        self.bytes = s.state_bytes;
+        self.pushes = s.pushes;
+        self.pulls = s.pulls;
+        self.traffic_bytes = s.bytes_in + s.bytes_out;
     }
 }
 
@@ -384,6 +521,17 @@ mod tests {
         );
         assert!(resolve_worker(&ms, "w9").is_err());
         assert!(resolve_worker(&ms, "99").is_err());
+    }
+
+    #[test]
+    fn ranges_and_shards_parse() {
+        assert_eq!(parse_range("3..9"), Ok((3, 9)));
+        assert_eq!(parse_range("k3..k9"), Ok((3, 9)));
+        assert!(parse_range("9..3").is_err());
+        assert!(parse_range("3-9").is_err());
+        assert_eq!(parse_shard("s2"), Ok(ShardId(2)));
+        assert_eq!(parse_shard("2"), Ok(ShardId(2)));
+        assert!(parse_shard("x").is_err());
     }
 
     #[test]

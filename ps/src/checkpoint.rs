@@ -18,7 +18,7 @@ use rkyv::util::AlignedVec;
 use thiserror::Error;
 
 const MAGIC: &[u8; 8] = b"EDLCKPT1";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const HEADER: usize = 28;
 
 /// One chunk's state.
@@ -38,6 +38,8 @@ pub struct ChunkSnap {
     pub pending: Vec<(u64, Vec<f32>, u32)>,
     /// BSP: steps before this one are applied.
     pub applied_through: u64,
+    /// The ledger segment whose history of applied spans this key shares.
+    pub segment: u32,
 }
 
 /// A shard's data ledger.
@@ -60,8 +62,34 @@ pub struct ShardCheckpoint {
     pub job_fingerprint: u32,
     /// The chunks.
     pub chunks: Vec<ChunkSnap>,
-    /// The data ledger.
-    pub ledger: LedgerSnap,
+    /// The data ledger of each segment, by segment id.
+    pub ledgers: Vec<(u32, LedgerSnap)>,
+}
+
+/// The state of a key range on its way from one shard to another: the same pieces a
+/// checkpoint holds, for the moved keys only, with the ledgers of the segments they belong to.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct RangeExport {
+    /// The chunks, by key.
+    pub chunks: Vec<ChunkSnap>,
+    /// The ledgers of the chunks' segments, by the sender's segment id.
+    pub ledgers: Vec<(u32, LedgerSnap)>,
+}
+
+impl RangeExport {
+    /// The wire form (an rkyv archive), to travel as a frame payload.
+    pub fn encode(&self) -> Result<bytes::Bytes, String> {
+        rkyv::to_bytes::<BoxedError>(self)
+            .map(|b| bytes::Bytes::from(b.into_vec()))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Decodes and validates the wire form.
+    pub fn decode(payload: &[u8]) -> Result<RangeExport, String> {
+        let mut aligned = AlignedVec::<16>::with_capacity(payload.len());
+        aligned.extend_from_slice(payload);
+        rkyv::from_bytes::<RangeExport, BoxedError>(&aligned).map_err(|e| e.to_string())
+    }
 }
 
 /// Why a checkpoint could not be written or read.
@@ -195,12 +223,16 @@ mod tests {
                 t: 9,
                 pending: vec![(4, vec![1.0; 3], 2)],
                 applied_through: 4,
+                segment: 1,
             }],
-            ledger: LedgerSnap {
-                progress: vec![(0, 1, 64)],
-                counts: vec![vec![1, 1, 0]],
-                skipped: vec![2],
-            },
+            ledgers: vec![(
+                1,
+                LedgerSnap {
+                    progress: vec![(0, 1, 64)],
+                    counts: vec![vec![1, 1, 0]],
+                    skipped: vec![2],
+                },
+            )],
         }
     }
 

@@ -7,7 +7,7 @@
 //! Independently of that rule, the ledger counts applications per sample position, which is
 //! what a run reports as duplicates and misses.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use edl_shared::proto::msg::{DataSpan, EpochLedger};
 use edl_shared::proto::{ErrorCode, JobConfig};
@@ -147,6 +147,126 @@ impl DataLedger {
                 }
             })
             .collect()
+    }
+}
+
+/// A shard's ledgers, one per *segment*: a set of keys that share one history of applied
+/// spans. A shard starts with one segment for all its keys. When a key range moves to another
+/// shard, the ledger of each segment it touches travels with it (a copy: the keys left behind
+/// keep theirs), so the receiving shard knows exactly which spans its new keys have seen, and a
+/// re-issued span is still skipped on those keys and only those.
+#[derive(Debug)]
+pub struct Ledgers {
+    segments: BTreeMap<u32, DataLedger>,
+    next: u32,
+}
+
+impl Ledgers {
+    /// Segment 0, empty, for a shard that starts with keys; none for one that starts empty.
+    pub fn new(job: &JobConfig, with_keys: bool) -> Self {
+        let mut segments = BTreeMap::new();
+        if with_keys {
+            segments.insert(0, DataLedger::new(job));
+        }
+        Ledgers { segments, next: 1 }
+    }
+
+    /// Checks `span` against every segment in `segs`, then, if none refuses it, claims it in
+    /// each; per segment whether its keys apply the push.
+    pub fn claim(
+        &mut self,
+        span: &DataSpan,
+        segs: &BTreeSet<u32>,
+    ) -> Result<BTreeMap<u32, Claim>, (ErrorCode, String)> {
+        for s in segs {
+            let Some(l) = self.segments.get(s) else {
+                return Err((ErrorCode::Internal, format!("no ledger for segment {s}")));
+            };
+            l.check(span)?;
+        }
+        let mut out = BTreeMap::new();
+        for s in segs {
+            if let Some(l) = self.segments.get_mut(s) {
+                out.insert(*s, l.claim(span)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Copies of the ledgers of `segs`, to travel with keys that move.
+    pub fn export(&self, segs: &BTreeSet<u32>) -> Vec<(u32, LedgerSnap)> {
+        segs.iter()
+            .filter_map(|s| self.segments.get(s).map(|l| (*s, l.snapshot())))
+            .collect()
+    }
+
+    /// Adds ledgers that arrived with moved keys, under fresh segment ids; returns the id each
+    /// sender's segment has here.
+    pub fn import(
+        &mut self,
+        job: &JobConfig,
+        snaps: &[(u32, LedgerSnap)],
+    ) -> Result<BTreeMap<u32, u32>, String> {
+        let mut fresh = Vec::with_capacity(snaps.len());
+        for (id, snap) in snaps {
+            fresh.push((*id, DataLedger::restore(job, snap)?));
+        }
+        let mut ids = BTreeMap::new();
+        for (theirs, l) in fresh {
+            let mine = self.next;
+            self.next += 1;
+            self.segments.insert(mine, l);
+            ids.insert(theirs, mine);
+        }
+        Ok(ids)
+    }
+
+    /// Drops the ledgers of segments no key uses any more.
+    pub fn retain(&mut self, used: &BTreeSet<u32>) {
+        self.segments.retain(|s, _| used.contains(s));
+    }
+
+    /// The segment ids in use.
+    pub fn ids(&self) -> BTreeSet<u32> {
+        self.segments.keys().copied().collect()
+    }
+
+    /// Every segment's state, for a checkpoint.
+    pub fn snapshot(&self) -> Vec<(u32, LedgerSnap)> {
+        self.segments
+            .iter()
+            .map(|(s, l)| (*s, l.snapshot()))
+            .collect()
+    }
+
+    /// Ledgers with the state of a checkpoint.
+    pub fn restore(job: &JobConfig, snaps: &[(u32, LedgerSnap)]) -> Result<Self, String> {
+        let mut segments = BTreeMap::new();
+        for (id, snap) in snaps {
+            segments.insert(*id, DataLedger::restore(job, snap)?);
+        }
+        let next = segments.keys().next_back().map_or(0, |s| s + 1);
+        Ok(Ledgers { segments, next })
+    }
+
+    /// The per-epoch account of the shard: for every epoch the worst over its segments (the
+    /// fewest samples applied, the most duplicates and misses). Empty for a shard without keys.
+    pub fn report(&self) -> Vec<EpochLedger> {
+        let mut out: Vec<EpochLedger> = Vec::new();
+        for l in self.segments.values() {
+            for (i, e) in l.report().into_iter().enumerate() {
+                match out.get_mut(i) {
+                    None => out.push(e),
+                    Some(w) => {
+                        w.applied = w.applied.min(e.applied);
+                        w.duplicates = w.duplicates.max(e.duplicates);
+                        w.missing = w.missing.max(e.missing);
+                        w.skipped_pushes = w.skipped_pushes.max(e.skipped_pushes);
+                    }
+                }
+            }
+        }
+        out
     }
 }
 

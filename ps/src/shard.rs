@@ -4,7 +4,7 @@
 //! Each chunk sits behind its own lock (a `DashMap` entry), so concurrent pushes to the same
 //! chunk serialize and none is lost, while pushes to different chunks run in parallel.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,7 +15,9 @@ use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
 use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
-use edl_shared::proto::msg::{ChunkRef, DataSpan, EpochLedger, KeyRange, ShardStats};
+use edl_shared::proto::msg::{
+    ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
+};
 use edl_shared::proto::{
     Consistency, ErrorCode, Frame, Init, JobConfig, OptimizerSpec, Request, Response, ShardMap,
 };
@@ -26,8 +28,8 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use tokio::sync::watch;
 use tracing::info;
 
-use crate::checkpoint::{self, CheckpointError, ChunkSnap, ShardCheckpoint};
-use crate::ledger::{Claim, DataLedger};
+use crate::checkpoint::{self, CheckpointError, ChunkSnap, RangeExport, ShardCheckpoint};
+use crate::ledger::{Claim, Ledgers};
 use crate::optimizer::OptState;
 
 /// One chunk of parameters with its optimizer state.
@@ -39,6 +41,92 @@ struct Chunk {
     pending: BTreeMap<u64, (Vec<f32>, u32)>,
     /// BSP: every step before this clock has been applied.
     applied_through: u64,
+    /// The ledger segment this key belongs to (see [`Ledgers`]).
+    segment: u32,
+    /// Floats read and written since the last rebalance.
+    load: u64,
+}
+
+impl Chunk {
+    /// A fresh chunk of `key`, initialized from the job seed and the key.
+    fn fresh(job: &JobConfig, key: Key, tensor: usize, len: usize) -> Chunk {
+        let params = match job.tensors.get(tensor).map(|t| &t.init) {
+            Some(Init::Uniform { limit }) if *limit > 0.0 => {
+                let mut rng =
+                    StdRng::seed_from_u64(job.seed ^ key.0.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                (0..len)
+                    .map(|_| rng.random_range(-limit..=*limit))
+                    .collect()
+            }
+            _ => vec![0.0; len],
+        };
+        Chunk {
+            opt: OptState::new(&job.optimizer, len),
+            params,
+            pending: BTreeMap::new(),
+            applied_through: 0,
+            segment: 0,
+            load: 0,
+        }
+    }
+
+    /// A chunk from its snapshot, checked against the layout and the optimizer.
+    fn from_snap(job: &JobConfig, snap: ChunkSnap) -> Result<Chunk, String> {
+        let Some(span) = job.layout().span(Key(snap.key)).copied() else {
+            return Err(format!("key {} is not part of the job", snap.key));
+        };
+        let n = span.len as usize;
+        let opt = match (&job.optimizer, snap.m.len(), snap.v.len()) {
+            (OptimizerSpec::Sgd { .. }, 0, 0) => OptState::Sgd,
+            (OptimizerSpec::Momentum { .. }, m, 0) if m == n => OptState::Momentum { v: snap.m },
+            (OptimizerSpec::Adam { .. }, m, v) if m == n && v == n => OptState::Adam {
+                m: snap.m,
+                v: snap.v,
+                t: snap.t,
+            },
+            _ => return Err(format!("optimizer state of key {} does not fit", snap.key)),
+        };
+        if snap.params.len() != n || snap.pending.iter().any(|(_, s, _)| s.len() != n) {
+            return Err(format!("key {} has the wrong length", snap.key));
+        }
+        if snap.params.iter().any(|v| !v.is_finite()) {
+            return Err(format!("key {} holds non-finite parameters", snap.key));
+        }
+        Ok(Chunk {
+            params: snap.params,
+            opt,
+            pending: snap
+                .pending
+                .into_iter()
+                .map(|(c, s, k)| (c, (s, k)))
+                .collect(),
+            applied_through: snap.applied_through,
+            segment: snap.segment,
+            load: 0,
+        })
+    }
+
+    fn snap(&self, key: Key) -> ChunkSnap {
+        let (m, v, t) = match &self.opt {
+            OptState::Sgd => (Vec::new(), Vec::new(), 0),
+            OptState::Momentum { v } => (v.clone(), Vec::new(), 0),
+            OptState::Adam { m, v, t } => (m.clone(), v.clone(), *t),
+        };
+        ChunkSnap {
+            key: key.0,
+            params: self.params.clone(),
+            m,
+            v,
+            t,
+            pending: self
+                .pending
+                .iter()
+                .map(|(k, (s, n))| (*k, s.clone(), *n))
+                .collect(),
+            applied_through: self.applied_through,
+            segment: self.segment,
+        }
+    }
 }
 
 /// The state of one shard once the coordinator has assigned its ranges.
@@ -46,12 +134,18 @@ struct Chunk {
 pub struct ShardState {
     id: ShardId,
     job: JobConfig,
-    map: ShardMap,
+    /// Keys in the job.
+    job_keys: u64,
+    /// The newest map this shard knows; it changes when ranges move.
+    map: RwLock<Arc<ShardMap>>,
+    /// The epoch of `map`, for requests routed with a newer map to wait on.
+    epoch: watch::Sender<u64>,
     chunks: DashMap<Key, Chunk>,
-    ledger: Mutex<DataLedger>,
+    ledgers: Mutex<Ledgers>,
     load: Load,
-    /// Pushes hold it shared while they apply; a checkpoint holds it exclusively while it
-    /// copies the state, so it never sees half a push.
+    /// Pushes and pulls hold it shared while they check that they hold their keys and use
+    /// them; a checkpoint holds it exclusively while it copies the state, so it never sees
+    /// half a push, and a range move holds it exclusively while keys leave or arrive.
     gate: RwLock<()>,
 }
 
@@ -95,6 +189,14 @@ impl From<Refusal> for Response {
     }
 }
 
+fn read_lock<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write_lock<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
+}
+
 impl ShardState {
     /// Initializes the chunks `map` places on `id`, seeded per key so that values do not depend
     /// on placement.
@@ -103,38 +205,22 @@ impl ShardState {
         let chunks = DashMap::new();
         for r in map.ranges_of(id) {
             for k in r.start..r.end {
-                let Some(span) = layout.span(Key(k)) else {
-                    continue;
-                };
-                let len = span.len as usize;
-                let params = match job.tensors.get(span.tensor).map(|t| &t.init) {
-                    Some(Init::Uniform { limit }) if *limit > 0.0 => {
-                        let mut rng =
-                            StdRng::seed_from_u64(job.seed ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-                        (0..len)
-                            .map(|_| rng.random_range(-limit..=*limit))
-                            .collect()
-                    }
-                    _ => vec![0.0; len],
-                };
-                chunks.insert(
-                    Key(k),
-                    Chunk {
-                        opt: OptState::new(&job.optimizer, len),
-                        params,
-                        pending: BTreeMap::new(),
-                        applied_through: 0,
-                    },
-                );
+                if let Some(span) = layout.span(Key(k)) {
+                    let chunk = Chunk::fresh(&job, Key(k), span.tensor, span.len as usize);
+                    chunks.insert(Key(k), chunk);
+                }
             }
         }
+        let ledgers = Ledgers::new(&job, !chunks.is_empty());
         ShardState {
             id,
-            ledger: Mutex::new(DataLedger::new(&job)),
+            job_keys: layout.num_keys(),
+            epoch: watch::Sender::new(map.epoch.0),
+            map: RwLock::new(Arc::new(map)),
+            ledgers: Mutex::new(ledgers),
             load: Load::default(),
             gate: RwLock::new(()),
             job,
-            map,
             chunks,
         }
     }
@@ -159,86 +245,49 @@ impl ShardState {
                 "the checkpoint belongs to another job configuration".into(),
             ));
         }
-        let fresh = ShardState::new(id, job, map);
-        if ckpt.chunks.len() != fresh.chunks.len() {
+        let placed: u64 = map.ranges_of(id).map(|r| r.end - r.start).sum();
+        if ckpt.chunks.len() as u64 != placed {
             return Err(mismatch(format!(
-                "checkpoint holds {} keys, the shard map places {} here",
+                "checkpoint holds {} keys, the shard map places {placed} here",
                 ckpt.chunks.len(),
-                fresh.chunks.len()
             )));
         }
+        let st = ShardState::new(
+            id,
+            job,
+            ShardMap {
+                ranges: Vec::new(),
+                ..map.clone()
+            },
+        );
+        *write_lock(&st.map) = Arc::new(map);
+        let ledgers = Ledgers::restore(&st.job, &ckpt.ledgers).map_err(mismatch)?;
+        let segments = ledgers.ids();
         for snap in ckpt.chunks {
-            let Some(mut chunk) = fresh.chunks.get_mut(&Key(snap.key)) else {
-                return Err(mismatch(format!("key {} is not placed on {id}", snap.key)));
-            };
-            let n = chunk.params.len();
-            let opt = match (&fresh.job.optimizer, snap.m.len(), snap.v.len()) {
-                (OptimizerSpec::Sgd { .. }, 0, 0) => OptState::Sgd,
-                (OptimizerSpec::Momentum { .. }, m, 0) if m == n => {
-                    OptState::Momentum { v: snap.m }
-                }
-                (OptimizerSpec::Adam { .. }, m, v) if m == n && v == n => OptState::Adam {
-                    m: snap.m,
-                    v: snap.v,
-                    t: snap.t,
-                },
-                _ => {
-                    return Err(mismatch(format!(
-                        "optimizer state of key {} does not fit",
-                        snap.key
-                    )));
-                }
-            };
-            if snap.params.len() != n || snap.pending.iter().any(|(_, s, _)| s.len() != n) {
-                return Err(mismatch(format!("key {} has the wrong length", snap.key)));
+            let key = Key(snap.key);
+            if st.read_map().owner(key) != Some(id) {
+                return Err(mismatch(format!("{key} is not placed on {id}")));
             }
-            chunk.params = snap.params;
-            chunk.opt = opt;
-            chunk.pending = snap
-                .pending
-                .into_iter()
-                .map(|(c, s, k)| (c, (s, k)))
-                .collect();
-            chunk.applied_through = snap.applied_through;
+            let chunk = Chunk::from_snap(&st.job, snap).map_err(mismatch)?;
+            if !segments.contains(&chunk.segment) {
+                return Err(mismatch(format!("{key} belongs to no ledger segment")));
+            }
+            st.chunks.insert(key, chunk);
         }
-        let ledger = DataLedger::restore(&fresh.job, &ckpt.ledger).map_err(mismatch)?;
-        *fresh.ledger() = ledger;
-        Ok(fresh)
+        *st.ledgers() = ledgers;
+        Ok(st)
     }
 
     /// A consistent copy of the state, for a checkpoint.
     pub fn snapshot(&self) -> ShardCheckpoint {
-        let _gate = self.gate.write().unwrap_or_else(|p| p.into_inner());
-        let mut chunks: Vec<ChunkSnap> = self
-            .chunks
-            .iter()
-            .map(|c| {
-                let (m, v, t) = match &c.opt {
-                    OptState::Sgd => (Vec::new(), Vec::new(), 0),
-                    OptState::Momentum { v } => (v.clone(), Vec::new(), 0),
-                    OptState::Adam { m, v, t } => (m.clone(), v.clone(), *t),
-                };
-                ChunkSnap {
-                    key: c.key().0,
-                    params: c.params.clone(),
-                    m,
-                    v,
-                    t,
-                    pending: c
-                        .pending
-                        .iter()
-                        .map(|(k, (s, n))| (*k, s.clone(), *n))
-                        .collect(),
-                    applied_through: c.applied_through,
-                }
-            })
-            .collect();
+        let _gate = write_lock(&self.gate);
+        let mut chunks: Vec<ChunkSnap> = self.chunks.iter().map(|c| c.snap(*c.key())).collect();
         chunks.sort_unstable_by_key(|c| c.key);
         ShardCheckpoint {
             shard: self.id.0,
             job_fingerprint: checkpoint::fingerprint(&self.job),
             chunks,
-            ledger: self.ledger().snapshot(),
+            ledgers: self.ledgers().snapshot(),
         }
     }
 
@@ -252,16 +301,55 @@ impl ShardState {
         self.chunks.len()
     }
 
-    fn check_epoch(&self, epoch: MapEpoch) -> Result<(), Refusal> {
-        if epoch != self.map.epoch {
-            return Err(Refusal {
-                code: ErrorCode::StaleEpoch,
-                message: format!(
-                    "request routed with shard map {epoch}, current is {}",
-                    self.map.epoch
-                ),
-                map: Some(Box::new(self.map.clone())),
-            });
+    /// The newest map this shard knows.
+    pub fn read_map(&self) -> Arc<ShardMap> {
+        read_lock(&self.map).clone()
+    }
+
+    /// Adopts `map` if it is newer than the one held; true if it was.
+    pub fn install_map(&self, map: &ShardMap) -> bool {
+        let mut held = write_lock(&self.map);
+        if map.epoch <= held.epoch {
+            return false;
+        }
+        *held = Arc::new(map.clone());
+        self.epoch.send_replace(map.epoch.0);
+        true
+    }
+
+    /// True if every key in `keys` is held here.
+    pub fn holds(&self, mut keys: impl Iterator<Item = Key>) -> bool {
+        keys.all(|k| self.chunks.contains_key(&k))
+    }
+
+    /// Waits (up to `limit`) until this shard knows a map of at least `epoch`: a request
+    /// routed with a map newer than this shard's may concern keys that are on their way here.
+    pub async fn wait_for_epoch(&self, epoch: MapEpoch, limit: Duration) {
+        let mut rx = self.epoch.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|e| *e >= epoch.0)).await;
+    }
+
+    /// Checks, under the gate, that every key is part of the job and held here. A key of the
+    /// job that is not held was routed with an old map: refused with the current one.
+    fn check_held(&self, keys: impl Iterator<Item = Key>) -> Result<(), Refusal> {
+        for key in keys {
+            if key.0 >= self.job_keys {
+                return Err(Refusal::new(
+                    ErrorCode::UnknownKey,
+                    format!("{key} is not part of the job"),
+                ));
+            }
+            if !self.chunks.contains_key(&key) {
+                let map = self.read_map();
+                return Err(Refusal {
+                    code: ErrorCode::StaleEpoch,
+                    message: format!(
+                        "{key} is not held by {} (its map is {}); route with the new map",
+                        self.id, map.epoch
+                    ),
+                    map: Some(Box::new((*map).clone())),
+                });
+            }
         }
         Ok(())
     }
@@ -270,38 +358,39 @@ impl ShardState {
         self.job.consistency == Consistency::Bsp
     }
 
-    /// Reads the chunks in `ranges`, applying due BSP updates first.
+    /// Reads the chunks in `ranges`, applying due BSP updates first. The map epoch the client
+    /// routed with does not matter as long as this shard holds every key asked for.
     pub fn pull(
         &self,
-        epoch: MapEpoch,
+        _epoch: MapEpoch,
         ranges: &[KeyRange],
         apply_through: Clock,
     ) -> Result<Frame<Response>, Refusal> {
-        self.check_epoch(epoch)?;
-        let mut keys = Vec::new();
+        let mut count = 0u64;
         for r in ranges {
-            // A shard never holds more keys than it has chunks, which also bounds what a
-            // request with many or huge ranges can make it allocate.
-            if r.end < r.start || r.end - r.start + keys.len() as u64 > self.chunks.len() as u64 {
+            // Bounds what a request with many or huge ranges can make this shard allocate.
+            if r.end < r.start || r.end > self.job_keys || count + (r.end - r.start) > self.job_keys
+            {
                 return Err(Refusal::new(
                     ErrorCode::UnknownKey,
-                    format!("range {}..{} is not held by {}", r.start, r.end, self.id),
+                    format!("range {}..{} is not part of the job", r.start, r.end),
                 ));
             }
-            keys.extend((r.start..r.end).map(Key));
+            count += r.end - r.start;
         }
-        let mut refs = Vec::with_capacity(keys.len());
+        let keys = || ranges.iter().flat_map(|r| (r.start..r.end).map(Key));
+        let _gate = read_lock(&self.gate);
+        self.check_held(keys())?;
+        let mut refs = Vec::with_capacity(count as usize);
         let mut out = BytesMut::new();
-        for key in keys {
+        for key in keys() {
             let Some(mut chunk) = self.chunks.get_mut(&key) else {
-                return Err(Refusal::new(
-                    ErrorCode::UnknownKey,
-                    format!("{key} is not held by {}", self.id),
-                ));
+                return Err(Refusal::new(ErrorCode::Internal, format!("{key} vanished")));
             };
             if self.bsp() {
                 apply_due(&self.job, &mut chunk, apply_through.0);
             }
+            chunk.load += chunk.params.len() as u64;
             out.reserve(chunk.params.len() * 4);
             for v in &chunk.params {
                 out.extend_from_slice(&v.to_le_bytes());
@@ -322,19 +411,18 @@ impl ShardState {
     }
 
     /// Applies (ASP, SSP) or stages (BSP) a push. Everything is validated before any state
-    /// changes, so a bad push changes nothing. A push whose data span this shard has applied
-    /// already is acknowledged and skipped.
+    /// changes, so a bad push changes nothing. Keys whose ledger segment has applied the
+    /// push's data span already are skipped (acknowledged, not applied again).
     #[allow(clippy::too_many_arguments)]
     pub fn push(
         &self,
-        epoch: MapEpoch,
+        _epoch: MapEpoch,
         worker: WorkerId,
         clock: Clock,
         chunks: &[ChunkRef],
         payload: &[u8],
         span: Option<&DataSpan>,
     ) -> Result<Claim, Refusal> {
-        self.check_epoch(epoch)?;
         let bad = |(code, msg): (ErrorCode, String)| {
             Refusal::new(code, format!("push from {worker}: {msg}"))
         };
@@ -354,45 +442,54 @@ impl ShardState {
                 format!("gradient value {} at float {i} is not finite", grads[i]),
             )));
         }
+        // From the check of the keys to the last chunk, neither a checkpoint nor a range move
+        // may cut this push in two.
+        let _gate = read_lock(&self.gate);
+        self.check_held(chunks.iter().map(|c| c.key))
+            .map_err(|r| Refusal {
+                message: format!("push from {worker}: {}", r.message),
+                ..r
+            })?;
+        let mut segments = BTreeSet::new();
         for c in chunks {
-            match self.chunks.get(&c.key) {
-                None => {
-                    return Err(bad((
-                        ErrorCode::UnknownKey,
-                        format!("{} is not held by {}", c.key, self.id),
-                    )));
-                }
-                Some(chunk) if chunk.params.len() != c.len as usize => {
-                    return Err(bad((
-                        ErrorCode::ShapeMismatch,
-                        format!(
-                            "{} has {} floats, push has {}",
-                            c.key,
-                            chunk.params.len(),
-                            c.len
-                        ),
-                    )));
-                }
-                Some(chunk) if self.bsp() && clock.0 < chunk.applied_through => {
-                    return Err(bad((
-                        ErrorCode::StaleClock,
-                        format!("step {} of {} was already applied", clock.0, c.key),
-                    )));
-                }
-                Some(_) => {}
+            let Some(chunk) = self.chunks.get(&c.key) else {
+                return Err(Refusal::new(
+                    ErrorCode::Internal,
+                    format!("{} vanished", c.key),
+                ));
+            };
+            if chunk.params.len() != c.len as usize {
+                return Err(bad((
+                    ErrorCode::ShapeMismatch,
+                    format!(
+                        "{} has {} floats, push has {}",
+                        c.key,
+                        chunk.params.len(),
+                        c.len
+                    ),
+                )));
             }
+            if self.bsp() && clock.0 < chunk.applied_through {
+                return Err(bad((
+                    ErrorCode::StaleClock,
+                    format!("step {} of {} was already applied", clock.0, c.key),
+                )));
+            }
+            segments.insert(chunk.segment);
         }
-        // From the claim to the last chunk, a checkpoint must not cut this push in two.
-        let _gate = self.gate.read().unwrap_or_else(|p| p.into_inner());
         // Claim the span last: once it is recorded, the chunks below are updated.
-        if let Some(span) = span {
-            let claim = self.ledger().claim(span).map_err(bad)?;
-            if claim == Claim::AlreadyApplied {
-                tracing::debug!(%worker, epoch = span.epoch, partition = span.partition,
-                    start = span.start, "span already applied here; skipped");
-                return Ok(Claim::AlreadyApplied);
+        let claims = match span {
+            None => None,
+            Some(span) => {
+                let claims = self.ledgers().claim(span, &segments).map_err(bad)?;
+                if claims.values().all(|c| *c == Claim::AlreadyApplied) {
+                    tracing::debug!(%worker, epoch = span.epoch, partition = span.partition,
+                        start = span.start, "span already applied here; skipped");
+                    return Ok(Claim::AlreadyApplied);
+                }
+                Some(claims)
             }
-        }
+        };
         self.load.pushes.fetch_add(1, Ordering::Relaxed);
         self.load
             .bytes_in
@@ -405,6 +502,13 @@ impl ShardState {
                 continue;
             };
             let chunk = &mut *chunk;
+            let skip = claims
+                .as_ref()
+                .is_some_and(|cl| cl.get(&chunk.segment) != Some(&Claim::Apply));
+            if skip {
+                continue;
+            }
+            chunk.load += u64::from(c.len);
             if self.bsp() {
                 // Re-check under the chunk lock: a pull may have applied this step meanwhile.
                 if clock.0 < chunk.applied_through {
@@ -430,9 +534,111 @@ impl ShardState {
         Ok(Claim::Apply)
     }
 
-    fn ledger(&self) -> MutexGuard<'_, DataLedger> {
+    fn ledgers(&self) -> MutexGuard<'_, Ledgers> {
         // The ledger is only ever updated whole under the lock; keep serving if a holder panicked.
-        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+        self.ledgers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Gives up keys `[start, end)`: removes their state (with copies of their segments'
+    /// ledgers) and adopts `map`, the map after the move, so requests for them are refused
+    /// from here on with that map. Fails, changing nothing, unless every key is held here.
+    pub fn export(&self, start: u64, end: u64, map: &ShardMap) -> Result<RangeExport, Refusal> {
+        let _gate = write_lock(&self.gate);
+        if start >= end || !self.holds((start..end).map(Key)) {
+            return Err(Refusal::new(
+                ErrorCode::InvalidRequest,
+                format!("{} does not hold all of keys {start}..{end}", self.id),
+            ));
+        }
+        let mut chunks = Vec::with_capacity((end - start) as usize);
+        let mut segments = BTreeSet::new();
+        for k in start..end {
+            if let Some((key, chunk)) = self.chunks.remove(&Key(k)) {
+                segments.insert(chunk.segment);
+                chunks.push(chunk.snap(key));
+            }
+        }
+        let mut ledgers = self.ledgers();
+        let export = RangeExport {
+            chunks,
+            ledgers: ledgers.export(&segments),
+        };
+        let used: BTreeSet<u32> = self.chunks.iter().map(|c| c.segment).collect();
+        ledgers.retain(&used);
+        drop(ledgers);
+        self.install_map(map);
+        Ok(export)
+    }
+
+    /// Takes keys `[start, end)` from another shard and adopts `map`. Repeating an import that
+    /// succeeded (the sender did not hear the answer) is acknowledged and changes nothing.
+    /// Fails, changing nothing, if the export does not hold exactly those keys with state that
+    /// fits the job, or if some of them are held here already.
+    pub fn import(
+        &self,
+        start: u64,
+        end: u64,
+        map: &ShardMap,
+        export: RangeExport,
+    ) -> Result<(), Refusal> {
+        let _gate = write_lock(&self.gate);
+        exactly(start, end, &export)?;
+        if self.read_map().epoch >= map.epoch && self.holds((start..end).map(Key)) {
+            return Ok(());
+        }
+        self.take_in(start, end, export)?;
+        self.install_map(map);
+        Ok(())
+    }
+
+    /// Takes back keys whose hand-off failed, with the map from before the move.
+    pub fn reinstate(
+        &self,
+        start: u64,
+        end: u64,
+        before: &ShardMap,
+        export: RangeExport,
+    ) -> Result<(), Refusal> {
+        let _gate = write_lock(&self.gate);
+        self.take_in(start, end, export)?;
+        *write_lock(&self.map) = Arc::new(before.clone());
+        self.epoch.send_replace(before.epoch.0);
+        Ok(())
+    }
+
+    /// Inserts the keys of `export`, which must be exactly `[start, end)`, none held yet.
+    /// The caller holds the gate exclusively.
+    fn take_in(&self, start: u64, end: u64, export: RangeExport) -> Result<(), Refusal> {
+        let refuse = |m: String| Refusal::new(ErrorCode::InvalidRequest, m);
+        exactly(start, end, &export)?;
+        if end > self.job_keys {
+            return Err(refuse(format!(
+                "keys {start}..{end} are not part of the job"
+            )));
+        }
+        if let Some(k) = (start..end).find(|k| self.chunks.contains_key(&Key(*k))) {
+            return Err(refuse(format!("{} holds k{k} already", self.id)));
+        }
+        let mut fresh = Vec::with_capacity(export.chunks.len());
+        for snap in export.chunks {
+            let key = Key(snap.key);
+            fresh.push((key, Chunk::from_snap(&self.job, snap).map_err(refuse)?));
+        }
+        if let Some((key, _)) = fresh
+            .iter()
+            .find(|(_, c)| !export.ledgers.iter().any(|(s, _)| *s == c.segment))
+        {
+            return Err(refuse(format!("{key} arrived without its ledger")));
+        }
+        let ids = self
+            .ledgers()
+            .import(&self.job, &export.ledgers)
+            .map_err(refuse)?;
+        for (key, mut chunk) in fresh {
+            chunk.segment = ids.get(&chunk.segment).copied().unwrap_or_default();
+            self.chunks.insert(key, chunk);
+        }
+        Ok(())
     }
 
     /// Holdings and load.
@@ -449,16 +655,21 @@ impl ShardState {
             };
             state_bytes += 4 * (n + opt);
         }
+        let mut keys: Vec<u64> = self.chunks.iter().map(|c| c.key().0).collect();
+        keys.sort_unstable();
+        let mut ranges: Vec<KeyRange> = Vec::new();
+        for k in keys {
+            match ranges.last_mut() {
+                Some(r) if r.end == k => r.end = k + 1,
+                _ => ranges.push(KeyRange {
+                    start: k,
+                    end: k + 1,
+                }),
+            }
+        }
         ShardStats {
             shard: self.id,
-            ranges: self
-                .map
-                .ranges_of(self.id)
-                .map(|r| KeyRange {
-                    start: r.start,
-                    end: r.end,
-                })
-                .collect(),
+            ranges,
             keys: self.chunks.len() as u64,
             floats,
             state_bytes,
@@ -469,10 +680,42 @@ impl ShardState {
         }
     }
 
-    /// The per-epoch data ledger.
-    pub fn ledger_report(&self) -> Vec<EpochLedger> {
-        self.ledger().report()
+    /// Per key, the floats read and written since the last call; the counters restart.
+    pub fn take_key_loads(&self) -> Vec<KeyLoad> {
+        let mut out: Vec<KeyLoad> = self
+            .chunks
+            .iter_mut()
+            .map(|mut c| KeyLoad {
+                key: *c.key(),
+                load: std::mem::take(&mut c.load),
+            })
+            .collect();
+        out.sort_unstable_by_key(|l| l.key);
+        out
     }
+
+    /// The per-epoch data ledger (the worst of its segments); empty without keys.
+    pub fn ledger_report(&self) -> Vec<EpochLedger> {
+        self.ledgers().report()
+    }
+}
+
+/// Checks that `export` holds exactly keys `[start, end)`, in order.
+fn exactly(start: u64, end: u64, export: &RangeExport) -> Result<(), Refusal> {
+    let in_order = start < end
+        && export.chunks.len() as u64 == end - start
+        && export
+            .chunks
+            .iter()
+            .zip(start..end)
+            .all(|(c, k)| c.key == k);
+    if !in_order {
+        return Err(Refusal::new(
+            ErrorCode::InvalidRequest,
+            format!("the export does not hold exactly keys {start}..{end}"),
+        ));
+    }
+    Ok(())
 }
 
 /// Applies, in step order, every pending BSP update of a step before `through`.
@@ -488,10 +731,24 @@ fn apply_due(job: &JobConfig, chunk: &mut Chunk, through: u64) {
     chunk.applied_through = chunk.applied_through.max(through);
 }
 
-/// The shard service: waits for its assignment, then serves pulls and pushes.
+/// How long a request routed with a newer map than a shard's waits for the shard to learn it.
+const EPOCH_WAIT: Duration = Duration::from_secs(5);
+/// How long a retired shard keeps answering before it stops.
+const RETIRE_GRACE: Duration = Duration::from_secs(2);
+/// How long a shard keeps trying to hand a range to its destination before taking it back.
+const HANDOFF_WINDOW: Duration = Duration::from_secs(10);
+
+/// The shard service: waits for its assignment, then serves pulls and pushes, and moves key
+/// ranges when the coordinator asks.
 pub struct ShardService {
     state: watch::Receiver<Option<Arc<ShardState>>>,
     checkpoint: Option<PathBuf>,
+    /// For handing ranges to other shards (this shard's identity as a client).
+    peer: quinn::Endpoint,
+    settings: TransportSettings,
+    name: String,
+    /// Cancelled when the coordinator retires this shard.
+    retire: CancellationToken,
 }
 
 impl ShardService {
@@ -503,6 +760,142 @@ impl ShardService {
             _ => None,
         }
     }
+
+    /// Writes a checkpoint off the runtime, if this shard keeps one.
+    async fn checkpoint_now(
+        &self,
+        st: &Arc<ShardState>,
+    ) -> Option<Result<(String, u64, f64), String>> {
+        let path = self.checkpoint.clone()?;
+        let st = st.clone();
+        let written =
+            tokio::task::spawn_blocking(move || write_checkpoint(&st, &path).map(|r| (r, path)))
+                .await;
+        Some(match written {
+            Ok(Ok(((bytes, millis), path))) => Ok((path.display().to_string(), bytes, millis)),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        })
+    }
+
+    /// Hands keys `[start, end)` to shard `to`: gives them up here (requests for them are
+    /// refused with the new map from then on), streams their state to `to`, and takes them
+    /// back if `to` cannot be reached within [`HANDOFF_WINDOW`] or refuses them.
+    async fn move_out(
+        &self,
+        st: &Arc<ShardState>,
+        (start, end, to): (u64, u64, ShardId),
+        map: ShardMap,
+    ) -> Result<Frame<Response>, Response> {
+        let t0 = std::time::Instant::now();
+        let invalid = |m: String| Response::error(ErrorCode::InvalidRequest, m);
+        if to == st.id() {
+            return Err(invalid(format!("{to} cannot move keys to itself")));
+        }
+        if map.owner(Key(start)) != Some(to) || map.owner(Key(end.saturating_sub(1))) != Some(to) {
+            return Err(invalid(format!(
+                "the new map does not place {start}..{end} on {to}"
+            )));
+        }
+        let Some(addr) = map.addr_of(to).map(str::to_string) else {
+            return Err(invalid(format!("the new map has no address for {to}")));
+        };
+        let before = st.read_map();
+        let export = st.export(start, end, &map).map_err(Response::from)?;
+        let held = std::time::Instant::now();
+        let sent = match export.encode() {
+            Ok(payload) => {
+                let bytes = payload.len() as u64;
+                let req = Request::MoveIn {
+                    start,
+                    end,
+                    map: map.clone(),
+                };
+                self.hand_off(&addr, req, payload).await.map(|()| bytes)
+            }
+            Err(e) => Err(format!("encoding the range: {e}")),
+        };
+        let bytes = match sent {
+            Ok(b) => b,
+            Err(e) => {
+                st.reinstate(start, end, &before, export)
+                    .map_err(Response::from)?;
+                tracing::warn!(shard = %st.id(), %to, start, end, error = %e,
+                    "hand-off failed; the range stays here");
+                return Err(Response::error(
+                    ErrorCode::Internal,
+                    format!(
+                        "handing keys {start}..{end} to {to} failed ({e}); they stay on {}",
+                        st.id()
+                    ),
+                ));
+            }
+        };
+        let hold_ms = held.elapsed().as_secs_f64() * 1000.0;
+        // The checkpoint on disk must agree with the new placement, or a restart would fail.
+        if let Some(Err(e)) = self.checkpoint_now(st).await {
+            tracing::error!(error = %e, "checkpoint after a move failed");
+        }
+        info!(shard = %st.id(), %to, start, end, bytes, hold_ms, "range handed off");
+        Ok(Frame::new(Response::Moved(MoveReport {
+            t_ms: 0,
+            start,
+            end,
+            from: st.id(),
+            to,
+            epoch: map.epoch,
+            bytes,
+            millis: t0.elapsed().as_secs_f64() * 1000.0,
+            hold_ms,
+        })))
+    }
+
+    /// Sends a `MoveIn` to the shard at `addr`, retrying on connection failures (the import is
+    /// idempotent) until [`HANDOFF_WINDOW`] ends.
+    async fn hand_off(&self, addr: &str, req: Request, payload: Bytes) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + HANDOFF_WINDOW;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let attempt = async {
+                let conn = Conn::connect(&self.peer, addr, &self.name, &self.settings).await?;
+                conn.call(req.clone(), payload.clone()).await
+            };
+            let err = match attempt.await {
+                Ok(Frame {
+                    msg: Response::Ack, ..
+                }) => return Ok(()),
+                Ok(other) => return Err(CallError::unexpected(&other.msg).to_string()),
+                Err(e @ CallError::Remote { .. }) => return Err(e.to_string()),
+                Err(e) => e,
+            };
+            if tokio::time::Instant::now() + delay >= deadline {
+                return Err(err.to_string());
+            }
+            tracing::debug!(%addr, error = %err, "hand-off: retrying");
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// Takes keys handed over by another shard, and makes the checkpoint agree before
+    /// acknowledging.
+    async fn move_in(
+        &self,
+        st: &Arc<ShardState>,
+        (start, end): (u64, u64),
+        map: ShardMap,
+        payload: &[u8],
+    ) -> Result<Frame<Response>, Response> {
+        let export = RangeExport::decode(payload)
+            .map_err(|e| Response::error(ErrorCode::Malformed, format!("range export: {e}")))?;
+        st.import(start, end, &map, export)
+            .map_err(Response::from)?;
+        if let Some(Err(e)) = self.checkpoint_now(st).await {
+            tracing::error!(error = %e, "checkpoint after a move failed");
+        }
+        info!(shard = %st.id(), start, end, epoch = %map.epoch, "range taken over");
+        Ok(Frame::new(Response::Ack))
+    }
 }
 
 impl Service for ShardService {
@@ -510,6 +903,9 @@ impl Service for ShardService {
         match req {
             Request::Push { .. } => role == Role::Worker,
             Request::Checkpoint => role == Role::Admin,
+            Request::SetMap { .. } | Request::MoveOut { .. } => role == Role::Coordinator,
+            Request::MoveIn { .. } => role == Role::Shard,
+            Request::KeyLoads => matches!(role, Role::Coordinator | Role::Admin),
             _ => true,
         }
     }
@@ -526,45 +922,67 @@ impl Service for ShardService {
                 epoch,
                 ranges,
                 apply_through,
-            } => st
-                .pull(epoch, &ranges, apply_through)
-                .map_err(Response::from),
+            } => {
+                let keys = || ranges.iter().flat_map(|r| (r.start..r.end).map(Key));
+                if epoch > st.read_map().epoch && !st.holds(keys()) {
+                    st.wait_for_epoch(epoch, EPOCH_WAIT).await;
+                }
+                st.pull(epoch, &ranges, apply_through)
+                    .map_err(Response::from)
+            }
             Request::Push {
                 epoch,
                 worker,
                 clock,
                 chunks,
                 span,
-            } => st
-                .push(epoch, worker, clock, &chunks, &payload, span.as_ref())
-                .map(|_| Frame::new(Response::Ack))
-                .map_err(Response::from),
+            } => {
+                if epoch > st.read_map().epoch && !st.holds(chunks.iter().map(|c| c.key)) {
+                    st.wait_for_epoch(epoch, EPOCH_WAIT).await;
+                }
+                st.push(epoch, worker, clock, &chunks, &payload, span.as_ref())
+                    .map(|_| Frame::new(Response::Ack))
+                    .map_err(Response::from)
+            }
             Request::Ledger => Ok(Frame::new(Response::Ledger(st.ledger_report()))),
             Request::ShardStats => Ok(Frame::new(Response::ShardStats(st.stats()))),
-            Request::Checkpoint => match &self.checkpoint {
+            Request::KeyLoads => Ok(Frame::new(Response::KeyLoads(st.take_key_loads()))),
+            Request::Checkpoint => match self.checkpoint_now(&st).await {
                 None => Err(Response::error(
                     ErrorCode::InvalidRequest,
                     "this shard runs without a checkpoint path",
                 )),
-                Some(path) => {
-                    let (st, path) = (st.clone(), path.clone());
-                    // Copying is quick; writing and syncing block, so keep them off the runtime.
-                    let written = tokio::task::spawn_blocking(move || {
-                        write_checkpoint(&st, &path).map(|r| (r, path))
-                    })
-                    .await;
-                    match written {
-                        Ok(Ok(((bytes, millis), path))) => Ok(Frame::new(Response::Checkpointed {
-                            path: path.display().to_string(),
-                            bytes,
-                            millis,
-                        })),
-                        Ok(Err(e)) => Err(Response::error(ErrorCode::Internal, e.to_string())),
-                        Err(e) => Err(Response::error(ErrorCode::Internal, e.to_string())),
-                    }
-                }
+                Some(Ok((path, bytes, millis))) => Ok(Frame::new(Response::Checkpointed {
+                    path,
+                    bytes,
+                    millis,
+                })),
+                Some(Err(e)) => Err(Response::error(ErrorCode::Internal, e)),
             },
-            Request::GetMap => Ok(Frame::new(Response::Map(st.map.clone()))),
+            Request::GetMap => Ok(Frame::new(Response::Map((*st.read_map()).clone()))),
+            Request::SetMap { map, retire } => {
+                st.install_map(&map);
+                if retire && st.num_keys() == 0 {
+                    info!(shard = %st.id(), "removed from the job; retiring");
+                    // Linger a moment, answering requests routed with an old map with the
+                    // new one, so that clients re-route instead of finding it gone.
+                    let retire = self.retire.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(RETIRE_GRACE).await;
+                        retire.cancel();
+                    });
+                }
+                Ok(Frame::new(Response::Ack))
+            }
+            Request::MoveOut {
+                start,
+                end,
+                to,
+                map,
+            } => self.move_out(&st, (start, end, to), map).await,
+            Request::MoveIn { start, end, map } => {
+                self.move_in(&st, (start, end), map, &payload).await
+            }
             other => Err(Response::error(
                 ErrorCode::InvalidRequest,
                 format!("a shard does not serve {}", other.name()),
@@ -610,9 +1028,15 @@ pub async fn run(
         let _ = tx.send(addr);
     }
     let (tx, rx) = watch::channel(None);
+    // Stopping the shard: a signal (the parent token) or retirement by the coordinator.
+    let shutdown = shutdown.child_token();
     let service = Arc::new(ShardService {
         state: rx,
         checkpoint: config.checkpoint.clone(),
+        peer: client_endpoint(&identity, &settings, false)?,
+        settings: settings.clone(),
+        name: identity.name.clone(),
+        retire: shutdown.clone(),
     });
     let server = tokio::spawn(edl_shared::serve(
         endpoint,

@@ -198,6 +198,13 @@ pub enum CallError {
     /// The stream was closed early.
     #[error("stream closed: {0}")]
     Closed(#[from] quinn::ClosedStream),
+    /// No stream could be opened on the connection (it had failed or was closed): the request
+    /// was not sent, so repeating it on a new connection is always safe.
+    #[error("not sent: {0}")]
+    NotSent(quinn::ConnectionError),
+    /// The peer did not answer in time.
+    #[error("timed out: {0}")]
+    TimedOut(String),
     /// The peer sent a malformed frame.
     #[error("bad frame from peer: {0}")]
     Proto(#[from] ProtoError),
@@ -319,7 +326,7 @@ impl Conn {
     /// Sends one request on a new stream and waits for its response. A `Response::Error` from
     /// the peer becomes [`CallError::Remote`].
     pub async fn call(&self, req: Request, payload: Bytes) -> Result<Frame<Response>, CallError> {
-        let (mut send, mut recv) = self.conn.open_bi().await?;
+        let (mut send, mut recv) = self.conn.open_bi().await.map_err(CallError::NotSent)?;
         write_frame(&mut send, Frame::with_payload(req, payload)).await?;
         let resp: Frame<Response> = read_frame(&mut recv, &self.limits).await?;
         if let Response::Error { code, message, map } = resp.msg {

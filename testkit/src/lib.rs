@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
+use edl_ps::admin::Admin;
 use edl_ps::coordinator::{self, Coordinator, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
 use edl_shared::pki::PkiDir;
@@ -97,6 +98,50 @@ impl TestCluster {
         // Connecting waits for the shard map, so the cluster is fully formed on return.
         cluster.connect("probe").await?;
         Ok(cluster)
+    }
+
+    /// Starts one more shard server, `name`; it joins the running job and stands by (holding
+    /// nothing) until an operator adds it. Returns its address.
+    pub async fn add_shard(&mut self, name: &str) -> anyhow::Result<SocketAddr> {
+        let id = self.pki.ensure(Role::Shard, name)?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let cfg = ShardConfig {
+            coordinator: self.coordinator_addr.to_string(),
+            listen: "127.0.0.1:0".parse()?,
+            advertise: None,
+            checkpoint: None,
+            checkpoint_every: None,
+        };
+        let stop = self.shutdown.clone();
+        self.tasks.spawn(async move {
+            if let Err(e) = shard::run(cfg, id, TransportSettings::default(), stop, Some(tx)).await
+            {
+                tracing::error!(error = %e, "test shard failed");
+            }
+        });
+        let addr = rx.await?;
+        self.shard_addrs.push(addr);
+        // The shard joins in the background; wait until the coordinator lists it.
+        let admin = self.admin().await?;
+        for _ in 0..200 {
+            let rows = admin.shard_stats().await?;
+            if rows.iter().any(|(r, _)| r.addr == addr.to_string()) {
+                return Ok(addr);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        anyhow::bail!("shard {name} at {addr} did not join")
+    }
+
+    /// An operator's client (admin role).
+    pub async fn admin(&self) -> anyhow::Result<Admin> {
+        let id = self.identity(Role::Admin, "test-admin")?;
+        Ok(Admin::connect(
+            &self.coordinator_addr.to_string(),
+            &id,
+            TransportSettings::default(),
+        )
+        .await?)
     }
 
     /// The PKI directory (for tests that forge or omit certificates).

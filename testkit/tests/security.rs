@@ -48,7 +48,9 @@ async fn a_certificate_from_another_ca_is_refused() -> anyhow::Result<()> {
     assert!(
         matches!(
             err,
-            ClientError::Call(CallError::Connection(_) | CallError::Read(_))
+            ClientError::Call(
+                CallError::Connection(_) | CallError::NotSent(_) | CallError::Read(_)
+            )
         ),
         "unexpected error: {err}"
     );
@@ -241,7 +243,16 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
         key: Key(0),
         len: 16,
     }];
-    let stale = push(MapEpoch(0), one.clone(), vec![-1.0; 16])
+    // A key the shard does not hold (routed with a wrong or old map) is refused with the map.
+    let elsewhere = (0..4)
+        .map(Key)
+        .find(|k| job.map().owner(*k) != Some(owner))
+        .expect("the other shard holds a key");
+    let misrouted = vec![ChunkRef {
+        key: elsewhere,
+        len: 16,
+    }];
+    let stale = push(MapEpoch(0), misrouted, vec![-1.0; 16])
         .await
         .expect_err("stale epoch");
     assert_eq!(stale.code(), Some(ErrorCode::StaleEpoch));

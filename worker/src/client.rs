@@ -10,23 +10,24 @@
 //! s.leave().await?;
 //! ```
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use edl_shared::Identity;
-use edl_shared::proto::frame::{bytes_to_f32s, f32s_to_bytes};
-use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
-use edl_shared::proto::msg::{ChunkRef, DataSpan, EpochLedger, JobStatus, JobTrace, KeyRange};
+use edl_shared::proto::ids::{ShardId, WorkerId};
+use edl_shared::proto::msg::{EpochLedger, JobStatus, JobTrace};
 use edl_shared::proto::{ErrorCode, Frame, JobConfig, KeyLayout, Request, Response, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use thiserror::Error;
-use tokio::task::JoinSet;
 
+mod routing;
 mod session;
 
+use routing::{Routing, ShardLink};
 pub use session::Session;
 
 /// Why a client operation failed.
@@ -73,33 +74,16 @@ pub struct ClientConfig {
     pub settings: TransportSettings,
 }
 
-/// A connection to one shard and the contiguous flat range of parameters it holds.
-#[derive(Clone, Debug)]
-struct ShardLink {
-    id: ShardId,
-    /// Replaced when the shard restarts and the client reconnects.
-    conn: Arc<Mutex<Conn>>,
-    ranges: Vec<KeyRange>,
-    /// For each range: its flat float offset and length.
-    flat: Vec<(usize, usize)>,
-    /// The chunks of a full push to this shard, in payload order (fixed by the map).
-    chunks: Vec<ChunkRef>,
-}
-
-impl ShardLink {
-    fn current(&self) -> Conn {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
-
-/// A connection to a job: the coordinator, every shard, the job config and the shard map.
+/// A connection to a job: the coordinator, the shards, the job config and the shard map in
+/// use (replaced when a request is refused with a newer one; see `client/routing.rs`).
 #[derive(Clone, Debug)]
 pub struct Job {
     coordinator: CoordLink,
     net: Arc<Net>,
-    shards: Vec<ShardLink>,
+    routing: Arc<std::sync::RwLock<Arc<Routing>>>,
+    /// One connection per shard, kept across map changes.
+    conns: Arc<tokio::sync::Mutex<HashMap<ShardId, Arc<Mutex<Conn>>>>>,
     job: JobConfig,
-    map: ShardMap,
     layout: KeyLayout,
 }
 
@@ -158,6 +142,7 @@ fn is_connection_failure(e: &CallError) -> bool {
         e,
         CallError::Connect(_)
             | CallError::Connection(_)
+            | CallError::NotSent(_)
             | CallError::Read(_)
             | CallError::ReadChunk(_)
             | CallError::Write(_)
@@ -168,7 +153,9 @@ fn is_connection_failure(e: &CallError) -> bool {
 /// Calls a shard; with `retry`, a failed connection is replaced (the shard's address is read
 /// again from the coordinator's map) and the call repeated until [`RECONNECT_WINDOW`] ends.
 /// Only idempotent requests may be retried: pulls, and pushes that carry a data span (a shard
-/// skips a span it applied).
+/// skips a span it applied). A request that was never sent (no stream could be opened) is
+/// retried whatever it is. A shard that is no longer in the coordinator's map (it was
+/// removed) answers for itself: `StaleEpoch` with that map, so the caller re-routes.
 async fn call_shard(
     link: ShardLink,
     net: Arc<Net>,
@@ -181,6 +168,7 @@ async fn call_shard(
     let mut delay = Duration::from_millis(100);
     loop {
         let err = match link.current().call(req.clone(), payload.clone()).await {
+            Err(e @ CallError::NotSent(_)) => e,
             Err(e) if retry && is_connection_failure(&e) => e,
             other => return other,
         };
@@ -188,16 +176,25 @@ async fn call_shard(
             return Err(err);
         }
         tracing::warn!(shard = %link.id, error = %err, "shard unreachable; reconnecting");
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_secs(2));
-        let addr = match coordinator.call(Request::GetMap, Bytes::new()).await {
+        let map = match coordinator.call(Request::GetMap, Bytes::new()).await {
             Ok(Frame {
                 msg: Response::Map(m),
                 ..
-            }) => m.addr_of(link.id).map(str::to_string),
-            _ => None,
+            }) => m,
+            _ => {
+                tokio::time::sleep(delay).await;
+                continue;
+            }
         };
-        let Some(addr) = addr else { continue };
+        let Some(addr) = map.addr_of(link.id).map(str::to_string) else {
+            return Err(CallError::Remote {
+                code: Some(ErrorCode::StaleEpoch),
+                message: format!("{} is no longer in the shard map", link.id),
+                map: Some(Box::new(map)),
+            });
+        };
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(2));
         if let Ok(c) = Conn::connect(&net.endpoint, &addr, &net.name, &net.settings).await {
             *link.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
         }
@@ -247,73 +244,33 @@ impl Job {
         })
         .await?;
         let job = fetch_job(&coordinator).await?;
-        Job::with_map(ep, coordinator, job, map, &cfg.settings, name).await
+        Job::with_map(coordinator, job, map).await
     }
 
     async fn with_map(
-        ep: quinn::Endpoint,
         coordinator: CoordLink,
         job: JobConfig,
         map: ShardMap,
-        settings: &TransportSettings,
-        name: &str,
     ) -> Result<Job, ClientError> {
         let layout = job.layout();
-        let mut shards = Vec::new();
-        for info in &map.shards {
-            let ranges: Vec<KeyRange> = map
-                .ranges_of(info.id)
-                .map(|r| KeyRange {
-                    start: r.start,
-                    end: r.end,
-                })
-                .collect();
-            let mut flat = Vec::new();
-            for r in &ranges {
-                let first = layout.span(Key(r.start));
-                let last = layout.span(Key(r.end.saturating_sub(1)));
-                match (first, last) {
-                    (Some(a), Some(b)) if r.end > r.start => {
-                        let end = b.offset + u64::from(b.len);
-                        flat.push((a.offset as usize, (end - a.offset) as usize));
-                    }
-                    _ => {
-                        return Err(ClientError::Inconsistent {
-                            from: "coordinator".into(),
-                            what: format!(
-                                "shard map range {}..{} is outside the job",
-                                r.start, r.end
-                            ),
-                        });
-                    }
-                }
-            }
-            let chunks = ranges
-                .iter()
-                .flat_map(|r| r.start..r.end)
-                .filter_map(|k| layout.span(Key(k)))
-                .map(|span| ChunkRef {
-                    key: span.key,
-                    len: span.len,
-                })
-                .collect();
-            let conn = connect_retry(&ep, &info.addr, name, settings).await?;
-            shards.push(ShardLink {
-                id: info.id,
-                conn: Arc::new(Mutex::new(conn)),
-                ranges,
-                flat,
-                chunks,
-            });
-        }
-        Ok(Job {
+        let empty = Routing {
+            map: ShardMap {
+                shards: Vec::new(),
+                ranges: Vec::new(),
+                ..map.clone()
+            },
+            links: Vec::new(),
+        };
+        let job = Job {
             net: coordinator.net.clone(),
             coordinator,
-            shards,
+            routing: Arc::new(std::sync::RwLock::new(Arc::new(empty))),
+            conns: Arc::new(tokio::sync::Mutex::new(HashMap::new())),
             job,
-            map,
             layout,
-        })
+        };
+        job.adopt(map).await?;
+        Ok(job)
     }
 
     /// The job configuration.
@@ -322,8 +279,8 @@ impl Job {
     }
 
     /// The shard map in use.
-    pub fn map(&self) -> &ShardMap {
-        &self.map
+    pub fn map(&self) -> ShardMap {
+        self.routing().map.clone()
     }
 
     /// The key layout.
@@ -373,7 +330,7 @@ impl Job {
     /// Every shard's per-epoch data ledger.
     pub async fn ledgers(&self) -> Result<Vec<(ShardId, Vec<EpochLedger>)>, ClientError> {
         let mut out = Vec::new();
-        for s in &self.shards {
+        for s in &self.routing().links {
             match s.current().call(Request::Ledger, Bytes::new()).await?.msg {
                 Response::Ledger(l) => out.push((s.id, l)),
                 other => return Err(CallError::unexpected(&other).into()),
@@ -420,157 +377,6 @@ impl Job {
         })
     }
 
-    /// Pulls every parameter into `out` (the flat vector), from all shards in parallel.
-    /// `apply_through` closes BSP steps before that clock first.
-    pub async fn pull_all(&self, out: &mut [f32], apply_through: Clock) -> Result<(), ClientError> {
-        self.check_len(out.len())?;
-        let mut set = JoinSet::new();
-        for (i, s) in self.shards.iter().enumerate() {
-            let req = Request::Pull {
-                epoch: self.map.epoch,
-                ranges: s.ranges.clone(),
-                apply_through,
-            };
-            let call = call_shard(
-                s.clone(),
-                self.net.clone(),
-                self.coordinator.clone(),
-                req,
-                Bytes::new(),
-                true,
-            );
-            set.spawn(async move { (i, call.await) });
-        }
-        while let Some(joined) = set.join_next().await {
-            let Ok((i, resp)) = joined else {
-                return Err(self.inconsistent("client", "pull task failed".into()));
-            };
-            let resp = resp?;
-            let link = &self.shards[i];
-            let Response::Pulled { chunks } = resp.msg else {
-                return Err(CallError::unexpected(&resp.msg).into());
-            };
-            self.scatter(link, &chunks, &resp.payload, out)?;
-        }
-        Ok(())
-    }
-
-    fn scatter(
-        &self,
-        link: &ShardLink,
-        chunks: &[ChunkRef],
-        payload: &[u8],
-        out: &mut [f32],
-    ) -> Result<(), ClientError> {
-        let mut at = 0usize;
-        for c in chunks {
-            let span = self
-                .layout
-                .span(c.key)
-                .filter(|s| s.len == c.len)
-                .ok_or_else(|| {
-                    self.inconsistent(
-                        &link.id.to_string(),
-                        format!(
-                            "chunk {} of {} floats does not fit the layout",
-                            c.key, c.len
-                        ),
-                    )
-                })?;
-            let n = c.len as usize;
-            let bytes = payload.get(at..at + n * 4).ok_or_else(|| {
-                self.inconsistent(
-                    &link.id.to_string(),
-                    "payload shorter than its chunks".into(),
-                )
-            })?;
-            let off = span.offset as usize;
-            bytes_to_f32s(bytes, &mut out[off..off + n])
-                .map_err(|e| self.inconsistent(&link.id.to_string(), e.to_string()))?;
-            at += n * 4;
-        }
-        if at != payload.len() {
-            return Err(self.inconsistent(
-                &link.id.to_string(),
-                "payload longer than its chunks".into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Pulls only `keys` (a sparse read), one request per shard that holds any of them;
-    /// returns each key's floats, in the order asked.
-    pub async fn pull_keys(
-        &self,
-        keys: &[Key],
-        apply_through: Clock,
-    ) -> Result<Vec<(Key, Vec<f32>)>, ClientError> {
-        if let Some(k) = keys.iter().find(|k| self.map.owner(**k).is_none()) {
-            return Err(self.inconsistent("client", format!("{k} is not in the shard map")));
-        }
-        let mut got: Vec<(Key, Vec<f32>)> = Vec::with_capacity(keys.len());
-        for s in &self.shards {
-            let ranges: Vec<KeyRange> = keys
-                .iter()
-                .filter(|k| self.map.owner(**k) == Some(s.id))
-                .map(|k| KeyRange {
-                    start: k.0,
-                    end: k.0 + 1,
-                })
-                .collect();
-            if ranges.is_empty() {
-                continue;
-            }
-            let req = Request::Pull {
-                epoch: self.map.epoch,
-                ranges,
-                apply_through,
-            };
-            let resp = call_shard(
-                s.clone(),
-                self.net.clone(),
-                self.coordinator.clone(),
-                req,
-                Bytes::new(),
-                true,
-            )
-            .await?;
-            let Response::Pulled { chunks } = &resp.msg else {
-                return Err(CallError::unexpected(&resp.msg).into());
-            };
-            let mut at = 0usize;
-            for c in chunks {
-                let n = self
-                    .layout
-                    .span(c.key)
-                    .filter(|sp| sp.len == c.len)
-                    .map(|sp| sp.len as usize)
-                    .ok_or_else(|| {
-                        self.inconsistent(
-                            &s.id.to_string(),
-                            format!("chunk {} does not fit", c.key),
-                        )
-                    })?;
-                let bytes = resp.payload.get(at..at + n * 4).ok_or_else(|| {
-                    self.inconsistent(&s.id.to_string(), "payload shorter than its chunks".into())
-                })?;
-                let mut v = vec![0.0; n];
-                bytes_to_f32s(bytes, &mut v)
-                    .map_err(|e| self.inconsistent(&s.id.to_string(), e.to_string()))?;
-                got.push((c.key, v));
-                at += n * 4;
-            }
-        }
-        keys.iter()
-            .map(|k| {
-                got.iter()
-                    .find(|(g, _)| g == k)
-                    .cloned()
-                    .ok_or_else(|| self.inconsistent("shards", format!("{k} was not returned")))
-            })
-            .collect()
-    }
-
     fn check_len(&self, got: usize) -> Result<(), ClientError> {
         if got as u64 != self.layout.total_len() {
             return Err(ClientError::BufferSize {
@@ -586,98 +392,6 @@ impl Job {
             from: from.to_string(),
             what,
         }
-    }
-
-    /// Pushes the flat gradient vector `grads` for step `clock`, to all shards in parallel.
-    async fn push_all(
-        &self,
-        worker: WorkerId,
-        clock: Clock,
-        grads: &[f32],
-        span: Option<DataSpan>,
-    ) -> Result<(), ClientError> {
-        self.check_len(grads.len())?;
-        // Shards refuse non-finite values too, but each sees only its part: checking here keeps
-        // a bad gradient from being applied on some shards and refused on others.
-        check_finite(grads)?;
-        let mut set = JoinSet::new();
-        for s in &self.shards {
-            // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
-            let payload = if s.flat.len() == 1 {
-                let (off, len) = s.flat[0];
-                f32s_to_bytes(&grads[off..off + len])
-            } else {
-                let parts: Vec<f32> = s
-                    .flat
-                    .iter()
-                    .flat_map(|&(o, l)| grads[o..o + l].iter().copied())
-                    .collect();
-                f32s_to_bytes(&parts)
-            };
-            let req = Request::Push {
-                epoch: self.map.epoch,
-                worker,
-                clock,
-                chunks: s.chunks.clone(),
-                span,
-            };
-            let call = call_shard(
-                s.clone(),
-                self.net.clone(),
-                self.coordinator.clone(),
-                req,
-                payload,
-                span.is_some(),
-            );
-            set.spawn(call);
-        }
-        while let Some(joined) = set.join_next().await {
-            match joined {
-                Ok(r) => {
-                    r?;
-                }
-                Err(_) => return Err(self.inconsistent("client", "push task failed".into())),
-            }
-        }
-        Ok(())
-    }
-
-    /// Pushes `(key, values)` pairs for step `clock` (a sparse write).
-    pub async fn push_keys(
-        &self,
-        worker: WorkerId,
-        clock: Clock,
-        chunks: &[(Key, &[f32])],
-    ) -> Result<(), ClientError> {
-        for (_, v) in chunks {
-            check_finite(v)?;
-        }
-        for s in &self.shards {
-            let mine: Vec<&(Key, &[f32])> = chunks
-                .iter()
-                .filter(|(k, _)| self.map.owner(*k) == Some(s.id))
-                .collect();
-            if mine.is_empty() {
-                continue;
-            }
-            let refs = mine
-                .iter()
-                .map(|(k, v)| ChunkRef {
-                    key: *k,
-                    len: v.len() as u32,
-                })
-                .collect();
-            let floats: Vec<f32> = mine.iter().flat_map(|(_, v)| v.iter().copied()).collect();
-            let req = Request::Push {
-                epoch: self.map.epoch,
-                worker,
-                clock,
-                chunks: refs,
-                span: None,
-            };
-            s.current().call(req, f32s_to_bytes(&floats)).await?;
-        }
-        Ok(())
     }
 }
 

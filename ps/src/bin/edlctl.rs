@@ -45,6 +45,69 @@ enum Cmd {
     },
     /// Make every shard write a checkpoint now (parameters, optimizer state, data ledger).
     Checkpoint,
+    /// Add or remove a shard server while the job runs.
+    Shard {
+        #[command(subcommand)]
+        cmd: ShardCmd,
+    },
+    /// Rebalance the key ranges over the active shards while the job runs.
+    Reshard {
+        /// Balance by parameter bytes (`size`) or by traffic since the last rebalance (`load`).
+        #[arg(long, default_value = "size", value_parser = ["size", "load"])]
+        by: String,
+    },
+    /// Move a key range to a shard while the job runs.
+    Move {
+        /// Keys `START..END` (end excluded).
+        range: String,
+        /// The shard that takes them (`sN`).
+        #[arg(long)]
+        to: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ShardCmd {
+    /// Give a shard server that joined (and stands by) its share of the keys. Start it first
+    /// with `edl-ps shard --coordinator ...`.
+    Add {
+        /// The shard's advertised address, or its id `sN`.
+        addr: String,
+    },
+    /// Move every key off a shard, then retire it (the process exits).
+    Remove {
+        /// The shard's id (`sN`).
+        shard: String,
+    },
+}
+
+fn print_reshard(v: &admin::ReshardView, json: bool) -> anyhow::Result<()> {
+    if json {
+        return print_json(v);
+    }
+    if v.moves.is_empty() {
+        println!("nothing to move");
+    } else {
+        let mut t = table(&["keys", "from", "to", "state", "held", "took", "map"]);
+        for m in &v.moves {
+            t.add_row(vec![
+                m.range.clone(),
+                format!("s{}", m.from),
+                format!("s{}", m.to),
+                admin::human_bytes(m.bytes),
+                format!("{:.1} ms", m.hold_ms),
+                format!("{:.1} ms", m.millis),
+                format!("e{}", m.epoch),
+            ]);
+        }
+        println!("{t}");
+    }
+    let mut t = table(&["shard", "key ranges"]);
+    for (id, ranges) in &v.layout {
+        t.add_row(vec![format!("s{id}"), ranges.join(", ")]);
+    }
+    println!("shard map e{}:\n{t}", v.epoch);
+    Ok(())
 }
 
 fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
@@ -160,6 +223,7 @@ async fn main() -> anyhow::Result<()> {
             let mut t = table(&[
                 "id",
                 "address",
+                "role",
                 "key ranges",
                 "keys",
                 "bytes",
@@ -172,11 +236,16 @@ async fn main() -> anyhow::Result<()> {
                     Some(e) => t.add_row(vec![
                         r.id.to_string(),
                         r.addr.clone(),
+                        r.role.clone(),
                         format!("unreachable: {e}"),
                     ]),
+                    None if r.role == "retired" => {
+                        t.add_row(vec![r.id.to_string(), r.addr.clone(), r.role.clone()])
+                    }
                     None => t.add_row(vec![
                         r.id.to_string(),
                         r.addr.clone(),
+                        r.role.clone(),
                         r.ranges.join(", "),
                         r.keys.to_string(),
                         admin::human_bytes(r.bytes),
@@ -213,6 +282,41 @@ async fn main() -> anyhow::Result<()> {
             if rows.iter().any(|r| r.error.is_some()) {
                 anyhow::bail!("some shards did not write a checkpoint");
             }
+        }
+        Cmd::Shard {
+            cmd: ShardCmd::Add { addr },
+        } => {
+            let v = admin
+                .shard_add(&addr)
+                .await
+                .with_context(|| format!("adding shard {addr}"))?;
+            print_reshard(&v, cli.json)?;
+        }
+        Cmd::Shard {
+            cmd: ShardCmd::Remove { shard },
+        } => {
+            let id = admin::parse_shard(&shard).map_err(anyhow::Error::msg)?;
+            let v = admin
+                .shard_remove(id)
+                .await
+                .with_context(|| format!("removing shard {id}"))?;
+            print_reshard(&v, cli.json)?;
+        }
+        Cmd::Reshard { by } => {
+            let v = admin
+                .reshard(by == "load")
+                .await
+                .context("rebalancing the shards")?;
+            print_reshard(&v, cli.json)?;
+        }
+        Cmd::Move { range, to } => {
+            let (start, end) = admin::parse_range(&range).map_err(anyhow::Error::msg)?;
+            let to = admin::parse_shard(&to).map_err(anyhow::Error::msg)?;
+            let v = admin
+                .move_range(start, end, to)
+                .await
+                .with_context(|| format!("moving keys {start}..{end} to {to}"))?;
+            print_reshard(&v, cli.json)?;
         }
         Cmd::Drain { worker } => {
             let members = admin.members().await?;

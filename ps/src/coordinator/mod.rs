@@ -3,6 +3,7 @@
 //! long-polls where the protocol waits (shard assignment, admission, clock grants, data).
 
 pub mod data;
+mod reshard;
 pub mod state;
 
 use std::net::SocketAddr;
@@ -48,18 +49,30 @@ const PERSIST_EVERY: Duration = Duration::from_millis(500);
 pub struct Coordinator {
     state: Mutex<CoordinatorState>,
     changed: watch::Sender<u64>,
+    /// Where the durable state is saved, if anywhere.
+    state_file: Option<PathBuf>,
+    /// Connections to shards for resharding (set once the coordinator has an identity).
+    caller: std::sync::OnceLock<reshard::ShardCaller>,
+    /// Held while a resharding runs: one at a time.
+    resharding: tokio::sync::Mutex<()>,
 }
 
 impl Coordinator {
     /// A coordinator for `config`.
     pub fn new(config: CoordinatorConfig) -> Self {
-        Self::with_state(CoordinatorState::new(config.job, config.shards))
+        Self::with_state(
+            CoordinatorState::new(config.job, config.shards),
+            config.state_file,
+        )
     }
 
-    fn with_state(state: CoordinatorState) -> Self {
+    fn with_state(state: CoordinatorState, state_file: Option<PathBuf>) -> Self {
         Coordinator {
             state: Mutex::new(state),
             changed: watch::Sender::new(0),
+            state_file,
+            caller: std::sync::OnceLock::new(),
+            resharding: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -74,14 +87,13 @@ impl Coordinator {
         let state = CoordinatorState::restore(snap, &config.job, config.shards, Instant::now())
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         info!(path = %path.display(), "coordinator state restored");
-        Ok(Self::with_state(state))
+        Ok(Self::with_state(state, config.state_file.clone()))
     }
 
     /// Writes the durable state to `path`; returns the bytes written.
     pub fn persist(&self, path: &Path) -> anyhow::Result<u64> {
         let snap = self.lock().snapshot();
-        let body = rkyv::to_bytes::<BoxedError>(&snap)?;
-        Ok(checkpoint::write_blob(path, STATE_MAGIC, &body)?)
+        persist_snap(path, &snap)
     }
 
     fn lock(&self) -> MutexGuard<'_, CoordinatorState> {
@@ -149,7 +161,11 @@ impl Service for Coordinator {
             | Request::Leave { .. }
             | Request::NextPartition { .. }
             | Request::Clock { .. } => role == Role::Worker,
-            Request::Drain { .. } => role == Role::Admin,
+            Request::Drain { .. }
+            | Request::ShardAdd { .. }
+            | Request::ShardRemove { .. }
+            | Request::Reshard { .. }
+            | Request::MoveRange { .. } => role == Role::Admin,
             _ => true,
         }
     }
@@ -267,6 +283,16 @@ impl Service for Coordinator {
                 }
             }
             Request::GetJob => Response::Job(self.lock().job().clone()),
+            Request::ShardList => Response::ShardList(self.lock().shard_list()),
+            Request::ShardAdd { addr } => self.reshape(reshard::Reshape::Add(addr)).await,
+            Request::ShardRemove { shard } => self.reshape(reshard::Reshape::Remove(shard)).await,
+            Request::Reshard { by_load } => {
+                self.reshape(reshard::Reshape::Rebalance { by_load }).await
+            }
+            Request::MoveRange { start, end, to } => {
+                self.reshape(reshard::Reshape::Move { start, end, to })
+                    .await
+            }
             Request::GetMap => match self.lock().map() {
                 Some(map) => Response::Map(map),
                 None => Response::error(ErrorCode::NotReady, "shard map not formed yet"),
@@ -278,6 +304,12 @@ impl Service for Coordinator {
         };
         Frame::new(resp)
     }
+}
+
+/// Writes a snapshot of the durable state to `path`; returns the bytes written.
+fn persist_snap(path: &Path, snap: &CoordinatorSnap) -> anyhow::Result<u64> {
+    let body = rkyv::to_bytes::<BoxedError>(snap)?;
+    Ok(checkpoint::write_blob(path, STATE_MAGIC, &body)?)
 }
 
 /// A coordinator bound to an address, ready to serve.
@@ -299,7 +331,11 @@ pub fn bind(
     settings: TransportSettings,
 ) -> anyhow::Result<BoundCoordinator> {
     let state_file = config.state_file.clone();
-    let coordinator = Arc::new(Coordinator::open(config)?);
+    let coordinator = Coordinator::open(config)?;
+    let _ = coordinator
+        .caller
+        .set(reshard::ShardCaller::new(identity, &settings)?);
+    let coordinator = Arc::new(coordinator);
     let endpoint = server_endpoint(listen, identity, &settings)?;
     let addr = endpoint.local_addr()?;
     Ok(BoundCoordinator {

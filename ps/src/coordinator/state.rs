@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::job::ShardInfo;
 use edl_shared::proto::msg::{
-    DataSpan, EpochStats, EventKind, EventRecord, JobStatus, JobTrace, Partition, StepRecord,
-    WorkerInfo, WorkerState, WorkerStatus,
+    DataSpan, EpochStats, EventKind, EventRecord, JobStatus, JobTrace, MoveReport, Partition,
+    StepRecord, WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
 
@@ -48,6 +48,7 @@ pub struct CoordinatorSnap {
     shards: Vec<ShardInfo>,
     shard_names: Vec<String>,
     map: Option<ShardMap>,
+    retired: Vec<ShardId>,
     workers: Vec<WorkerSnap>,
     next_worker: u64,
     floor: Clock,
@@ -109,6 +110,8 @@ pub struct CoordinatorState {
     /// Certificate names of the shards, by index.
     shard_names: Vec<String>,
     map: Option<ShardMap>,
+    /// Shards removed from the job by an operator.
+    retired: Vec<ShardId>,
     workers: BTreeMap<WorkerId, Worker>,
     next_worker: u64,
     /// The minimum clock last seen while some worker was active, so that a worker joining an
@@ -121,6 +124,7 @@ pub struct CoordinatorState {
     started: Instant,
     events: Vec<EventRecord>,
     steps: VecDeque<StepRecord>,
+    moves: Vec<MoveReport>,
 }
 
 /// Step records kept for the trace; older ones are dropped.
@@ -150,6 +154,7 @@ impl CoordinatorState {
             shards: Vec::new(),
             shard_names: Vec::new(),
             map: None,
+            retired: Vec::new(),
             workers: BTreeMap::new(),
             next_worker: 1,
             floor: Clock(0),
@@ -159,6 +164,7 @@ impl CoordinatorState {
             started: Instant::now(),
             events: Vec::new(),
             steps: VecDeque::new(),
+            moves: Vec::new(),
         }
     }
 
@@ -171,6 +177,7 @@ impl CoordinatorState {
             shards: self.shards.clone(),
             shard_names: self.shard_names.clone(),
             map: self.map.clone(),
+            retired: self.retired.clone(),
             workers: self
                 .workers
                 .iter()
@@ -221,6 +228,7 @@ impl CoordinatorState {
         st.shards = snap.shards;
         st.shard_names = snap.shard_names;
         st.map = snap.map;
+        st.retired = snap.retired;
         st.next_worker = snap.next_worker;
         st.floor = snap.floor;
         st.data = data;
@@ -275,6 +283,7 @@ impl CoordinatorState {
         JobTrace {
             events: self.events.clone(),
             steps: self.steps.iter().copied().collect(),
+            moves: self.moves.clone(),
         }
     }
 
@@ -300,7 +309,9 @@ impl CoordinatorState {
 
     /// A shard announces itself. A shard that rejoins under the same certificate name (after
     /// a restart) keeps its id and ranges; if its address changed, the map's address is
-    /// updated (ownership did not change, so the map epoch stays).
+    /// updated (ownership did not change, so the map epoch stays). A new shard that joins
+    /// once the map is formed stands by, holding nothing, until an operator adds it
+    /// (`edlctl shard add`).
     pub fn shard_join(&mut self, name: &str, addr: &str) -> Result<ShardId, Refusal> {
         if let Some(i) = self.shard_names.iter().position(|n| n == name) {
             let id = self.shards[i].id;
@@ -314,22 +325,13 @@ impl CoordinatorState {
             }
             return Ok(id);
         }
-        if self.shards.len() as u32 >= self.shards_expected {
-            return Err((
-                ErrorCode::InvalidRequest,
-                format!(
-                    "all {} shards have joined; adding shards to a running job is not supported yet",
-                    self.shards_expected
-                ),
-            ));
-        }
         let id = ShardId(self.shards.len() as u32);
         self.shard_names.push(name.to_string());
         self.shards.push(ShardInfo {
             id,
             addr: addr.to_string(),
         });
-        if self.shards.len() as u32 == self.shards_expected {
+        if self.map.is_none() && self.shards.len() as u32 == self.shards_expected {
             self.map = Some(ShardMap::balanced(
                 MapEpoch(1),
                 self.shards.clone(),
@@ -692,6 +694,8 @@ impl CoordinatorState {
         }
     }
 }
+
+pub mod shards;
 
 #[cfg(test)]
 mod tests;

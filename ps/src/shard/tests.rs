@@ -81,12 +81,6 @@ fn bad_pushes_change_nothing() {
             ErrorCode::ShapeMismatch,
         ),
         (
-            MapEpoch(0),
-            BOTH.to_vec(),
-            good.clone(),
-            ErrorCode::StaleEpoch,
-        ),
-        (
             MapEpoch(1),
             vec![
                 BOTH[0],
@@ -184,4 +178,212 @@ fn bsp_applies_the_mean_once_the_step_closes() {
     );
     assert!(late.is_err());
     assert_eq!(read(&st, 1), vec![2.0; 6]);
+}
+
+/// A job of three keys of 4 floats, on `s0` (all keys) and `s1` (none, standing by).
+fn two_shards() -> (ShardState, ShardState, ShardMap) {
+    let job = JobConfig {
+        model: ModelSpec::Custom,
+        tensors: vec![TensorSpec {
+            name: "c".into(),
+            shape: vec![12],
+            init: Init::Zeros,
+        }],
+        chunk_size: 4,
+        optimizer: OptimizerSpec::Sgd { lr: 1.0 },
+        consistency: Consistency::Asp,
+        batch_size: 1,
+        epochs: 1,
+        partition_size: 4,
+        train_samples: 4,
+        seed: 0,
+        lease_ms: 1000,
+    };
+    let info = |i: u32| ShardInfo {
+        id: ShardId(i),
+        addr: format!("s{i}"),
+    };
+    let map = ShardMap {
+        epoch: MapEpoch(1),
+        shards: vec![info(0)],
+        ranges: vec![RangeOwner {
+            start: 0,
+            end: 3,
+            shard: ShardId(0),
+        }],
+    };
+    let a = ShardState::new(ShardId(0), job.clone(), map.clone());
+    let b = ShardState::new(ShardId(1), job, map.clone());
+    let moved = map.with_move(1, 3, &info(1), &[]);
+    (a, b, moved)
+}
+
+fn chunks(keys: std::ops::Range<u64>) -> Vec<ChunkRef> {
+    keys.map(|k| ChunkRef {
+        key: Key(k),
+        len: 4,
+    })
+    .collect()
+}
+
+fn pull_range(st: &ShardState, start: u64, end: u64) -> Result<Vec<f32>, Refusal> {
+    let f = st.pull(MapEpoch(1), &[KeyRange { start, end }], Clock(0))?;
+    let mut out = vec![0.0; f.payload.len() / 4];
+    bytes_to_f32s(&f.payload, &mut out).expect("floats");
+    Ok(out)
+}
+
+#[test]
+fn moved_keys_carry_their_state_and_their_ledger() {
+    let (a, b, moved) = two_shards();
+    assert_eq!(b.num_keys(), 0);
+    assert!(
+        b.ledger_report().is_empty(),
+        "a shard without keys has no account"
+    );
+    let span = |start, end| DataSpan {
+        epoch: 0,
+        partition: 0,
+        start,
+        end,
+    };
+    let w = WorkerId(1);
+    a.push(
+        MapEpoch(1),
+        w,
+        Clock(0),
+        &chunks(0..3),
+        &floats(&[-1.0; 12]),
+        Some(&span(0, 2)),
+    )
+    .expect("push");
+
+    let export = a.export(1, 3, &moved).expect("export");
+    assert_eq!(a.num_keys(), 1);
+    assert_eq!(a.read_map().epoch, MapEpoch(2));
+    // A request for a key that left is refused with the new map and changes nothing.
+    let refused = a
+        .push(
+            MapEpoch(1),
+            w,
+            Clock(1),
+            &chunks(0..2),
+            &floats(&[-5.0; 8]),
+            None,
+        )
+        .expect_err("key 1 left");
+    assert_eq!(refused.code, ErrorCode::StaleEpoch);
+    assert_eq!(refused.map.as_deref(), Some(&moved));
+    assert_eq!(pull_range(&a, 0, 1).expect("pull"), vec![1.0; 4]);
+    assert_eq!(
+        pull_range(&a, 1, 2).expect_err("gone").code,
+        ErrorCode::StaleEpoch
+    );
+
+    b.import(1, 3, &moved, export.clone()).expect("import");
+    // A repeated import (the answer was lost) is acknowledged and changes nothing.
+    b.import(1, 3, &moved, export).expect("repeat");
+    assert_eq!(b.read_map().epoch, MapEpoch(2));
+    assert_eq!(pull_range(&b, 1, 3).expect("pull"), vec![1.0; 8]);
+
+    // The span applied before the move is skipped on the moved keys too.
+    let again = b.push(
+        MapEpoch(2),
+        w,
+        Clock(0),
+        &chunks(1..3),
+        &floats(&[-1.0; 8]),
+        Some(&span(0, 2)),
+    );
+    assert_eq!(again, Ok(Claim::AlreadyApplied));
+    // A new span applies once on each side.
+    a.push(
+        MapEpoch(2),
+        w,
+        Clock(1),
+        &chunks(0..1),
+        &floats(&[-1.0; 4]),
+        Some(&span(2, 4)),
+    )
+    .expect("push a");
+    b.push(
+        MapEpoch(2),
+        w,
+        Clock(1),
+        &chunks(1..3),
+        &floats(&[-1.0; 8]),
+        Some(&span(2, 4)),
+    )
+    .expect("push b");
+    assert_eq!(pull_range(&a, 0, 1).expect("pull"), vec![2.0; 4]);
+    assert_eq!(pull_range(&b, 1, 3).expect("pull"), vec![2.0; 8]);
+    for st in [&a, &b] {
+        let r = st.ledger_report();
+        assert_eq!((r[0].applied, r[0].duplicates, r[0].missing), (4, 0, 0));
+    }
+
+    // Keys that are not exactly the range, or already held, are refused.
+    let back = b
+        .export(
+            1,
+            2,
+            &moved.with_move(
+                1,
+                2,
+                &ShardInfo {
+                    id: ShardId(0),
+                    addr: "s0".into(),
+                },
+                &[],
+            ),
+        )
+        .expect("export");
+    assert!(b.import(2, 3, &moved, back.clone()).is_err(), "wrong range");
+    assert!(a.import(0, 1, &moved, back.clone()).is_err(), "wrong keys");
+    // A failed hand-off leaves the keys where they were, with the map from before.
+    b.reinstate(1, 2, &moved, back).expect("reinstate");
+    assert_eq!(b.read_map().epoch, MapEpoch(2));
+    assert_eq!(pull_range(&b, 1, 3).expect("pull"), vec![2.0; 8]);
+}
+
+#[test]
+fn a_checkpoint_after_moves_restores_the_moved_keys_and_ledgers() {
+    let (a, b, moved) = two_shards();
+    let span = DataSpan {
+        epoch: 0,
+        partition: 0,
+        start: 0,
+        end: 4,
+    };
+    a.push(
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        &chunks(0..3),
+        &floats(&[-3.0; 12]),
+        Some(&span),
+    )
+    .expect("push");
+    b.import(1, 3, &moved, a.export(1, 3, &moved).expect("export"))
+        .expect("import");
+    let job = b.job.clone();
+    let restored =
+        ShardState::restore(ShardId(1), job.clone(), moved.clone(), b.snapshot()).expect("restore");
+    assert_eq!(pull_range(&restored, 1, 3).expect("pull"), vec![3.0; 8]);
+    assert_eq!(restored.ledger_report(), b.ledger_report());
+    // The old placement does not fit the checkpoint any more.
+    let old = ShardMap {
+        epoch: MapEpoch(1),
+        ..a.read_map().as_ref().clone()
+    };
+    let old = old.with_move(
+        0,
+        3,
+        &ShardInfo {
+            id: ShardId(0),
+            addr: "s0".into(),
+        },
+        &[],
+    );
+    assert!(ShardState::restore(ShardId(1), job, old, b.snapshot()).is_err());
 }

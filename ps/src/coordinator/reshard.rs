@@ -1,0 +1,276 @@
+//! Online resharding, driven by the coordinator: a plan from the state machine
+//! ([`super::state::shards`]) is carried out one move at a time. For each move the coordinator
+//! computes the next map epoch and asks the source shard to hand the range to the destination
+//! (`MoveOut`); the source gives the keys up, streams their state to the destination
+//! (`MoveIn`) and answers once the destination holds them. Only then does the coordinator
+//! publish the new map (saving its state at once) and tell the other shards. Workers are never
+//! stopped: a request for a moving key is refused with the new map, or held by the
+//! destination until the keys arrive, and the client library re-routes it.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use edl_shared::Identity;
+use edl_shared::proto::ids::ShardId;
+use edl_shared::proto::msg::MoveReport;
+use edl_shared::proto::{ErrorCode, Request, Response, ShardMap};
+use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
+use tracing::{info, warn};
+
+use super::Coordinator;
+use super::state::shards::Move;
+
+/// The coordinator's connections to shards, as a client with its own certificate.
+pub struct ShardCaller {
+    endpoint: quinn::Endpoint,
+    settings: TransportSettings,
+    name: String,
+    conns: tokio::sync::Mutex<HashMap<String, Conn>>,
+}
+
+/// How long the coordinator waits for one shard request of a resharding.
+const SHARD_CALL: Duration = Duration::from_secs(60);
+
+impl ShardCaller {
+    /// A caller with the coordinator's identity.
+    pub fn new(identity: &Identity, settings: &TransportSettings) -> Result<Self, CallError> {
+        Ok(ShardCaller {
+            endpoint: client_endpoint(identity, settings, false)?,
+            settings: settings.clone(),
+            name: identity.name.clone(),
+            conns: tokio::sync::Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// One request to the shard at `addr`, on a cached connection (replaced once if it failed).
+    async fn call(&self, addr: &str, req: Request, payload: Bytes) -> Result<Response, CallError> {
+        for attempt in 0..2 {
+            let conn = {
+                let mut conns = self.conns.lock().await;
+                match conns.get(addr) {
+                    Some(c) if attempt == 0 => c.clone(),
+                    _ => {
+                        let c =
+                            Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
+                        conns.insert(addr.to_string(), c.clone());
+                        c
+                    }
+                }
+            };
+            let call = conn.call(req.clone(), payload.clone());
+            match tokio::time::timeout(SHARD_CALL, call).await {
+                Ok(Ok(f)) => return Ok(f.msg),
+                Ok(Err(e @ CallError::Remote { .. })) => return Err(e),
+                Ok(Err(e)) if attempt == 1 => return Err(e),
+                Ok(Err(_)) => continue,
+                Err(_) => {
+                    return Err(CallError::TimedOut(format!(
+                        "{addr} did not answer {} within {SHARD_CALL:?}",
+                        req.name()
+                    )));
+                }
+            }
+        }
+        Err(CallError::Address(format!("{addr} unreachable")))
+    }
+}
+
+/// What an operator asked for.
+#[derive(Clone, Debug)]
+pub enum Reshape {
+    /// Give a standby shard its share.
+    Add(String),
+    /// Move everything off a shard and retire it.
+    Remove(ShardId),
+    /// Rebalance by size, or by recent load.
+    Rebalance { by_load: bool },
+    /// Bring a key range to a shard.
+    Move { start: u64, end: u64, to: ShardId },
+}
+
+impl Coordinator {
+    /// Carries out `op`; answers with the moves made and the map now current, or with the
+    /// error that stopped it (moves completed before it stay).
+    pub(super) async fn reshape(&self, op: Reshape) -> Response {
+        let Some(caller) = self.caller.get() else {
+            return Response::error(
+                ErrorCode::InvalidRequest,
+                "this coordinator runs without a network identity; it cannot reshard",
+            );
+        };
+        // One resharding at a time: each plan is made against the map the last one left.
+        let _one = self.resharding.lock().await;
+        let plan = match self.plan(caller, &op).await {
+            Ok(p) => p,
+            Err((code, msg)) => return Response::error(code, msg),
+        };
+        let mut moves = Vec::new();
+        for mv in plan {
+            match self.move_once(caller, mv).await {
+                Ok(r) => moves.push(r),
+                Err((code, msg)) => {
+                    let done = moves.len();
+                    return Response::error(
+                        code,
+                        format!("{msg} ({done} earlier move(s) of this request completed)"),
+                    );
+                }
+            }
+        }
+        if let Reshape::Remove(id) = op {
+            let (map, addr) = {
+                let mut st = self.lock();
+                st.retire_shard(id);
+                (st.map(), st.shard_list().into_iter().find(|s| s.id == id))
+            };
+            self.bump();
+            self.save_now().await;
+            if let (Some(map), Some(entry)) = (map, addr) {
+                let req = Request::SetMap { map, retire: true };
+                if let Err(e) = caller.call(&entry.addr, req, Bytes::new()).await {
+                    warn!(shard = %id, error = %e, "could not tell the removed shard to retire");
+                }
+            }
+            info!(shard = %id, "shard removed");
+        }
+        match self.lock().map() {
+            Some(map) => Response::Resharded { moves, map },
+            None => Response::error(ErrorCode::NotReady, "the shard map is not formed yet"),
+        }
+    }
+
+    async fn plan(
+        &self,
+        caller: &ShardCaller,
+        op: &Reshape,
+    ) -> Result<Vec<Move>, (ErrorCode, String)> {
+        match op {
+            Reshape::Add(name) => {
+                let st = self.lock();
+                let id = st.resolve_shard(name)?;
+                st.plan_add(id)
+            }
+            Reshape::Remove(id) => self.lock().plan_remove(*id),
+            Reshape::Move { start, end, to } => self.lock().plan_move(*start, *end, *to),
+            Reshape::Rebalance { by_load: false } => {
+                let st = self.lock();
+                st.plan_rebalance(&st.key_sizes())
+            }
+            Reshape::Rebalance { by_load: true } => {
+                let (shards, mut weight) = {
+                    let st = self.lock();
+                    (st.live_shards(), vec![0.0; st.key_sizes().len()])
+                };
+                for (id, addr) in shards {
+                    match caller.call(&addr, Request::KeyLoads, Bytes::new()).await {
+                        Ok(Response::KeyLoads(loads)) => {
+                            for l in loads {
+                                if let Some(w) = weight.get_mut(l.key.0 as usize) {
+                                    *w += l.load as f64;
+                                }
+                            }
+                        }
+                        Ok(other) => {
+                            return Err((
+                                ErrorCode::Internal,
+                                format!("{id}: {}", CallError::unexpected(&other)),
+                            ));
+                        }
+                        Err(e) => return Err((ErrorCode::Internal, format!("{id}: {e}"))),
+                    }
+                }
+                if weight.iter().all(|w| *w == 0.0) {
+                    return Err((
+                        ErrorCode::InvalidRequest,
+                        "no load recorded since the last rebalance; nothing to balance by".into(),
+                    ));
+                }
+                self.lock().plan_rebalance(&weight)
+            }
+        }
+    }
+
+    /// One move: the source hands the range over, then the new map is published.
+    async fn move_once(
+        &self,
+        caller: &ShardCaller,
+        mv: Move,
+    ) -> Result<MoveReport, (ErrorCode, String)> {
+        let began = Instant::now();
+        let (map, from_addr) = {
+            let st = self.lock();
+            let map = st.map_after(mv)?;
+            let addr = map_addr(&st.map(), mv.from);
+            (map, addr)
+        };
+        let Some(from_addr) = from_addr else {
+            return Err((ErrorCode::Internal, format!("no address for {}", mv.from)));
+        };
+        let req = Request::MoveOut {
+            start: mv.start,
+            end: mv.end,
+            to: mv.to,
+            map: map.clone(),
+        };
+        let what = format!(
+            "moving keys {}..{} from {} to {}",
+            mv.start, mv.end, mv.from, mv.to
+        );
+        let report = match caller.call(&from_addr, req, Bytes::new()).await {
+            Ok(Response::Moved(r)) => r,
+            Ok(other) => {
+                return Err((
+                    ErrorCode::Internal,
+                    format!("{what}: {}", CallError::unexpected(&other)),
+                ));
+            }
+            Err(e) => {
+                let code = e.code().unwrap_or(ErrorCode::Internal);
+                return Err((code, format!("{what}: {e}")));
+            }
+        };
+        let shards = {
+            let mut st = self.lock();
+            st.commit_move(map.clone(), report.clone(), began);
+            st.live_shards()
+        };
+        self.bump();
+        self.save_now().await;
+        // The source and destination know the new map; tell the others, so that what they
+        // answer to a stale request is current. They serve their own keys meanwhile.
+        for (id, addr) in shards {
+            if id == mv.from || id == mv.to {
+                continue;
+            }
+            let req = Request::SetMap {
+                map: map.clone(),
+                retire: false,
+            };
+            if let Err(e) = caller.call(&addr, req, Bytes::new()).await {
+                warn!(shard = %id, error = %e, "could not send the new map");
+            }
+        }
+        info!(start = mv.start, end = mv.end, from = %mv.from, to = %mv.to, epoch = %map.epoch,
+            bytes = report.bytes, hold_ms = report.hold_ms, millis = report.millis, "range moved");
+        Ok(report)
+    }
+
+    /// Writes the durable state now (a published map must survive a crash).
+    async fn save_now(&self) {
+        let Some(path) = self.state_file.clone() else {
+            return;
+        };
+        let snap = self.lock().snapshot();
+        let written = tokio::task::spawn_blocking(move || super::persist_snap(&path, &snap)).await;
+        match written {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "saving coordinator state failed"),
+            Err(e) => tracing::error!(error = %e, "saving coordinator state failed"),
+        }
+    }
+}
+
+fn map_addr(map: &Option<ShardMap>, id: ShardId) -> Option<String> {
+    map.as_ref().and_then(|m| m.addr_of(id)).map(str::to_string)
+}

@@ -1,0 +1,223 @@
+//! The shard side of the coordinator's state: which shard servers the job has, and the plans
+//! that reshape the shard map (add, remove, rebalance, move a range). Executing a plan is the
+//! service layer's job (`coordinator/reshard.rs`): one move at a time, each publishing the
+//! next map epoch through [`CoordinatorState::commit_move`].
+
+use std::time::Instant;
+
+use edl_shared::proto::ids::{Key, ShardId};
+use edl_shared::proto::msg::{MoveReport, ShardEntry, ShardRole};
+use edl_shared::proto::{ErrorCode, ShardMap};
+
+use super::{CoordinatorState, Refusal};
+
+/// One planned move: keys `[start, end)` from one shard to another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Move {
+    /// First key.
+    pub start: u64,
+    /// One past the last key.
+    pub end: u64,
+    /// The shard that holds the keys.
+    pub from: ShardId,
+    /// The shard that takes them.
+    pub to: ShardId,
+}
+
+impl From<(u64, u64, ShardId, ShardId)> for Move {
+    fn from((start, end, from, to): (u64, u64, ShardId, ShardId)) -> Self {
+        Move {
+            start,
+            end,
+            from,
+            to,
+        }
+    }
+}
+
+fn not_ready() -> Refusal {
+    (
+        ErrorCode::NotReady,
+        "the shard map is not formed yet".into(),
+    )
+}
+
+fn invalid(msg: String) -> Refusal {
+    (ErrorCode::InvalidRequest, msg)
+}
+
+impl CoordinatorState {
+    fn formed(&self) -> Result<&ShardMap, Refusal> {
+        self.map.as_ref().ok_or_else(not_ready)
+    }
+
+    /// Every shard server the job has had, with its role.
+    pub fn shard_list(&self) -> Vec<ShardEntry> {
+        self.shards
+            .iter()
+            .zip(&self.shard_names)
+            .map(|(info, name)| {
+                let in_map = self
+                    .map
+                    .as_ref()
+                    .is_some_and(|m| m.ranges.iter().any(|r| r.shard == info.id));
+                ShardEntry {
+                    id: info.id,
+                    name: name.clone(),
+                    addr: info.addr.clone(),
+                    role: if self.retired.contains(&info.id) {
+                        ShardRole::Retired
+                    } else if in_map {
+                        ShardRole::Active
+                    } else {
+                        ShardRole::Standby
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// The shard an operator named: `sN`, `N`, or its address.
+    pub fn resolve_shard(&self, name: &str) -> Result<ShardId, Refusal> {
+        let by_id = name
+            .strip_prefix('s')
+            .unwrap_or(name)
+            .parse::<u32>()
+            .ok()
+            .map(ShardId)
+            .filter(|id| self.shards.iter().any(|s| s.id == *id));
+        by_id
+            .or_else(|| self.shards.iter().find(|s| s.addr == name).map(|s| s.id))
+            .ok_or_else(|| invalid(format!("no shard {name} has joined this job")))
+    }
+
+    fn usable(&self, id: ShardId) -> Result<(), Refusal> {
+        if !self.shards.iter().any(|s| s.id == id) {
+            return Err(invalid(format!("no shard {id} has joined this job")));
+        }
+        if self.retired.contains(&id) {
+            return Err(invalid(format!("{id} was removed from the job")));
+        }
+        Ok(())
+    }
+
+    /// The floats per key, the weight of a rebalance by size.
+    pub fn key_sizes(&self) -> Vec<f64> {
+        self.job
+            .layout()
+            .spans()
+            .iter()
+            .map(|s| f64::from(s.len))
+            .collect()
+    }
+
+    /// Moves that give the standby shard `id` its share of the keys (by size).
+    pub fn plan_add(&self, id: ShardId) -> Result<Vec<Move>, Refusal> {
+        let map = self.formed()?;
+        self.usable(id)?;
+        let mut targets = map.owners_in_order();
+        if targets.contains(&id) {
+            return Err(invalid(format!("{id} already holds keys")));
+        }
+        targets.push(id);
+        Ok(map
+            .plan_balance(&targets, &self.key_sizes())
+            .into_iter()
+            .map(Move::from)
+            .collect())
+    }
+
+    /// Moves that hand every key of `id` to the other active shards, rebalanced by size.
+    pub fn plan_remove(&self, id: ShardId) -> Result<Vec<Move>, Refusal> {
+        let map = self.formed()?;
+        self.usable(id)?;
+        let mut targets = map.owners_in_order();
+        targets.retain(|s| *s != id);
+        if targets.is_empty() {
+            return Err(invalid(format!(
+                "{id} is the only shard holding keys; add another first"
+            )));
+        }
+        Ok(map
+            .plan_balance(&targets, &self.key_sizes())
+            .into_iter()
+            .map(Move::from)
+            .collect())
+    }
+
+    /// Moves that rebalance the keys over the shards that hold keys now, by `weight` per key.
+    pub fn plan_rebalance(&self, weight: &[f64]) -> Result<Vec<Move>, Refusal> {
+        let map = self.formed()?;
+        Ok(map
+            .plan_balance(&map.owners_in_order(), weight)
+            .into_iter()
+            .map(Move::from)
+            .collect())
+    }
+
+    /// Moves that bring keys `[start, end)` to `to`: one per current owner other than `to`.
+    pub fn plan_move(&self, start: u64, end: u64, to: ShardId) -> Result<Vec<Move>, Refusal> {
+        let map = self.formed()?;
+        self.usable(to)?;
+        if start >= end || end > map.num_keys() {
+            return Err(invalid(format!(
+                "keys {start}..{end} are not a range of this job's {} keys",
+                map.num_keys()
+            )));
+        }
+        Ok(map
+            .ranges
+            .iter()
+            .filter(|r| r.shard != to)
+            .filter_map(|r| {
+                let (a, b) = (r.start.max(start), r.end.min(end));
+                (a < b).then_some(Move {
+                    start: a,
+                    end: b,
+                    from: r.shard,
+                    to,
+                })
+            })
+            .collect())
+    }
+
+    /// The map after `mv`, one epoch on; refused unless the current map places the whole
+    /// range on `mv.from`.
+    pub fn map_after(&self, mv: Move) -> Result<ShardMap, Refusal> {
+        let map = self.formed()?;
+        let whole = (mv.start..mv.end).all(|k| map.owner(Key(k)) == Some(mv.from));
+        if mv.start >= mv.end || !whole {
+            return Err(invalid(format!(
+                "{} does not hold all of keys {}..{} (map {})",
+                mv.from, mv.start, mv.end, map.epoch
+            )));
+        }
+        let Some(to) = self.shards.iter().find(|s| s.id == mv.to) else {
+            return Err(invalid(format!("no shard {} has joined this job", mv.to)));
+        };
+        Ok(map.with_move(mv.start, mv.end, to, &[]))
+    }
+
+    /// Publishes the map a completed move produced, and records the move.
+    pub fn commit_move(&mut self, map: ShardMap, mut report: MoveReport, began: Instant) {
+        report.t_ms = self.ms(began);
+        self.map = Some(map);
+        self.moves.push(report);
+    }
+
+    /// Marks `id` removed from the job.
+    pub fn retire_shard(&mut self, id: ShardId) {
+        if !self.retired.contains(&id) {
+            self.retired.push(id);
+        }
+    }
+
+    /// The addresses of the shards that are not retired.
+    pub fn live_shards(&self) -> Vec<(ShardId, String)> {
+        self.shards
+            .iter()
+            .filter(|s| !self.retired.contains(&s.id))
+            .map(|s| (s.id, s.addr.clone()))
+            .collect()
+    }
+}

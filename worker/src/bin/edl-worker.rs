@@ -8,7 +8,7 @@ use clap::Parser;
 use edl_shared::cli::IdentityArgs;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, shutdown, telemetry};
-use edl_worker::backend::{Backend, CpuBackend};
+use edl_worker::backend::{self, Device};
 use edl_worker::data::{DEFAULT_DATA_DIR, Dataset, Split};
 use edl_worker::trainer::{self, TrainOptions};
 use edl_worker::{ClientConfig, Job};
@@ -33,6 +33,10 @@ struct Cli {
     /// Leave after this many steps.
     #[arg(long)]
     max_steps: Option<u64>,
+    /// Compute device: auto (the first CUDA GPU when one is usable, else the CPU), cpu, cuda
+    /// (= cuda:0) or cuda:N.
+    #[arg(long, env = "EDL_DEVICE", default_value = "auto")]
+    device: Device,
     #[command(flatten)]
     identity: IdentityArgs,
 }
@@ -43,8 +47,14 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let shutdown = shutdown::on_signals();
     let identity = cli.identity.identity(Role::Worker, &cli.name)?;
-    let mut backend = CpuBackend::new();
-    // Slow preparation first: data and backend are ready before the worker asks to join.
+    // Slow preparation first: backend (for a GPU: context, kernels) and data are ready before
+    // the worker asks to join.
+    let mut backend = backend::open(cli.device).with_context(|| {
+        format!(
+            "cannot use --device {} (--device auto falls back to the CPU)",
+            cli.device
+        )
+    })?;
     let split = if cli.evaluate {
         Split::Test
     } else {
@@ -62,7 +72,7 @@ async fn main() -> anyhow::Result<()> {
         _ = shutdown.cancelled() => return Ok(()),
     };
     if cli.evaluate {
-        let stats = trainer::evaluate(&job, &data, &mut backend).await?;
+        let stats = trainer::evaluate(&job, &data, &mut *backend).await?;
         let line = serde_json::json!({
             "test_accuracy": stats.accuracy(),
             "test_loss": stats.mean_loss(),
@@ -75,7 +85,7 @@ async fn main() -> anyhow::Result<()> {
         max_steps: cli.max_steps,
     };
     tracing::info!(backend = backend.name(), "worker prepared; asking to join");
-    let s = trainer::train(job, &cli.name, &data, &mut backend, opts, shutdown).await?;
+    let s = trainer::train(job, &cli.name, &data, &mut *backend, opts, shutdown).await?;
     tracing::info!(
         steps = s.steps,
         samples = s.samples,

@@ -40,6 +40,8 @@ pub struct ChunkSnap {
     pub applied_through: u64,
     /// The ledger segment whose history of applied spans this key shares.
     pub segment: u32,
+    /// Floats read and written since the last rebalance by load.
+    pub load: u64,
 }
 
 /// A shard's data ledger.
@@ -224,6 +226,7 @@ mod tests {
                 pending: vec![(4, vec![1.0; 3], 2)],
                 applied_through: 4,
                 segment: 1,
+                load: 12,
             }],
             ledgers: vec![(
                 1,

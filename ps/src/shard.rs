@@ -102,7 +102,7 @@ impl Chunk {
                 .collect(),
             applied_through: snap.applied_through,
             segment: snap.segment,
-            load: 0,
+            load: snap.load,
         })
     }
 
@@ -125,6 +125,7 @@ impl Chunk {
                 .collect(),
             applied_through: self.applied_through,
             segment: self.segment,
+            load: self.load,
         }
     }
 }

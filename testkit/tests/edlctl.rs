@@ -115,3 +115,87 @@ async fn every_command_prints_a_table_and_json() -> anyhow::Result<()> {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not-an-address"));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resharding_commands_reshape_a_live_cluster() -> anyhow::Result<()> {
+    if !edlctl().exists() {
+        anyhow::bail!(
+            "{} is missing: run the tests with cargo test --workspace",
+            edlctl().display()
+        );
+    }
+    // 8 keys of 32 floats on two shards, then a third that stands by.
+    let mut cluster = TestCluster::start(counter_job(256, 32, Consistency::Asp), 2).await?;
+    let third = cluster.add_shard("s2").await?;
+    let w = cluster.connect("w0").await?.register("w0").await?;
+    w.push(&[-1.0; 256]).await?;
+
+    let rows = json(&run(&cluster, &["shards", "--json"]).await);
+    let roles: Vec<&str> = rows
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|r| r["role"].as_str().expect("role"))
+        .collect();
+    assert_eq!(roles, ["active", "active", "standby"]);
+
+    let added = json(&run(&cluster, &["--json", "shard", "add", &third.to_string()]).await);
+    assert!(!added["moves"].as_array().expect("moves").is_empty());
+    let layout = added["layout"].as_array().expect("layout");
+    assert_eq!(layout.len(), 3, "{added}");
+
+    let moved = run(&cluster, &["move", "k0..k2", "--to", "s2"]).await;
+    let text = String::from_utf8_lossy(&moved.stdout).to_string();
+    assert!(
+        moved.status.success(),
+        "{}",
+        String::from_utf8_lossy(&moved.stderr)
+    );
+    assert!(
+        text.contains("s2") && text.contains("shard map e"),
+        "{text}"
+    );
+
+    let rebalanced = json(&run(&cluster, &["--json", "reshard"]).await);
+    assert!(rebalanced["epoch"].as_u64().expect("epoch") > added["epoch"].as_u64().expect("e"));
+    let by_load = run(&cluster, &["reshard", "--by", "load"]).await;
+    assert!(
+        by_load.status.success(),
+        "{}",
+        String::from_utf8_lossy(&by_load.stderr)
+    );
+
+    let removed = json(&run(&cluster, &["--json", "shard", "remove", "s0"]).await);
+    let layout = removed["layout"].as_array().expect("layout");
+    assert!(layout.iter().all(|l| l[0] != 0), "{removed}");
+    let table = String::from_utf8_lossy(&run(&cluster, &["shards"]).await.stdout).to_string();
+    assert!(table.contains("retired"), "{table}");
+    let rows = json(&run(&cluster, &["shards", "--json"]).await);
+    let keys: u64 = rows
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|r| r["keys"].as_u64().expect("keys"))
+        .sum();
+    assert_eq!(keys, 8, "every key held once: {rows}");
+
+    // Training state survived every move: one push of -1 is +1 everywhere.
+    let mut got = vec![0f32; 256];
+    w.pull(&mut got).await?;
+    assert!(got.iter().all(|&v| v == 1.0));
+
+    // Errors: clear message, non-zero exit.
+    for (args, says) in [
+        (&["move", "5..2", "--to", "s1"][..], "is empty"),
+        (&["move", "0..2", "--to", "s0"][..], "removed"),
+        (&["move", "0..99", "--to", "s1"][..], "not a range"),
+        (&["shard", "add", "127.0.0.1:1"][..], "no shard"),
+        (&["shard", "remove", "s9"][..], "no shard"),
+    ] {
+        let out = run(&cluster, args).await;
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    Ok(())
+}

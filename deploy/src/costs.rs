@@ -20,11 +20,17 @@
 //! - for a join, `join_latency_ms` is from the admission request to the worker's first step.
 //!
 //! Joins before any step have no others and no costs.
+//!
+//! Shard events belong to no worker, so every worker that had stepped is an other: a key-range
+//! move of the trace at its start, and the launcher's shard events (adding, removing, killing
+//! and restarting a shard server) at the moment the launcher acted, are measured as the moments
+//! of [`stall_noise`] are. A move also reports how long its range was held (neither readable
+//! nor writable) and the bytes it streamed.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use edl_shared::proto::ids::{ShardId, WorkerId};
-use edl_shared::proto::msg::{EpochLedger, EventKind, JobStatus, JobTrace};
+use edl_shared::proto::msg::{EpochLedger, EventKind, JobStatus, JobTrace, MoveReport};
 
 use crate::report::{EpochReport, EventReport};
 
@@ -161,9 +167,125 @@ pub fn event_costs(trace: &JobTrace) -> Vec<EventReport> {
                 step_ms,
                 stall_ms,
                 join_latency_ms,
+                hold_ms: None,
+                bytes: None,
+                took_ms: None,
             }
         })
         .collect()
+}
+
+/// A shard event the launcher carried out (see [`crate::scenario::Action`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardAction {
+    /// When the launcher acted, in milliseconds since the coordinator started.
+    pub t_ms: u64,
+    /// `shard_add`, `shard_remove`, `kill_shard` or `restart_shard`.
+    pub kind: &'static str,
+    /// The shard's process name.
+    pub shard: String,
+    /// How long the launcher's part took: for an add, from starting the process to the
+    /// coordinator's answer (its moves done); for a remove, the coordinator's answer; for a
+    /// restart, until the shard served again. `None` for a kill.
+    pub took_ms: Option<f64>,
+}
+
+/// How much later than the launcher's estimate the coordinator's clock runs, as far as the
+/// trace tells: the launcher starts its copy of the coordinator's clock when the coordinator's
+/// address file appears, a few milliseconds after the coordinator started it. `marks` are the
+/// launcher's reshaping requests: when each was sent (by the launcher's estimate) and the map
+/// epoch its first move published; a move begins after its request was sent, so the smallest
+/// gap between the two bounds the lag from above (to within the request's latency). 0 without
+/// marks.
+///
+/// A shard event the launcher records too early would be measured against a step taken before
+/// it (steps take milliseconds); one recorded a little late is measured right, since nobody
+/// steps while a killed shard is away.
+pub fn launcher_lag(trace: &JobTrace, marks: &[(u64, u64)]) -> u64 {
+    marks
+        .iter()
+        .filter_map(|&(sent, epoch)| {
+            let m = trace.moves.iter().find(|m| m.epoch.0 == epoch)?;
+            Some(m.t_ms.saturating_sub(sent))
+        })
+        .min()
+        .unwrap_or(0)
+}
+
+/// How a move names its shards: by process name where known, by id otherwise.
+fn shard_label(names: &BTreeMap<ShardId, String>, id: ShardId) -> String {
+    names.get(&id).cloned().unwrap_or_else(|| id.to_string())
+}
+
+/// How a move appears in the report's `worker` field: `keys 3..6 s0→s2`.
+pub fn move_label(m: &MoveReport, names: &BTreeMap<ShardId, String>) -> String {
+    format!(
+        "keys {}..{} {}→{}",
+        m.start,
+        m.end,
+        shard_label(names, m.from),
+        shard_label(names, m.to)
+    )
+}
+
+/// Every key-range move of `trace` and every shard event of the launcher, with the stall
+/// around it; `names` gives the shards' process names by id.
+pub fn shard_costs(
+    trace: &JobTrace,
+    names: &BTreeMap<ShardId, String>,
+    actions: &[ShardAction],
+) -> Vec<EventReport> {
+    let line = Timeline::of(trace);
+    let moves = trace.moves.iter().map(|m| {
+        let (step_ms, stall_ms) = line.cost_at(m.t_ms, None);
+        EventReport {
+            t_ms: m.t_ms,
+            kind: "move".into(),
+            worker: move_label(m, names),
+            step_ms,
+            stall_ms,
+            join_latency_ms: None,
+            hold_ms: Some(m.hold_ms),
+            bytes: Some(m.bytes),
+            took_ms: Some(m.millis),
+        }
+    });
+    let acts = actions.iter().map(|a| {
+        let (step_ms, stall_ms) = line.cost_at(a.t_ms, None);
+        EventReport {
+            t_ms: a.t_ms,
+            kind: a.kind.into(),
+            worker: a.shard.clone(),
+            step_ms,
+            stall_ms,
+            join_latency_ms: None,
+            hold_ms: None,
+            bytes: None,
+            took_ms: a.took_ms,
+        }
+    });
+    // A launcher's request comes before the moves it caused when both fall on one
+    // millisecond (and the caller sorts by time, stably).
+    acts.chain(moves).collect()
+}
+
+/// The times a noise floor must keep clear of, besides the trace's membership events: every
+/// move, every shard event, and a killed shard's whole absence (from the kill to the end of
+/// its restart).
+pub fn shard_quiet_spans(trace: &JobTrace, actions: &[ShardAction]) -> Vec<(u64, u64)> {
+    let mut spans: Vec<(u64, u64)> = trace.moves.iter().map(|m| (m.t_ms, m.t_ms)).collect();
+    for (i, a) in actions.iter().enumerate() {
+        let mut end = a.t_ms + a.took_ms.map_or(0, |t| t as u64);
+        if a.kind == "kill_shard"
+            && let Some(back) = actions[i + 1..]
+                .iter()
+                .find(|b| b.kind == "restart_shard" && b.shard == a.shard)
+        {
+            end = back.t_ms + back.took_ms.map_or(0, |t| t as u64);
+        }
+        spans.push((a.t_ms, end));
+    }
+    spans
 }
 
 /// How often [`stall_noise`] samples the run.
@@ -177,9 +299,10 @@ pub const NOISE_CLEARANCE_MS: u64 = 1000;
 /// is to be read against. `None` when the run had no such moments.
 ///
 /// Moments are taken every [`NOISE_EVERY_MS`] while training was under way (some worker
-/// stepped in the second before), at least [`NOISE_CLEARANCE_MS`] from any event and outside
-/// the silence of a worker that died (from its last step to its death).
-pub fn stall_noise(trace: &JobTrace) -> Option<StallNoise> {
+/// stepped in the second before), at least [`NOISE_CLEARANCE_MS`] from any event and from
+/// every span of `also_quiet` (see [`shard_quiet_spans`]), and outside the silence of a worker
+/// that died (from its last step to its death).
+pub fn stall_noise(trace: &JobTrace, also_quiet: &[(u64, u64)]) -> Option<StallNoise> {
     let line = Timeline::of(trace);
     let first = trace.steps.iter().map(|s| s.t_ms).min()?;
     let last = trace.steps.iter().map(|s| s.t_ms).max()?;
@@ -202,6 +325,9 @@ pub fn stall_noise(trace: &JobTrace) -> Option<StallNoise> {
             && silent
                 .iter()
                 .all(|&(from, d)| t < from || t > d + NOISE_CLEARANCE_MS / 2)
+            && also_quiet
+                .iter()
+                .all(|&(from, to)| t + NOISE_CLEARANCE_MS <= from || t >= to + NOISE_CLEARANCE_MS)
             && trace.steps.iter().any(|s| s.t_ms <= t && s.t_ms + 1000 > t);
         if quiet && let (step, Some(stall)) = line.cost_at(t, None) {
             stalls.push(stall);
@@ -285,11 +411,24 @@ pub fn epoch_reports(
         .collect()
 }
 
-/// Per event kind (in the order join, drain, leave, dead): how many, and the median and
-/// largest stall and the median join latency over the events that have one.
+/// The event kinds in the order the summary lists them.
+pub const KINDS: [&str; 9] = [
+    "join",
+    "drain",
+    "leave",
+    "dead",
+    "shard_add",
+    "move",
+    "shard_remove",
+    "kill_shard",
+    "restart_shard",
+];
+
+/// Per event kind (in the order of [`KINDS`]): how many, and the median and largest stall,
+/// the median join latency and the median and largest hold over the events that have one.
 pub fn kind_summaries(events: &[EventReport]) -> Vec<KindSummary> {
     let kinds: BTreeSet<&str> = events.iter().map(|e| e.kind.as_str()).collect();
-    ["join", "drain", "leave", "dead"]
+    KINDS
         .into_iter()
         .filter(|k| kinds.contains(k))
         .map(|kind| {
@@ -297,6 +436,7 @@ pub fn kind_summaries(events: &[EventReport]) -> Vec<KindSummary> {
             let mut stalls: Vec<f64> = of.iter().filter_map(|e| e.stall_ms).collect();
             let mut steps: Vec<f64> = of.iter().filter_map(|e| e.step_ms).collect();
             let mut joins: Vec<f64> = of.iter().filter_map(|e| e.join_latency_ms).collect();
+            let mut holds: Vec<f64> = of.iter().filter_map(|e| e.hold_ms).collect();
             KindSummary {
                 kind: kind.to_string(),
                 count: of.len(),
@@ -305,6 +445,8 @@ pub fn kind_summaries(events: &[EventReport]) -> Vec<KindSummary> {
                 max_stall_ms: stalls.iter().copied().reduce(f64::max),
                 median_step_ms: median(&mut steps),
                 median_join_latency_ms: median(&mut joins),
+                max_hold_ms: holds.iter().copied().reduce(f64::max),
+                median_hold_ms: median(&mut holds),
             }
         })
         .collect()
@@ -313,7 +455,7 @@ pub fn kind_summaries(events: &[EventReport]) -> Vec<KindSummary> {
 /// The costs of one kind of event, summed up.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct KindSummary {
-    /// `join`, `drain`, `leave` or `dead`.
+    /// One of [`KINDS`].
     pub kind: String,
     /// Events of this kind.
     pub count: usize,
@@ -327,306 +469,13 @@ pub struct KindSummary {
     pub median_step_ms: Option<f64>,
     /// Median join latency (joins only).
     pub median_join_latency_ms: Option<f64>,
+    /// Median time a moved range was held (moves only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub median_hold_ms: Option<f64>,
+    /// Longest time a moved range was held (moves only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_hold_ms: Option<f64>,
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use edl_shared::proto::Clock;
-    use edl_shared::proto::msg::{EpochStats, EventRecord, StepRecord};
-
-    fn ev(t_ms: u64, requested_ms: u64, kind: EventKind, w: u64) -> EventRecord {
-        EventRecord {
-            t_ms,
-            requested_ms,
-            kind,
-            worker: WorkerId(w),
-            name: format!("w{w}"),
-        }
-    }
-
-    fn steps(w: u64, times: impl IntoIterator<Item = u64>) -> Vec<StepRecord> {
-        times
-            .into_iter()
-            .enumerate()
-            .map(|(i, t_ms)| StepRecord {
-                t_ms,
-                worker: WorkerId(w),
-                clock: Clock(i as u64 + 1),
-            })
-            .collect()
-    }
-
-    fn trace(events: Vec<EventRecord>, mut all: Vec<Vec<StepRecord>>) -> JobTrace {
-        let mut steps: Vec<StepRecord> = all.drain(..).flatten().collect();
-        steps.sort_by_key(|s| s.t_ms);
-        JobTrace {
-            events,
-            steps,
-            moves: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn medians() {
-        assert_eq!(median(&mut []), None);
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), Some(2.0));
-        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), Some(2.5));
-    }
-
-    #[test]
-    fn a_join_that_holds_nobody_back_costs_nothing_and_has_a_latency() {
-        // w1 and w2 step every 10 ms; w3 asks to join at 95, is admitted at 100 and steps at
-        // 130.
-        let t = trace(
-            vec![
-                ev(0, 0, EventKind::Join, 1),
-                ev(0, 0, EventKind::Join, 2),
-                ev(100, 95, EventKind::Join, 3),
-            ],
-            vec![
-                steps(1, (1..=20).map(|i| i * 10)),
-                steps(2, (1..=20).map(|i| i * 10 + 5)),
-                steps(3, [130, 140]),
-            ],
-        );
-        let r = event_costs(&t);
-        assert_eq!(r.len(), 3);
-        // Initial joins: nobody had stepped.
-        assert_eq!((r[0].step_ms, r[0].stall_ms), (None, None));
-        assert_eq!(r[0].join_latency_ms, Some(10.0));
-        assert_eq!(r[2].kind, "join");
-        assert_eq!(r[2].worker, "w3");
-        assert_eq!(r[2].step_ms, Some(10.0));
-        assert_eq!(r[2].stall_ms, Some(0.0));
-        assert_eq!(r[2].join_latency_ms, Some(35.0));
-    }
-
-    #[test]
-    fn a_death_stalls_the_others_for_the_lease() {
-        // w2 dies after its step at 100; the others wait until it is declared dead at 1100.
-        let t = trace(
-            vec![ev(1100, 1100, EventKind::Dead, 2)],
-            vec![
-                steps(1, (1..=10).map(|i| i * 10).chain([1110, 1120])),
-                steps(2, (1..=10).map(|i| i * 10)),
-            ],
-        );
-        let r = event_costs(&t);
-        assert_eq!(r[0].kind, "dead");
-        assert_eq!(r[0].step_ms, Some(10.0));
-        // Gap 100 → 1110 is 1010 ms, of which 10 is a normal step.
-        assert_eq!(r[0].stall_ms, Some(1000.0));
-        assert_eq!(r[0].join_latency_ms, None);
-    }
-
-    #[test]
-    fn a_killed_worker_is_not_an_other_while_it_awaits_its_lease() {
-        // w2 is killed after its step at 100 and declared dead at 1100; w3 joins at 500, while
-        // w1 keeps stepping (ASP).
-        let t = trace(
-            vec![
-                ev(500, 490, EventKind::Join, 3),
-                ev(1100, 1100, EventKind::Dead, 2),
-            ],
-            vec![
-                steps(1, (1..=100).map(|i| i * 10)),
-                steps(2, (1..=10).map(|i| i * 10)),
-                steps(3, [520]),
-            ],
-        );
-        let r = event_costs(&t);
-        assert_eq!(r[0].stall_ms, Some(0.0));
-    }
-
-    #[test]
-    fn a_restart_shows_up_whole_and_departed_workers_are_not_others() {
-        // w1 and w2 step every 10 ms until 100; both are stopped (leaves at 110 and 120) and
-        // w3 starts stepping at 2100.
-        let t = trace(
-            vec![
-                ev(110, 110, EventKind::Leave, 1),
-                ev(120, 120, EventKind::Leave, 2),
-                ev(2000, 1500, EventKind::Join, 3),
-            ],
-            vec![
-                steps(1, (1..=10).map(|i| i * 10)),
-                steps(2, (1..=10).map(|i| i * 10)),
-                steps(3, [2100, 2110]),
-            ],
-        );
-        let r = event_costs(&t);
-        // At w1's leave, w2 has no step after it: w3's first step stands in.
-        assert_eq!(r[0].stall_ms, Some(2000.0 - 10.0));
-        // At w2's leave, w1 had already left: no others.
-        assert_eq!(r[1].stall_ms, None);
-        // The new worker's join: nobody else left standing had stepped.
-        assert_eq!(r[2].stall_ms, None);
-        assert_eq!(r[2].join_latency_ms, Some(600.0));
-    }
-
-    #[test]
-    fn a_straggler_does_not_hide_a_restart_and_leavers_are_left_out() {
-        // Restart: w1, w2 and w3 step every 10 ms until 100; w2 and w1 leave at 105 and 106,
-        // w3 makes one more step at 110 and leaves at 115; the new w4 steps from 900.
-        let t = trace(
-            vec![
-                ev(105, 105, EventKind::Leave, 2),
-                ev(106, 106, EventKind::Leave, 1),
-                ev(115, 115, EventKind::Leave, 3),
-            ],
-            vec![
-                steps(1, (1..=10).map(|i| i * 10)),
-                steps(2, (1..=10).map(|i| i * 10)),
-                steps(3, (1..=11).map(|i| i * 10)),
-                steps(4, (90..=99).map(|i| i * 10)),
-            ],
-        );
-        let r = event_costs(&t);
-        assert_eq!(r[0].stall_ms, Some(800.0 - 10.0), "w1 waits for w4: {r:?}");
-        // Elastic: w3 joins at 105 while w2 leaves for good right after it and w1 goes on;
-        // w2 is left out, and w1's steps straddle the join as usual.
-        let t = trace(
-            vec![
-                ev(105, 100, EventKind::Join, 3),
-                ev(106, 106, EventKind::Leave, 2),
-            ],
-            vec![
-                steps(1, (1..=30).map(|i| i * 10)),
-                steps(2, (1..=10).map(|i| i * 10)),
-                steps(3, (11..=30).map(|i| i * 10 + 5)),
-            ],
-        );
-        let r = event_costs(&t);
-        assert_eq!(r[0].stall_ms, Some(0.0), "{r:?}");
-    }
-
-    #[test]
-    fn the_step_window_follows_recent_steps() {
-        // 30 slow steps (100 ms apart), then 30 fast ones (10 ms apart), then an event.
-        let times: Vec<u64> = (0..30)
-            .map(|i| i * 100)
-            .chain((1..=30).map(|i| 2900 + i * 10))
-            .collect();
-        let last = *times.last().expect("steps");
-        let t = trace(
-            vec![ev(last + 1, last + 1, EventKind::Drain, 9)],
-            vec![steps(1, times.iter().copied().chain([last + 12]))],
-        );
-        let r = event_costs(&t);
-        assert_eq!(r[0].step_ms, Some(10.0));
-        assert_eq!(r[0].stall_ms, Some(2.0));
-    }
-
-    #[test]
-    fn the_noise_floor_skips_events_and_silences() {
-        // Until everyone leaves at 10 s, two workers step every 10 ms, except that w1 takes
-        // 40 ms every tenth step; w3 joins at 5000 and a killed w4 is silent from 6003 until it
-        // is declared dead at 7000.
-        let jittery = (1..).scan(0, |t, i| {
-            *t += if i % 10 == 0 { 40 } else { 10 };
-            Some(*t)
-        });
-        let t = trace(
-            vec![
-                ev(5000, 5000, EventKind::Join, 3),
-                ev(7000, 7000, EventKind::Dead, 4),
-                ev(10_000, 10_000, EventKind::Leave, 1),
-                ev(10_000, 10_000, EventKind::Leave, 2),
-                ev(10_000, 10_000, EventKind::Leave, 3),
-            ],
-            vec![
-                steps(1, jittery.take_while(|&t| t < 10_000)),
-                steps(2, (1..1000).map(|i| i * 10 + 5)),
-                steps(3, (501..1000).map(|i| i * 10 + 7)),
-                steps(4, (1..=600).map(|i| i * 10 + 3)),
-            ],
-        );
-        let n = stall_noise(&t).expect("moments");
-        // 1010 to 9410 ms by 100 ms, less 4010..5910 around the join, 6010..7910 around the
-        // death (which covers w4's silence) and 9010..9410 before the leaves.
-        assert_eq!(n.moments, 85 - 20 - 20 - 5, "{n:?}");
-        assert_eq!(n.median_step_ms, Some(10.0));
-        // w1's 40 ms steps straddle about a third of the moments: 30 ms over its usual 10.
-        assert_eq!(n.median_stall_ms, 0.0, "{n:?}");
-        assert_eq!(n.p90_stall_ms, 30.0, "{n:?}");
-        assert!(stall_noise(&trace(vec![], vec![])).is_none());
-    }
-
-    #[test]
-    fn epochs_take_the_worst_shard() {
-        let st = JobStatus {
-            shards_joined: 2,
-            shards_expected: 2,
-            samples_total: 200,
-            samples_done: 200,
-            epochs: vec![
-                EpochStats {
-                    epoch: 0,
-                    samples: 100,
-                    loss_sum: 50.0,
-                },
-                EpochStats {
-                    epoch: 1,
-                    samples: 100,
-                    loss_sum: 25.0,
-                },
-            ],
-            workers: vec![],
-            min_clock: Clock(0),
-            finished: true,
-        };
-        let l = |epoch, applied, duplicates, skipped_pushes| EpochLedger {
-            epoch,
-            applied,
-            duplicates,
-            missing: 100 - applied,
-            skipped_pushes,
-        };
-        let ledgers = vec![
-            (ShardId(0), vec![l(0, 100, 0, 1), l(1, 100, 2, 0)]),
-            (ShardId(1), vec![l(0, 98, 0, 0)]),
-        ];
-        let r = epoch_reports(&st, &ledgers, 100);
-        assert_eq!(
-            (
-                r[0].samples,
-                r[0].duplicates,
-                r[0].missing,
-                r[0].skipped_pushes
-            ),
-            (98, 0, 2, 1)
-        );
-        assert_eq!(r[0].train_loss, 0.5);
-        // Shard 1 has no account of epoch 1: it applied none of it.
-        assert_eq!((r[1].samples, r[1].duplicates, r[1].missing), (0, 2, 100));
-        assert_eq!(r[1].reported_samples, 100);
-    }
-
-    #[test]
-    fn kinds_are_summed_up() {
-        let e = |kind: &str, stall: Option<f64>, join: Option<f64>| EventReport {
-            t_ms: 0,
-            kind: kind.into(),
-            worker: "w0".into(),
-            step_ms: Some(10.0),
-            stall_ms: stall,
-            join_latency_ms: join,
-        };
-        let s = kind_summaries(&[
-            e("leave", Some(4.0), None),
-            e("join", None, Some(30.0)),
-            e("join", Some(2.0), Some(50.0)),
-            e("leave", Some(8.0), None),
-            e("leave", Some(1.0), None),
-        ]);
-        assert_eq!(s.len(), 2);
-        assert_eq!(
-            (s[0].kind.as_str(), s[0].count, s[0].measured),
-            ("join", 2, 1)
-        );
-        assert_eq!(s[0].median_join_latency_ms, Some(40.0));
-        assert_eq!(s[1].median_stall_ms, Some(4.0));
-        assert_eq!(s[1].max_stall_ms, Some(8.0));
-    }
-}
+mod tests;

@@ -3,9 +3,10 @@
 //! behind the `edl-local` binary.
 //!
 //! The pieces are split by concern: [`procs`] starts, watches and stops child processes,
-//! [`scenario`] reads the timed membership changes a run replays, [`progress`] shows how
-//! training is going, [`costs`] works out what each membership event cost from the
-//! coordinator's trace, and [`report`] turns the outcome into a summary and a JSON report.
+//! [`scenario`] reads the timed membership changes and shard events a run replays,
+//! [`progress`] shows how training is going, [`costs`] works out what each event and key-range
+//! move cost from the coordinator's trace, and [`report`] turns the outcome into a summary and
+//! a JSON report.
 
 pub mod costs;
 pub mod local;

@@ -57,14 +57,17 @@ pub struct EpochReport {
     pub train_loss: f64,
 }
 
-/// One membership event and what it cost the other workers (see [`crate::costs`]).
+/// One membership or shard event and what it cost the workers (see [`crate::costs`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EventReport {
     /// Milliseconds since the coordinator started.
     pub t_ms: u64,
-    /// `join`, `drain`, `leave` or `dead`.
+    /// `join`, `drain`, `leave` or `dead` (the coordinator's membership events); `move` (a
+    /// key-range move of the coordinator's trace); `shard_add`, `shard_remove`, `kill_shard`
+    /// or `restart_shard` (the launcher's shard events).
     pub kind: String,
-    /// The worker's name.
+    /// The worker's name; for a move, its keys and shards (`keys 3..6 s0→s2`); for a shard
+    /// event, the shard's name.
     pub worker: String,
     /// The other workers' median step time just before the event.
     pub step_ms: Option<f64>,
@@ -72,6 +75,34 @@ pub struct EventReport {
     pub stall_ms: Option<f64>,
     /// For a join: from the admission request to the worker's first step.
     pub join_latency_ms: Option<f64>,
+    /// For a move: how long the range could be neither read nor written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_ms: Option<f64>,
+    /// For a move: the bytes of state streamed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// For a move, how long it took; for a shard event, the launcher's part (see
+    /// [`crate::costs::ShardAction`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub took_ms: Option<f64>,
+}
+
+/// One shard server at the end of the run, as the coordinator and the shard itself told.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardLayout {
+    /// The coordinator's id for it.
+    pub id: u32,
+    /// Its process (certificate) name.
+    pub name: String,
+    /// `active`, `standby` or `retired`.
+    pub role: String,
+    /// Key ranges it holds, as `start..end`.
+    pub ranges: Vec<String>,
+    /// Keys it holds.
+    pub keys: u64,
+    /// Why its holdings could not be read, if they could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// One stop-everything restart of the `--restart-on-change` baseline.
@@ -165,7 +196,8 @@ pub struct Report {
     pub membership: String,
     /// What that means, in a sentence or two.
     pub membership_note: String,
-    /// Membership events from the coordinator's trace, with their costs.
+    /// Membership events and key-range moves from the coordinator's trace and the launcher's
+    /// shard events, in time order, with their costs.
     pub events: Vec<EventReport>,
     /// The events' costs per kind.
     pub event_summary: Vec<KindSummary>,
@@ -178,6 +210,9 @@ pub struct Report {
     pub scenario_skipped: Vec<SkippedEvent>,
     /// Every worker process started, and how it ended.
     pub worker_processes: Vec<WorkerProcess>,
+    /// Every shard server the job had, as it stood once training was done.
+    #[serde(default)]
+    pub shard_layout: Vec<ShardLayout>,
     /// The state directory: PKI, address file, logs and checkpoints.
     pub state_dir: PathBuf,
     /// Problems seen while stopping the servers (empty when they all stopped cleanly).
@@ -192,6 +227,32 @@ pub struct TraceDump {
     pub events: Vec<TraceEvent>,
     /// Step reports in time order.
     pub steps: Vec<TraceStep>,
+    /// Key-range moves in time order.
+    #[serde(default)]
+    pub moves: Vec<TraceMove>,
+}
+
+/// One key-range move of the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TraceMove {
+    /// Milliseconds since the coordinator started, when the move began.
+    pub t_ms: u64,
+    /// First key.
+    pub start: u64,
+    /// One past the last key.
+    pub end: u64,
+    /// The shard (id) that held the range.
+    pub from: u32,
+    /// The shard (id) that holds it now.
+    pub to: u32,
+    /// The map epoch the move published.
+    pub epoch: u64,
+    /// Bytes of state streamed.
+    pub bytes: u64,
+    /// Milliseconds from the start of the move to its publication.
+    pub millis: f64,
+    /// Milliseconds the range could be neither read nor written.
+    pub hold_ms: f64,
 }
 
 /// One membership event of the trace.
@@ -242,6 +303,21 @@ impl TraceDump {
                     t_ms: s.t_ms,
                     worker_id: s.worker.0,
                     clock: s.clock.0,
+                })
+                .collect(),
+            moves: trace
+                .moves
+                .iter()
+                .map(|m| TraceMove {
+                    t_ms: m.t_ms,
+                    start: m.start,
+                    end: m.end,
+                    from: m.from.0,
+                    to: m.to.0,
+                    epoch: m.epoch.0,
+                    bytes: m.bytes,
+                    millis: m.millis,
+                    hold_ms: m.hold_ms,
                 })
                 .collect(),
         }
@@ -337,6 +413,9 @@ impl fmt::Display for Report {
             if let Some(j) = k.median_join_latency_ms {
                 write!(f, "; join latency median {j:.0} ms")?;
             }
+            if let (Some(med), Some(max)) = (k.median_hold_ms, k.max_hold_ms) {
+                write!(f, "; range held median {med:.1} ms, max {max:.1} ms")?;
+            }
             writeln!(f)?;
         }
         if let Some(n) = &self.stall_noise
@@ -352,6 +431,40 @@ impl fmt::Display for Report {
                 write!(f, "; a step took {step:.1} ms")?;
             }
             writeln!(f, ")")?;
+        }
+        let shard_events: Vec<&EventReport> = self
+            .events
+            .iter()
+            .filter(|e| !["join", "drain", "leave", "dead"].contains(&e.kind.as_str()))
+            .collect();
+        if !shard_events.is_empty() {
+            writeln!(f, "  shard events:")?;
+        }
+        for e in shard_events {
+            write!(
+                f,
+                "    {:>6.1} s  {} {}:",
+                e.t_ms as f64 / 1000.0,
+                e.kind,
+                e.worker
+            )?;
+            match e.stall_ms {
+                Some(stall) => write!(f, " stall {stall:.0} ms")?,
+                None => write!(f, " stall not measured")?,
+            }
+            if let Some(step) = e.step_ms {
+                write!(f, " (a step took {step:.1} ms)")?;
+            }
+            if let Some(hold) = e.hold_ms {
+                write!(f, ", held {hold:.1} ms")?;
+            }
+            if let Some(bytes) = e.bytes {
+                write!(f, ", {}", edl_ps::admin::human_bytes(bytes))?;
+            }
+            if let Some(took) = e.took_ms {
+                write!(f, ", took {took:.0} ms")?;
+            }
+            writeln!(f)?;
         }
         for (i, r) in self.restarts.iter().enumerate() {
             writeln!(
@@ -374,6 +487,18 @@ impl fmt::Display for Report {
                 "  skipped scenario event at {:.1} s ({}): {}",
                 s.at_s, s.action, s.reason
             )?;
+        }
+        if !self.shard_layout.is_empty() {
+            writeln!(f, "  shards at the end:")?;
+        }
+        for s in &self.shard_layout {
+            write!(f, "    {} (id {}) {}", s.name, s.id, s.role)?;
+            match &s.error {
+                Some(e) => write!(f, ", unreachable: {e}")?,
+                None if s.role == "retired" => {}
+                None => write!(f, ": {} ({} keys)", s.ranges.join(", "), s.keys)?,
+            }
+            writeln!(f)?;
         }
         for p in &self.shutdown_problems {
             writeln!(f, "  warning: {p}")?;
@@ -417,6 +542,30 @@ mod tests {
 
     #[test]
     fn report_round_trips_through_json_with_the_documented_keys() {
+        let events = vec![
+            EventReport {
+                t_ms: 4000,
+                kind: "leave".into(),
+                worker: "w0".into(),
+                step_ms: Some(12.0),
+                stall_ms: Some(2500.0),
+                join_latency_ms: None,
+                hold_ms: None,
+                bytes: None,
+                took_ms: None,
+            },
+            EventReport {
+                t_ms: 5000,
+                kind: "move".into(),
+                worker: "keys 3..6 s0→s2".into(),
+                step_ms: Some(12.0),
+                stall_ms: Some(20.0),
+                join_latency_ms: None,
+                hold_ms: Some(4.5),
+                bytes: Some(2048),
+                took_ms: Some(9.0),
+            },
+        ];
         let report = Report {
             test_accuracy: 0.86,
             test_loss: 0.4,
@@ -446,22 +595,8 @@ mod tests {
             scenario: Some("churn.toml".into()),
             membership: "restart-on-change".into(),
             membership_note: "stops everything".into(),
-            events: vec![EventReport {
-                t_ms: 4000,
-                kind: "leave".into(),
-                worker: "w0".into(),
-                step_ms: Some(12.0),
-                stall_ms: Some(2500.0),
-                join_latency_ms: None,
-            }],
-            event_summary: crate::costs::kind_summaries(&[EventReport {
-                t_ms: 4000,
-                kind: "leave".into(),
-                worker: "w0".into(),
-                step_ms: Some(12.0),
-                stall_ms: Some(2500.0),
-                join_latency_ms: None,
-            }]),
+            events: events.clone(),
+            event_summary: crate::costs::kind_summaries(&events),
             stall_noise: Some(StallNoise {
                 moments: 120,
                 median_stall_ms: 9.0,
@@ -490,6 +625,24 @@ mod tests {
                 exit_code: Some(0),
                 signal: None,
             }],
+            shard_layout: vec![
+                ShardLayout {
+                    id: 0,
+                    name: "s0".into(),
+                    role: "active".into(),
+                    ranges: vec!["0..3".into(), "6..7".into()],
+                    keys: 4,
+                    error: None,
+                },
+                ShardLayout {
+                    id: 1,
+                    name: "s1".into(),
+                    role: "retired".into(),
+                    ranges: vec![],
+                    keys: 0,
+                    error: None,
+                },
+            ],
             state_dir: "/tmp/edl-local-1".into(),
             shutdown_problems: vec![],
         };
@@ -522,6 +675,11 @@ mod tests {
         assert_eq!(value["epochs"][0]["duplicates"], 0);
         assert_eq!(value["events"][0]["stall_ms"], 2500.0);
         assert!(value["events"][0]["join_latency_ms"].is_null());
+        // Fields of moves only are left out of other events.
+        assert!(value["events"][0].get("hold_ms").is_none());
+        assert_eq!(value["events"][1]["hold_ms"], 4.5);
+        assert_eq!(value["events"][1]["bytes"], 2048);
+        assert_eq!(value["shard_layout"][1]["role"], "retired");
         assert_eq!(value["restarts"][0]["checkpoint_ms"], 4.0);
         let back: Report = serde_json::from_str(&text).expect("decode");
         assert_eq!(back, report);
@@ -547,6 +705,25 @@ mod tests {
             summary.contains("skipped scenario event at 99.0 s"),
             "{summary}"
         );
+        assert!(
+            summary.contains(
+                "move  x1: stall median 20 ms, max 20 ms (1 measured; a step took 12.0 ms); \
+                 range held median 4.5 ms, max 4.5 ms"
+            ),
+            "{summary}"
+        );
+        assert!(
+            summary.contains(
+                "5.0 s  move keys 3..6 s0→s2: stall 20 ms (a step took 12.0 ms), held 4.5 ms, \
+                 2.0 KiB, took 9 ms"
+            ),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("s0 (id 0) active: 0..3, 6..7 (4 keys)"),
+            "{summary}"
+        );
+        assert!(summary.contains("s1 (id 1) retired\n"), "{summary}");
         assert!(summary.contains("/tmp/edl-local-1/logs"), "{summary}");
     }
 }

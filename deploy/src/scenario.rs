@@ -1,21 +1,43 @@
-//! Scenario files for `edl-local --scenario`: timed membership changes (add, drain, kill, term)
-//! replayed against a running job.
+//! Scenario files for `edl-local --scenario`: timed changes replayed against a running job,
+//! of the worker membership (add, drain, kill, term) and of the shard servers (shard_add,
+//! shard_remove, move, kill_shard, restart_shard).
 //!
 //! ```toml
 //! [[event]]
 //! at_s = 3.0          # seconds after training started (the first worker was admitted)
-//! action = "add"      # add | drain | kill | term
-//! count = 2           # add only
+//! action = "add"      # add | drain | kill | term | shard_add | shard_remove | move
+//! count = 2           # add only                  | kill_shard | restart_shard
 //! [[event]]
 //! at_s = 7.0
 //! action = "drain"
 //! worker = "w0"       # drain, kill and term: the worker's process name
+//! [[event]]
+//! at_s = 8.0
+//! action = "shard_add" # start the next shard process and move its share of keys to it
+//! [[event]]
+//! at_s = 9.0
+//! action = "move"
+//! range = "3..6"      # move only: keys START..END (end excluded)
+//! to = "s2"           # move only: the shard that takes them
+//! [[event]]
+//! at_s = 10.0
+//! action = "kill_shard"
+//! shard = "s1"        # shard_remove, kill_shard and restart_shard: the shard's process name
+//! [[event]]
+//! at_s = 11.0
+//! action = "restart_shard"
+//! shard = "s1"
 //! ```
 //!
-//! A file is checked whole before anything starts: every field, the time order, and every worker
+//! A file is checked whole before anything starts: every field, the time order, every worker
 //! name against the membership the events before it leave (the launcher's workers are `w0` to
-//! `w{N-1}` for `--workers N`, and added workers continue the numbering). A scenario that would
-//! leave no worker running is refused too, since training could never finish.
+//! `w{N-1}` for `--workers N`, and added workers continue the numbering), and every shard name
+//! likewise (`s0` to `s{N-1}` for `--shards N`, added shards continue). A scenario that would
+//! leave no worker running is refused, since training could never finish; so is one that
+//! removes the last shard holding keys, restarts a shard that was not killed, kills a shard
+//! and never restarts it, or reshapes the shard map (shard_add, shard_remove, move) while a
+//! killed shard is down, since a move may need any shard. Key ranges are checked against the
+//! job's keys once it runs ([`Scenario::check_keys`]).
 
 use std::fmt;
 use std::path::Path;
@@ -74,16 +96,75 @@ pub enum Action {
         /// The worker's name.
         worker: String,
     },
+    /// Start a new shard process with this name, and once it has joined (as a standby shard)
+    /// ask the coordinator to add it, which moves its share of the keys (by size) to it.
+    ShardAdd {
+        /// The new shard's process name.
+        shard: String,
+    },
+    /// Ask the coordinator to move every key off this shard; the shard then retires and exits.
+    ShardRemove {
+        /// The shard's process name.
+        shard: String,
+    },
+    /// Ask the coordinator to move keys `[start, end)` to a shard.
+    Move {
+        /// First key.
+        start: u64,
+        /// One past the last key.
+        end: u64,
+        /// The receiving shard's process name.
+        to: String,
+    },
+    /// Send SIGKILL to this shard's process: it loses what it applied since its last
+    /// checkpoint.
+    KillShard {
+        /// The shard's process name.
+        shard: String,
+    },
+    /// Start a killed shard again under the same name, state directory and address; it
+    /// restores its checkpoint.
+    RestartShard {
+        /// The shard's process name.
+        shard: String,
+    },
 }
 
 impl Action {
     /// The worker an action removes, if it removes one.
     pub fn target(&self) -> Option<&str> {
         match self {
-            Action::Add { .. } => None,
             Action::Drain { worker } | Action::Kill { worker } | Action::Term { worker } => {
                 Some(worker)
             }
+            _ => None,
+        }
+    }
+
+    /// True for the events that act on shard servers rather than on the worker membership.
+    pub fn is_shard_event(&self) -> bool {
+        matches!(
+            self,
+            Action::ShardAdd { .. }
+                | Action::ShardRemove { .. }
+                | Action::Move { .. }
+                | Action::KillShard { .. }
+                | Action::RestartShard { .. }
+        )
+    }
+
+    /// The action's name in a scenario file (`add`, `shard_remove`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Action::Add { .. } => "add",
+            Action::Drain { .. } => "drain",
+            Action::Kill { .. } => "kill",
+            Action::Term { .. } => "term",
+            Action::ShardAdd { .. } => "shard_add",
+            Action::ShardRemove { .. } => "shard_remove",
+            Action::Move { .. } => "move",
+            Action::KillShard { .. } => "kill_shard",
+            Action::RestartShard { .. } => "restart_shard",
         }
     }
 }
@@ -95,6 +176,11 @@ impl fmt::Display for Action {
             Action::Drain { worker } => write!(f, "drain {worker}"),
             Action::Kill { worker } => write!(f, "kill -9 {worker}"),
             Action::Term { worker } => write!(f, "term {worker}"),
+            Action::ShardAdd { shard } => write!(f, "shard add {shard}"),
+            Action::ShardRemove { shard } => write!(f, "shard remove {shard}"),
+            Action::Move { start, end, to } => write!(f, "move keys {start}..{end} to {to}"),
+            Action::KillShard { shard } => write!(f, "kill -9 shard {shard}"),
+            Action::RestartShard { shard } => write!(f, "restart shard {shard}"),
         }
     }
 }
@@ -108,7 +194,8 @@ pub struct ScenarioEvent {
     pub action: Action,
 }
 
-/// A checked scenario: events in time order, every worker name valid where it is used.
+/// A checked scenario: events in time order, every worker and shard name valid where it is
+/// used.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Scenario {
     /// The events, in time order.
@@ -130,6 +217,22 @@ struct RawEvent {
     action: Option<String>,
     count: Option<u32>,
     worker: Option<String>,
+    shard: Option<String>,
+    range: Option<String>,
+    to: Option<String>,
+}
+
+impl RawEvent {
+    /// The optional fields that are set, by name.
+    fn fields(&self) -> [(&'static str, bool); 5] {
+        [
+            ("count", self.count.is_some()),
+            ("worker", self.worker.is_some()),
+            ("shard", self.shard.is_some()),
+            ("range", self.range.is_some()),
+            ("to", self.to.is_some()),
+        ]
+    }
 }
 
 /// The name of the `i`-th worker the launcher starts (from 0).
@@ -137,18 +240,77 @@ pub fn worker_name(i: u32) -> String {
     format!("w{i}")
 }
 
+/// The name of the `i`-th shard the launcher starts (from 0).
+pub fn shard_name(i: u32) -> String {
+    format!("s{i}")
+}
+
+/// The shard servers as the events before one leave them, for checking names.
+struct ShardRoster {
+    /// Running and holding (or about to hold) keys.
+    serving: Vec<String>,
+    /// Killed and not restarted yet, with the index of the event that killed each.
+    down: Vec<(String, usize)>,
+    /// Removed, with the index of the event that removed each.
+    removed: Vec<(String, usize)>,
+    next: u32,
+}
+
+impl ShardRoster {
+    fn new(shards: u32) -> Self {
+        ShardRoster {
+            serving: (0..shards).map(shard_name).collect(),
+            down: Vec::new(),
+            removed: Vec::new(),
+            next: shards,
+        }
+    }
+
+    /// Why `name` is not a serving shard, or `None` if it is one.
+    fn not_serving(&self, name: &str) -> Option<String> {
+        if self.serving.iter().any(|s| s == name) {
+            return None;
+        }
+        Some(
+            if let Some((_, i)) = self.down.iter().find(|(s, _)| s == name) {
+                format!("{name} is down (killed by event {i})")
+            } else if let Some((_, i)) = self.removed.iter().find(|(s, _)| s == name) {
+                format!("{name} was removed by event {i}")
+            } else {
+                format!(
+                    "no shard is named {name:?} at that point (running: {})",
+                    self.serving.join(", ")
+                )
+            },
+        )
+    }
+
+    /// Refuses a change of the shard map while a killed shard is down.
+    fn reshapable(&self, what: &str) -> Result<(), String> {
+        match self.down.first() {
+            Some((s, i)) => Err(format!(
+                "cannot {what} while {s} is down (killed by event {i}): moving keys may need \
+                 any shard; restart it first"
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 impl Scenario {
-    /// Reads and checks a scenario file for a run that starts `workers` workers.
-    pub fn load(path: &Path, workers: u32) -> Result<Scenario, ScenarioError> {
+    /// Reads and checks a scenario file for a run that starts `workers` workers and `shards`
+    /// shards.
+    pub fn load(path: &Path, workers: u32, shards: u32) -> Result<Scenario, ScenarioError> {
         let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        Scenario::parse(&text, workers)
+        Scenario::parse(&text, workers, shards)
     }
 
-    /// Parses and checks a scenario for a run that starts `workers` workers.
-    pub fn parse(text: &str, workers: u32) -> Result<Scenario, ScenarioError> {
+    /// Parses and checks a scenario for a run that starts `workers` workers and `shards`
+    /// shards.
+    pub fn parse(text: &str, workers: u32, shards: u32) -> Result<Scenario, ScenarioError> {
         let raw: RawFile =
             toml::from_str(text).map_err(|e| ScenarioError::Syntax(e.to_string()))?;
         if raw.event.is_empty() {
@@ -158,6 +320,7 @@ impl Scenario {
         // Why a name is no longer running, for a message that says what happened to it.
         let mut gone: Vec<(String, String)> = Vec::new();
         let mut next = workers;
+        let mut roster = ShardRoster::new(shards);
         let mut last: Option<f64> = None;
         let mut events = Vec::new();
         for (i, e) in raw.event.into_iter().enumerate() {
@@ -180,9 +343,29 @@ impl Scenario {
                 )));
             }
             last = Some(at_s);
-            let action = e
-                .action
-                .ok_or_else(|| bad("missing field `action` (add, drain, kill or term)".into()))?;
+            let fields = e.fields();
+            let action = e.action.ok_or_else(|| {
+                bad(
+                    "missing field `action` (add, drain, kill, term, shard_add, shard_remove, \
+                     move, kill_shard or restart_shard)"
+                        .into(),
+                )
+            })?;
+            // Fields that do not apply to the action are refused rather than ignored.
+            let only = |allowed: &[&str]| match fields
+                .iter()
+                .find(|(name, set)| *set && !allowed.contains(name))
+            {
+                Some((name, _)) => Err(bad(format!("`{name}` does not apply to {action}"))),
+                None => Ok(()),
+            };
+            let shard_field = |shard: Option<String>| {
+                shard.ok_or_else(|| {
+                    bad(format!(
+                        "missing field `shard` ({action} needs a name, e.g. shard = \"s1\")"
+                    ))
+                })
+            };
             let action = match action.as_str() {
                 "add" => {
                     if e.worker.is_some() {
@@ -191,6 +374,7 @@ impl Scenario {
                                 .into(),
                         ));
                     }
+                    only(&["count"])?;
                     let count = e
                         .count
                         .ok_or_else(|| bad("missing field `count` (workers to add)".into()))?;
@@ -206,6 +390,7 @@ impl Scenario {
                     if e.count.is_some() {
                         return Err(bad(format!("`count` applies to add only, not {action}")));
                     }
+                    only(&["worker"])?;
                     let worker = e.worker.ok_or_else(|| {
                         bad(format!(
                             "missing field `worker` ({action} needs a name, e.g. worker = \"w0\")"
@@ -240,9 +425,80 @@ impl Scenario {
                         _ => Action::Term { worker },
                     }
                 }
+                "shard_add" => {
+                    only(&[])?;
+                    roster.reshapable("add a shard").map_err(bad)?;
+                    let shard = shard_name(roster.next);
+                    roster.next += 1;
+                    roster.serving.push(shard.clone());
+                    Action::ShardAdd { shard }
+                }
+                "shard_remove" => {
+                    only(&["shard"])?;
+                    let shard = shard_field(e.shard)?;
+                    if let Some(why) = roster.not_serving(&shard) {
+                        return Err(bad(format!("cannot remove {shard}: {why}")));
+                    }
+                    roster.reshapable(&format!("remove {shard}")).map_err(bad)?;
+                    if roster.serving.len() == 1 {
+                        return Err(bad(format!(
+                            "cannot remove {shard}: it is the last shard holding keys; add \
+                             another first"
+                        )));
+                    }
+                    roster.serving.retain(|s| *s != shard);
+                    roster.removed.push((shard.clone(), index));
+                    Action::ShardRemove { shard }
+                }
+                "move" => {
+                    only(&["range", "to"])?;
+                    let range = e.range.ok_or_else(|| {
+                        bad("missing field `range` (keys START..END, e.g. range = \"3..6\")".into())
+                    })?;
+                    let (start, end) = edl_ps::admin::parse_range(&range)
+                        .map_err(|why| bad(format!("range = {range:?}: {why}")))?;
+                    let to = e.to.ok_or_else(|| {
+                        bad(
+                            "missing field `to` (the shard that takes the keys, e.g. to = \"s2\")"
+                                .into(),
+                        )
+                    })?;
+                    if let Some(why) = roster.not_serving(&to) {
+                        return Err(bad(format!("cannot move keys to {to}: {why}")));
+                    }
+                    roster
+                        .reshapable(&format!("move keys {start}..{end}"))
+                        .map_err(bad)?;
+                    Action::Move { start, end, to }
+                }
+                "kill_shard" => {
+                    only(&["shard"])?;
+                    let shard = shard_field(e.shard)?;
+                    if let Some(why) = roster.not_serving(&shard) {
+                        return Err(bad(format!("cannot kill {shard}: {why}")));
+                    }
+                    roster.serving.retain(|s| *s != shard);
+                    roster.down.push((shard.clone(), index));
+                    Action::KillShard { shard }
+                }
+                "restart_shard" => {
+                    only(&["shard"])?;
+                    let shard = shard_field(e.shard)?;
+                    let Some(pos) = roster.down.iter().position(|(s, _)| *s == shard) else {
+                        let why = match roster.not_serving(&shard) {
+                            None => format!("{shard} is running; only a killed shard restarts"),
+                            Some(why) => why,
+                        };
+                        return Err(bad(format!("cannot restart {shard}: {why}")));
+                    };
+                    roster.down.remove(pos);
+                    roster.serving.push(shard.clone());
+                    Action::RestartShard { shard }
+                }
                 other => {
                     return Err(bad(format!(
-                        "unknown action {other:?}; expected add, drain, kill or term"
+                        "unknown action {other:?}; expected add, drain, kill, term, shard_add, \
+                         shard_remove, move, kill_shard or restart_shard"
                     )));
                 }
             };
@@ -251,156 +507,50 @@ impl Scenario {
                 action,
             });
         }
+        if let Some((shard, index)) = roster.down.first() {
+            return Err(ScenarioError::Event {
+                index: *index,
+                what: format!(
+                    "{shard} is killed and never restarted: without its keys training could \
+                     never finish; add a restart_shard event"
+                ),
+            });
+        }
         Ok(Scenario { events })
+    }
+
+    /// Checks every `move` against the job's `keys` keys (known once the job runs).
+    pub fn check_keys(&self, keys: u64) -> Result<(), ScenarioError> {
+        for (i, e) in self.events.iter().enumerate() {
+            if let Action::Move { start, end, .. } = e.action
+                && end > keys
+            {
+                return Err(ScenarioError::Event {
+                    index: i + 1,
+                    what: format!(
+                        "keys {start}..{end} are not all in this job: it has {keys} keys \
+                         (0..{keys})"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// True if some event acts on the shard servers.
+    pub fn has_shard_events(&self) -> bool {
+        self.events.iter().any(|e| e.action.is_shard_event())
     }
 
     /// How many workers run once every event has happened, starting from `workers`.
     pub fn final_workers(&self, workers: u32) -> u32 {
         self.events.iter().fold(workers, |n, e| match &e.action {
             Action::Add { names } => n + names.len() as u32,
-            _ => n.saturating_sub(1),
+            Action::Drain { .. } | Action::Kill { .. } | Action::Term { .. } => n.saturating_sub(1),
+            _ => n,
         })
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn err(text: &str, workers: u32) -> String {
-        Scenario::parse(text, workers)
-            .expect_err("should be refused")
-            .to_string()
-    }
-
-    #[test]
-    fn a_churn_scenario_parses_with_continued_names() {
-        let s = Scenario::parse(
-            r#"
-            [[event]]
-            at_s = 3
-            action = "add"
-            count = 2
-            [[event]]
-            at_s = 7.5
-            action = "drain"
-            worker = "w0"
-            [[event]]
-            at_s = 9.0
-            action = "kill"
-            worker = "w3"
-            [[event]]
-            at_s = 9.0
-            action = "add"
-            count = 1
-            [[event]]
-            at_s = 12.0
-            action = "term"
-            worker = "w4"
-            "#,
-            2,
-        )
-        .expect("valid");
-        let actions: Vec<String> = s.events.iter().map(|e| e.action.to_string()).collect();
-        assert_eq!(
-            actions,
-            ["add w2, w3", "drain w0", "kill -9 w3", "add w4", "term w4"]
-        );
-        assert_eq!(s.events[0].at, Duration::from_secs(3));
-        assert_eq!(s.events[1].at, Duration::from_millis(7500));
-        assert_eq!(s.events[2].action.target(), Some("w3"));
-        assert_eq!(s.final_workers(2), 2);
-    }
-
-    #[test]
-    fn bad_fields_are_named() {
-        let e = err("[[event]]\nat_s = 1\naction = \"explode\"\n", 2);
-        assert!(
-            e.contains("event 1") && e.contains("unknown action \"explode\""),
-            "{e}"
-        );
-        let e = err("[[event]]\naction = \"add\"\ncount = 1\n", 2);
-        assert!(e.contains("missing field `at_s`"), "{e}");
-        let e = err("[[event]]\nat_s = 1\ncount = 1\n", 2);
-        assert!(e.contains("missing field `action`"), "{e}");
-        let e = err("[[event]]\nat_s = 1\naction = \"drain\"\n", 2);
-        assert!(e.contains("missing field `worker`"), "{e}");
-        let e = err("[[event]]\nat_s = 1\naction = \"add\"\n", 2);
-        assert!(e.contains("missing field `count`"), "{e}");
-        let e = err("[[event]]\nat_s = 1\naction = \"add\"\ncount = 0\n", 2);
-        assert!(e.contains("count = 0"), "{e}");
-        let e = err(
-            "[[event]]\nat_s = 1\naction = \"kill\"\nworker = \"w0\"\ncount = 2\n",
-            2,
-        );
-        assert!(e.contains("`count` applies to add only"), "{e}");
-        let e = err("[[event]]\nat_s = -1\naction = \"add\"\ncount = 1\n", 2);
-        assert!(e.contains("not a time"), "{e}");
-        // Typos in keys are not silently ignored.
-        let e = err("[[event]]\nat_s = 1\naction = \"add\"\ncuont = 1\n", 2);
-        assert!(e.contains("cuont"), "{e}");
-        assert!(matches!(Scenario::parse("", 2), Err(ScenarioError::Empty)));
-    }
-
-    #[test]
-    fn times_must_be_in_order() {
-        let e = err(
-            "[[event]]\nat_s = 5\naction = \"add\"\ncount = 1\n\
-             [[event]]\nat_s = 4\naction = \"add\"\ncount = 1\n",
-            2,
-        );
-        assert!(e.contains("event 2") && e.contains("time order"), "{e}");
-    }
-
-    #[test]
-    fn worker_names_are_checked_against_the_membership_at_that_point() {
-        let e = err(
-            "[[event]]\nat_s = 1\naction = \"drain\"\nworker = \"w2\"\n",
-            2,
-        );
-        assert!(e.contains("no worker is named \"w2\""), "{e}");
-        assert!(e.contains("running: w0, w1"), "{e}");
-        let e = err(
-            "[[event]]\nat_s = 1\naction = \"kill\"\nworker = \"w1\"\n\
-             [[event]]\nat_s = 2\naction = \"drain\"\nworker = \"w1\"\n",
-            3,
-        );
-        assert!(
-            e.contains("event 2") && e.contains("w1 was killed by event 1"),
-            "{e}"
-        );
-        let e = err(
-            "[[event]]\nat_s = 1\naction = \"term\"\nworker = \"w0\"\n",
-            1,
-        );
-        assert!(e.contains("no worker running"), "{e}");
-        // An added worker can be targeted once it exists.
-        Scenario::parse(
-            "[[event]]\nat_s = 1\naction = \"add\"\ncount = 1\n\
-             [[event]]\nat_s = 2\naction = \"drain\"\nworker = \"w1\"\n",
-            1,
-        )
-        .expect("w1 exists by then");
-    }
-
-    #[test]
-    fn the_shipped_scenarios_are_valid_for_their_worker_counts() {
-        for (text, workers, end) in [
-            (include_str!("../scenarios/grow.toml"), 2, 4),
-            (include_str!("../scenarios/shrink.toml"), 4, 2),
-            (include_str!("../scenarios/kill.toml"), 3, 2),
-            (include_str!("../scenarios/churn.toml"), 2, 3),
-        ] {
-            let s = Scenario::parse(text, workers).expect("valid");
-            assert_eq!(s.final_workers(workers), end, "{text}");
-        }
-    }
-
-    #[test]
-    fn a_missing_file_is_named() {
-        let e = Scenario::load(Path::new("/nonexistent/churn.toml"), 2)
-            .expect_err("missing")
-            .to_string();
-        assert!(e.contains("/nonexistent/churn.toml"), "{e}");
-    }
-}
+mod tests;

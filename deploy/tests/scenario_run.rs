@@ -61,7 +61,7 @@ async fn run(dir: &Path, restart_on_change: bool) -> Report {
         progress_bar: false,
         stall_timeout: Some(Duration::from_secs(60)),
         scenario: Some(ScenarioFile {
-            scenario: Scenario::parse(SCENARIO, 2).expect("scenario"),
+            scenario: Scenario::parse(SCENARIO, 2, 2).expect("scenario"),
             path,
         }),
         restart_on_change,

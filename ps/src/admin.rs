@@ -5,7 +5,7 @@ use bytes::Bytes;
 use edl_shared::Identity;
 use edl_shared::proto::ids::ShardId;
 use edl_shared::proto::msg::{
-    JobStatus, MoveReport, ShardRole, ShardStats, WorkerInfo, WorkerState,
+    JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
 };
 use edl_shared::proto::{JobConfig, ModelSpec, Request, Response, ShardMap, WorkerId};
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
@@ -117,33 +117,42 @@ impl Admin {
         Ok(out)
     }
 
+    /// Every shard server the job has had: id, certificate name, address and role.
+    pub async fn shard_list(&self) -> Result<Vec<ShardEntry>, CallError> {
+        match self.ask(Request::ShardList).await? {
+            Response::ShardList(l) => Ok(l),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// One shard's row: for a shard not retired, its holdings and load, asked of the shard
+    /// itself (a shard that cannot be reached gives its error instead).
+    pub async fn shard_row(&self, entry: &ShardEntry) -> (ShardRow, Option<String>) {
+        let mut row = ShardRow {
+            id: entry.id.0,
+            addr: entry.addr.clone(),
+            role: role_name(entry.role).into(),
+            ..ShardRow::default()
+        };
+        if entry.role == ShardRole::Retired {
+            return (row, None);
+        }
+        match self.ask_shard(&entry.addr, Request::ShardStats).await {
+            Ok(Response::ShardStats(s)) => {
+                row.fill(&s);
+                (row, None)
+            }
+            Ok(other) => (row, Some(CallError::unexpected(&other).to_string())),
+            Err(e) => (row, Some(e.to_string())),
+        }
+    }
+
     /// Every shard the job has had, with its role; for those not retired, holdings and load
     /// (a shard that cannot be reached gives its error instead).
     pub async fn shard_stats(&self) -> Result<Vec<(ShardRow, Option<String>)>, CallError> {
-        let list = match self.ask(Request::ShardList).await? {
-            Response::ShardList(l) => l,
-            other => return Err(CallError::unexpected(&other)),
-        };
         let mut out = Vec::new();
-        for entry in &list {
-            let mut row = ShardRow {
-                id: entry.id.0,
-                addr: entry.addr.clone(),
-                role: role_name(entry.role).into(),
-                ..ShardRow::default()
-            };
-            if entry.role == ShardRole::Retired {
-                out.push((row, None));
-                continue;
-            }
-            match self.ask_shard(&entry.addr, Request::ShardStats).await {
-                Ok(Response::ShardStats(s)) => {
-                    row.fill(&s);
-                    out.push((row, None));
-                }
-                Ok(other) => out.push((row, Some(CallError::unexpected(&other).to_string()))),
-                Err(e) => out.push((row, Some(e.to_string()))),
-            }
+        for entry in &self.shard_list().await? {
+            out.push(self.shard_row(entry).await);
         }
         Ok(out)
     }

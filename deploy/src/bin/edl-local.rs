@@ -54,8 +54,8 @@ struct Cli {
     /// Write a JSON report of the run to this file.
     #[arg(long)]
     report: Option<PathBuf>,
-    /// Write the coordinator's raw trace (membership events and the time of every step) as
-    /// JSON to this file.
+    /// Write the coordinator's raw trace (membership events, key-range moves and the time of
+    /// every step) as JSON to this file.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// State directory for the PKI, the coordinator's address file and one log per process
@@ -74,14 +74,17 @@ struct Cli {
     /// behaviour when stderr is not a terminal).
     #[arg(long)]
     no_progress: bool,
-    /// Replay the timed membership changes of this TOML file (add, drain, kill, term) while
-    /// the job trains; see deploy/scenarios/. Times count from the first admitted worker;
-    /// worker names are w0.. for the initial workers and continue for added ones. The file is
-    /// checked before anything starts.
+    /// Replay the timed events of this TOML file while the job trains: worker membership
+    /// changes (add, drain, kill, term) and shard events (shard_add, shard_remove, move,
+    /// kill_shard, restart_shard); see deploy/scenarios/. Times count from the first admitted
+    /// worker; worker names are w0.. for the initial workers and shard names s0.. for the
+    /// initial shards, and both continue for added ones. The file is checked before anything
+    /// starts.
     #[arg(long, value_name = "FILE")]
     scenario: Option<PathBuf>,
-    /// The classic baseline: carry out every membership change of the scenario by
-    /// checkpointing, stopping all workers and starting the new number afresh.
+    /// The classic baseline: carry out every worker membership change of the scenario by
+    /// checkpointing, stopping all workers and starting the new number afresh. Shard events
+    /// are carried out as without this flag.
     #[arg(long, requires = "scenario", long_help = format!(
         "{RESTART_NOTE} \
          The report lists each restart with its checkpoint, stop and start times, and the \
@@ -94,7 +97,7 @@ impl Cli {
     fn into_config(self) -> anyhow::Result<LocalConfig> {
         let scenario = match self.scenario {
             Some(path) => Some(ScenarioFile {
-                scenario: Scenario::load(&path, self.workers)
+                scenario: Scenario::load(&path, self.workers, self.shards)
                     .with_context(|| format!("--scenario {}", path.display()))?,
                 path,
             }),

@@ -8,14 +8,17 @@
 //!
 //! With a scenario ([`crate::scenario`]) the launcher also changes the membership while the job
 //! trains (module `play`): elastically, or with the stop-everything restarts of the
-//! `--restart-on-change` baseline. Afterwards it reads the coordinator's trace and the shards'
-//! ledgers, so the report says what every event cost and whether each sample was applied
-//! exactly once.
+//! `--restart-on-change` baseline; and it reshapes the shard servers online in both modes
+//! (module `shards`). Afterwards it reads the coordinator's trace, the shards' ledgers and
+//! the final shard layout, so the report says what every event and key-range move cost and
+//! whether each sample was applied exactly once.
 
 mod play;
 mod setup;
+mod shards;
 mod workers;
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -33,16 +36,23 @@ use edl_worker::{ClientConfig, Job};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::costs::{epoch_reports, event_costs, kind_summaries, stall_noise};
+use crate::costs::{
+    ShardAction, epoch_reports, event_costs, kind_summaries, launcher_lag, shard_costs,
+    shard_quiet_spans, stall_noise,
+};
 use crate::procs::{Proc, Spawn, Stopped, failure_message};
 use crate::progress::{Progress, StallWatch, active_workers, worker_states};
-use crate::report::{Evaluation, Report, RestartReport, SkippedEvent, TraceDump, throughput};
+use crate::report::{
+    Evaluation, Report, RestartReport, ShardLayout, SkippedEvent, TraceDump, throughput,
+};
 use crate::scenario::{Scenario, worker_name};
+use edl_ps::admin::Admin;
 use play::Player;
+use shards::Shards;
 use workers::{Fate, WorkerProc, Workers};
 
 pub use setup::fresh_state_dir;
-use setup::{Binaries, issue_certificates, shard_name};
+use setup::{Binaries, issue_certificates};
 
 /// The coordinator's certificate name; `edl-ps coordinator` always uses it.
 const COORDINATOR_NAME: &str = "coordinator";
@@ -55,8 +65,9 @@ const COORDINATOR_START: Duration = Duration::from_secs(30);
 /// How often child processes are checked for an exit (and scenario events for being due).
 const CHILD_CHECK: Duration = Duration::from_millis(50);
 /// How often the launcher looks for the coordinator's address file. Its appearance is the
-/// launcher's best estimate of the coordinator's time zero, which the trace counts from.
-const ADDR_CHECK: Duration = Duration::from_millis(10);
+/// launcher's first estimate of the coordinator's time zero, which the trace counts from
+/// (resharding requests refine it; see [`crate::costs::launcher_lag`]).
+const ADDR_CHECK: Duration = Duration::from_millis(2);
 /// How often the coordinator is asked for its status.
 const STATUS_PERIOD: Duration = Duration::from_millis(250);
 /// How long one status call may take before it is given up (the next one is tried).
@@ -133,12 +144,15 @@ pub const RESTART_NOTE: &str = "The classic stop-everything baseline, for compar
     new names. The parameter servers keep running and keep the parameters, so the new \
     workers' first pull is the restore; the checkpoint file is written but never read back. A \
     kill is SIGKILL to the victim first, then the same restart with one worker fewer; as in \
-    elastic mode, the coordinator counts the victim until its lease expires.";
+    elastic mode, the coordinator counts the victim until its lease expires. Shard events \
+    (shard_add, shard_remove, move, kill_shard, restart_shard) change no worker: they are \
+    carried out online, exactly as in elastic mode.";
 
 /// What elastic membership means, for the report.
 const ELASTIC_NOTE: &str = "Workers are added, drained, sent SIGTERM or killed while \
     the others keep training; the coordinator re-issues a departed worker's uncommitted data \
-    from where its committed samples end.";
+    from where its committed samples end. Shards are added, removed and killed, and key \
+    ranges moved between them, while the workers keep training and re-route.";
 
 /// Runs the job described by `cfg` to the end and returns its report, written to
 /// `cfg.report` as well when that is set.
@@ -179,9 +193,12 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         coordinator: None,
         coordinator_addr: None,
         coordinator_zero: None,
-        shards: Vec::new(),
+        shards: Shards::default(),
         workers: Workers::default(),
         poller: None,
+        admin: None,
+        shard_actions: Vec::new(),
+        reshape_marks: Vec::new(),
     };
     run.progress.println(&format!(
         "edl-local: state and logs in {}",
@@ -210,7 +227,13 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     })?;
 
     let samples: u64 = trained.status.epochs.iter().map(|e| e.samples).sum();
-    let events = event_costs(&trained.trace);
+    let mut events = event_costs(&trained.trace);
+    events.extend(shard_costs(
+        &trained.trace,
+        &trained.shard_names,
+        &trained.shard_actions,
+    ));
+    events.sort_by_key(|e| e.t_ms);
     let train_wall_s = trained.train_wall.as_secs_f64();
     let report = Report {
         test_accuracy: trained.evaluation.test_accuracy,
@@ -244,11 +267,15 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         }
         .into(),
         event_summary: kind_summaries(&events),
-        stall_noise: stall_noise(&trained.trace),
+        stall_noise: stall_noise(
+            &trained.trace,
+            &shard_quiet_spans(&trained.trace, &trained.shard_actions),
+        ),
         events,
         restarts: trained.restarts,
         scenario_skipped: trained.skipped,
         worker_processes: trained.worker_processes,
+        shard_layout: trained.shard_layout,
         state_dir,
         shutdown_problems: problems,
     };
@@ -272,6 +299,9 @@ struct Trained {
     restarts: Vec<RestartReport>,
     skipped: Vec<SkippedEvent>,
     worker_processes: Vec<crate::report::WorkerProcess>,
+    shard_layout: Vec<ShardLayout>,
+    shard_names: BTreeMap<ShardId, String>,
+    shard_actions: Vec<ShardAction>,
 }
 
 /// What the status poller tells the launcher.
@@ -295,9 +325,16 @@ struct Launch<'a> {
     coordinator_addr: Option<SocketAddr>,
     /// When the coordinator's trace clock started, as near as the launcher can tell.
     coordinator_zero: Option<Instant>,
-    shards: Vec<Proc>,
+    shards: Shards,
     workers: Workers,
     poller: Option<JoinHandle<()>>,
+    /// The launcher's admin connection to the coordinator (shard events, the final layout).
+    admin: Option<Admin>,
+    /// The shard events carried out so far.
+    shard_actions: Vec<ShardAction>,
+    /// The reshaping requests sent so far: when (by the launcher's clock) and the map epoch
+    /// of their first move.
+    reshape_marks: Vec<(u64, u64)>,
 }
 
 impl Launch<'_> {
@@ -305,7 +342,16 @@ impl Launch<'_> {
     /// the servers to [`Launch::stop`].
     async fn drive(&mut self, launcher: edl_shared::Identity) -> anyhow::Result<Trained> {
         let coordinator = self.start_coordinator().await?;
-        self.start_shards(&coordinator)?;
+        self.admin = Some(
+            Admin::connect(
+                &coordinator.to_string(),
+                &launcher,
+                TransportSettings::default(),
+            )
+            .await
+            .context("connecting to the coordinator as an admin")?,
+        );
+        self.start_shards().await?;
         self.start_workers()?;
         let workers_started = Instant::now();
         self.progress.println(&format!(
@@ -343,7 +389,16 @@ impl Launch<'_> {
         let last_exit = loop {
             tokio::select! {
                 polled = rx.recv(), if polling => match polled {
-                    Some(Polled::Connected(j)) => job = Some(j),
+                    Some(Polled::Connected(j)) => {
+                        // The job's keys are known now: a move outside them is refused
+                        // before any event is replayed.
+                        if let Some(s) = &self.cfg.scenario {
+                            s.scenario
+                                .check_keys(j.layout().num_keys())
+                                .with_context(|| format!("--scenario {}", s.path.display()))?;
+                        }
+                        job = Some(j);
+                    }
                     Some(Polled::Status(st, at)) => {
                         if first_active.is_none() && active_workers(&st) > 0 {
                             first_active = Some(at);
@@ -403,7 +458,7 @@ impl Launch<'_> {
             None => {
                 let client = ClientConfig {
                     coordinator: coordinator.to_string(),
-                    identity: launcher,
+                    identity: launcher.clone(),
                     settings: TransportSettings::default(),
                 };
                 tokio::time::timeout(FINAL_STATUS_TIMEOUT, Job::connect(&client))
@@ -420,10 +475,22 @@ impl Launch<'_> {
             .await
             .context("the trace request timed out")?
             .context("asking the coordinator for its event trace")?;
-        let ledgers = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.ledgers())
-            .await
-            .context("the ledger requests timed out")?
-            .context("asking the shards for their data ledgers")?;
+        // The shard map may have changed since `job` connected: a fresh connection reads the
+        // ledgers of the shards that hold keys now (a retired shard holds none).
+        let ledgers = tokio::time::timeout(FINAL_STATUS_TIMEOUT, async {
+            let now = Job::connect(&ClientConfig {
+                coordinator: coordinator.to_string(),
+                identity: launcher.clone(),
+                settings: TransportSettings::default(),
+            })
+            .await?;
+            now.ledgers().await
+        })
+        .await
+        .context("the ledger requests timed out")?
+        .context("asking the shards for their data ledgers")?;
+        let (shard_layout, shard_names) = self.shard_layout().await?;
+        let shard_actions = self.calibrated_shard_actions(&trace);
         self.progress.finish(&status);
         self.progress
             .println("edl-local: training done; evaluating on the test set");
@@ -437,7 +504,21 @@ impl Launch<'_> {
             restarts,
             skipped,
             worker_processes: self.workers.report(),
+            shard_layout,
+            shard_names,
+            shard_actions,
         })
+    }
+
+    /// The shard events in the coordinator's time base, corrected for the lag of the
+    /// launcher's copy of its clock (see [`crate::costs::launcher_lag`]).
+    fn calibrated_shard_actions(&mut self, trace: &JobTrace) -> Vec<ShardAction> {
+        let lag = launcher_lag(trace, &self.reshape_marks);
+        let mut actions = std::mem::take(&mut self.shard_actions);
+        for a in &mut actions {
+            a.t_ms += lag;
+        }
+        actions
     }
 
     /// Starts the coordinator and waits until it has written its address.
@@ -519,29 +600,6 @@ impl Launch<'_> {
         }
     }
 
-    fn start_shards(&mut self, coordinator: &SocketAddr) -> anyhow::Result<()> {
-        for i in 0..self.cfg.shards {
-            let name = shard_name(i);
-            let mut args = args(&["shard", "--listen", "127.0.0.1:0"]);
-            args.extend([
-                "--coordinator".into(),
-                coordinator.to_string().into(),
-                "--name".into(),
-                name.clone().into(),
-                "--state-dir".into(),
-                self.state_dir.clone().into_os_string(),
-            ]);
-            self.shards.push(Proc::spawn(Spawn {
-                log: self.logs.join(format!("{name}.log")),
-                name,
-                program: self.bins.ps.clone(),
-                args,
-                capture_stdout: false,
-            })?);
-        }
-        Ok(())
-    }
-
     fn start_workers(&mut self) -> anyhow::Result<()> {
         for i in 0..self.cfg.workers {
             let name = worker_name(i);
@@ -592,14 +650,16 @@ impl Launch<'_> {
         args
     }
 
-    /// Fails if the coordinator or a shard has exited: training cannot go on without them.
+    /// Fails if the coordinator or a shard has exited, unless it was a shard the launcher
+    /// killed or the coordinator removed (see [`Shards::check`]): training cannot go on
+    /// without them.
     fn check_servers(&mut self) -> anyhow::Result<()> {
-        for p in self.coordinator.iter_mut().chain(self.shards.iter_mut()) {
-            if let Some(status) = p.try_exit()? {
-                bail!("{}", p.failure("exited during training", status));
-            }
+        if let Some(p) = self.coordinator.as_mut()
+            && let Some(status) = p.try_exit()?
+        {
+            bail!("{}", p.failure("exited during training", status));
         }
-        Ok(())
+        self.shards.check()
     }
 
     /// Runs the evaluator on the final parameters and reads its verdict.
@@ -639,30 +699,36 @@ impl Launch<'_> {
             p.abort();
         }
         let mut problems = self.workers.terminate_all(STOP_GRACE).await;
-        let servers = self.shards.iter_mut().chain(self.coordinator.iter_mut());
-        for p in servers {
-            match p.terminate(STOP_GRACE).await {
-                Ok(Stopped::OnTerm(s)) | Ok(Stopped::Before(s)) if s.success() => {}
-                Ok(Stopped::OnTerm(s)) => problems.push(format!(
-                    "{} exited with {s} on SIGTERM; see {}",
-                    p.name(),
-                    p.log().display()
-                )),
-                Ok(Stopped::Before(s)) => problems.push(format!(
-                    "{} had already exited with {s}; see {}",
-                    p.name(),
-                    p.log().display()
-                )),
-                Ok(Stopped::Killed) => problems.push(format!(
-                    "{} did not stop within {} s of SIGTERM and was killed; see {}",
-                    p.name(),
-                    STOP_GRACE.as_secs(),
-                    p.log().display()
-                )),
-                Err(e) => problems.push(format!("{e:#}")),
-            }
+        problems.extend(self.shards.stop(STOP_GRACE).await);
+        if let Some(p) = self.coordinator.as_mut() {
+            problems.extend(stop_server(p, STOP_GRACE).await);
         }
         problems
+    }
+}
+
+/// Stops a server with SIGTERM and `grace`; returns the problem worth reporting, if any: an
+/// abnormal exit, or having had to kill it.
+async fn stop_server(p: &mut Proc, grace: Duration) -> Option<String> {
+    match p.terminate(grace).await {
+        Ok(Stopped::OnTerm(s)) | Ok(Stopped::Before(s)) if s.success() => None,
+        Ok(Stopped::OnTerm(s)) => Some(format!(
+            "{} exited with {s} on SIGTERM; see {}",
+            p.name(),
+            p.log().display()
+        )),
+        Ok(Stopped::Before(s)) => Some(format!(
+            "{} had already exited with {s}; see {}",
+            p.name(),
+            p.log().display()
+        )),
+        Ok(Stopped::Killed) => Some(format!(
+            "{} did not stop within {} s of SIGTERM and was killed; see {}",
+            p.name(),
+            grace.as_secs(),
+            p.log().display()
+        )),
+        Err(e) => Some(format!("{e:#}")),
     }
 }
 

@@ -1,6 +1,8 @@
-//! Scenario playback: each event, once due, is carried out against the running job, either
-//! elastically (start workers, drain one through the coordinator, signal one) or, with
-//! `--restart-on-change`, as a stop-everything restart (see [`super::RESTART_NOTE`]).
+//! Scenario playback: each event, once due, is carried out against the running job. A worker
+//! event is carried out either elastically (start workers, drain one through the coordinator,
+//! signal one) or, with `--restart-on-change`, as a stop-everything restart (see
+//! [`super::RESTART_NOTE`]); a shard event the same way in both modes (module `shards`),
+//! since it does not change the worker membership.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -17,7 +19,9 @@ use super::workers::{Fate, allowed};
 use crate::report::{RestartReport, SkippedEvent};
 use crate::scenario::{Action, Scenario, ScenarioEvent};
 
-/// How long a drain waits for its worker to be admitted (it may still be loading its data).
+/// How long an event may wait to become possible: a drain for its worker to be admitted (it
+/// may still be loading its data), a shard add for the new shard to join, a shard restart for
+/// the shard to serve again.
 const ADMISSION_WAIT: Duration = Duration::from_secs(120);
 /// How long one admin request to the coordinator may take.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -35,7 +39,7 @@ const KILL_WAIT: Duration = Duration::from_secs(10);
 pub(super) struct Player {
     pending: VecDeque<ScenarioEvent>,
     restart: bool,
-    /// Since when the front event has waited for its worker to be admitted.
+    /// Since when the front event has waited to become possible.
     waiting_since: Option<Instant>,
     /// The restarts done so far.
     pub restarts: Vec<RestartReport>,
@@ -44,7 +48,7 @@ pub(super) struct Player {
 }
 
 /// What became of a due event.
-enum Outcome {
+pub(super) enum Outcome {
     Done,
     Skipped(String),
     /// Not possible yet; try again at the next check.
@@ -75,9 +79,9 @@ impl Player {
     pub fn finish(&mut self, elapsed: Option<Duration>) {
         while let Some(ev) = self.pending.pop_front() {
             let reason = match (self.waiting_since.take(), elapsed) {
-                (Some(_), _) => {
-                    "training ended while it waited for its worker to be admitted".to_string()
-                }
+                (Some(_), _) => "training ended while it waited to become possible (a worker to \
+                                  be admitted, a shard to join or to serve again)"
+                    .to_string(),
                 (None, Some(e)) => format!("training ended at {:.1} s", e.as_secs_f64()),
                 (None, None) => "training ended before any worker was admitted".to_string(),
             };
@@ -98,7 +102,9 @@ impl Launch<'_> {
             if zero.elapsed() < ev.at {
                 break;
             }
-            let outcome = if player.restart {
+            let outcome = if ev.action.is_shard_event() {
+                self.apply_shard(&ev).await?
+            } else if player.restart {
                 self.restart(player, &ev, job).await?
             } else {
                 self.apply(&ev, job).await?
@@ -123,7 +129,8 @@ impl Launch<'_> {
                             ADMISSION_WAIT.as_secs()
                         );
                     }
-                    // Later events wait too, so that the scenario keeps its order.
+                    // Later events wait too, so that the scenario keeps its order. Waiting is
+                    // done over several checks so that the launcher keeps watching its children.
                     return Ok(());
                 }
             }
@@ -203,6 +210,7 @@ impl Launch<'_> {
                     .println(&format!("edl-local: {at:.1} s: {}", ev.action));
                 Ok(Outcome::Done)
             }
+            _ => self.apply_shard(ev).await,
         }
     }
 
@@ -370,7 +378,7 @@ impl Launch<'_> {
     }
 
     /// `at` in milliseconds since the coordinator started, the trace's time base.
-    fn coordinator_ms(&self, at: Instant) -> u64 {
+    pub(super) fn coordinator_ms(&self, at: Instant) -> u64 {
         self.coordinator_zero
             .map(|z| at.saturating_duration_since(z).as_millis() as u64)
             .unwrap_or(0)

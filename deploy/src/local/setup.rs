@@ -9,7 +9,7 @@ use edl_shared::Role;
 use edl_shared::pki::PkiDir;
 
 use super::{COORDINATOR_NAME, EVALUATOR_NAME, LAUNCHER_NAME, LocalConfig};
-use crate::scenario::worker_name;
+use crate::scenario::{shard_name, worker_name};
 
 /// Creates a new directory `edl-local-<unix seconds>` under `parent`, with a counter appended
 /// when runs start within the same second.
@@ -61,10 +61,6 @@ pub(super) fn issue_certificates(
     }
     pki.ensure(Role::Admin, LAUNCHER_NAME)
         .context("issuing the launcher's certificate")
-}
-
-pub(super) fn shard_name(i: u32) -> String {
-    format!("s{i}")
 }
 
 /// The programs the launcher starts.

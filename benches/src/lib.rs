@@ -1,3 +1,10 @@
-//! EDL benchmarks. The `edl-bench` binary (transport, apply, scale, elastic and time-to-accuracy
-//! benchmarks, issue [bench]) will live here; until then this crate only holds its place in the
-//! workspace layout and measures nothing.
+//! EDL's benchmarks, run by the `edl-bench` binary: transport (EDL against bare quinn and
+//! TCP), apply (server-side optimizers against memcpy), scale (synthetic workers over shards),
+//! elastic (membership changes on a running job) and tta (time to accuracy). Each prints a
+//! table and can write JSON; `edl-bench all` regenerates `BENCHMARKS.md`.
+
+pub mod apply;
+pub mod plots;
+pub mod report;
+pub mod stats;
+pub mod transport;

@@ -9,6 +9,7 @@ use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use edl_shared::transport::{DATAGRAM_ENV, LOOPBACK_DATAGRAM};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
@@ -78,6 +79,10 @@ impl Proc {
             .kill_on_drop(true);
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
+        }
+        // Every process of a local run talks over loopback, which carries large datagrams.
+        if std::env::var_os(DATAGRAM_ENV).is_none() {
+            cmd.env(DATAGRAM_ENV, LOOPBACK_DATAGRAM.to_string());
         }
         let child = cmd
             .spawn()

@@ -216,10 +216,20 @@ impl<T: Message> Frame<T> {
 /// Converts f32 values to their little-endian wire bytes.
 pub fn f32s_to_bytes(values: &[f32]) -> Bytes {
     let mut out = BytesMut::with_capacity(values.len() * 4);
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
+    extend_f32s(&mut out, values);
     out.freeze()
+}
+
+/// Appends `values` as little-endian f32 to `out` (one memcpy on little-endian machines).
+pub fn extend_f32s(out: &mut BytesMut, values: &[f32]) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(values));
+    } else {
+        out.reserve(values.len() * 4);
+        for v in values {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
 }
 
 /// Reads little-endian f32 values from wire bytes into `out`; the length must be a multiple of 4.
@@ -230,10 +240,24 @@ pub fn bytes_to_f32s(bytes: &[u8], out: &mut [f32]) -> Result<(), ProtoError> {
             got: bytes.len() as u64,
         });
     }
-    for (dst, src) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-        *dst = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+    if cfg!(target_endian = "little") {
+        bytemuck::cast_slice_mut::<f32, u8>(out).copy_from_slice(bytes);
+    } else {
+        for (dst, src) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            *dst = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+        }
     }
     Ok(())
+}
+
+/// The wire bytes as f32 values without copying, when they are aligned for f32 (a payload
+/// buffer of its own usually is) and the machine is little-endian; `None` otherwise.
+pub fn f32s_in_place(bytes: &[u8]) -> Option<&[f32]> {
+    if cfg!(target_endian = "little") {
+        bytemuck::try_cast_slice(bytes).ok()
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -130,6 +130,7 @@ impl Admin {
     pub async fn shard_row(&self, entry: &ShardEntry) -> (ShardRow, Option<String>) {
         let mut row = ShardRow {
             id: entry.id.0,
+            name: entry.name.clone(),
             addr: entry.addr.clone(),
             role: role_name(entry.role).into(),
             ..ShardRow::default()
@@ -418,6 +419,8 @@ pub struct CheckpointRow {
 pub struct ShardRow {
     /// Shard id.
     pub id: u32,
+    /// The name in its certificate (the process's `--name`).
+    pub name: String,
     /// Address.
     pub addr: String,
     /// active, standby or retired.

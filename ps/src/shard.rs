@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
-use edl_shared::proto::frame::bytes_to_f32s;
+use edl_shared::proto::frame::{bytes_to_f32s, extend_f32s, f32s_in_place};
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
@@ -383,7 +383,10 @@ impl ShardState {
         let _gate = read_lock(&self.gate);
         self.check_held(keys())?;
         let mut refs = Vec::with_capacity(count as usize);
-        let mut out = BytesMut::new();
+        let floats: usize = keys()
+            .filter_map(|k| self.chunks.get(&k).map(|c| c.params.len()))
+            .sum();
+        let mut out = BytesMut::with_capacity(floats * 4);
         for key in keys() {
             let Some(mut chunk) = self.chunks.get_mut(&key) else {
                 return Err(Refusal::new(ErrorCode::Internal, format!("{key} vanished")));
@@ -392,10 +395,7 @@ impl ShardState {
                 apply_due(&self.job, &mut chunk, apply_through.0);
             }
             chunk.load += chunk.params.len() as u64;
-            out.reserve(chunk.params.len() * 4);
-            for v in &chunk.params {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
+            extend_f32s(&mut out, &chunk.params);
             refs.push(ChunkRef {
                 key,
                 len: chunk.params.len() as u32,
@@ -434,9 +434,18 @@ impl ShardState {
                 format!("{} payload bytes for {total} floats", payload.len()),
             )));
         }
-        let mut grads = vec![0f32; total as usize];
-        bytes_to_f32s(payload, &mut grads)
-            .map_err(|e| bad((ErrorCode::Malformed, e.to_string())))?;
+        // Read the gradients where they lie when the payload is aligned (it usually is).
+        let decoded: Vec<f32>;
+        let grads: &[f32] = match f32s_in_place(payload) {
+            Some(g) => g,
+            None => {
+                let mut v = vec![0f32; total as usize];
+                bytes_to_f32s(payload, &mut v)
+                    .map_err(|e| bad((ErrorCode::Malformed, e.to_string())))?;
+                decoded = v;
+                &decoded
+            }
+        };
         if let Some(i) = grads.iter().position(|g| !g.is_finite()) {
             return Err(bad((
                 ErrorCode::NonFinite,

@@ -33,10 +33,36 @@ pub struct TransportSettings {
     pub keep_alive: Duration,
     /// Frame size limits for received messages.
     pub limits: FrameLimits,
+    /// A fixed UDP datagram size (bytes of UDP payload) for paths known to carry it: loopback,
+    /// or networks with jumbo frames. `None` keeps QUIC's safe default for any network
+    /// (1200-byte datagrams, probing upward to what the path carries). Large datagrams are
+    /// what makes bulk transfer fast: per-packet work is most of QUIC's cost.
+    pub datagram: Option<u16>,
+    /// Socket send and receive buffer size asked of the kernel (it caps the request at
+    /// `net.core.rmem_max` / `wmem_max`). Small buffers drop packets under load.
+    pub socket_buffer: usize,
 }
 
+/// The environment variable that sets [`TransportSettings::datagram`] for every EDL process
+/// (`edl-local` sets it for loopback runs).
+pub const DATAGRAM_ENV: &str = "EDL_DATAGRAM";
+
+/// The datagram size for loopback (whose MTU is 64 KiB): measured fastest with
+/// `edl-bench transport --datagram N` among 9000, 16000, 32000 and 65000 bytes.
+pub const LOOPBACK_DATAGRAM: u16 = 65_000;
+
+/// The largest UDP payload quinn sends or accepts.
+const MAX_UDP_PAYLOAD: u16 = 65_527;
+/// quinn-proto 0.11 overflows a padded Initial above this `min_mtu`.
+const MAX_MIN_MTU: u16 = 16_383;
+
 impl Default for TransportSettings {
+    /// The defaults, with [`DATAGRAM_ENV`] applied when it holds a size from 1200 to 65527.
     fn default() -> Self {
+        let datagram = std::env::var(DATAGRAM_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<u16>().ok())
+            .filter(|n| (1200..=MAX_UDP_PAYLOAD).contains(n));
         TransportSettings {
             stream_window: 32 << 20,
             conn_window: 128 << 20,
@@ -45,13 +71,31 @@ impl Default for TransportSettings {
             idle_timeout: Duration::from_secs(6),
             keep_alive: Duration::from_millis(1500),
             limits: FrameLimits::default(),
+            datagram,
+            socket_buffer: 8 << 20,
         }
     }
 }
 
 impl TransportSettings {
+    /// These settings with a fixed datagram size (`None`: QUIC's default and path probing).
+    pub fn with_datagram(mut self, datagram: Option<u16>) -> Self {
+        self.datagram = datagram.map(|n| n.clamp(1200, MAX_UDP_PAYLOAD));
+        self
+    }
+
     fn quinn(&self) -> Result<quinn::TransportConfig, PkiError> {
         let mut t = quinn::TransportConfig::default();
+        if let Some(n) = self.datagram {
+            // The path is known: start at the size, never probe, never fall back below it. The
+            // congestion window must hold several datagrams or the handshake never leaves.
+            t.initial_mtu(n)
+                .min_mtu(n.min(MAX_MIN_MTU))
+                .mtu_discovery_config(None);
+            let mut cubic = quinn::congestion::CubicConfig::default();
+            cubic.initial_window(10 * u64::from(n));
+            t.congestion_controller_factory(Arc::new(cubic));
+        }
         t.stream_receive_window(VarInt::from_u32(self.stream_window));
         t.receive_window(VarInt::from_u32(self.conn_window));
         t.send_window(u64::from(self.conn_window));
@@ -146,10 +190,86 @@ pub fn server_endpoint(
     endpoint_cfg.cid_generator(move || {
         Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
     });
-    let socket = std::net::UdpSocket::bind(addr).map_err(CallError::Bind)?;
+    endpoint(addr, endpoint_cfg, Some(cfg), settings)
+}
+
+/// Binds a UDP socket with the buffers of `settings` and makes it a quinn endpoint.
+fn endpoint(
+    addr: SocketAddr,
+    mut config: quinn::EndpointConfig,
+    server: Option<quinn::ServerConfig>,
+    settings: &TransportSettings,
+) -> Result<Endpoint, CallError> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    if let Some(n) = settings.datagram {
+        // Tell peers that datagrams this large are welcome (the default says 1472 bytes).
+        config
+            .max_udp_payload_size(n.clamp(1200, MAX_UDP_PAYLOAD))
+            .map_err(|e| CallError::Bind(std::io::Error::other(e.to_string())))?;
+    }
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))
+        .map_err(CallError::Bind)?;
+    // Best effort: the kernel caps the sizes, and a smaller buffer still works.
+    let _ = socket.set_recv_buffer_size(settings.socket_buffer);
+    let _ = socket.set_send_buffer_size(settings.socket_buffer);
+    socket.bind(&addr.into()).map_err(CallError::Bind)?;
     let runtime = quinn::default_runtime()
         .ok_or_else(|| CallError::Bind(std::io::Error::other("no async runtime")))?;
-    Endpoint::new(endpoint_cfg, Some(cfg), socket, runtime).map_err(CallError::Bind)
+    let udp = runtime
+        .wrap_udp_socket(socket.into())
+        .map_err(CallError::Bind)?;
+    let udp: Arc<dyn quinn::AsyncUdpSocket> = match settings.datagram {
+        Some(n) => Arc::new(CappedSegments {
+            max: (usize::from(MAX_UDP_PAYLOAD) / usize::from(n.max(1))).max(1),
+            inner: udp,
+        }),
+        None => udp,
+    };
+    Endpoint::new_with_abstract_socket(config, server, udp, runtime).map_err(CallError::Bind)
+}
+
+/// A UDP socket whose segmentation-offload batches stay within one UDP payload: with large
+/// datagrams quinn would batch up to ten, the kernel refuses the send (EMSGSIZE), quinn takes
+/// it for loss and falls back to small datagrams.
+#[derive(Debug)]
+struct CappedSegments {
+    inner: Arc<dyn quinn::AsyncUdpSocket>,
+    max: usize,
+}
+
+impl quinn::AsyncUdpSocket for CappedSegments {
+    fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &quinn::udp::Transmit) -> std::io::Result<()> {
+        self.inner.try_send(transmit)
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut std::task::Context,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        meta: &mut [quinn::udp::RecvMeta],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.inner.max_transmit_segments().min(self.max)
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.inner.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.inner.may_fragment()
+    }
 }
 
 /// Binds a client endpoint on an ephemeral port of the given address family.
@@ -163,7 +283,7 @@ pub fn client_endpoint(
     } else {
         SocketAddr::from(([0u8; 4], 0))
     };
-    let mut ep = Endpoint::client(bind).map_err(CallError::Bind)?;
+    let mut ep = endpoint(bind, quinn::EndpointConfig::default(), None, settings)?;
     ep.set_default_client_config(client_config(id, settings)?);
     Ok(ep)
 }

@@ -45,11 +45,20 @@ impl TestCluster {
     /// Starts a coordinator for `job` and `shards` shard servers, and waits until the shard map
     /// has formed.
     pub async fn start(job: JobConfig, shards: u32) -> anyhow::Result<TestCluster> {
+        Self::start_with(job, shards, TransportSettings::default()).await
+    }
+
+    /// [`TestCluster::start`] with explicit transport settings for the servers (clients pick
+    /// theirs in [`TestCluster::client_config`]'s result).
+    pub async fn start_with(
+        job: JobConfig,
+        shards: u32,
+        settings: TransportSettings,
+    ) -> anyhow::Result<TestCluster> {
         edl_shared::telemetry::init("warn");
         let dir = tempfile::tempdir()?;
         let pki = PkiDir::new(dir.path());
         pki.init_ca()?;
-        let settings = TransportSettings::default();
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
         let id = pki.ensure(Role::Coordinator, "coordinator")?;

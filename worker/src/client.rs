@@ -329,6 +329,8 @@ impl Job {
 
     /// Every shard's per-epoch data ledger.
     pub async fn ledgers(&self) -> Result<Vec<(ShardId, Vec<EpochLedger>)>, ClientError> {
+        // Ask the shards that hold keys now: ranges may have moved since this client connected.
+        self.refresh_map().await?;
         let mut out = Vec::new();
         for s in &self.routing().links {
             match s.current().call(Request::Ledger, Bytes::new()).await?.msg {

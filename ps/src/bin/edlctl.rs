@@ -222,6 +222,7 @@ async fn main() -> anyhow::Result<()> {
             }
             let mut t = table(&[
                 "id",
+                "name",
                 "address",
                 "role",
                 "key ranges",
@@ -234,16 +235,21 @@ async fn main() -> anyhow::Result<()> {
             for (r, err) in &rows {
                 match err {
                     Some(e) => t.add_row(vec![
-                        r.id.to_string(),
+                        format!("s{}", r.id),
+                        r.name.clone(),
                         r.addr.clone(),
                         r.role.clone(),
                         format!("unreachable: {e}"),
                     ]),
-                    None if r.role == "retired" => {
-                        t.add_row(vec![r.id.to_string(), r.addr.clone(), r.role.clone()])
-                    }
+                    None if r.role == "retired" => t.add_row(vec![
+                        format!("s{}", r.id),
+                        r.name.clone(),
+                        r.addr.clone(),
+                        r.role.clone(),
+                    ]),
                     None => t.add_row(vec![
-                        r.id.to_string(),
+                        format!("s{}", r.id),
+                        r.name.clone(),
                         r.addr.clone(),
                         r.role.clone(),
                         r.ranges.join(", "),

@@ -198,6 +198,15 @@ impl Job {
         Ok(true)
     }
 
+    /// Adopts the coordinator's current map if it is newer than the one in use; true if so.
+    pub(super) async fn refresh_map(&self) -> Result<bool, ClientError> {
+        let resp = self.coordinator.call(Request::GetMap, Bytes::new()).await?;
+        match resp.msg {
+            Response::Map(m) => self.adopt(m).await,
+            other => Err(CallError::unexpected(&other).into()),
+        }
+    }
+
     /// After a refusal: adopts `seen` if it is newer than the map in use, otherwise asks the
     /// coordinator; if neither is newer (the refusing shard was behind), waits a moment.
     async fn reroute(&self, seen: Option<ShardMap>) -> Result<(), ClientError> {
@@ -206,16 +215,7 @@ impl Job {
         {
             return Ok(());
         }
-        let current = match self
-            .coordinator
-            .call(Request::GetMap, Bytes::new())
-            .await?
-            .msg
-        {
-            Response::Map(m) => m,
-            other => return Err(CallError::unexpected(&other).into()),
-        };
-        if !self.adopt(current).await? {
+        if !self.refresh_map().await? {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         Ok(())

@@ -1,0 +1,489 @@
+//! `edl-bench transport`: push + pull of one tensor through EDL's own client and shard
+//! servers (which apply SGD), against the same bytes as request/response over a bare quinn
+//! stream with the same TLS and transport settings, and over plain TCP on loopback, all in one
+//! run and one process.
+//!
+//! One *pair* is a push of the tensor followed by a pull of it; with several shards, each
+//! request is split evenly and sent to every server in parallel, as EDL's client does. GB/s
+//! counts the bytes of both directions (2 × size per pair) over the wall time of all clients.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use edl_shared::pki::{CLUSTER_SERVER_NAME, PkiDir};
+use edl_shared::proto::{Clock, Consistency};
+use edl_shared::transport::{TransportSettings, client_endpoint, server_endpoint};
+use edl_shared::{Identity, Role};
+use edl_testkit::{TestCluster, counter_job};
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+
+use crate::stats::{Samples, gbps};
+
+/// The systems compared.
+pub const SYSTEMS: [&str; 3] = ["edl", "quinn", "tcp"];
+
+/// One measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// edl, quinn or tcp.
+    pub system: String,
+    /// Tensor bytes.
+    pub size: usize,
+    /// Concurrent clients.
+    pub clients: usize,
+    /// Servers the tensor is split over.
+    pub shards: usize,
+    /// Push+pull pairs measured.
+    pub pairs: usize,
+    /// Bytes both ways per second, all clients together, GB/s.
+    pub gbps: f64,
+    /// Round trip of one pair, microseconds.
+    pub p50_us: f64,
+    /// 99th percentile of the pair round trip, microseconds.
+    pub p99_us: f64,
+}
+
+/// EDL against the baselines at one point.
+#[derive(Clone, Debug, Serialize)]
+pub struct Ratio {
+    /// Tensor bytes.
+    pub size: usize,
+    /// Concurrent clients.
+    pub clients: usize,
+    /// Servers.
+    pub shards: usize,
+    /// EDL's GB/s over bare quinn's.
+    pub edl_over_quinn: f64,
+    /// EDL's GB/s over TCP's.
+    pub edl_over_tcp: f64,
+}
+
+/// What the run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct Results {
+    /// The datagram size in use (`None`: QUIC's default).
+    pub datagram: Option<u16>,
+    /// Every measurement.
+    pub rows: Vec<Row>,
+    /// Per point, EDL over the baselines.
+    pub ratios: Vec<Ratio>,
+}
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Tensor sizes in bytes.
+    pub sizes: Vec<usize>,
+    /// (clients, shards) points.
+    pub points: Vec<(usize, usize)>,
+    /// Fewer pairs per point.
+    pub quick: bool,
+    /// Transport settings for EDL and bare quinn.
+    pub settings: TransportSettings,
+    /// The systems to run (a subset of [`SYSTEMS`]); ratios need all three.
+    pub systems: Vec<String>,
+}
+
+impl Plan {
+    /// The plan: 4 KiB to 16 MiB; 1 client and 1 shard, 2 and 4 clients, 2 shards.
+    pub fn standard(quick: bool, settings: TransportSettings) -> Plan {
+        Plan {
+            sizes: vec![4 << 10, 64 << 10, 1 << 20, 16 << 20],
+            points: vec![(1, 1), (2, 1), (4, 1), (1, 2)],
+            quick,
+            settings,
+            systems: SYSTEMS.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    fn pairs(&self, size: usize) -> usize {
+        let full = match size {
+            s if s <= 4 << 10 => 2000,
+            s if s <= 64 << 10 => 1000,
+            s if s <= 1 << 20 => 200,
+            _ => 24,
+        };
+        if self.quick { (full / 20).max(3) } else { full }
+    }
+}
+
+/// Runs the plan.
+pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
+    let pki_dir = tempfile::tempdir()?;
+    let pki = PkiDir::new(pki_dir.path());
+    pki.init_ca()?;
+    let mut rows = Vec::new();
+    for &(clients, shards) in &plan.points {
+        for &size in &plan.sizes {
+            let pairs = plan.pairs(size);
+            let runs = |sys: &str| plan.systems.iter().any(|s| s == sys);
+            if runs("edl") {
+                let edl = edl(size, clients, shards, pairs, &plan.settings)
+                    .await
+                    .with_context(|| format!("edl {size} B"))?;
+                rows.push(edl.row("edl", size, clients, shards));
+            }
+            if runs("quinn") {
+                let q = quinn_pairs(&pki, size, clients, shards, pairs, &plan.settings)
+                    .await
+                    .with_context(|| format!("quinn {size} B"))?;
+                rows.push(q.row("quinn", size, clients, shards));
+            }
+            if runs("tcp") {
+                let t = tcp_pairs(size, clients, shards, pairs)
+                    .await
+                    .with_context(|| format!("tcp {size} B"))?;
+                rows.push(t.row("tcp", size, clients, shards));
+            }
+        }
+    }
+    let ratios = ratios(&rows);
+    Ok(Results {
+        datagram: plan.settings.datagram,
+        rows,
+        ratios,
+    })
+}
+
+fn ratios(rows: &[Row]) -> Vec<Ratio> {
+    let find = |sys: &str, r: &Row| {
+        rows.iter()
+            .find(|x| {
+                x.system == sys
+                    && x.size == r.size
+                    && x.clients == r.clients
+                    && x.shards == r.shards
+            })
+            .map(|x| x.gbps)
+    };
+    rows.iter()
+        .filter(|r| r.system == "edl")
+        .filter_map(|r| {
+            let (q, t) = (find("quinn", r)?, find("tcp", r)?);
+            Some(Ratio {
+                size: r.size,
+                clients: r.clients,
+                shards: r.shards,
+                edl_over_quinn: r.gbps / q.max(1e-12),
+                edl_over_tcp: r.gbps / t.max(1e-12),
+            })
+        })
+        .collect()
+}
+
+/// Pair latencies of all clients, and the wall time they took together.
+struct Measured {
+    samples: Samples,
+    wall: Duration,
+}
+
+impl Measured {
+    fn row(&self, system: &str, size: usize, clients: usize, shards: usize) -> Row {
+        Row {
+            system: system.into(),
+            size,
+            clients,
+            shards,
+            pairs: self.samples.len(),
+            gbps: gbps((2 * size * self.samples.len()) as f64, self.wall),
+            p50_us: self.samples.quantile(0.5),
+            p99_us: self.samples.quantile(0.99),
+        }
+    }
+}
+
+/// Pairs run this many times before measuring (connections warm, windows open).
+const WARMUP: usize = 3;
+
+/// Runs `clients` copies of `pair` (each `pairs` times after a warm-up) at once.
+async fn measure<F, Fut>(clients: usize, pairs: usize, pair: F) -> anyhow::Result<Measured>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    for c in 0..clients {
+        for _ in 0..WARMUP {
+            pair(c).await?;
+        }
+    }
+    let start = Instant::now();
+    let mut set = JoinSet::new();
+    for c in 0..clients {
+        let runs: Vec<Fut> = (0..pairs).map(|_| pair(c)).collect();
+        set.spawn(async move {
+            let mut s = Samples::default();
+            for run in runs {
+                let t = Instant::now();
+                run.await?;
+                s.push(t.elapsed());
+            }
+            anyhow::Ok(s)
+        });
+    }
+    let mut samples = Samples::default();
+    while let Some(r) = set.join_next().await {
+        samples.extend(r??);
+    }
+    Ok(Measured {
+        samples,
+        wall: start.elapsed(),
+    })
+}
+
+/// Through EDL: a cluster of `shards` shard servers holding one tensor of `size` bytes, SGD.
+async fn edl(
+    size: usize,
+    clients: usize,
+    shards: usize,
+    pairs: usize,
+    settings: &TransportSettings,
+) -> anyhow::Result<Measured> {
+    let floats = (size / 4).max(1);
+    // Chunks of at most 256 KiB: large tensors spread over several keys per shard.
+    let chunk = floats.min(64 << 10) as u32;
+    let job = counter_job(floats as u32, chunk, Consistency::Asp);
+    let cluster = TestCluster::start_with(job, shards as u32, settings.clone()).await?;
+    let mut sessions = Vec::new();
+    for c in 0..clients {
+        let mut cfg = cluster.client_config(&format!("bench{c}"))?;
+        cfg.settings = settings.clone();
+        let job = edl_worker::Job::connect(&cfg).await?;
+        sessions.push(Arc::new(job.register("bench").await?));
+    }
+    let grads = Arc::new(vec![1e-6f32; floats]);
+    // Each client pulls into its own buffer, reused like a worker's parameter vector.
+    let outs: Vec<_> = (0..clients)
+        .map(|_| Arc::new(tokio::sync::Mutex::new(vec![0f32; floats])))
+        .collect();
+    let measured = measure(clients, pairs, |c| {
+        let (s, g, out) = (sessions[c].clone(), grads.clone(), outs[c].clone());
+        async move {
+            s.push(&g).await?;
+            let mut out = out.lock().await;
+            s.job().pull_all(&mut out, Clock(0)).await?;
+            Ok(())
+        }
+    })
+    .await?;
+    drop(sessions);
+    cluster.stop().await;
+    Ok(measured)
+}
+
+/// Bare quinn: `shards` servers that read a request (a 9-byte header: op, length; then the
+/// payload for a push) and answer 8 bytes (push) or `length` bytes (pull).
+async fn quinn_pairs(
+    pki: &PkiDir,
+    size: usize,
+    clients: usize,
+    shards: usize,
+    pairs: usize,
+    settings: &TransportSettings,
+) -> anyhow::Result<Measured> {
+    let part = (size / shards).max(1);
+    let server_id = pki.ensure(Role::Shard, "bare")?;
+    let mut addrs = Vec::new();
+    let mut servers = JoinSet::new();
+    for _ in 0..shards {
+        let ep = server_endpoint("127.0.0.1:0".parse()?, &server_id, settings)?;
+        addrs.push(ep.local_addr()?);
+        servers.spawn(quinn_server(ep, Bytes::from(vec![7u8; part])));
+    }
+    let client_id = pki.ensure(Role::Worker, "bare-client")?;
+    let mut conns = Vec::new();
+    for _ in 0..clients {
+        conns.push(Arc::new(quinn_connect(&client_id, settings, &addrs).await?));
+    }
+    let payload = Bytes::from(vec![1u8; part]);
+    let measured = measure(clients, pairs, |c| {
+        let (conns, payload) = (conns[c].clone(), payload.clone());
+        async move {
+            fan(&conns, |conn| quinn_call(conn.clone(), 0, payload.clone())).await?;
+            fan(&conns, |conn| quinn_call(conn.clone(), 1, payload.clone())).await?;
+            Ok(())
+        }
+    })
+    .await?;
+    servers.abort_all();
+    Ok(measured)
+}
+
+async fn quinn_connect(
+    id: &Identity,
+    settings: &TransportSettings,
+    addrs: &[SocketAddr],
+) -> anyhow::Result<Vec<quinn::Connection>> {
+    let ep = client_endpoint(id, settings, false)?;
+    let mut out = Vec::new();
+    for a in addrs {
+        out.push(ep.connect(*a, CLUSTER_SERVER_NAME)?.await?);
+    }
+    Ok(out)
+}
+
+/// Runs `call` on every connection at once.
+async fn fan<T, F, Fut>(conns: &[T], call: F) -> anyhow::Result<()>
+where
+    F: Fn(&T) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let mut set = JoinSet::new();
+    for c in conns {
+        set.spawn(call(c));
+    }
+    while let Some(r) = set.join_next().await {
+        r??;
+    }
+    Ok(())
+}
+
+fn header(op: u8, len: usize) -> [u8; 9] {
+    let mut h = [0u8; 9];
+    h[0] = op;
+    h[1..].copy_from_slice(&(len as u64).to_le_bytes());
+    h
+}
+
+/// One request on a new stream: op 0 pushes `payload` and reads an 8-byte ack, op 1 asks for
+/// `payload.len()` bytes and reads them.
+async fn quinn_call(conn: quinn::Connection, op: u8, payload: Bytes) -> anyhow::Result<()> {
+    let (mut send, mut recv) = conn.open_bi().await?;
+    send.write_all(&header(op, payload.len())).await?;
+    if op == 0 {
+        send.write_chunk(payload.clone()).await?;
+    }
+    send.finish()?;
+    let want = if op == 0 { 8 } else { payload.len() };
+    let mut got = 0;
+    while let Some(chunk) = recv.read_chunk(usize::MAX, true).await? {
+        got += chunk.bytes.len();
+    }
+    anyhow::ensure!(got == want, "answer of {got} bytes, expected {want}");
+    Ok(())
+}
+
+async fn quinn_server(ep: quinn::Endpoint, data: Bytes) {
+    while let Some(incoming) = ep.accept().await {
+        let data = data.clone();
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else { return };
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                let data = data.clone();
+                tokio::spawn(async move {
+                    let mut h = [0u8; 9];
+                    if recv.read_exact(&mut h).await.is_err() {
+                        return;
+                    }
+                    let mut len8 = [0u8; 8];
+                    len8.copy_from_slice(&h[1..]);
+                    let len = u64::from_le_bytes(len8) as usize;
+                    if h[0] == 0 {
+                        // Receive the push into one buffer, as a server would to apply it.
+                        let mut buf = Vec::with_capacity(len);
+                        while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
+                            buf.extend_from_slice(&chunk.bytes);
+                        }
+                        let _ = send.write_all(&(buf.len() as u64).to_le_bytes()).await;
+                    } else {
+                        let _ = send.write_chunk(data.slice(..len.min(data.len()))).await;
+                    }
+                    let _ = send.finish();
+                    // Keep the stream until the peer has read everything.
+                    let _ = send.stopped().await;
+                });
+            }
+        });
+    }
+}
+
+/// Plain TCP on loopback: one connection per (client, server), the same requests in sequence.
+async fn tcp_pairs(
+    size: usize,
+    clients: usize,
+    shards: usize,
+    pairs: usize,
+) -> anyhow::Result<Measured> {
+    let part = (size / shards).max(1);
+    let mut addrs = Vec::new();
+    let mut servers = JoinSet::new();
+    for _ in 0..shards {
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        addrs.push(l.local_addr()?);
+        servers.spawn(tcp_server(l, Arc::new(vec![7u8; part])));
+    }
+    let mut conns = Vec::new();
+    for _ in 0..clients {
+        let mut per = Vec::new();
+        for a in &addrs {
+            let s = TcpStream::connect(a).await?;
+            s.set_nodelay(true)?;
+            per.push(Arc::new(tokio::sync::Mutex::new(s)));
+        }
+        conns.push(Arc::new(per));
+    }
+    let payload = Arc::new(vec![1u8; part]);
+    let measured = measure(clients, pairs, |c| {
+        let (conns, payload) = (conns[c].clone(), payload.clone());
+        async move {
+            fan(&conns, |s| tcp_call(s.clone(), 0, payload.clone())).await?;
+            fan(&conns, |s| tcp_call(s.clone(), 1, payload.clone())).await?;
+            Ok(())
+        }
+    })
+    .await?;
+    servers.abort_all();
+    Ok(measured)
+}
+
+async fn tcp_call(
+    stream: Arc<tokio::sync::Mutex<TcpStream>>,
+    op: u8,
+    payload: Arc<Vec<u8>>,
+) -> anyhow::Result<()> {
+    let mut s = stream.lock().await;
+    s.write_all(&header(op, payload.len())).await?;
+    if op == 0 {
+        s.write_all(&payload).await?;
+        let mut ack = [0u8; 8];
+        s.read_exact(&mut ack).await?;
+    } else {
+        let mut buf = vec![0u8; payload.len()];
+        s.read_exact(&mut buf).await?;
+    }
+    Ok(())
+}
+
+async fn tcp_server(l: TcpListener, data: Arc<Vec<u8>>) {
+    while let Ok((mut s, _)) = l.accept().await {
+        let _ = s.set_nodelay(true);
+        let data = data.clone();
+        tokio::spawn(async move {
+            let mut buf = Vec::new();
+            loop {
+                let mut h = [0u8; 9];
+                if s.read_exact(&mut h).await.is_err() {
+                    return;
+                }
+                let mut len8 = [0u8; 8];
+                len8.copy_from_slice(&h[1..]);
+                let len = u64::from_le_bytes(len8) as usize;
+                let ok = if h[0] == 0 {
+                    buf.resize(len, 0);
+                    s.read_exact(&mut buf).await.is_ok()
+                        && s.write_all(&(len as u64).to_le_bytes()).await.is_ok()
+                } else {
+                    s.write_all(&data[..len.min(data.len())]).await.is_ok()
+                };
+                if !ok {
+                    return;
+                }
+            }
+        });
+    }
+}

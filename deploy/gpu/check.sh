@@ -9,8 +9,13 @@
 # and writes a summary table to stdout and to $OUT/summary.md, with every log under $OUT when
 # OUT is set (else under a new temporary directory).
 #
+# It builds with the `gpu-check` profile (release, stripped, no debug info) into
+# target/gpu-check/. The device machines we borrow cannot reach crates.io: build there first
+# with `deploy/gpu/check.sh --build-only` on a machine that can, carry target/gpu-check (about
+# 40 MiB) with the working tree, and run it with EDL_CHECK_PREBUILT=1.
+#
 # Environment: OUT (where results go), EDL_CHECK_PREBUILT=1 (skip the build and use the
-# binaries already in target/release), EDL_DATA_DIR (Fashion-MNIST idx files; without them a
+# binaries already in target/gpu-check), EDL_DATA_DIR (Fashion-MNIST idx files; without them a
 # synthetic dataset of the same format is generated), CARGO_NET_OFFLINE and the like pass to
 # cargo as usual.
 set -uo pipefail
@@ -85,15 +90,16 @@ fi
 say "device: ${GPU_INFO:-no nvidia-smi}; extra library path: ${CUDA_LIBS:-none}"
 
 # --- 1. Build ------------------------------------------------------------------------------
-AGREE=target/release/edl-cuda-agreement
+BIN=target/gpu-check
+AGREE=$BIN/edl-cuda-agreement
 if [ "${EDL_CHECK_PREBUILT:-0}" = 1 ]; then
   record "release build" ok "skipped (EDL_CHECK_PREBUILT=1)"
 else
   say "building in release mode"
   b0=$(elapsed)
-  if cargo build --release --locked -p edl-worker -p edl-ps -p edl-deploy --bins \
+  if cargo build --profile gpu-check --locked -p edl-worker -p edl-ps -p edl-deploy --bins \
     >"$OUT_DIR/build.log" 2>&1 &&
-    cargo test --release --locked -p edl-worker --test cuda_agreement --no-run \
+    cargo test --profile gpu-check --locked -p edl-worker --test cuda_agreement --no-run \
       --message-format=json >"$WORK/test-build.json" 2>>"$OUT_DIR/build.log"; then
     exe=$(grep -o '"executable":"[^"]*cuda_agreement[^"]*"' "$WORK/test-build.json" | tail -n1 | cut -d'"' -f4)
     if [ -n "$exe" ] && cp "$exe" "$AGREE"; then
@@ -107,6 +113,11 @@ else
     write_summary
     exit 1
   fi
+fi
+
+if [ "${1:-}" = --build-only ]; then
+  say "built into $BIN; carry it to the GPU machine and run with EDL_CHECK_PREBUILT=1"
+  exit "$FAILED"
 fi
 
 # --- 2. Agreement tests --------------------------------------------------------------------
@@ -123,7 +134,7 @@ fi
 grep -E '^test |test result' "$OUT_DIR/agreement.log" >&2
 
 # --- 3. Step timing ------------------------------------------------------------------------
-BENCH=target/release/edl-gpu-bench
+BENCH=$BIN/edl-gpu-bench
 "$BENCH" header >"$ROWS" 2>/dev/null
 bench() {
   local label=$1 layers=$2 batch=$3 cpu_steps=$4 gpu_steps=$5
@@ -151,7 +162,7 @@ fi
 say "training 1 epoch with 2 GPU workers on $data_note"
 t0=$(elapsed)
 STATE=$WORK/train-state
-if EDL_DEVICE=cuda:0 timeout 170 target/release/edl-local --workers 2 --shards 2 --epochs 1 \
+if EDL_DEVICE=cuda:0 timeout 170 "$BIN"/edl-local --workers 2 --shards 2 --epochs 1 \
   --data-dir "$DATA" --state-dir "$STATE" --report "$OUT_DIR/train-report.json" \
   --no-progress --stall-timeout 60 >>"$OUT_DIR/train.log" 2>&1; then
   acc=$(grep -oE '"test_accuracy": *[0-9.eE+-]+' "$OUT_DIR/train-report.json" | grep -oE '[0-9.eE+-]+$')

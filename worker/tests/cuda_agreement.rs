@@ -286,9 +286,19 @@ fn cases_keep_clear_of_relu_kinks_and_errors_are_relative() {
     assert_eq!(stats.samples, 64);
 }
 
+/// The `edl-worker` binary: beside this test when the GPU check copied both into one folder
+/// (possibly on another machine, at another path), else where cargo built it.
+fn worker_exe() -> std::path::PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|t| t.parent().map(|d| d.join("edl-worker")))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_edl-worker").into())
+}
+
 fn worker(args: &[&str]) -> (bool, String) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let out = Command::new(env!("CARGO_BIN_EXE_edl-worker"))
+    let out = Command::new(worker_exe())
         .args(args)
         .arg("--state-dir")
         .arg(dir.path())
@@ -327,7 +337,7 @@ fn without_a_gpu_cuda_is_refused_and_auto_falls_back() {
 
 #[test]
 fn the_device_flag_is_documented_and_checked() {
-    let out = Command::new(env!("CARGO_BIN_EXE_edl-worker"))
+    let out = Command::new(worker_exe())
         .arg("--help")
         .output()
         .expect("runs");

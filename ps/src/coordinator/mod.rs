@@ -52,7 +52,7 @@ pub struct Coordinator {
     /// Where the durable state is saved, if anywhere.
     state_file: Option<PathBuf>,
     /// Connections to shards for resharding (set once the coordinator has an identity).
-    caller: std::sync::OnceLock<reshard::ShardCaller>,
+    caller: std::sync::OnceLock<Arc<reshard::ShardCaller>>,
     /// Held while a resharding runs: one at a time.
     resharding: tokio::sync::Mutex<()>,
 }
@@ -334,7 +334,7 @@ pub fn bind(
     let coordinator = Coordinator::open(config)?;
     let _ = coordinator
         .caller
-        .set(reshard::ShardCaller::new(identity, &settings)?);
+        .set(Arc::new(reshard::ShardCaller::new(identity, &settings)?));
     let coordinator = Arc::new(coordinator);
     let endpoint = server_endpoint(listen, identity, &settings)?;
     let addr = endpoint.local_addr()?;

@@ -8,6 +8,7 @@
 //! destination until the keys arrive, and the client library re-routes it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -93,7 +94,7 @@ impl Coordinator {
     /// Carries out `op`; answers with the moves made and the map now current, or with the
     /// error that stopped it (moves completed before it stay).
     pub(super) async fn reshape(&self, op: Reshape) -> Response {
-        let Some(caller) = self.caller.get() else {
+        let Some(caller) = self.caller.get().cloned() else {
             return Response::error(
                 ErrorCode::InvalidRequest,
                 "this coordinator runs without a network identity; it cannot reshard",
@@ -101,13 +102,13 @@ impl Coordinator {
         };
         // One resharding at a time: each plan is made against the map the last one left.
         let _one = self.resharding.lock().await;
-        let plan = match self.plan(caller, &op).await {
+        let plan = match self.plan(&caller, &op).await {
             Ok(p) => p,
             Err((code, msg)) => return Response::error(code, msg),
         };
         let mut moves = Vec::new();
         for mv in plan {
-            match self.move_once(caller, mv).await {
+            match self.move_once(&caller, mv).await {
                 Ok(r) => moves.push(r),
                 Err((code, msg)) => {
                     let done = moves.len();
@@ -194,7 +195,7 @@ impl Coordinator {
     /// One move: the source hands the range over, then the new map is published.
     async fn move_once(
         &self,
-        caller: &ShardCaller,
+        caller: &Arc<ShardCaller>,
         mv: Move,
     ) -> Result<MoveReport, (ErrorCode, String)> {
         let began = Instant::now();
@@ -238,7 +239,8 @@ impl Coordinator {
         self.bump();
         self.save_now().await;
         // The source and destination know the new map; tell the others, so that what they
-        // answer to a stale request is current. They serve their own keys meanwhile.
+        // answer to a stale request is current. They serve their own keys meanwhile, so the
+        // move does not wait for them (nor for one that is down).
         for (id, addr) in shards {
             if id == mv.from || id == mv.to {
                 continue;
@@ -247,9 +249,12 @@ impl Coordinator {
                 map: map.clone(),
                 retire: false,
             };
-            if let Err(e) = caller.call(&addr, req, Bytes::new()).await {
-                warn!(shard = %id, error = %e, "could not send the new map");
-            }
+            let caller = caller.clone();
+            tokio::spawn(async move {
+                if let Err(e) = caller.call(&addr, req, Bytes::new()).await {
+                    warn!(shard = %id, error = %e, "could not send the new map");
+                }
+            });
         }
         info!(start = mv.start, end = mv.end, from = %mv.from, to = %mv.to, epoch = %map.epoch,
             bytes = report.bytes, hold_ms = report.hold_ms, millis = report.millis, "range moved");

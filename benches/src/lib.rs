@@ -4,7 +4,10 @@
 //! table and can write JSON; `edl-bench all` regenerates `BENCHMARKS.md`.
 
 pub mod apply;
+pub mod elastic;
 pub mod plots;
 pub mod report;
+pub mod scale;
 pub mod stats;
 pub mod transport;
+pub mod tta;

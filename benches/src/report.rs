@@ -7,7 +7,7 @@ use anyhow::Context;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use serde::Serialize;
 
-use crate::{apply, transport};
+use crate::{apply, elastic, scale, transport, tta};
 
 pub use edl_shared::transport::LOOPBACK_DATAGRAM;
 
@@ -20,8 +20,16 @@ pub struct All {
     pub transport_default: transport::Results,
     /// Transport with large datagrams (loopback, jumbo frames).
     pub transport_loopback: transport::Results,
+    /// How long the whole run took, seconds.
+    pub seconds: f64,
     /// Optimizer apply against memcpy.
     pub apply: Vec<apply::Row>,
+    /// Synthetic scaling.
+    pub scale: scale::Results,
+    /// Membership changes, stop-free and with restarts.
+    pub elastic: elastic::Results,
+    /// Time to accuracy.
+    pub tta: tta::Results,
 }
 
 /// CPU model, core count and kernel, read from /proc.
@@ -134,6 +142,167 @@ pub fn apply_table(rows: &[apply::Row]) -> String {
     format!("optimizer apply (parameter + gradient bytes):\n{t}")
 }
 
+/// The scaling results, one row per point, series by series, each with its transport
+/// ceiling.
+pub fn scale_table(r: &scale::Results) -> String {
+    let mut t = table(&[
+        "series",
+        "workers",
+        "steps/s",
+        "samples/s",
+        "Gbit/s",
+        "step ms",
+        "efficiency",
+        "load",
+        "",
+    ]);
+    for x in &r.rows {
+        t.add_row(vec![
+            x.series(),
+            x.workers.to_string(),
+            format!("{:.1}", x.steps_per_s),
+            format!("{:.0}", x.samples_per_s),
+            format!("{:.2}", x.gbit_s),
+            format!("{:.1}", x.step_ms),
+            format!("{:.0}%", x.efficiency * 100.0),
+            format!("{:.0}%", x.load * 100.0),
+            if x.saturated { "saturated" } else { "" }.to_string(),
+        ]);
+    }
+    let mut c = table(&["series", "workers", "steps/s", "Gbit/s"]);
+    for x in &r.ceilings {
+        c.add_row(vec![
+            format!(
+                "{} shard{} {} {}",
+                x.shards,
+                if x.shards == 1 { "" } else { "s" },
+                x.mode.name(),
+                x.consistency
+            ),
+            x.workers.to_string(),
+            format!("{:.1}", x.steps_per_s),
+            format!("{:.2}", x.gbit_s),
+        ]);
+    }
+    let mut h = table(&["series", "workers", "efficiency", "load"]);
+    for x in r.last_unsaturated() {
+        h.add_row(vec![
+            x.series(),
+            x.workers.to_string(),
+            format!("{:.0}%", x.efficiency * 100.0),
+            format!("{:.0}%", x.load * 100.0),
+        ]);
+    }
+    format!(
+        "scale, {} model in {} keys, {:.0} ms compute per step:\n{t}\n\
+         transport ceiling (the same loop without compute):\n{c}\n\
+         the most workers before saturation:\n{h}",
+        size(r.model_bytes),
+        r.keys,
+        r.compute_ms,
+    )
+}
+
+fn opt_ms(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{v:.0}"))
+}
+
+/// The elastic results: per mode and kind of change, the stall and the join latency, with the
+/// stall measure at moments without a change beside them.
+pub fn elastic_table(r: &elastic::Results) -> String {
+    let mut t = table(&[
+        "membership",
+        "change",
+        "count",
+        "stall ms (median / max)",
+        "join latency ms",
+        "step ms",
+        "noise ms (median / p90)",
+    ]);
+    for run in &r.runs {
+        for s in &run.summary {
+            t.add_row(vec![
+                run.membership.name().to_string(),
+                s.kind.clone(),
+                s.count.to_string(),
+                format!("{} / {}", opt_ms(s.median_stall_ms), opt_ms(s.max_stall_ms)),
+                opt_ms(s.median_join_ms),
+                opt_ms(s.median_step_ms),
+                run.noise.as_ref().map_or("-".into(), |n| {
+                    format!("{:.0} / {:.0}", n.median_stall_ms, n.p90_stall_ms)
+                }),
+            ]);
+        }
+    }
+    let mut e = table(&[
+        "membership",
+        "change",
+        "worker",
+        "stall ms",
+        "join latency ms",
+        "admitted → first step ms",
+        "restart: checkpoint / stop / start ms",
+    ]);
+    for run in &r.runs {
+        for x in &run.events {
+            e.add_row(vec![
+                run.membership.name().to_string(),
+                x.kind.clone(),
+                x.worker.clone(),
+                opt_ms(x.stall_ms),
+                opt_ms(x.join_ms),
+                opt_ms(x.admitted_ms),
+                x.restart
+                    .map_or("-".into(), |[c, s, b]| format!("{c:.0} / {s:.0} / {b:.0}")),
+            ]);
+        }
+    }
+    format!(
+        "elastic, {} workers of a {} model ({:.0} ms compute), {} shards, {}:\n{t}\n\
+         every change:\n{e}",
+        r.workers,
+        size(r.model_bytes),
+        r.compute_ms,
+        r.shards,
+        r.consistency
+    )
+}
+
+/// The time-to-accuracy results, one row per consistency model and worker count.
+pub fn tta_table(r: &tta::Results) -> String {
+    let mut t = table(&[
+        "consistency",
+        "workers",
+        "reached",
+        "time to target s (median, min–max)",
+        "epochs to target",
+        "samples/s",
+    ]);
+    for x in &r.summary {
+        t.add_row(vec![
+            x.consistency.clone(),
+            x.workers.to_string(),
+            format!("{}/{}", x.reached, x.runs),
+            match (x.median_tta_s, x.min_tta_s, x.max_tta_s) {
+                (Some(m), Some(lo), Some(hi)) => format!("{m:.1} ({lo:.1}–{hi:.1})"),
+                _ => "not reached".into(),
+            },
+            x.median_epochs.map_or("-".into(), |v| format!("{v:.2}")),
+            format!("{:.0}", x.samples_per_s),
+        ]);
+    }
+    let layers: Vec<String> = r.layers.iter().map(u32::to_string).collect();
+    format!(
+        "time to {} test accuracy, MLP {}, {}, batches of {}, {} training samples, {} shards:\n{t}",
+        r.target,
+        layers.join("-"),
+        r.optimizer,
+        r.batch,
+        r.train_samples,
+        r.shards
+    )
+}
+
 /// Writes `BENCHMARKS.md` (method, machine, tables) and its plots into `dir`.
 pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir.join("benches/plots"))
@@ -143,13 +312,16 @@ pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
         &all.transport_default,
         &dir.join("benches/plots/transport.png"),
     )?;
+    crate::plots::scale(&all.scale, &dir.join("benches/plots/scale.png"))?;
+    crate::plots::tta(&all.tta, &dir.join("benches/plots/tta.png"))?;
     let mut md = String::new();
     let _ = writeln!(
         md,
         "# Benchmarks\n\nGenerated by `cargo run --release -p edl-benches --bin edl-bench -- all` \
          (do not edit by hand; the text around the tables lives in `benches/src/report.rs`).\n\n\
-         Machine: {}.\n",
-        all.machine
+         Machine: {}. The whole run took {:.1} minutes.\n",
+        all.machine,
+        all.seconds / 60.0
     );
     md.push_str(METHOD);
     let _ = writeln!(
@@ -161,8 +333,23 @@ pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
     }
     let _ = writeln!(
         md,
-        "## Optimizer apply\n\n```text\n{}\n```",
+        "## Optimizer apply\n\n```text\n{}\n```\n",
         apply_table(&all.apply)
+    );
+    let _ = writeln!(
+        md,
+        "## Scaling\n\n![scale](benches/plots/scale.png)\n\n```text\n{}\n```\n",
+        scale_table(&all.scale)
+    );
+    let _ = writeln!(
+        md,
+        "## Elasticity\n\n```text\n{}\n```\n",
+        elastic_table(&all.elastic)
+    );
+    let _ = writeln!(
+        md,
+        "## Time to accuracy\n\n![tta](benches/plots/tta.png)\n\n```text\n{}\n```",
+        tta_table(&all.tta)
     );
     let path = dir.join("BENCHMARKS.md");
     std::fs::write(&path, md).with_context(|| format!("writing {}", path.display()))?;
@@ -184,4 +371,46 @@ even on a noisy machine (absolute figures move ±20% from run to run here).
   any network) and for a fixed large datagram (loopback, jumbo frames).
 - **apply**: the server-side optimizer applied in place to 64 MiB of parameters, in GB/s of
   parameter plus gradient bytes, against a memcpy of the same bytes.
+- **scale**: synthetic workers against an in-process cluster, each with its own connections,
+  in a closed loop: pull, *compute*, push, report the step. Compute is a sleep of 20 ms: a GPU
+  busy with a step leaves the CPU free, so every CPU cycle of the run goes to the system
+  itself (QUIC, TLS, framing, the shards' optimizer, the coordinator) — and on this machine
+  the workers, the shards and the coordinator share its cores, which is what saturates. The
+  model is one 4 MiB tensor in 32 KiB keys, updated with SGD. A *dense* step pulls and pushes
+  every key; a *sparse* step one key in eight (every eighth key, the offset moving by one
+  each step, so the keys spread over the shards). Throughput is counted over 2.5 s after a
+  0.4 s warm-up; samples/s counts 64 samples per step. *Efficiency* at n workers is the
+  throughput over n times one worker's, in the same series. The series run under ASP, so
+  that nobody waits for anybody and the figure is the system's; one dense series over 2
+  shards under SSP(2) shows what waiting for the slowest adds. The *transport ceiling* of a
+  series is the same loop without compute (8 workers), measured in the same run; a point's
+  *load* is n times one worker's steps/s over that ceiling, and a point at 100% or more is
+  *saturated*: the transport cannot carry what n workers ask of it, and efficiency must fall.
+  The target (at least 90% efficiency up to saturation) is read at the most workers below
+  saturation.
+- **elastic**: 4 synthetic workers of the scale job (dense, 20 ms) over 2 shards under
+  SSP(2); then, 2.5 s apart, a worker joins and the oldest leaves, six times each. *Stop-free*,
+  a joiner connects and pulls the model while the others train, then asks to be admitted; a
+  leaver finishes its step and leaves. With *restarts* (what `edl-local --restart-on-change`
+  does with processes), every change checkpoints the model (a pull written to a file) while
+  the old workers train, stops them all (each finishes its step and leaves), then starts the
+  new membership as fresh clients. The costs are read from the coordinator's trace with
+  `edl-local`'s own code (`deploy/src/costs.rs`): the *stall* of a change is how much longer
+  than usual the others' step across it took, the worst of them; in a restart nobody trains
+  across the change, so each old worker's gap runs from its last step to the new
+  membership's first. *Join latency* runs from asking for the change to the joiner's first
+  step (for a restart: checkpoint, stop and start). The *noise* column is the same stall
+  measure at moments at least 1 s from any change: what the stall of a free change reads
+  as on this machine. Synthetic restarts are a lower bound: a real one also starts processes,
+  loads data and initializes the compute backend.
+- **tta**: real training of `edl-local`'s default job (MLP 784-256-128-10, Adam at 0.001,
+  batches of 64, 60,000 training samples) over 2 shards, each worker on its own thread and
+  runtime with the CPU backend, until a snapshot reaches 0.85 test accuracy (at most 6
+  epochs). The parameters are pulled every 100 ms while the workers train (the latest is
+  checked every second to stop the run); afterwards every snapshot is evaluated on the 10,000
+  test images, and the time to accuracy is that of the first snapshot at 0.85 or more,
+  counted from starting the workers (cluster up, data in memory). Five seeds per cell
+  (initialization and data order); the table gives the median and the range. With a CPU
+  backend on 2 cores, more than 2 workers cannot compute faster: the figures show what each
+  consistency model costs in samples to reach the target more than a speed-up.
 ";

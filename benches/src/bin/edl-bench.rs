@@ -7,8 +7,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use edl_benches::{apply, report, transport};
+use edl_benches::{apply, elastic, report, scale, transport, tta};
+use edl_shared::proto::Consistency;
 use edl_shared::transport::TransportSettings;
+use edl_worker::data::DEFAULT_DATA_DIR;
 use serde::Serialize;
 
 #[global_allocator]
@@ -25,9 +27,10 @@ struct Cli {
     #[arg(long, global = true)]
     json: Option<PathBuf>,
     /// UDP datagram size for EDL and bare quinn (`default`: QUIC's 1200 bytes with path
-    /// probing, safe on any network; a number: fixed, for loopback or jumbo frames).
-    #[arg(long, global = true, default_value = "default")]
-    datagram: String,
+    /// probing, safe on any network; a number: fixed, for loopback or jumbo frames). Without
+    /// it, `transport` uses QUIC's default and scale, elastic and tta the loopback size.
+    #[arg(long, global = true)]
+    datagram: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -48,11 +51,63 @@ enum Cmd {
     },
     /// Server-side SGD, momentum and Adam against memcpy of the same bytes.
     Apply,
+    /// Joins and leaves on a running job of synthetic workers: the stall the others see and
+    /// the join latency, stop-free and with stop-everything restarts.
+    Elastic {
+        /// Only stop-free changes (the default runs both modes).
+        #[arg(long, conflicts_with = "restart_on_change")]
+        stop_free: bool,
+        /// Only the stop-everything restarts of `edl-local --restart-on-change`.
+        #[arg(long)]
+        restart_on_change: bool,
+        /// Join-then-leave rounds.
+        #[arg(long)]
+        rounds: Option<usize>,
+    },
+    /// Synthetic workers (fixed compute per step) over 1, 2 and 4 shards, dense and sparse:
+    /// throughput, scaling efficiency, and the transport ceiling measured alongside.
+    Scale {
+        /// Only these worker counts (e.g. `1,4,16`); the first is the efficiency baseline.
+        #[arg(long, value_delimiter = ',')]
+        workers: Vec<usize>,
+        /// Only the series over these shard counts (e.g. `1,4`).
+        #[arg(long, value_delimiter = ',')]
+        shards: Vec<usize>,
+        /// Synthetic compute per step, milliseconds.
+        #[arg(long)]
+        compute_ms: Option<u64>,
+        /// Model size (e.g. `1M`, `256K`).
+        #[arg(long)]
+        model: Option<String>,
+        /// Every series under this consistency model, asp or ssp:S (sparse pulls do not close
+        /// BSP steps); by default ASP, and one dense series over 2 shards under SSP(2).
+        #[arg(long)]
+        consistency: Option<Consistency>,
+    },
+    /// Time to 0.85 test accuracy on Fashion-MNIST for 1, 2 and 4 workers under ASP, SSP(2)
+    /// and BSP (real training on the CPU).
+    Tta {
+        /// Directory with the Fashion-MNIST idx files.
+        #[arg(long, default_value = DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+        /// Only these worker counts (e.g. `1,4`).
+        #[arg(long, value_delimiter = ',')]
+        workers: Vec<usize>,
+        /// Only these consistency models (e.g. `asp,bsp`).
+        #[arg(long, value_delimiter = ',')]
+        consistency: Vec<Consistency>,
+        /// The test accuracy to reach.
+        #[arg(long)]
+        target: Option<f64>,
+    },
     /// Everything; rewrites BENCHMARKS.md and the plots under `--out`.
     All {
         /// Where BENCHMARKS.md and the plots go.
         #[arg(long, default_value = ".")]
         out: PathBuf,
+        /// Directory with the Fashion-MNIST idx files (for tta).
+        #[arg(long, default_value = DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
     },
 }
 
@@ -99,7 +154,11 @@ fn write_json<T: Serialize>(path: &Option<PathBuf>, v: &T) -> anyhow::Result<()>
 async fn main() -> anyhow::Result<()> {
     edl_shared::telemetry::init("warn");
     let cli = Cli::parse();
-    let settings = TransportSettings::default().with_datagram(datagram(&cli.datagram)?);
+    let chosen = cli.datagram.as_deref().map(datagram).transpose()?;
+    // The benchmarks of a whole system run on loopback; transport shows both sizes.
+    let settings = TransportSettings::default().with_datagram(chosen.flatten());
+    let local = TransportSettings::default()
+        .with_datagram(chosen.unwrap_or(Some(report::LOOPBACK_DATAGRAM)));
     match &cli.cmd {
         Cmd::Transport {
             sizes,
@@ -126,25 +185,127 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", report::transport_table(&r));
             write_json(&cli.json, &r)?;
         }
+        Cmd::Scale {
+            workers,
+            shards,
+            compute_ms,
+            model,
+            consistency,
+        } => {
+            let mut plan = scale::Plan::standard(cli.quick, local);
+            if !workers.is_empty() {
+                plan.workers = workers.clone();
+            }
+            if !shards.is_empty() {
+                plan.series.retain(|s| shards.contains(&s.shards));
+            }
+            if let Some(ms) = compute_ms {
+                plan.compute = std::time::Duration::from_millis(*ms);
+            }
+            if let Some(m) = model {
+                plan.model_bytes = parse_size(m)?;
+            }
+            if let Some(c) = consistency {
+                anyhow::ensure!(
+                    *c != Consistency::Bsp,
+                    "--consistency bsp: sparse pulls would never close a BSP step"
+                );
+                let mut seen = Vec::new();
+                plan.series.retain_mut(|s| {
+                    s.consistency = *c;
+                    let new = !seen.contains(s);
+                    seen.push(*s);
+                    new
+                });
+            }
+            let r = scale::run(&plan).await?;
+            println!("{}", report::scale_table(&r));
+            write_json(&cli.json, &r)?;
+        }
+        Cmd::Elastic {
+            stop_free,
+            restart_on_change,
+            rounds,
+        } => {
+            let mut plan = elastic::Plan::standard(cli.quick, local);
+            if *stop_free {
+                plan.modes = vec![elastic::Membership::StopFree];
+            }
+            if *restart_on_change {
+                plan.modes = vec![elastic::Membership::Restart];
+            }
+            if let Some(r) = rounds {
+                plan.rounds = *r;
+            }
+            let r = elastic::run(&plan).await?;
+            println!("{}", report::elastic_table(&r));
+            write_json(&cli.json, &r)?;
+        }
+        Cmd::Tta {
+            data_dir,
+            workers,
+            consistency,
+            target,
+        } => {
+            let mut plan = tta::Plan::standard(cli.quick, local);
+            plan.data_dir = data_dir.clone();
+            if !workers.is_empty() {
+                plan.workers = workers.clone();
+            }
+            if !consistency.is_empty() {
+                plan.modes = consistency.clone();
+            }
+            if let Some(t) = target {
+                plan.target = *t;
+            }
+            let r = tta::run(&plan).await?;
+            println!("{}", report::tta_table(&r));
+            write_json(&cli.json, &r)?;
+        }
         Cmd::Apply => {
             let rows = apply_run(cli.quick);
             println!("{}", report::apply_table(&rows));
             write_json(&cli.json, &rows)?;
         }
-        Cmd::All { out } => {
+        Cmd::All { out, data_dir } => {
+            let started = std::time::Instant::now();
+            let stage = |name: &str| {
+                eprintln!(
+                    "edl-bench all: {name} ({:.0} s in)",
+                    started.elapsed().as_secs_f64()
+                );
+            };
+            stage("transport");
+            let transport_default = transport::run(&transport::Plan::standard(
+                cli.quick,
+                settings.clone().with_datagram(None),
+            ))
+            .await?;
+            let transport_loopback = transport::run(&transport::Plan::standard(
+                cli.quick,
+                settings.with_datagram(Some(report::LOOPBACK_DATAGRAM)),
+            ))
+            .await?;
+            stage("apply");
+            let apply = apply_run(cli.quick);
+            stage("scale");
+            let scale = scale::run(&scale::Plan::standard(cli.quick, local.clone())).await?;
+            stage("elastic");
+            let elastic = elastic::run(&elastic::Plan::standard(cli.quick, local.clone())).await?;
+            stage("tta");
+            let mut tta_plan = tta::Plan::standard(cli.quick, local);
+            tta_plan.data_dir = data_dir.clone();
+            let tta = tta::run(&tta_plan).await?;
+            stage("done");
             let all = report::All {
                 machine: report::machine(),
-                transport_default: transport::run(&transport::Plan::standard(
-                    cli.quick,
-                    settings.clone().with_datagram(None),
-                ))
-                .await?,
-                transport_loopback: transport::run(&transport::Plan::standard(
-                    cli.quick,
-                    settings.with_datagram(Some(report::LOOPBACK_DATAGRAM)),
-                ))
-                .await?,
-                apply: apply_run(cli.quick),
+                seconds: started.elapsed().as_secs_f64(),
+                transport_default,
+                transport_loopback,
+                apply,
+                scale,
+                elastic,
+                tta,
             };
             report::write_markdown(&all, out)?;
             write_json(&cli.json, &all)?;

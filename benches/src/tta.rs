@@ -1,0 +1,434 @@
+//! `edl-bench tta`: time to a test accuracy (0.85) on Fashion-MNIST, for 1, 2 and 4 workers
+//! under each consistency model, with real training (`edl_worker::trainer`, CPU backend).
+//!
+//! Each run is a fresh in-process cluster; every worker runs on its own OS thread with its own
+//! runtime, as a worker process would. While they train, a snapshot task pulls the parameters
+//! every [`Plan::snapshot_every`] (a pull costs about a millisecond) and, every
+//! [`Plan::check_every`], evaluates the latest snapshot on the 10,000 test images to decide
+//! whether to stop. After the run every snapshot is evaluated: the time to accuracy is the
+//! time of the first snapshot at or above the target, counted from the moment the workers
+//! were started (cluster up, data in memory).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use edl_deploy::costs::median;
+use edl_shared::proto::{Clock, Consistency, OptimizerSpec};
+use edl_shared::shutdown::CancellationToken;
+use edl_shared::transport::TransportSettings;
+use edl_testkit::{TestCluster, mlp_job};
+use edl_worker::backend::{Backend, CpuBackend};
+use edl_worker::data::{DEFAULT_DATA_DIR, Dataset, Split};
+use edl_worker::model::Mlp;
+use edl_worker::trainer::{self, TrainOptions, TrainSummary};
+use edl_worker::{ClientConfig, Job};
+use serde::Serialize;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Worker counts.
+    pub workers: Vec<usize>,
+    /// Consistency models.
+    pub modes: Vec<Consistency>,
+    /// Shards.
+    pub shards: usize,
+    /// The test accuracy to reach.
+    pub target: f64,
+    /// MLP layer widths.
+    pub layers: Vec<u32>,
+    /// The server-side optimizer.
+    pub optimizer: OptimizerSpec,
+    /// Samples per mini-batch.
+    pub batch: u32,
+    /// Training samples per epoch (the first N).
+    pub train_samples: u32,
+    /// Epochs at most: a run that has not reached the target by then reports none.
+    pub max_epochs: u32,
+    /// Runs per worker count and consistency model, each with its own seed (initialization
+    /// and data order): the accuracy near the target is noisy, the median is not.
+    pub repeats: u32,
+    /// How often the parameters are snapshotted.
+    pub snapshot_every: Duration,
+    /// How often the latest snapshot is evaluated to decide whether to stop.
+    pub check_every: Duration,
+    /// Where the Fashion-MNIST idx files are.
+    pub data_dir: PathBuf,
+    /// Transport settings.
+    pub settings: TransportSettings,
+}
+
+impl Plan {
+    /// `edl-local`'s default job (784-256-128-10, Adam at 0.001, batches of 64, 2 shards) to
+    /// 0.85, for 1, 2 and 4 workers under ASP, SSP(2) and BSP, five seeds each, at most 6
+    /// epochs; `quick`: one worker under ASP on 6,000 samples for one epoch.
+    pub fn standard(quick: bool, settings: TransportSettings) -> Plan {
+        Plan {
+            workers: if quick { vec![1] } else { vec![1, 2, 4] },
+            modes: if quick {
+                vec![Consistency::Asp]
+            } else {
+                vec![
+                    Consistency::Asp,
+                    Consistency::Ssp { staleness: 2 },
+                    Consistency::Bsp,
+                ]
+            },
+            shards: 2,
+            target: 0.85,
+            layers: vec![784, 256, 128, 10],
+            optimizer: OptimizerSpec::Adam {
+                lr: 0.001,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            batch: 64,
+            train_samples: if quick { 6000 } else { 60_000 },
+            max_epochs: if quick { 1 } else { 6 },
+            repeats: if quick { 1 } else { 5 },
+            snapshot_every: Duration::from_millis(100),
+            check_every: Duration::from_secs(1),
+            data_dir: DEFAULT_DATA_DIR.into(),
+            settings,
+        }
+    }
+}
+
+/// One evaluated snapshot.
+#[derive(Clone, Debug, Serialize)]
+pub struct Point {
+    /// Seconds since the workers were started.
+    pub t_s: f64,
+    /// Samples trained on by then (all workers).
+    pub samples: u64,
+    /// Test accuracy.
+    pub accuracy: f64,
+}
+
+/// One run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Run {
+    /// Workers.
+    pub workers: usize,
+    /// The consistency model.
+    pub consistency: String,
+    /// The job's seed.
+    pub seed: u64,
+    /// Seconds to the target; `None` when it was not reached.
+    pub tta_s: Option<f64>,
+    /// Epochs trained (samples over the epoch size) by then.
+    pub epochs_to_target: Option<f64>,
+    /// The best test accuracy seen.
+    pub best_accuracy: f64,
+    /// Training wall time, seconds.
+    pub wall_s: f64,
+    /// Samples per second over the run, all workers.
+    pub samples_per_s: f64,
+    /// Every evaluated snapshot.
+    pub curve: Vec<Point>,
+}
+
+/// What the run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct Results {
+    /// The target accuracy.
+    pub target: f64,
+    /// MLP layer widths.
+    pub layers: Vec<u32>,
+    /// The optimizer, as `edl-local` writes it.
+    pub optimizer: String,
+    /// Samples per mini-batch.
+    pub batch: u32,
+    /// Training samples per epoch.
+    pub train_samples: u32,
+    /// Shards.
+    pub shards: usize,
+    /// Per consistency model and worker count, over the seeds.
+    pub summary: Vec<Cell>,
+    /// Every run.
+    pub runs: Vec<Run>,
+}
+
+/// The runs of one consistency model and worker count.
+#[derive(Clone, Debug, Serialize)]
+pub struct Cell {
+    /// The consistency model.
+    pub consistency: String,
+    /// Workers.
+    pub workers: usize,
+    /// Runs.
+    pub runs: usize,
+    /// Runs that reached the target.
+    pub reached: usize,
+    /// Median time to the target over the runs that reached it, seconds.
+    pub median_tta_s: Option<f64>,
+    /// Fastest.
+    pub min_tta_s: Option<f64>,
+    /// Slowest.
+    pub max_tta_s: Option<f64>,
+    /// Median epochs to the target.
+    pub median_epochs: Option<f64>,
+    /// Median training throughput, samples per second.
+    pub samples_per_s: f64,
+}
+
+fn summarize(runs: &[Run]) -> Vec<Cell> {
+    let mut cells: Vec<Cell> = Vec::new();
+    for r in runs {
+        if cells
+            .iter()
+            .any(|c| c.consistency == r.consistency && c.workers == r.workers)
+        {
+            continue;
+        }
+        let of: Vec<&Run> = runs
+            .iter()
+            .filter(|x| x.consistency == r.consistency && x.workers == r.workers)
+            .collect();
+        let mut tta: Vec<f64> = of.iter().filter_map(|x| x.tta_s).collect();
+        let mut epochs: Vec<f64> = of.iter().filter_map(|x| x.epochs_to_target).collect();
+        let mut rate: Vec<f64> = of.iter().map(|x| x.samples_per_s).collect();
+        cells.push(Cell {
+            consistency: r.consistency.clone(),
+            workers: r.workers,
+            runs: of.len(),
+            reached: tta.len(),
+            min_tta_s: tta.iter().copied().reduce(f64::min),
+            max_tta_s: tta.iter().copied().reduce(f64::max),
+            median_tta_s: median(&mut tta),
+            median_epochs: median(&mut epochs),
+            samples_per_s: median(&mut rate).unwrap_or(0.0),
+        });
+    }
+    cells
+}
+
+/// Loads the data and runs every worker count under every consistency model.
+pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
+    let dir = plan.data_dir.clone();
+    let (mut train, test) = tokio::task::spawn_blocking(move || {
+        anyhow::Ok((
+            Dataset::load(&dir, Split::Train)?,
+            Dataset::load(&dir, Split::Test)?,
+        ))
+    })
+    .await?
+    .with_context(|| {
+        format!(
+            "loading Fashion-MNIST from {} (apt-get install dataset-fashion-mnist)",
+            plan.data_dir.display()
+        )
+    })?;
+    train.truncate(plan.train_samples as usize);
+    let (train, test) = (Arc::new(train), Arc::new(test));
+    let mut runs = Vec::new();
+    for &consistency in &plan.modes {
+        for &workers in &plan.workers {
+            for seed in (0..u64::from(plan.repeats)).map(|i| FIRST_SEED + i) {
+                let r = run_one(plan, &train, &test, workers, consistency, seed)
+                    .await
+                    .with_context(|| format!("{workers} workers, {consistency}, seed {seed}"))?;
+                eprintln!(
+                    "tta: {workers} workers, {consistency}, seed {seed}: {} (best {:.4}, {:.1} s)",
+                    r.tta_s
+                        .map_or("not reached".into(), |t| format!("{t:.1} s")),
+                    r.best_accuracy,
+                    r.wall_s
+                );
+                runs.push(r);
+            }
+        }
+    }
+    Ok(Results {
+        target: plan.target,
+        layers: plan.layers.clone(),
+        optimizer: optimizer_name(&plan.optimizer),
+        batch: plan.batch,
+        train_samples: plan.train_samples,
+        shards: plan.shards,
+        summary: summarize(&runs),
+        runs,
+    })
+}
+
+fn optimizer_name(o: &OptimizerSpec) -> String {
+    match o {
+        OptimizerSpec::Sgd { lr } => format!("sgd:{lr}"),
+        OptimizerSpec::Momentum { lr, momentum } => format!("momentum:{lr}:{momentum}"),
+        OptimizerSpec::Adam { lr, .. } => format!("adam:{lr}"),
+    }
+}
+
+/// The seed of the first run of each cell (then +1, +2, ...).
+const FIRST_SEED: u64 = 1;
+
+/// A snapshot of the parameters.
+struct Snapshot {
+    t: Duration,
+    samples: u64,
+    params: Vec<f32>,
+}
+
+async fn run_one(
+    plan: &Plan,
+    train: &Arc<Dataset>,
+    test: &Arc<Dataset>,
+    workers: usize,
+    consistency: Consistency,
+    seed: u64,
+) -> anyhow::Result<Run> {
+    let mut job = mlp_job(
+        &plan.layers,
+        consistency,
+        plan.optimizer.clone(),
+        plan.train_samples,
+        plan.max_epochs,
+    );
+    job.batch_size = plan.batch;
+    job.seed = seed;
+    let cluster = TestCluster::start_with(job, plan.shards as u32, plan.settings.clone()).await?;
+    let config = |name: &str| -> anyhow::Result<ClientConfig> {
+        let mut cfg = cluster.client_config(name)?;
+        cfg.settings = plan.settings.clone();
+        Ok(cfg)
+    };
+    let eval = Job::connect(&config("eval")?).await?;
+    let mlp = trainer::model_of(eval.config())?;
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let mut threads = Vec::new();
+    for i in 0..workers {
+        let name = format!("w{i}");
+        let (cfg, train, stop) = (config(&name)?, train.clone(), shutdown.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name(name.clone())
+                .spawn(move || worker(cfg, &name, &train, stop))?,
+        );
+    }
+    let snaps = snapshots(plan, &eval, &mlp, test, started, &shutdown).await;
+    shutdown.cancel();
+    let mut samples = 0;
+    for t in threads {
+        let s = tokio::task::spawn_blocking(move || t.join())
+            .await?
+            .map_err(|_| anyhow::anyhow!("a worker thread panicked"))??;
+        samples += s.samples;
+    }
+    let wall = started.elapsed();
+    let snaps = snaps?;
+    drop(eval);
+    cluster.stop().await;
+    let curve = evaluate_all(snaps, &mlp, test).await?;
+    let reached = curve.iter().find(|p| p.accuracy >= plan.target);
+    Ok(Run {
+        workers,
+        consistency: consistency.to_string(),
+        seed,
+        tta_s: reached.map(|p| p.t_s),
+        epochs_to_target: reached.map(|p| p.samples as f64 / f64::from(plan.train_samples)),
+        best_accuracy: curve.iter().map(|p| p.accuracy).fold(0.0, f64::max),
+        wall_s: wall.as_secs_f64(),
+        samples_per_s: samples as f64 / wall.as_secs_f64().max(1e-9),
+        curve,
+    })
+}
+
+/// One worker on its own thread and runtime: connect, train until the data runs out or
+/// `stop` fires, leave.
+fn worker(
+    cfg: ClientConfig,
+    name: &str,
+    train: &Dataset,
+    stop: CancellationToken,
+) -> anyhow::Result<TrainSummary> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let job = Job::connect(&cfg).await?;
+        let mut backend = CpuBackend::new();
+        Ok(trainer::train(
+            job,
+            name,
+            train,
+            &mut backend,
+            TrainOptions::default(),
+            stop,
+        )
+        .await?)
+    })
+}
+
+/// Snapshots the parameters until the job finishes or a checked snapshot reaches the target.
+async fn snapshots(
+    plan: &Plan,
+    eval: &Job,
+    mlp: &Mlp,
+    test: &Arc<Dataset>,
+    started: Instant,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Vec<Snapshot>> {
+    let mut out: Vec<Snapshot> = Vec::new();
+    let mut tick = tokio::time::interval(plan.snapshot_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut checked = Instant::now();
+    loop {
+        tick.tick().await;
+        let status = eval.status().await?;
+        // As trainer::evaluate does: only steps every counting worker has passed are applied.
+        let through = if status.finished {
+            Clock(u64::MAX)
+        } else {
+            status.min_clock
+        };
+        let mut params = vec![0f32; eval.param_count()];
+        eval.pull_all(&mut params, through).await?;
+        out.push(Snapshot {
+            t: started.elapsed(),
+            samples: status.samples_done,
+            params,
+        });
+        if status.finished || shutdown.is_cancelled() {
+            return Ok(out);
+        }
+        if checked.elapsed() >= plan.check_every {
+            checked = Instant::now();
+            let params = out.last().map(|s| s.params.clone()).unwrap_or_default();
+            let acc = accuracy(mlp.clone(), params, test.clone()).await?;
+            if acc >= plan.target {
+                return Ok(out);
+            }
+        }
+    }
+}
+
+/// Test accuracy of `params`, on a blocking thread.
+async fn accuracy(mlp: Mlp, params: Vec<f32>, test: Arc<Dataset>) -> anyhow::Result<f64> {
+    tokio::task::spawn_blocking(move || {
+        let mut b = CpuBackend::new();
+        Ok(b.evaluate(&mlp, &params, test.images(), test.labels())?
+            .accuracy())
+    })
+    .await?
+}
+
+/// Evaluates every snapshot, in order.
+async fn evaluate_all(
+    snaps: Vec<Snapshot>,
+    mlp: &Mlp,
+    test: &Arc<Dataset>,
+) -> anyhow::Result<Vec<Point>> {
+    let mut curve = Vec::with_capacity(snaps.len());
+    for s in snaps {
+        curve.push(Point {
+            t_s: s.t.as_secs_f64(),
+            samples: s.samples,
+            accuracy: accuracy(mlp.clone(), s.params, test.clone()).await?,
+        });
+    }
+    Ok(curve)
+}

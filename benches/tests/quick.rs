@@ -1,0 +1,187 @@
+//! `edl-bench --quick` runs every subcommand, and `all` writes `BENCHMARKS.md`, its plots and
+//! JSON with the fields scripts read. A check that the benchmarks run, not a measurement.
+//!
+//! tta needs Fashion-MNIST (Debian's `dataset-fashion-mnist`); without it the tta and `all`
+//! checks say they were skipped, unless `EDL_REQUIRE_DATA=1` (set by CI) makes that a failure.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Mutex;
+
+use edl_worker::data::DEFAULT_DATA_DIR;
+use serde_json::Value;
+
+/// One benchmark at a time: each starts clusters and measures with them.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Runs `edl-bench --quick ARGS --json FILE` and returns the JSON it wrote.
+fn bench(args: &[&str]) -> anyhow::Result<Value> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("out.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_edl-bench"))
+        .arg("--quick")
+        .arg("--json")
+        .arg(&json)
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "edl-bench {args:?} failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    anyhow::ensure!(
+        !out.stdout.is_empty(),
+        "edl-bench {args:?} printed no table"
+    );
+    Ok(serde_json::from_slice(&std::fs::read(&json)?)?)
+}
+
+fn have_data() -> anyhow::Result<bool> {
+    if Path::new(DEFAULT_DATA_DIR).exists() {
+        return Ok(true);
+    }
+    if std::env::var("EDL_REQUIRE_DATA").is_ok_and(|v| v == "1") {
+        anyhow::bail!("{DEFAULT_DATA_DIR} is missing and EDL_REQUIRE_DATA=1");
+    }
+    eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+    Ok(false)
+}
+
+fn num(v: &Value, field: &str) -> f64 {
+    v[field]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{field} is not a number in {v}"))
+}
+
+fn check_scale(v: &Value) {
+    let rows = v["rows"].as_array().expect("rows");
+    assert!(!rows.is_empty());
+    for r in rows {
+        assert!(num(r, "steps_per_s") > 0.0, "{r}");
+        assert!(num(r, "gbit_s") > 0.0, "{r}");
+        assert!(num(r, "efficiency") > 0.0, "{r}");
+        assert!(r["saturated"].is_boolean(), "{r}");
+        assert!(["dense", "sparse"].contains(&r["mode"].as_str().expect("mode")));
+    }
+    // Every series' first point is its own baseline.
+    for r in rows.iter().filter(|r| r["workers"] == 1) {
+        assert!((num(r, "efficiency") - 1.0).abs() < 1e-9, "{r}");
+    }
+    let ceilings = v["ceilings"].as_array().expect("ceilings");
+    assert!(!ceilings.is_empty());
+    assert!(ceilings.iter().all(|c| num(c, "steps_per_s") > 0.0));
+}
+
+fn check_elastic(v: &Value) {
+    let runs = v["runs"].as_array().expect("runs");
+    let modes: Vec<&str> = runs
+        .iter()
+        .map(|r| r["membership"].as_str().expect("membership"))
+        .collect();
+    assert_eq!(modes, ["stop-free", "restart"]);
+    for run in runs {
+        let events = run["events"].as_array().expect("events");
+        let kinds: Vec<&str> = events
+            .iter()
+            .map(|e| e["kind"].as_str().expect("kind"))
+            .collect();
+        assert_eq!(kinds, ["join", "leave"], "{run}");
+        // Every change got its costs from the trace.
+        for e in events {
+            assert!(e["stall_ms"].is_number(), "{e}");
+        }
+        assert!(events[0]["join_ms"].as_f64().expect("join_ms") > 0.0);
+        assert_eq!(run["summary"].as_array().expect("summary").len(), 2);
+    }
+    // A restart stops everyone: its stall covers the new workers' start.
+    let restart_join = &runs[1]["events"][0];
+    assert!(restart_join["restart"].is_array(), "{restart_join}");
+}
+
+fn check_tta(v: &Value) {
+    assert_eq!(num(v, "target"), 0.85);
+    let runs = v["runs"].as_array().expect("runs");
+    assert!(!runs.is_empty());
+    for r in runs {
+        let curve = r["curve"].as_array().expect("curve");
+        assert!(!curve.is_empty(), "{r}");
+        assert!(
+            num(r, "best_accuracy") > 0.5,
+            "a quick run learns something: {r}"
+        );
+        assert!(r.get("tta_s").is_some(), "{r}");
+    }
+    assert!(!v["summary"].as_array().expect("summary").is_empty());
+}
+
+#[test]
+fn scale_runs() -> anyhow::Result<()> {
+    check_scale(&bench(&["scale"])?);
+    Ok(())
+}
+
+#[test]
+fn elastic_runs() -> anyhow::Result<()> {
+    check_elastic(&bench(&["elastic"])?);
+    Ok(())
+}
+
+#[test]
+fn tta_runs() -> anyhow::Result<()> {
+    if have_data()? {
+        check_tta(&bench(&["tta"])?);
+    }
+    Ok(())
+}
+
+#[test]
+fn transport_and_apply_run() -> anyhow::Result<()> {
+    let t = bench(&["transport", "--sizes", "4K", "--points", "1x1"])?;
+    assert_eq!(t["rows"].as_array().expect("rows").len(), 3);
+    let a = bench(&["apply"])?;
+    assert_eq!(a.as_array().expect("rows").len(), 3);
+    Ok(())
+}
+
+#[test]
+fn all_writes_the_report_and_plots() -> anyhow::Result<()> {
+    if !have_data()? {
+        return Ok(());
+    }
+    let out = tempfile::tempdir()?;
+    let out_arg = out.path().to_str().expect("utf-8 temp path");
+    let v = bench(&["all", "--out", out_arg])?;
+    for field in [
+        "machine",
+        "transport_default",
+        "transport_loopback",
+        "apply",
+        "scale",
+        "elastic",
+        "tta",
+    ] {
+        assert!(v.get(field).is_some(), "{field} missing");
+    }
+    check_scale(&v["scale"]);
+    check_elastic(&v["elastic"]);
+    check_tta(&v["tta"]);
+    let md = std::fs::read_to_string(out.path().join("BENCHMARKS.md"))?;
+    for heading in [
+        "## Method",
+        "## Transport",
+        "## Optimizer apply",
+        "## Scaling",
+        "## Elasticity",
+        "## Time to accuracy",
+    ] {
+        assert!(md.contains(heading), "BENCHMARKS.md lacks {heading}");
+    }
+    for plot in ["transport", "scale", "tta"] {
+        let png = std::fs::read(out.path().join(format!("benches/plots/{plot}.png")))?;
+        assert!(png.starts_with(b"\x89PNG"), "{plot}.png is not a PNG");
+        assert!(md.contains(&format!("benches/plots/{plot}.png")));
+    }
+    Ok(())
+}

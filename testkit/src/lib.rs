@@ -29,6 +29,7 @@ pub struct TestCluster {
     pub coordinator_addr: SocketAddr,
     /// The shard servers' addresses, in shard-id order of start (not of join).
     pub shard_addrs: Vec<SocketAddr>,
+    settings: TransportSettings,
     pki: PkiDir,
     dir: tempfile::TempDir,
     shutdown: CancellationToken,
@@ -99,6 +100,7 @@ impl TestCluster {
             coordinator,
             coordinator_addr,
             shard_addrs,
+            settings,
             pki,
             dir,
             shutdown,
@@ -121,10 +123,9 @@ impl TestCluster {
             checkpoint: None,
             checkpoint_every: None,
         };
-        let stop = self.shutdown.clone();
+        let (stop, settings) = (self.shutdown.clone(), self.settings.clone());
         self.tasks.spawn(async move {
-            if let Err(e) = shard::run(cfg, id, TransportSettings::default(), stop, Some(tx)).await
-            {
+            if let Err(e) = shard::run(cfg, id, settings, stop, Some(tx)).await {
                 tracing::error!(error = %e, "test shard failed");
             }
         });

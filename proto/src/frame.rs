@@ -250,6 +250,18 @@ pub fn bytes_to_f32s(bytes: &[u8], out: &mut [f32]) -> Result<(), ProtoError> {
     Ok(())
 }
 
+/// The position of the first NaN or infinity in `values`. Blocks of floats are checked with a
+/// branch-free test the compiler vectorizes; only a block that holds a bad value is searched.
+pub fn first_non_finite(values: &[f32]) -> Option<usize> {
+    const BLOCK: usize = 1024;
+    // An f32 is NaN or infinite exactly when its exponent bits are all ones.
+    let bad = |x: &f32| u32::from((x.to_bits() & 0x7f80_0000) == 0x7f80_0000);
+    values.chunks(BLOCK).enumerate().find_map(|(i, block)| {
+        let any = block.iter().fold(0u32, |acc, x| acc | bad(x));
+        (any != 0).then(|| i * BLOCK + block.iter().position(|x| !x.is_finite()).unwrap_or(0))
+    })
+}
+
 /// The wire bytes as f32 values without copying, when they are aligned for f32 (a payload
 /// buffer of its own usually is) and the machine is little-endian; `None` otherwise.
 pub fn f32s_in_place(bytes: &[u8]) -> Option<&[f32]> {
@@ -263,6 +275,22 @@ pub fn f32s_in_place(bytes: &[u8]) -> Option<&[f32]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn non_finite_values_are_found_where_they_are() {
+        let mut v = vec![1.5f32; 5000];
+        assert_eq!(first_non_finite(&v), None);
+        for (i, bad) in [
+            (0, f32::NAN),
+            (1023, f32::INFINITY),
+            (4999, f32::NEG_INFINITY),
+        ] {
+            v[i] = bad;
+            assert_eq!(first_non_finite(&v), Some(i));
+            v[i] = f32::MAX;
+        }
+        assert_eq!(first_non_finite(&[]), None);
+    }
     use crate::ids::{Clock, Key, MapEpoch, WorkerId};
     use crate::msg::ChunkRef;
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
-use edl_shared::proto::frame::{bytes_to_f32s, extend_f32s, f32s_in_place};
+use edl_shared::proto::frame::{bytes_to_f32s, extend_f32s, f32s_in_place, first_non_finite};
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
@@ -446,7 +446,7 @@ impl ShardState {
                 &decoded
             }
         };
-        if let Some(i) = grads.iter().position(|g| !g.is_finite()) {
+        if let Some(i) = first_non_finite(grads) {
             return Err(bad((
                 ErrorCode::NonFinite,
                 format!("gradient value {} at float {i} is not finite", grads[i]),

@@ -398,7 +398,7 @@ impl Job {
 }
 
 fn check_finite(values: &[f32]) -> Result<(), ClientError> {
-    match values.iter().position(|v| !v.is_finite()) {
+    match edl_shared::proto::frame::first_non_finite(values) {
         Some(index) => Err(ClientError::NonFinite { index }),
         None => Ok(()),
     }

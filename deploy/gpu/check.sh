@@ -11,8 +11,10 @@
 #
 # It builds with the `gpu-check` profile (release, stripped, no debug info) into
 # target/gpu-check/. The device machines we borrow cannot reach crates.io: build there first
-# with `deploy/gpu/check.sh --build-only` on a machine that can, carry target/gpu-check (about
-# 40 MiB) with the working tree, and run it with EDL_CHECK_PREBUILT=1.
+# with `deploy/gpu/check.sh --build-only` on a machine that can, carry the five binaries
+# target/gpu-check/{edl-cuda-agreement,edl-gpu-bench,edl-local,edl-ps,edl-worker} (about
+# 29 MiB together; not the whole folder, which holds the build's intermediates) with the
+# working tree, and run it with EDL_CHECK_PREBUILT=1.
 #
 # Environment: OUT (where results go), EDL_CHECK_PREBUILT=1 (skip the build and use the
 # binaries already in target/gpu-check), EDL_DATA_DIR (Fashion-MNIST idx files; without them a

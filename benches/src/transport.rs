@@ -350,6 +350,13 @@ fn header(op: u8, len: usize) -> [u8; 9] {
     h
 }
 
+/// The op and length of a request header written by [`header`].
+fn parse_header(h: &[u8; 9]) -> (u8, usize) {
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&h[1..]);
+    (h[0], u64::from_le_bytes(len8) as usize)
+}
+
 /// One request on a new stream: op 0 pushes `payload` and reads an 8-byte ack, op 1 asks for
 /// `payload.len()` bytes and reads them.
 async fn quinn_call(conn: quinn::Connection, op: u8, payload: Bytes) -> anyhow::Result<()> {
@@ -380,10 +387,8 @@ async fn quinn_server(ep: quinn::Endpoint, data: Bytes) {
                     if recv.read_exact(&mut h).await.is_err() {
                         return;
                     }
-                    let mut len8 = [0u8; 8];
-                    len8.copy_from_slice(&h[1..]);
-                    let len = u64::from_le_bytes(len8) as usize;
-                    if h[0] == 0 {
+                    let (op, len) = parse_header(&h);
+                    if op == 0 {
                         // Receive the push into one buffer, as a server would to apply it.
                         let mut buf = Vec::with_capacity(len);
                         while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
@@ -470,10 +475,8 @@ async fn tcp_server(l: TcpListener, data: Arc<Vec<u8>>) {
                 if s.read_exact(&mut h).await.is_err() {
                     return;
                 }
-                let mut len8 = [0u8; 8];
-                len8.copy_from_slice(&h[1..]);
-                let len = u64::from_le_bytes(len8) as usize;
-                let ok = if h[0] == 0 {
+                let (op, len) = parse_header(&h);
+                let ok = if op == 0 {
                     buf.resize(len, 0);
                     s.read_exact(&mut buf).await.is_ok()
                         && s.write_all(&(len as u64).to_le_bytes()).await.is_ok()

@@ -190,28 +190,6 @@ pub struct ShardAction {
     pub took_ms: Option<f64>,
 }
 
-/// How much later than the launcher's estimate the coordinator's clock runs, as far as the
-/// trace tells: the launcher starts its copy of the coordinator's clock when the coordinator's
-/// address file appears, a few milliseconds after the coordinator started it. `marks` are the
-/// launcher's reshaping requests: when each was sent (by the launcher's estimate) and the map
-/// epoch its first move published; a move begins after its request was sent, so the smallest
-/// gap between the two bounds the lag from above (to within the request's latency). 0 without
-/// marks.
-///
-/// A shard event the launcher records too early would be measured against a step taken before
-/// it (steps take milliseconds); one recorded a little late is measured right, since nobody
-/// steps while a killed shard is away.
-pub fn launcher_lag(trace: &JobTrace, marks: &[(u64, u64)]) -> u64 {
-    marks
-        .iter()
-        .filter_map(|&(sent, epoch)| {
-            let m = trace.moves.iter().find(|m| m.epoch.0 == epoch)?;
-            Some(m.t_ms.saturating_sub(sent))
-        })
-        .min()
-        .unwrap_or(0)
-}
-
 /// How a move names its shards: by process name where known, by id otherwise.
 fn shard_label(names: &BTreeMap<ShardId, String>, id: ShardId) -> String {
     names.get(&id).cloned().unwrap_or_else(|| id.to_string())

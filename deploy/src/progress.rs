@@ -289,6 +289,7 @@ mod tests {
 
     fn status(epochs: &[(u64, f64)], per_epoch: u64, finished: bool) -> JobStatus {
         JobStatus {
+            t_ms: 0,
             shards_joined: 2,
             shards_expected: 2,
             samples_total: per_epoch * epochs.len() as u64,

@@ -10,15 +10,9 @@
 
 mod common;
 
-use std::path::Path;
-use std::time::Duration;
+use common::TRAIN_SAMPLES;
+use edl_deploy::Report;
 
-use edl_deploy::{LocalConfig, Report, Scenario, ScenarioFile};
-use edl_shared::proto::Consistency;
-use edl_shared::shutdown::CancellationToken;
-use edl_worker::data::DEFAULT_DATA_DIR;
-
-const TRAIN_SAMPLES: u32 = 30_000;
 const KEYS: u64 = 7;
 
 /// s2 joins and takes its share; keys 2..4 move from s2 to s0, so that s0 writes a checkpoint
@@ -50,9 +44,6 @@ action = "shard_remove"
 shard = "s1"
 "#;
 
-/// The runs take every core they can get and their events are timed: one at a time.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 /// With `--restart-on-change`: s2 joins; a worker is added (a restart); s0 is removed.
 const WITH_RESTARTS: &str = r#"
 [[event]]
@@ -69,38 +60,6 @@ at_s = 2.0
 action = "shard_remove"
 shard = "s0"
 "#;
-
-async fn run(dir: &Path, scenario: &str, restart_on_change: bool) -> Report {
-    let path = dir.join("reshard.toml");
-    std::fs::write(&path, scenario).expect("write the scenario");
-    let cfg = LocalConfig {
-        shards: 2,
-        workers: 2,
-        epochs: 2,
-        consistency: "ssp:2".parse::<Consistency>().expect("consistency"),
-        optimizer: "adam:0.001".parse().expect("optimizer"),
-        batch_size: 16,
-        train_samples: TRAIN_SAMPLES,
-        lease_ms: 1000,
-        layers: vec![784, 64, 10],
-        seed: 5,
-        data_dir: DEFAULT_DATA_DIR.into(),
-        report: Some(dir.join("report.json")),
-        trace: None,
-        state_dir: Some(dir.join("state")),
-        bin_dir: Some(common::bin_dir()),
-        progress_bar: false,
-        stall_timeout: Some(Duration::from_secs(60)),
-        scenario: Some(ScenarioFile {
-            scenario: Scenario::parse(scenario, 2, 2).expect("scenario"),
-            path,
-        }),
-        restart_on_change,
-    };
-    edl_deploy::run(&cfg, CancellationToken::new())
-        .await
-        .expect("the run succeeds")
-}
 
 /// Parses `start..end`.
 fn range(r: &str) -> (u64, u64) {
@@ -145,9 +104,9 @@ async fn shards_are_added_moved_killed_restarted_and_removed_while_training() {
     if !common::have_dataset() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _one = common::ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let r = run(dir.path(), SCENARIO, false).await;
+    let r = common::run_scenario(dir.path(), SCENARIO, 5, false).await;
     println!("{r}");
 
     assert!(r.finished);
@@ -224,9 +183,9 @@ async fn the_restart_baseline_reshards_online() {
     if !common::have_dataset() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _one = common::ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let r = run(dir.path(), WITH_RESTARTS, true).await;
+    let r = common::run_scenario(dir.path(), WITH_RESTARTS, 5, true).await;
     println!("{r}");
 
     assert!(r.finished);

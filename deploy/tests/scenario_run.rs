@@ -8,18 +8,8 @@
 
 mod common;
 
-use std::path::Path;
-use std::time::Duration;
-
-use edl_deploy::{LocalConfig, Report, Scenario, ScenarioFile};
-use edl_shared::proto::Consistency;
-use edl_shared::shutdown::CancellationToken;
-use edl_worker::data::DEFAULT_DATA_DIR;
-
-/// The runs take every core they can get and their events are timed: one at a time.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-const TRAIN_SAMPLES: u32 = 30_000;
+use common::TRAIN_SAMPLES;
+use edl_deploy::Report;
 
 /// Two workers to start with; two more join, w0 is drained, w1 is killed mid-epoch.
 const SCENARIO: &str = r#"
@@ -38,38 +28,6 @@ at_s = 2.5
 action = "kill"
 worker = "w1"
 "#;
-
-async fn run(dir: &Path, restart_on_change: bool) -> Report {
-    let path = dir.join("churn.toml");
-    std::fs::write(&path, SCENARIO).expect("write the scenario");
-    let cfg = LocalConfig {
-        shards: 2,
-        workers: 2,
-        epochs: 2,
-        consistency: "ssp:2".parse::<Consistency>().expect("consistency"),
-        optimizer: "adam:0.001".parse().expect("optimizer"),
-        batch_size: 16,
-        train_samples: TRAIN_SAMPLES,
-        lease_ms: 1000,
-        layers: vec![784, 64, 10],
-        seed: 3,
-        data_dir: DEFAULT_DATA_DIR.into(),
-        report: Some(dir.join("report.json")),
-        trace: None,
-        state_dir: Some(dir.join("state")),
-        bin_dir: Some(common::bin_dir()),
-        progress_bar: false,
-        stall_timeout: Some(Duration::from_secs(60)),
-        scenario: Some(ScenarioFile {
-            scenario: Scenario::parse(SCENARIO, 2, 2).expect("scenario"),
-            path,
-        }),
-        restart_on_change,
-    };
-    edl_deploy::run(&cfg, CancellationToken::new())
-        .await
-        .expect("the run succeeds")
-}
 
 /// What every scenario run must show: the job finished, learned, and applied every sample of
 /// every epoch exactly once on every shard.
@@ -111,9 +69,9 @@ async fn an_elastic_job_grows_shrinks_and_survives_a_kill() {
     if !common::have_dataset() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _one = common::ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let r = run(dir.path(), false).await;
+    let r = common::run_scenario(dir.path(), SCENARIO, 3, false).await;
     assert_trained_exactly_once(&r);
     assert_eq!(r.membership, "elastic");
     assert!(r.restarts.is_empty());
@@ -164,9 +122,9 @@ async fn the_restart_baseline_also_trains_every_sample_once() {
     if !common::have_dataset() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _one = common::ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let r = run(dir.path(), true).await;
+    let r = common::run_scenario(dir.path(), SCENARIO, 3, true).await;
     assert_trained_exactly_once(&r);
     assert_eq!(r.membership, "restart-on-change");
     assert_eq!(r.restarts.len(), 3, "{:?}", r.restarts);

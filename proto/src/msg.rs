@@ -290,6 +290,9 @@ pub struct JobStatus {
     pub min_clock: Clock,
     /// True once every partition of every epoch has been completed.
     pub finished: bool,
+    /// The coordinator's clock when it answered, in the trace's time base (milliseconds since
+    /// it started), so that a client can place its own events on the trace.
+    pub t_ms: u64,
 }
 
 /// A request header.

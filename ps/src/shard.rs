@@ -19,7 +19,8 @@ use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
 };
 use edl_shared::proto::{
-    Consistency, ErrorCode, Frame, Init, JobConfig, OptimizerSpec, Request, Response, ShardMap,
+    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Request, Response,
+    ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint, server_endpoint};
@@ -71,8 +72,8 @@ impl Chunk {
     }
 
     /// A chunk from its snapshot, checked against the layout and the optimizer.
-    fn from_snap(job: &JobConfig, snap: ChunkSnap) -> Result<Chunk, String> {
-        let Some(span) = job.layout().span(Key(snap.key)).copied() else {
+    fn from_snap(job: &JobConfig, layout: &KeyLayout, snap: ChunkSnap) -> Result<Chunk, String> {
+        let Some(span) = layout.span(Key(snap.key)).copied() else {
             return Err(format!("key {} is not part of the job", snap.key));
         };
         let n = span.len as usize;
@@ -135,8 +136,8 @@ impl Chunk {
 pub struct ShardState {
     id: ShardId,
     job: JobConfig,
-    /// Keys in the job.
-    job_keys: u64,
+    /// The job's keys and their lengths.
+    layout: KeyLayout,
     /// The newest map this shard knows; it changes when ranges move.
     map: RwLock<Arc<ShardMap>>,
     /// The epoch of `map`, for requests routed with a newer map to wait on.
@@ -215,7 +216,7 @@ impl ShardState {
         let ledgers = Ledgers::new(&job, !chunks.is_empty());
         ShardState {
             id,
-            job_keys: layout.num_keys(),
+            layout,
             epoch: watch::Sender::new(map.epoch.0),
             map: RwLock::new(Arc::new(map)),
             ledgers: Mutex::new(ledgers),
@@ -269,7 +270,7 @@ impl ShardState {
             if st.read_map().owner(key) != Some(id) {
                 return Err(mismatch(format!("{key} is not placed on {id}")));
             }
-            let chunk = Chunk::from_snap(&st.job, snap).map_err(mismatch)?;
+            let chunk = Chunk::from_snap(&st.job, &st.layout, snap).map_err(mismatch)?;
             if !segments.contains(&chunk.segment) {
                 return Err(mismatch(format!("{key} belongs to no ledger segment")));
             }
@@ -330,29 +331,25 @@ impl ShardState {
         let _ = tokio::time::timeout(limit, rx.wait_for(|e| *e >= epoch.0)).await;
     }
 
-    /// Checks, under the gate, that every key is part of the job and held here. A key of the
-    /// job that is not held was routed with an old map: refused with the current one.
-    fn check_held(&self, keys: impl Iterator<Item = Key>) -> Result<(), Refusal> {
-        for key in keys {
-            if key.0 >= self.job_keys {
-                return Err(Refusal::new(
-                    ErrorCode::UnknownKey,
-                    format!("{key} is not part of the job"),
-                ));
-            }
-            if !self.chunks.contains_key(&key) {
-                let map = self.read_map();
-                return Err(Refusal {
-                    code: ErrorCode::StaleEpoch,
-                    message: format!(
-                        "{key} is not held by {} (its map is {}); route with the new map",
-                        self.id, map.epoch
-                    ),
-                    map: Some(Box::new((*map).clone())),
-                });
-            }
+    /// Why `key` cannot be used here: it is not part of the job, or (a key of the job this
+    /// shard does not hold) the request was routed with an old map, refused with the current
+    /// one. Called under the gate, so the answer holds for the whole request.
+    fn missing(&self, key: Key) -> Refusal {
+        if key.0 >= self.layout.num_keys() {
+            return Refusal::new(
+                ErrorCode::UnknownKey,
+                format!("{key} is not part of the job"),
+            );
         }
-        Ok(())
+        let map = self.read_map();
+        Refusal {
+            code: ErrorCode::StaleEpoch,
+            message: format!(
+                "{key} is not held by {} (its map is {}); route with the new map",
+                self.id, map.epoch
+            ),
+            map: Some(Box::new((*map).clone())),
+        }
     }
 
     fn bsp(&self) -> bool {
@@ -370,7 +367,9 @@ impl ShardState {
         let mut count = 0u64;
         for r in ranges {
             // Bounds what a request with many or huge ranges can make this shard allocate.
-            if r.end < r.start || r.end > self.job_keys || count + (r.end - r.start) > self.job_keys
+            if r.end < r.start
+                || r.end > self.layout.num_keys()
+                || count + (r.end - r.start) > self.layout.num_keys()
             {
                 return Err(Refusal::new(
                     ErrorCode::UnknownKey,
@@ -381,15 +380,14 @@ impl ShardState {
         }
         let keys = || ranges.iter().flat_map(|r| (r.start..r.end).map(Key));
         let _gate = read_lock(&self.gate);
-        self.check_held(keys())?;
         let mut refs = Vec::with_capacity(count as usize);
         let floats: usize = keys()
-            .filter_map(|k| self.chunks.get(&k).map(|c| c.params.len()))
+            .filter_map(|k| self.layout.span(k).map(|s| s.len as usize))
             .sum();
         let mut out = BytesMut::with_capacity(floats * 4);
         for key in keys() {
             let Some(mut chunk) = self.chunks.get_mut(&key) else {
-                return Err(Refusal::new(ErrorCode::Internal, format!("{key} vanished")));
+                return Err(self.missing(key));
             };
             if self.bsp() {
                 apply_due(&self.job, &mut chunk, apply_through.0);
@@ -455,18 +453,14 @@ impl ShardState {
         // From the check of the keys to the last chunk, neither a checkpoint nor a range move
         // may cut this push in two.
         let _gate = read_lock(&self.gate);
-        self.check_held(chunks.iter().map(|c| c.key))
-            .map_err(|r| Refusal {
-                message: format!("push from {worker}: {}", r.message),
-                ..r
-            })?;
         let mut segments = BTreeSet::new();
         for c in chunks {
             let Some(chunk) = self.chunks.get(&c.key) else {
-                return Err(Refusal::new(
-                    ErrorCode::Internal,
-                    format!("{} vanished", c.key),
-                ));
+                let r = self.missing(c.key);
+                return Err(Refusal {
+                    message: format!("push from {worker}: {}", r.message),
+                    ..r
+                });
             };
             if chunk.params.len() != c.len as usize {
                 return Err(bad((
@@ -621,7 +615,7 @@ impl ShardState {
     fn take_in(&self, start: u64, end: u64, export: RangeExport) -> Result<(), Refusal> {
         let refuse = |m: String| Refusal::new(ErrorCode::InvalidRequest, m);
         exactly(start, end, &export)?;
-        if end > self.job_keys {
+        if end > self.layout.num_keys() {
             return Err(refuse(format!(
                 "keys {start}..{end} are not part of the job"
             )));
@@ -632,7 +626,8 @@ impl ShardState {
         let mut fresh = Vec::with_capacity(export.chunks.len());
         for snap in export.chunks {
             let key = Key(snap.key);
-            fresh.push((key, Chunk::from_snap(&self.job, snap).map_err(refuse)?));
+            let chunk = Chunk::from_snap(&self.job, &self.layout, snap).map_err(refuse)?;
+            fresh.push((key, chunk));
         }
         if let Some((key, _)) = fresh
             .iter()

@@ -27,7 +27,7 @@ use thiserror::Error;
 mod routing;
 mod session;
 
-use routing::{Routing, ShardLink};
+use routing::Routing;
 pub use session::Session;
 
 /// Why a client operation failed.
@@ -157,7 +157,7 @@ fn is_connection_failure(e: &CallError) -> bool {
 /// retried whatever it is. A shard that is no longer in the coordinator's map (it was
 /// removed) answers for itself: `StaleEpoch` with that map, so the caller re-routes.
 async fn call_shard(
-    link: ShardLink,
+    (id, conn): (ShardId, Arc<Mutex<Conn>>),
     net: Arc<Net>,
     coordinator: CoordLink,
     req: Request,
@@ -167,7 +167,8 @@ async fn call_shard(
     let deadline = tokio::time::Instant::now() + RECONNECT_WINDOW;
     let mut delay = Duration::from_millis(100);
     loop {
-        let err = match link.current().call(req.clone(), payload.clone()).await {
+        let current = conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let err = match current.call(req.clone(), payload.clone()).await {
             Err(e @ CallError::NotSent(_)) => e,
             Err(e) if retry && is_connection_failure(&e) => e,
             other => return other,
@@ -175,7 +176,7 @@ async fn call_shard(
         if tokio::time::Instant::now() >= deadline {
             return Err(err);
         }
-        tracing::warn!(shard = %link.id, error = %err, "shard unreachable; reconnecting");
+        tracing::warn!(shard = %id, error = %err, "shard unreachable; reconnecting");
         let map = match coordinator.call(Request::GetMap, Bytes::new()).await {
             Ok(Frame {
                 msg: Response::Map(m),
@@ -186,17 +187,17 @@ async fn call_shard(
                 continue;
             }
         };
-        let Some(addr) = map.addr_of(link.id).map(str::to_string) else {
+        let Some(addr) = map.addr_of(id).map(str::to_string) else {
             return Err(CallError::Remote {
                 code: Some(ErrorCode::StaleEpoch),
-                message: format!("{} is no longer in the shard map", link.id),
+                message: format!("{id} is no longer in the shard map"),
                 map: Some(Box::new(map)),
             });
         };
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_secs(2));
         if let Ok(c) = Conn::connect(&net.endpoint, &addr, &net.name, &net.settings).await {
-            *link.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
+            *conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
         }
     }
 }

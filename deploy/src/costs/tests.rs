@@ -228,6 +228,7 @@ fn the_noise_floor_skips_events_and_silences() {
 #[test]
 fn epochs_take_the_worst_shard() {
     let st = JobStatus {
+        t_ms: 0,
         shards_joined: 2,
         shards_expected: 2,
         samples_total: 200,
@@ -370,8 +371,4 @@ fn moves_and_shard_events_cost_what_the_others_wait() {
         shard_quiet_spans(&t, &actions),
         [(505, 505), (1005, 1300), (1200, 1300)]
     );
-    // The move of map epoch 3 began 9 ms after the launcher's clock said it asked; a mark
-    // for an epoch the trace lacks counts for nothing.
-    assert_eq!(launcher_lag(&t, &[(496, 3), (400, 9)]), 9);
-    assert_eq!(launcher_lag(&t, &[]), 0);
 }

@@ -37,8 +37,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::costs::{
-    ShardAction, epoch_reports, event_costs, kind_summaries, launcher_lag, shard_costs,
-    shard_quiet_spans, stall_noise,
+    ShardAction, epoch_reports, event_costs, kind_summaries, shard_costs, shard_quiet_spans,
+    stall_noise,
 };
 use crate::procs::{Proc, Spawn, Stopped, failure_message};
 use crate::progress::{Progress, StallWatch, active_workers, worker_states};
@@ -64,9 +64,7 @@ const LAUNCHER_NAME: &str = "launcher";
 const COORDINATOR_START: Duration = Duration::from_secs(30);
 /// How often child processes are checked for an exit (and scenario events for being due).
 const CHILD_CHECK: Duration = Duration::from_millis(50);
-/// How often the launcher looks for the coordinator's address file. Its appearance is the
-/// launcher's first estimate of the coordinator's time zero, which the trace counts from
-/// (resharding requests refine it; see [`crate::costs::launcher_lag`]).
+/// How often the launcher looks for the coordinator's address file.
 const ADDR_CHECK: Duration = Duration::from_millis(2);
 /// How often the coordinator is asked for its status.
 const STATUS_PERIOD: Duration = Duration::from_millis(250);
@@ -192,13 +190,11 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         progress: Progress::new(cfg.progress_bar)?,
         coordinator: None,
         coordinator_addr: None,
-        coordinator_zero: None,
         shards: Shards::default(),
         workers: Workers::default(),
         poller: None,
         admin: None,
         shard_actions: Vec::new(),
-        reshape_marks: Vec::new(),
     };
     run.progress.println(&format!(
         "edl-local: state and logs in {}",
@@ -323,8 +319,6 @@ struct Launch<'a> {
     progress: Progress,
     coordinator: Option<Proc>,
     coordinator_addr: Option<SocketAddr>,
-    /// When the coordinator's trace clock started, as near as the launcher can tell.
-    coordinator_zero: Option<Instant>,
     shards: Shards,
     workers: Workers,
     poller: Option<JoinHandle<()>>,
@@ -332,9 +326,6 @@ struct Launch<'a> {
     admin: Option<Admin>,
     /// The shard events carried out so far.
     shard_actions: Vec<ShardAction>,
-    /// The reshaping requests sent so far: when (by the launcher's clock) and the map epoch
-    /// of their first move.
-    reshape_marks: Vec<(u64, u64)>,
 }
 
 impl Launch<'_> {
@@ -490,7 +481,7 @@ impl Launch<'_> {
         .context("the ledger requests timed out")?
         .context("asking the shards for their data ledgers")?;
         let (shard_layout, shard_names) = self.shard_layout().await?;
-        let shard_actions = self.calibrated_shard_actions(&trace);
+        let shard_actions = std::mem::take(&mut self.shard_actions);
         self.progress.finish(&status);
         self.progress
             .println("edl-local: training done; evaluating on the test set");
@@ -508,17 +499,6 @@ impl Launch<'_> {
             shard_names,
             shard_actions,
         })
-    }
-
-    /// The shard events in the coordinator's time base, corrected for the lag of the
-    /// launcher's copy of its clock (see [`crate::costs::launcher_lag`]).
-    fn calibrated_shard_actions(&mut self, trace: &JobTrace) -> Vec<ShardAction> {
-        let lag = launcher_lag(trace, &self.reshape_marks);
-        let mut actions = std::mem::take(&mut self.shard_actions);
-        for a in &mut actions {
-            a.t_ms += lag;
-        }
-        actions
     }
 
     /// Starts the coordinator and waits until it has written its address.
@@ -577,8 +557,6 @@ impl Launch<'_> {
         loop {
             // The file is written atomically, so once it exists it holds the whole address.
             if let Ok(text) = std::fs::read_to_string(&addr_file) {
-                // The coordinator starts its clock just before it writes the file.
-                self.coordinator_zero = Some(Instant::now());
                 let addr: SocketAddr = text.trim().parse().with_context(|| {
                     format!("{} holds {text:?}, not an address", addr_file.display())
                 })?;

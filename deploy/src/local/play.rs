@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use edl_shared::proto::ErrorCode;
 use edl_shared::proto::frame::f32s_to_bytes;
-use edl_shared::proto::msg::{EventKind, WorkerState};
+use edl_shared::proto::msg::{EventKind, JobStatus, WorkerState};
 use edl_worker::{ClientError, Job};
 use nix::sys::signal::Signal;
 
@@ -290,7 +290,7 @@ impl Launch<'_> {
         let start_ms = ms(starting.elapsed());
 
         let report = RestartReport {
-            t_ms: self.coordinator_ms(begun),
+            t_ms: coordinator_ms(begun, job.status()).await?,
             cause: ev.action.to_string(),
             workers_before: before.len() as u32,
             workers_after: after.len() as u32,
@@ -376,13 +376,24 @@ impl Launch<'_> {
             tokio::time::sleep(RESTART_POLL).await;
         }
     }
+}
 
-    /// `at` in milliseconds since the coordinator started, the trace's time base.
-    pub(super) fn coordinator_ms(&self, at: Instant) -> u64 {
-        self.coordinator_zero
-            .map(|z| at.saturating_duration_since(z).as_millis() as u64)
-            .unwrap_or(0)
-    }
+/// `at` in the coordinator's clock (milliseconds since it started, the trace's time base): its
+/// clock as it answered `status`, less the time from `at` to the middle of that request.
+pub(super) async fn coordinator_ms<E>(
+    at: Instant,
+    status: impl std::future::Future<Output = Result<JobStatus, E>>,
+) -> anyhow::Result<u64>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let sent = Instant::now();
+    let st = tokio::time::timeout(ADMIN_TIMEOUT, status)
+        .await
+        .context("the coordinator did not tell its clock in time")??;
+    let middle = sent + sent.elapsed() / 2;
+    let since = middle.saturating_duration_since(at).as_millis() as u64;
+    Ok(st.t_ms.saturating_sub(since))
 }
 
 fn ms(d: Duration) -> f64 {

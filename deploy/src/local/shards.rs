@@ -19,7 +19,7 @@ use edl_shared::proto::ShardId;
 use edl_shared::proto::msg::ShardEntry;
 use nix::sys::signal::Signal;
 
-use super::play::Outcome;
+use super::play::{Outcome, coordinator_ms};
 use super::{Launch, args};
 use crate::costs::ShardAction;
 use crate::procs::{Proc, Spawn};
@@ -232,33 +232,34 @@ impl Launch<'_> {
             .with_context(|| format!("the coordinator does not know a shard named {name}"))
     }
 
-    /// Sends one reshaping request and waits for its moves to finish; remembers when it was
-    /// sent and the epoch of its first move, which calibrate the launcher's copy of the
-    /// coordinator's clock (see [`crate::costs::launcher_lag`]).
+    /// Sends one reshaping request and waits for its moves to finish.
     async fn reshape(
         &mut self,
         what: &str,
         req: impl AsyncFnOnce(&Admin) -> Result<ReshardView, edl_shared::transport::CallError>,
     ) -> anyhow::Result<ReshardView> {
-        let sent = self.coordinator_ms(Instant::now());
-        let v = tokio::time::timeout(RESHAPE_TIMEOUT, req(self.admin()?))
+        tokio::time::timeout(RESHAPE_TIMEOUT, req(self.admin()?))
             .await
             .with_context(|| format!("{what}: no answer within {} s", RESHAPE_TIMEOUT.as_secs()))?
-            .with_context(|| what.to_string())?;
-        if let Some(first) = v.moves.first() {
-            self.reshape_marks.push((sent, first.epoch));
-        }
-        Ok(v)
+            .with_context(|| what.to_string())
     }
 
-    fn record(&mut self, kind: &'static str, shard: &str, at: Instant, took: Option<Duration>) {
-        let t_ms = self.coordinator_ms(at);
+    /// Records a shard event that happened at `at`, in the coordinator's time base.
+    async fn record(
+        &mut self,
+        kind: &'static str,
+        shard: &str,
+        at: Instant,
+        took: Option<Duration>,
+    ) -> anyhow::Result<()> {
+        let t_ms = coordinator_ms(at, self.admin()?.status()).await?;
         self.shard_actions.push(ShardAction {
             t_ms,
             kind,
             shard: shard.to_string(),
             took_ms: took.map(ms),
         });
+        Ok(())
     }
 
     /// Carries out one shard event (in elastic and `--restart-on-change` runs alike: shard
@@ -286,7 +287,8 @@ impl Launch<'_> {
                         a.shard_add(&entry.addr).await
                     })
                     .await?;
-                self.record("shard_add", shard, asked, Some(asked.elapsed()));
+                self.record("shard_add", shard, asked, Some(asked.elapsed()))
+                    .await?;
                 self.progress.println(&format!(
                     "edl-local: {at:.1} s: {} (joined in {:.0} ms): {}",
                     ev.action,
@@ -305,7 +307,8 @@ impl Launch<'_> {
                 if let Some(s) = self.shards.current(shard) {
                     s.fate = ShardFate::Removed;
                 }
-                self.record("shard_remove", shard, asked, Some(asked.elapsed()));
+                self.record("shard_remove", shard, asked, Some(asked.elapsed()))
+                    .await?;
                 self.progress.println(&format!(
                     "edl-local: {at:.1} s: {}: {}",
                     ev.action,
@@ -340,7 +343,7 @@ impl Launch<'_> {
                         KILL_WAIT.as_secs()
                     );
                 }
-                self.record("kill_shard", shard, killed, None);
+                self.record("kill_shard", shard, killed, None).await?;
                 self.progress
                     .println(&format!("edl-local: {at:.1} s: {}", ev.action));
             }
@@ -388,7 +391,8 @@ impl Launch<'_> {
         if let Some(s) = self.shards.current(shard) {
             s.starting = None;
         }
-        self.record("restart_shard", shard, started, Some(started.elapsed()));
+        self.record("restart_shard", shard, started, Some(started.elapsed()))
+            .await?;
         self.progress.println(&format!(
             "edl-local: {:.1} s: {}: serving again after {:.0} ms",
             ev.at.as_secs_f64(),

@@ -1,9 +1,55 @@
-//! Helpers shared by the launcher's end-to-end tests: where the binaries are, and whether the
-//! dataset is installed.
+//! Helpers shared by the launcher's end-to-end tests: where the binaries are, whether the
+//! dataset is installed, and a short scenario run. (Each test binary uses a part of them.)
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use edl_deploy::{LocalConfig, Report, Scenario, ScenarioFile};
+use edl_shared::proto::Consistency;
+use edl_shared::shutdown::CancellationToken;
 use edl_worker::data::DEFAULT_DATA_DIR;
+
+/// Scenario runs take every core they can get and their events are timed: one at a time.
+pub static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Training samples per epoch of a scenario run: a few seconds in a debug build.
+pub const TRAIN_SAMPLES: u32 = 30_000;
+
+/// Runs the scenario `text` (written to `dir`) on a short job of 2 shards and 2 workers: 2
+/// epochs of small batches, so that there are many steps, a small MLP (784-64-10, 7 keys), a
+/// 1 s lease. Panics if the run fails.
+pub async fn run_scenario(dir: &Path, text: &str, seed: u64, restart_on_change: bool) -> Report {
+    let path = dir.join("scenario.toml");
+    std::fs::write(&path, text).expect("write the scenario");
+    let cfg = LocalConfig {
+        shards: 2,
+        workers: 2,
+        epochs: 2,
+        consistency: "ssp:2".parse::<Consistency>().expect("consistency"),
+        optimizer: "adam:0.001".parse().expect("optimizer"),
+        batch_size: 16,
+        train_samples: TRAIN_SAMPLES,
+        lease_ms: 1000,
+        layers: vec![784, 64, 10],
+        seed,
+        data_dir: DEFAULT_DATA_DIR.into(),
+        report: Some(dir.join("report.json")),
+        trace: None,
+        state_dir: Some(dir.join("state")),
+        bin_dir: Some(bin_dir()),
+        progress_bar: false,
+        stall_timeout: Some(Duration::from_secs(60)),
+        scenario: Some(ScenarioFile {
+            scenario: Scenario::parse(text, 2, 2).expect("scenario"),
+            path,
+        }),
+        restart_on_change,
+    };
+    edl_deploy::run(&cfg, CancellationToken::new())
+        .await
+        .expect("the run succeeds")
+}
 
 /// Where the server and worker binaries are: `EDL_BIN_DIR`, or next to this test's launcher.
 /// Panics with what to do when they are not there.

@@ -672,6 +672,7 @@ impl CoordinatorState {
     /// A snapshot for status requests.
     pub fn status(&self, now: Instant) -> JobStatus {
         JobStatus {
+            t_ms: self.ms(now),
             shards_joined: self.shards.len() as u32,
             shards_expected: self.shards_expected,
             samples_total: self.data.samples_total(),

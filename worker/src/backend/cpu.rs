@@ -2,7 +2,7 @@
 
 use matrixmultiply::sgemm;
 
-use super::{Backend, BackendError, StepStats, check_batch};
+use super::{Backend, BackendError, StepStats, check_batch, check_step};
 use crate::model::Mlp;
 
 /// Rows per forward pass in `evaluate`, so a 10,000-sample test set needs only chunk-sized activations.
@@ -86,16 +86,7 @@ impl Backend for CpuBackend {
         y: &[u8],
         grads: &mut [f32],
     ) -> Result<StepStats, BackendError> {
-        let rows = check_batch(mlp, params, x, y)?;
-        if grads.len() != params.len() {
-            return Err(BackendError::GradsLen {
-                expected: params.len(),
-                actual: grads.len(),
-            });
-        }
-        if rows == 0 {
-            return Err(BackendError::EmptyBatch);
-        }
+        let rows = check_step(mlp, params, x, y, grads)?;
         self.forward(mlp, params, x, rows);
 
         let layers = mlp.layers();

@@ -170,6 +170,28 @@ pub fn check_batch(mlp: &Mlp, params: &[f32], x: &[f32], y: &[u8]) -> Result<usi
     Ok(rows)
 }
 
+/// [`check_batch`] for a training step, which also needs a gradient buffer of the parameters'
+/// length and at least one sample; returns the batch size.
+pub fn check_step(
+    mlp: &Mlp,
+    params: &[f32],
+    x: &[f32],
+    y: &[u8],
+    grads: &[f32],
+) -> Result<usize, BackendError> {
+    let rows = check_batch(mlp, params, x, y)?;
+    if grads.len() != params.len() {
+        return Err(BackendError::GradsLen {
+            expected: params.len(),
+            actual: grads.len(),
+        });
+    }
+    if rows == 0 {
+        return Err(BackendError::EmptyBatch);
+    }
+    Ok(rows)
+}
+
 /// Which compute device a worker uses, as given on the command line: `auto`, `cpu`, `cuda` or
 /// `cuda:N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

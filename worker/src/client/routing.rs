@@ -7,6 +7,7 @@
 //! that other shards accepted are never sent twice, so a push is applied exactly once per key
 //! even when a range moves in the middle of it.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -96,9 +97,9 @@ pub(super) struct Routing {
 impl Routing {
     /// The links a request for `wanted` takes: all of them for the whole model (`None`),
     /// otherwise one per shard holding any of `wanted`, cut down to those keys.
-    fn parts(&self, layout: &KeyLayout, wanted: Option<&[KeyRange]>) -> Vec<ShardLink> {
+    fn parts(&self, layout: &KeyLayout, wanted: Option<&[KeyRange]>) -> Cow<'_, [ShardLink]> {
         let Some(wanted) = wanted else {
-            return self.links.clone();
+            return Cow::Borrowed(&self.links);
         };
         self.links
             .iter()
@@ -117,7 +118,8 @@ impl Routing {
                     .then(|| ShardLink::new(layout, l.id, l.conn.clone(), ranges).ok())
                     .flatten()
             })
-            .collect()
+            .collect::<Vec<_>>()
+            .into()
     }
 }
 
@@ -239,7 +241,7 @@ impl Job {
             for (i, part) in parts.iter().enumerate() {
                 let (req, payload) = make(part, &routing.map);
                 let call = call_shard(
-                    part.clone(),
+                    (part.id, part.conn.clone()),
                     self.net.clone(),
                     self.coordinator.clone(),
                     req,
@@ -293,8 +295,23 @@ impl Job {
     /// `apply_through` closes BSP steps before that clock first.
     pub async fn pull_all(&self, out: &mut [f32], apply_through: Clock) -> Result<(), ClientError> {
         self.check_len(out.len())?;
+        self.pull(None, apply_through, |key, floats| {
+            let off = self.layout.span(key).map_or(0, |s| s.offset as usize);
+            bytes_to_f32s(floats, &mut out[off..off + floats.len() / 4])
+        })
+        .await
+    }
+
+    /// Pulls the keys in `wanted` (`None`: all), one request per shard in parallel, and hands
+    /// each chunk's bytes to `each` once checked against what was asked.
+    async fn pull(
+        &self,
+        wanted: Option<Vec<KeyRange>>,
+        apply_through: Clock,
+        mut each: impl FnMut(Key, &[u8]) -> Result<(), edl_shared::proto::ProtoError>,
+    ) -> Result<(), ClientError> {
         self.fan_out(
-            None,
+            wanted,
             true,
             |link, map| {
                 let req = Request::Pull {
@@ -308,10 +325,7 @@ impl Job {
                 let Response::Pulled { chunks } = &resp.msg else {
                     return Err(CallError::unexpected(&resp.msg).into());
                 };
-                self.scatter(link, chunks, &resp.payload, |key, floats| {
-                    let off = self.layout.span(key).map_or(0, |s| s.offset as usize);
-                    bytes_to_f32s(floats, &mut out[off..off + floats.len() / 4])
-                })
+                self.scatter(link, chunks, &resp.payload, &mut each)
             },
         )
         .await
@@ -360,29 +374,13 @@ impl Job {
             return Err(self.inconsistent("client", format!("{k} is not in the shard map")));
         }
         let mut got: HashMap<Key, Vec<f32>> = HashMap::with_capacity(keys.len());
-        self.fan_out(
-            Some(key_ranges(keys.iter().copied())),
-            true,
-            |link, map| {
-                let req = Request::Pull {
-                    epoch: map.epoch,
-                    ranges: link.ranges.clone(),
-                    apply_through,
-                };
-                (req, Bytes::new())
-            },
-            |link, resp| {
-                let Response::Pulled { chunks } = &resp.msg else {
-                    return Err(CallError::unexpected(&resp.msg).into());
-                };
-                self.scatter(link, chunks, &resp.payload, |key, floats| {
-                    let mut v = vec![0.0; floats.len() / 4];
-                    bytes_to_f32s(floats, &mut v)?;
-                    got.insert(key, v);
-                    Ok(())
-                })
-            },
-        )
+        let wanted = key_ranges(keys.iter().copied());
+        self.pull(Some(wanted), apply_through, |key, floats| {
+            let mut v = vec![0.0; floats.len() / 4];
+            bytes_to_f32s(floats, &mut v)?;
+            got.insert(key, v);
+            Ok(())
+        })
         .await?;
         keys.iter()
             .map(|k| {

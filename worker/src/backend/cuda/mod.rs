@@ -24,7 +24,7 @@ use cudarc::cublas::result::CublasError;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use thiserror::Error;
 
-use super::{Backend, BackendError, StepStats, check_batch};
+use super::{Backend, BackendError, StepStats, check_batch, check_step};
 use crate::model::Mlp;
 use buffers::{BatchBuffers, DeviceModel, pinned};
 
@@ -521,16 +521,7 @@ impl Backend for CudaBackend {
         y: &[u8],
         grads: &mut [f32],
     ) -> Result<StepStats, BackendError> {
-        let rows = check_batch(mlp, params, x, y)?;
-        if grads.len() != params.len() {
-            return Err(BackendError::GradsLen {
-                expected: params.len(),
-                actual: grads.len(),
-            });
-        }
-        if rows == 0 {
-            return Err(BackendError::EmptyBatch);
-        }
+        check_step(mlp, params, x, y, grads)?;
         Ok(self.step(mlp, params, x, y, grads)?)
     }
 

@@ -88,6 +88,8 @@ pub struct Plan {
     pub settings: TransportSettings,
     /// The systems to run (a subset of [`SYSTEMS`]); ratios need all three.
     pub systems: Vec<String>,
+    /// Pairs per point, instead of the default for the size.
+    pub pairs: Option<usize>,
 }
 
 impl Plan {
@@ -99,10 +101,14 @@ impl Plan {
             quick,
             settings,
             systems: SYSTEMS.iter().map(|s| s.to_string()).collect(),
+            pairs: None,
         }
     }
 
     fn pairs(&self, size: usize) -> usize {
+        if let Some(n) = self.pairs {
+            return n.max(1);
+        }
         let full = match size {
             s if s <= 4 << 10 => 2000,
             s if s <= 64 << 10 => 1000,
@@ -367,11 +373,17 @@ async fn quinn_call(conn: quinn::Connection, op: u8, payload: Bytes) -> anyhow::
     }
     send.finish()?;
     let want = if op == 0 { 8 } else { payload.len() };
-    let mut got = 0;
+    // Receive the answer into one buffer, as the server does a push and as the TCP client
+    // does: a client has to put what it pulls somewhere.
+    let mut got = Vec::with_capacity(want);
     while let Some(chunk) = recv.read_chunk(usize::MAX, true).await? {
-        got += chunk.bytes.len();
+        got.extend_from_slice(&chunk.bytes);
     }
-    anyhow::ensure!(got == want, "answer of {got} bytes, expected {want}");
+    anyhow::ensure!(
+        got.len() == want,
+        "answer of {} bytes, expected {want}",
+        got.len()
+    );
     Ok(())
 }
 

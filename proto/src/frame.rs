@@ -139,26 +139,79 @@ macro_rules! impl_message {
 impl_message!(Request);
 impl_message!(Response);
 
-/// A decoded frame: a header message and its raw payload.
+/// A frame's payload: one buffer ([`Bytes`], as every received frame has it), or [`Parts`]
+/// sent back to back without being joined first.
+pub trait Payload {
+    /// Payload bytes in all.
+    fn byte_len(&self) -> usize;
+    /// The buffers to send, in order.
+    fn into_parts(self) -> Vec<Bytes>;
+}
+
+impl Payload for Bytes {
+    fn byte_len(&self) -> usize {
+        self.len()
+    }
+
+    fn into_parts(self) -> Vec<Bytes> {
+        vec![self]
+    }
+}
+
+/// A payload of several buffers, sent as one. A shard answers a pull with each key's
+/// parameters as they lie in its memory, shared rather than copied.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Parts(pub Vec<Bytes>);
+
+impl Payload for Parts {
+    fn byte_len(&self) -> usize {
+        self.0.iter().map(Bytes::len).sum()
+    }
+
+    fn into_parts(self) -> Vec<Bytes> {
+        self.0
+    }
+}
+
+impl Parts {
+    /// The parts joined into one buffer (a copy; for tests and small payloads).
+    pub fn concat(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(self.byte_len());
+        for p in &self.0 {
+            out.extend_from_slice(p);
+        }
+        out.freeze()
+    }
+}
+
+impl From<Bytes> for Parts {
+    fn from(b: Bytes) -> Self {
+        Parts(vec![b])
+    }
+}
+
+/// A frame: a header message and its raw payload.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Frame<T> {
+pub struct Frame<T, P = Bytes> {
     /// The header.
     pub msg: T,
     /// The raw payload (little-endian f32 values for tensor messages).
-    pub payload: Bytes,
+    pub payload: P,
 }
 
-impl<T: Message> Frame<T> {
+impl<T: Message, P: Payload + Default> Frame<T, P> {
     /// A frame with an empty payload.
     pub fn new(msg: T) -> Self {
         Frame {
             msg,
-            payload: Bytes::new(),
+            payload: P::default(),
         }
     }
+}
 
+impl<T: Message, P: Payload> Frame<T, P> {
     /// A frame with a payload.
-    pub fn with_payload(msg: T, payload: Bytes) -> Self {
+    pub fn with_payload(msg: T, payload: P) -> Self {
         Frame { msg, payload }
     }
 
@@ -168,11 +221,13 @@ impl<T: Message> Frame<T> {
         let header_len = u32::try_from(header.len())
             .map_err(|_| ProtoError::Encode("header over 4 GiB".into()))?;
         let mut out = BytesMut::with_capacity(PREFIX_LEN + header.len());
-        out.extend_from_slice(&encode_prefix(header_len, self.payload.len() as u64));
+        out.extend_from_slice(&encode_prefix(header_len, self.payload.byte_len() as u64));
         out.extend_from_slice(&header);
         Ok(out.freeze())
     }
+}
 
+impl<T: Message> Frame<T> {
     /// Encodes the whole frame into one contiguous buffer (tests and small messages).
     pub fn encode(&self) -> Result<Bytes, ProtoError> {
         let head = self.encode_head()?;

@@ -11,7 +11,7 @@ pub mod job;
 pub mod msg;
 
 pub use error::{ErrorCode, ProtoError};
-pub use frame::{Frame, FrameLimits};
+pub use frame::{Frame, FrameLimits, Parts, Payload};
 pub use ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
 pub use job::{
     Consistency, Init, JobConfig, KeyLayout, KeySpan, ModelSpec, OptimizerSpec, ShardMap,

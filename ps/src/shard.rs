@@ -11,16 +11,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use dashmap::DashMap;
-use edl_shared::proto::frame::{bytes_to_f32s, extend_f32s, f32s_in_place, first_non_finite};
+use edl_shared::proto::frame::{bytes_to_f32s, f32s_in_place, f32s_to_bytes, first_non_finite};
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
 };
 use edl_shared::proto::{
-    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Request, Response,
-    ShardMap,
+    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Parts, Request,
+    Response, ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint, server_endpoint};
@@ -33,10 +33,30 @@ use crate::checkpoint::{self, CheckpointError, ChunkSnap, RangeExport, ShardChec
 use crate::ledger::{Claim, Ledgers};
 use crate::optimizer::OptState;
 
+/// A chunk's parameters as the payload of a pull answer: on little-endian machines, the values
+/// as they lie in memory, shared until quinn has sent them (the next update then writes into
+/// a copy); elsewhere, a little-endian copy.
+fn wire_params(params: &Arc<Vec<f32>>) -> Bytes {
+    /// Owns a reference to parameters while a pull answer is being sent.
+    struct Shared(Arc<Vec<f32>>);
+    impl AsRef<[u8]> for Shared {
+        fn as_ref(&self) -> &[u8] {
+            bytemuck::cast_slice(self.0.as_slice())
+        }
+    }
+    if cfg!(target_endian = "little") {
+        Bytes::from_owner(Shared(params.clone()))
+    } else {
+        f32s_to_bytes(params)
+    }
+}
+
 /// One chunk of parameters with its optimizer state.
 #[derive(Debug)]
 struct Chunk {
-    params: Vec<f32>,
+    /// Shared with the pull answers still being sent: an update writes in place, or into a
+    /// copy while a pull still holds the values (`Arc::make_mut`).
+    params: Arc<Vec<f32>>,
     opt: OptState,
     /// BSP: summed gradients per step, waiting for the step's barrier.
     pending: BTreeMap<u64, (Vec<f32>, u32)>,
@@ -63,7 +83,7 @@ impl Chunk {
         };
         Chunk {
             opt: OptState::new(&job.optimizer, len),
-            params,
+            params: Arc::new(params),
             pending: BTreeMap::new(),
             applied_through: 0,
             segment: 0,
@@ -94,7 +114,7 @@ impl Chunk {
             return Err(format!("key {} holds non-finite parameters", snap.key));
         }
         Ok(Chunk {
-            params: snap.params,
+            params: Arc::new(snap.params),
             opt,
             pending: snap
                 .pending
@@ -115,7 +135,7 @@ impl Chunk {
         };
         ChunkSnap {
             key: key.0,
-            params: self.params.clone(),
+            params: self.params.to_vec(),
             m,
             v,
             t,
@@ -363,7 +383,7 @@ impl ShardState {
         _epoch: MapEpoch,
         ranges: &[KeyRange],
         apply_through: Clock,
-    ) -> Result<Frame<Response>, Refusal> {
+    ) -> Result<Frame<Response, Parts>, Refusal> {
         let mut count = 0u64;
         for r in ranges {
             // Bounds what a request with many or huge ranges can make this shard allocate.
@@ -384,7 +404,7 @@ impl ShardState {
         let floats: usize = keys()
             .filter_map(|k| self.layout.span(k).map(|s| s.len as usize))
             .sum();
-        let mut out = BytesMut::with_capacity(floats * 4);
+        let mut out = Vec::with_capacity(count as usize);
         for key in keys() {
             let Some(mut chunk) = self.chunks.get_mut(&key) else {
                 return Err(self.missing(key));
@@ -393,7 +413,7 @@ impl ShardState {
                 apply_due(&self.job, &mut chunk, apply_through.0);
             }
             chunk.load += chunk.params.len() as u64;
-            extend_f32s(&mut out, &chunk.params);
+            out.push(wire_params(&chunk.params));
             refs.push(ChunkRef {
                 key,
                 len: chunk.params.len() as u32,
@@ -402,10 +422,10 @@ impl ShardState {
         self.load.pulls.fetch_add(1, Ordering::Relaxed);
         self.load
             .bytes_out
-            .fetch_add(out.len() as u64, Ordering::Relaxed);
+            .fetch_add(floats as u64 * 4, Ordering::Relaxed);
         Ok(Frame::with_payload(
             Response::Pulled { chunks: refs },
-            out.freeze(),
+            Parts(out),
         ))
     }
 
@@ -530,9 +550,12 @@ impl ShardState {
                 }
                 slot.1 += 1;
             } else {
-                chunk
-                    .opt
-                    .apply(&self.job.optimizer, &mut chunk.params, g, 1.0);
+                chunk.opt.apply(
+                    &self.job.optimizer,
+                    Arc::make_mut(&mut chunk.params).as_mut_slice(),
+                    g,
+                    1.0,
+                );
             }
         }
         Ok(Claim::Apply)
@@ -731,7 +754,12 @@ fn apply_due(job: &JobConfig, chunk: &mut Chunk, through: u64) {
         }
         let (sum, n) = entry.remove();
         let Chunk { params, opt, .. } = chunk;
-        opt.apply(&job.optimizer, params, &sum, 1.0 / n.max(1) as f32);
+        opt.apply(
+            &job.optimizer,
+            Arc::make_mut(params).as_mut_slice(),
+            &sum,
+            1.0 / n.max(1) as f32,
+        );
     }
     chunk.applied_through = chunk.applied_through.max(through);
 }
@@ -791,7 +819,7 @@ impl ShardService {
         st: &Arc<ShardState>,
         (start, end, to): (u64, u64, ShardId),
         map: ShardMap,
-    ) -> Result<Frame<Response>, Response> {
+    ) -> Result<Frame<Response, Parts>, Response> {
         let t0 = std::time::Instant::now();
         let invalid = |m: String| Response::error(ErrorCode::InvalidRequest, m);
         if to == st.id() {
@@ -890,7 +918,7 @@ impl ShardService {
         (start, end): (u64, u64),
         map: ShardMap,
         payload: &[u8],
-    ) -> Result<Frame<Response>, Response> {
+    ) -> Result<Frame<Response, Parts>, Response> {
         let export = RangeExport::decode(payload)
             .map_err(|e| Response::error(ErrorCode::Malformed, format!("range export: {e}")))?;
         st.import(start, end, &map, export)
@@ -915,7 +943,7 @@ impl Service for ShardService {
         }
     }
 
-    async fn handle(&self, _peer: &Peer, req: Request, payload: Bytes) -> Frame<Response> {
+    async fn handle(&self, _peer: &Peer, req: Request, payload: Bytes) -> Frame<Response, Parts> {
         let Some(st) = self.ready().await else {
             return Frame::new(Response::error(
                 ErrorCode::NotReady,

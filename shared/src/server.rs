@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::shutdown::CancellationToken;
 use bytes::Bytes;
-use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, Request, Response};
+use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, Parts, Request, Response};
 use quinn::{Endpoint, VarInt};
 use tracing::{debug, info, warn};
 
@@ -34,13 +34,14 @@ pub trait Service: Send + Sync + 'static {
     /// Whether `role` may make `req`. Refused requests get [`ErrorCode::Forbidden`].
     fn allowed(&self, role: Role, req: &Request) -> bool;
 
-    /// Handles one request. Errors are returned as `Response::Error`.
+    /// Handles one request. Errors are returned as `Response::Error`. The answer's payload may
+    /// be several buffers, sent without being joined.
     fn handle(
         &self,
         peer: &Peer,
         req: Request,
         payload: Bytes,
-    ) -> impl Future<Output = Frame<Response>> + Send;
+    ) -> impl Future<Output = Frame<Response, Parts>> + Send;
 }
 
 /// Serves `service` on `endpoint` until `shutdown` is cancelled.
@@ -127,7 +128,7 @@ async fn connection<S: Service>(
                 Err(e) => Response::error(read_error_code(&e), e.to_string()),
             };
             let ok = matches!(reply, Response::Hello { .. });
-            let _ = write_frame(&mut send, Frame::new(reply)).await;
+            let _ = write_frame(&mut send, Frame::<_>::new(reply)).await;
             if !ok {
                 // Let the error response reach the peer before closing.
                 let _ = send.stopped().await;

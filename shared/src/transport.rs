@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use edl_proto::ShardMap;
-use edl_proto::frame::{Message, PREFIX_LEN, parse_prefix};
+use edl_proto::frame::{Message, PREFIX_LEN, Payload, parse_prefix};
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, ProtoError, Request, Response};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Endpoint, RecvStream, SendStream, VarInt};
@@ -396,12 +396,13 @@ pub async fn read_frame<T: Message>(
 const PAYLOAD_PREALLOC: usize = 16 << 20;
 
 /// Writes one frame to a stream and finishes it. The payload is handed to quinn uncopied.
-pub async fn write_frame<T: Message>(
+pub async fn write_frame<T: Message, P: Payload>(
     send: &mut SendStream,
-    frame: Frame<T>,
+    frame: Frame<T, P>,
 ) -> Result<(), CallError> {
     let head = frame.encode_head()?;
-    let mut chunks = [head, frame.payload];
+    let mut chunks = vec![head];
+    chunks.extend(frame.payload.into_parts());
     send.write_all_chunks(&mut chunks).await?;
     send.finish()?;
     Ok(())

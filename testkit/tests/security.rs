@@ -81,7 +81,7 @@ async fn a_client_without_certificate_is_refused() -> anyhow::Result<()> {
             .connect(cluster.coordinator_addr, CLUSTER_SERVER_NAME)?
             .await?;
         let (mut send, mut recv) = conn.open_bi().await?;
-        transport::write_frame(&mut send, Frame::new(Request::Status)).await?;
+        transport::write_frame(&mut send, Frame::<_>::new(Request::Status)).await?;
         let f: Frame<Response> = read_frame(&mut recv, &FrameLimits::default()).await?;
         anyhow::Ok(f.msg)
     })
@@ -190,7 +190,7 @@ async fn a_wrong_protocol_version_is_refused_at_the_handshake() -> anyhow::Resul
         version: 99,
         name: "old".into(),
     };
-    transport::write_frame(&mut send, Frame::new(hello)).await?;
+    transport::write_frame(&mut send, Frame::<_>::new(hello)).await?;
     let f: Frame<Response> = read_frame(&mut recv, &FrameLimits::default()).await?;
     assert_eq!(code_of(&f.msg), Some(ErrorCode::UnsupportedVersion));
     // The server closes the connection after a failed handshake.

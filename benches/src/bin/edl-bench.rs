@@ -48,6 +48,9 @@ enum Cmd {
         /// Only these systems (edl, quinn, tcp); ratios need all three.
         #[arg(long, value_delimiter = ',')]
         systems: Vec<String>,
+        /// Pairs per point instead of the size's default (longer runs for profiling).
+        #[arg(long)]
+        pairs: Option<usize>,
     },
     /// Server-side SGD, momentum and Adam against memcpy of the same bytes.
     Apply,
@@ -164,8 +167,10 @@ async fn main() -> anyhow::Result<()> {
             sizes,
             points,
             systems,
+            pairs,
         } => {
             let mut plan = transport::Plan::standard(cli.quick, settings);
+            plan.pairs = *pairs;
             if !sizes.is_empty() {
                 plan.sizes = sizes
                     .iter()

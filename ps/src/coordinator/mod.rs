@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use edl_shared::proto::{ErrorCode, Frame, JobConfig, Request, Response};
+use edl_shared::proto::{ErrorCode, Frame, JobConfig, Parts, Request, Response};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{TransportSettings, server_endpoint};
 use edl_shared::{Identity, Peer, Role, Service};
@@ -170,7 +170,7 @@ impl Service for Coordinator {
         }
     }
 
-    async fn handle(&self, peer: &Peer, req: Request, _payload: Bytes) -> Frame<Response> {
+    async fn handle(&self, peer: &Peer, req: Request, _payload: Bytes) -> Frame<Response, Parts> {
         let now = Instant::now;
         let resp = match req {
             Request::ShardJoin { addr } => {

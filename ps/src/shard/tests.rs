@@ -49,8 +49,9 @@ fn read(st: &ShardState, through: u64) -> Vec<f32> {
             Clock(through),
         )
         .expect("pull");
-    let mut out = vec![0.0; f.payload.len() / 4];
-    bytes_to_f32s(&f.payload, &mut out).expect("floats");
+    let payload = f.payload.concat();
+    let mut out = vec![0.0; payload.len() / 4];
+    bytes_to_f32s(&payload, &mut out).expect("floats");
     out
 }
 
@@ -118,6 +119,31 @@ fn bad_pushes_change_nothing() {
     st.push(MapEpoch(1), w, Clock(0), &BOTH, &good, None)
         .expect("good push");
     assert_eq!(read(&st, 0), vec![1.0; 6]);
+}
+
+#[test]
+fn a_pull_answer_in_flight_keeps_its_values_while_pushes_apply() {
+    // A pull's payload shares the parameters until it is sent: a push applied meanwhile must
+    // write into a copy, never into the bytes still going out.
+    let st = state(Consistency::Asp);
+    let w = WorkerId(1);
+    let all = [KeyRange { start: 0, end: 2 }];
+    st.push(MapEpoch(1), w, Clock(0), &BOTH, &floats(&[-1.0; 6]), None)
+        .expect("push");
+    let held = st.pull(MapEpoch(1), &all, Clock(0)).expect("pull");
+    st.push(MapEpoch(1), w, Clock(1), &BOTH, &floats(&[-2.0; 6]), None)
+        .expect("push while a pull is held");
+    assert_eq!(
+        held.payload.concat(),
+        floats(&[1.0; 6]),
+        "held answer changed"
+    );
+    assert_eq!(read(&st, 0), vec![3.0; 6]);
+    drop(held);
+    // Nothing holds the values now: the next update writes in place, and reads see it.
+    st.push(MapEpoch(1), w, Clock(2), &BOTH, &floats(&[-1.0; 6]), None)
+        .expect("push");
+    assert_eq!(read(&st, 0), vec![4.0; 6]);
 }
 
 #[test]
@@ -228,8 +254,9 @@ fn chunks(keys: std::ops::Range<u64>) -> Vec<ChunkRef> {
 
 fn pull_range(st: &ShardState, start: u64, end: u64) -> Result<Vec<f32>, Refusal> {
     let f = st.pull(MapEpoch(1), &[KeyRange { start, end }], Clock(0))?;
-    let mut out = vec![0.0; f.payload.len() / 4];
-    bytes_to_f32s(&f.payload, &mut out).expect("floats");
+    let payload = f.payload.concat();
+    let mut out = vec![0.0; payload.len() / 4];
+    bytes_to_f32s(&payload, &mut out).expect("floats");
     Ok(out)
 }
 

@@ -119,6 +119,12 @@ pub enum ProtoError {
     /// Encoding the header failed.
     #[error("could not encode header: {0}")]
     Encode(String),
+    /// A payload of values that must be finite (a push's gradients) holds a NaN or infinity.
+    #[error("payload value at float {index} is not finite")]
+    NonFinite {
+        /// Position of the first bad value.
+        index: u64,
+    },
 }
 
 impl ProtoError {
@@ -130,6 +136,7 @@ impl ProtoError {
             }
             ProtoError::Version { .. } => ErrorCode::UnsupportedVersion,
             ProtoError::Encode(_) => ErrorCode::Internal,
+            ProtoError::NonFinite { .. } => ErrorCode::NonFinite,
             _ => ErrorCode::Malformed,
         }
     }

@@ -115,10 +115,13 @@ pub trait Message: Sized {
     fn to_header(&self) -> Result<AlignedVec, ProtoError>;
     /// Validates and deserializes a header. `bytes` need not be aligned.
     fn from_header(bytes: &[u8]) -> Result<Self, ProtoError>;
+    /// Whether this message's payload is f32 values that must all be finite (checked as the
+    /// payload arrives, see [`FiniteScan`]).
+    fn finite_payload(&self) -> bool;
 }
 
 macro_rules! impl_message {
-    ($t:ty) => {
+    ($t:ty, |$m:ident| $finite:expr) => {
         impl Message for $t {
             fn to_header(&self) -> Result<AlignedVec, ProtoError> {
                 rkyv::to_bytes::<BoxedError>(self).map_err(|e| ProtoError::Encode(e.to_string()))
@@ -132,12 +135,19 @@ macro_rules! impl_message {
                 rkyv::from_bytes::<$t, BoxedError>(&aligned)
                     .map_err(|e| ProtoError::Header(e.to_string()))
             }
+
+            fn finite_payload(&self) -> bool {
+                let $m = self;
+                $finite
+            }
         }
     };
 }
 
-impl_message!(Request);
-impl_message!(Response);
+// A push's gradients are checked on receipt; parameters and exports are checked where they
+// are made or restored.
+impl_message!(Request, |m| matches!(m, Request::Push { .. }));
+impl_message!(Response, |_m| false);
 
 /// A frame's payload: one buffer ([`Bytes`], as every received frame has it), or [`Parts`]
 /// sent back to back without being joined first.
@@ -258,14 +268,6 @@ impl<T: Message> Frame<T> {
             payload: buf.slice(header_end..),
         })
     }
-
-    /// Decodes a frame whose prefix was already parsed, from its header and payload bytes.
-    pub fn from_parts(header: &[u8], payload: Bytes) -> Result<Self, ProtoError> {
-        Ok(Frame {
-            msg: T::from_header(header)?,
-            payload,
-        })
-    }
 }
 
 /// Converts f32 values to their little-endian wire bytes.
@@ -317,6 +319,61 @@ pub fn first_non_finite(values: &[f32]) -> Option<usize> {
     })
 }
 
+/// Checks a payload of f32 values for NaN and infinity while it is being received, each part
+/// as it arrives (while it is in cache), so that no separate pass over it is needed.
+#[derive(Clone, Debug, Default)]
+pub struct FiniteScan {
+    /// Bytes checked so far (a multiple of 4).
+    checked: usize,
+    /// The first bad value's position.
+    bad: Option<u64>,
+}
+
+impl FiniteScan {
+    /// Checks the whole floats of `received` (everything received so far) not checked yet.
+    pub fn scan(&mut self, received: &[u8]) {
+        if self.bad.is_some() {
+            return;
+        }
+        let upto = received.len() & !3;
+        if upto <= self.checked {
+            return;
+        }
+        let fresh = &received[self.checked..upto];
+        let found = match f32s_in_place(fresh) {
+            Some(values) => first_non_finite(values),
+            None => fresh
+                .chunks_exact(4)
+                .position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()),
+        };
+        self.bad = found.map(|i| (self.checked / 4 + i) as u64);
+        self.checked = upto;
+    }
+
+    /// `Ok` if every value scanned was finite.
+    pub fn result(&self) -> Result<(), ProtoError> {
+        match self.bad {
+            Some(index) => Err(ProtoError::NonFinite { index }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Appends `values` as little-endian f32 to `out`, checking each block for NaN and infinity
+/// just before it is copied; `Err` holds the position of the first bad value, and then `out`
+/// holds only the blocks before it.
+pub fn extend_finite_f32s(out: &mut BytesMut, values: &[f32]) -> Result<(), usize> {
+    const BLOCK: usize = 4096;
+    out.reserve(values.len() * 4);
+    for (i, block) in values.chunks(BLOCK).enumerate() {
+        if let Some(j) = first_non_finite(block) {
+            return Err(i * BLOCK + j);
+        }
+        extend_f32s(out, block);
+    }
+    Ok(())
+}
+
 /// The wire bytes as f32 values without copying, when they are aligned for f32 (a payload
 /// buffer of its own usually is) and the machine is little-endian; `None` otherwise.
 pub fn f32s_in_place(bytes: &[u8]) -> Option<&[f32]> {
@@ -345,6 +402,35 @@ mod tests {
             v[i] = f32::MAX;
         }
         assert_eq!(first_non_finite(&[]), None);
+    }
+
+    #[test]
+    fn a_payload_is_checked_as_it_arrives_in_parts_of_any_length() {
+        let mut v = vec![0.25f32; 3000];
+        v[2222] = f32::NAN;
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        for step in [1, 3, 4, 7, 4096, 20000] {
+            let mut scan = FiniteScan::default();
+            let mut received = Vec::new();
+            for part in bytes.chunks(step) {
+                received.extend_from_slice(part);
+                scan.scan(&received);
+            }
+            assert!(
+                matches!(scan.result(), Err(ProtoError::NonFinite { index: 2222 })),
+                "parts of {step}: {:?}",
+                scan.result()
+            );
+        }
+        let mut scan = FiniteScan::default();
+        scan.scan(&bytes[..2222 * 4]);
+        assert!(scan.result().is_ok());
+
+        let mut out = BytesMut::new();
+        assert_eq!(extend_finite_f32s(&mut out, &v), Err(2222));
+        let mut out = BytesMut::new();
+        assert_eq!(extend_finite_f32s(&mut out, &v[..2222]), Ok(()));
+        assert_eq!(&out[..], &bytes[..2222 * 4]);
     }
     use crate::ids::{Clock, Key, MapEpoch, WorkerId};
     use crate::msg::ChunkRef;

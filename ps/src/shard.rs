@@ -431,7 +431,9 @@ impl ShardState {
 
     /// Applies (ASP, SSP) or stages (BSP) a push. Everything is validated before any state
     /// changes, so a bad push changes nothing. Keys whose ledger segment has applied the
-    /// push's data span already are skipped (acknowledged, not applied again).
+    /// push's data span already are skipped (acknowledged, not applied again). The gradients
+    /// must be finite: `read_frame` checks them as they arrive, so that this needs no second
+    /// pass over them.
     #[allow(clippy::too_many_arguments)]
     pub fn push(
         &self,
@@ -464,12 +466,8 @@ impl ShardState {
                 &decoded
             }
         };
-        if let Some(i) = first_non_finite(grads) {
-            return Err(bad((
-                ErrorCode::NonFinite,
-                format!("gradient value {} at float {i} is not finite", grads[i]),
-            )));
-        }
+        // Pushes arrive through `read_frame`, which refused any with a NaN or infinity.
+        debug_assert!(first_non_finite(grads).is_none(), "unchecked push payload");
         // From the check of the keys to the last chunk, neither a checkpoint nor a range move
         // may cut this push in two.
         let _gate = read_lock(&self.gate);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use edl_proto::ShardMap;
-use edl_proto::frame::{Message, PREFIX_LEN, Payload, parse_prefix};
+use edl_proto::frame::{FiniteScan, Message, PREFIX_LEN, Payload, parse_prefix};
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, ProtoError, Request, Response};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Endpoint, RecvStream, SendStream, VarInt};
@@ -362,7 +362,10 @@ impl CallError {
     }
 }
 
-/// Reads one frame from a stream, checking the size limits before allocating.
+/// Reads one frame from a stream, checking the size limits before allocating. The header is
+/// decoded before the payload is read; a payload that must be finite f32 values (a push's
+/// gradients) is checked part by part as it arrives, and refused with
+/// [`ProtoError::NonFinite`] once it has all arrived.
 pub async fn read_frame<T: Message>(
     recv: &mut RecvStream,
     limits: &FrameLimits,
@@ -373,13 +376,20 @@ pub async fn read_frame<T: Message>(
     // Both lengths passed the limits check, which keeps them far below usize::MAX.
     let mut header = vec![0u8; p.header_len as usize];
     recv.read_exact(&mut header).await?;
+    let msg = T::from_header(&header)?;
+    let mut scan = msg.finite_payload().then(FiniteScan::default);
     // Grow the payload buffer with the data that actually arrives (bounded by the flow-control
     // windows), so a peer that merely announces a large payload cannot make us allocate it.
     let len = p.payload_len as usize;
     let mut payload = BytesMut::with_capacity(len.min(PAYLOAD_PREALLOC));
     while payload.len() < len {
         match recv.read_chunk(len - payload.len(), true).await? {
-            Some(chunk) => payload.extend_from_slice(&chunk.bytes),
+            Some(chunk) => {
+                payload.extend_from_slice(&chunk.bytes);
+                if let Some(scan) = &mut scan {
+                    scan.scan(&payload);
+                }
+            }
             None => {
                 return Err(ProtoError::Truncated {
                     needed: len as u64,
@@ -389,7 +399,10 @@ pub async fn read_frame<T: Message>(
             }
         }
     }
-    Ok(Frame::from_parts(&header, payload.freeze())?)
+    if let Some(scan) = &scan {
+        scan.result()?;
+    }
+    Ok(Frame::with_payload(msg, payload.freeze()))
 }
 
 /// Payload bytes reserved up front before any arrive.

@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
-use edl_shared::proto::frame::{bytes_to_f32s, f32s_to_bytes};
+use bytes::{Bytes, BytesMut};
+use edl_shared::proto::frame::{bytes_to_f32s, extend_finite_f32s, f32s_to_bytes};
 use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, KeyRange};
 use edl_shared::proto::{ErrorCode, Frame, KeyLayout, Request, Response, ShardMap};
@@ -224,22 +224,26 @@ impl Job {
     }
 
     /// Sends one request per shard for the keys in `wanted` (`None`: the whole model), built
-    /// by `make` from the shard's link, and hands each answer to `take`. Parts refused with
+    /// by `make` from the shard's link, and hands each answer to `take`. Every request is built
+    /// before any is sent, so a `make` that fails sends nothing. Parts refused with
     /// `StaleEpoch` are routed again under the newer map until [`REROUTE_WINDOW`] ends.
     async fn fan_out(
         &self,
         mut wanted: Option<Vec<KeyRange>>,
         retry_connection: bool,
-        make: impl Fn(&ShardLink, &ShardMap) -> (Request, Bytes),
+        make: impl Fn(&ShardLink, &ShardMap) -> Result<(Request, Bytes), ClientError>,
         mut take: impl FnMut(&ShardLink, Frame<Response>) -> Result<(), ClientError>,
     ) -> Result<(), ClientError> {
         let deadline = tokio::time::Instant::now() + REROUTE_WINDOW;
         loop {
             let routing = self.routing();
             let parts = routing.parts(&self.layout, wanted.as_deref());
+            let requests = parts
+                .iter()
+                .map(|part| make(part, &routing.map))
+                .collect::<Result<Vec<_>, _>>()?;
             let mut set = JoinSet::new();
-            for (i, part) in parts.iter().enumerate() {
-                let (req, payload) = make(part, &routing.map);
+            for (i, (part, (req, payload))) in parts.iter().zip(requests).enumerate() {
                 let call = call_shard(
                     (part.id, part.conn.clone()),
                     self.net.clone(),
@@ -319,7 +323,7 @@ impl Job {
                     ranges: link.ranges.clone(),
                     apply_through,
                 };
-                (req, Bytes::new())
+                Ok((req, Bytes::new()))
             },
             |link, resp| {
                 let Response::Pulled { chunks } = &resp.msg else {
@@ -400,25 +404,21 @@ impl Job {
         span: Option<DataSpan>,
     ) -> Result<(), ClientError> {
         self.check_len(grads.len())?;
-        // Shards refuse non-finite values too, but each sees only its part: checking here keeps
-        // a bad gradient from being applied on some shards and refused on others.
-        check_finite(grads)?;
         self.fan_out(
             None,
             // Only a push with a data span may be repeated: a shard skips a span it applied.
             span.is_some(),
             |link, map| {
-                // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
-                let payload = if let [(off, len)] = link.flat[..] {
-                    f32s_to_bytes(&grads[off..off + len])
-                } else {
-                    let parts: Vec<f32> = link
-                        .flat
-                        .iter()
-                        .flat_map(|&(o, l)| grads[o..o + l].iter().copied())
-                        .collect();
-                    f32s_to_bytes(&parts)
-                };
+                // Shards refuse non-finite values too, but each sees only its part: checking
+                // every part before any is sent keeps a bad gradient from being applied on
+                // some shards and refused on others. A shard's ranges are contiguous runs of
+                // keys, hence contiguous runs of floats.
+                let floats = link.flat.iter().map(|&(_, len)| len).sum::<usize>();
+                let mut payload = BytesMut::with_capacity(floats * 4);
+                for &(off, len) in &link.flat {
+                    extend_finite_f32s(&mut payload, &grads[off..off + len])
+                        .map_err(|i| ClientError::NonFinite { index: off + i })?;
+                }
                 let req = Request::Push {
                     epoch: map.epoch,
                     worker,
@@ -426,7 +426,7 @@ impl Job {
                     chunks: link.chunks.clone(),
                     span,
                 };
-                (req, payload)
+                Ok((req, payload.freeze()))
             },
             |_, _| Ok(()),
         )
@@ -469,7 +469,7 @@ impl Job {
                     chunks: refs,
                     span: None,
                 };
-                (req, f32s_to_bytes(&floats))
+                Ok((req, f32s_to_bytes(&floats)))
             },
             |_, _| Ok(()),
         )

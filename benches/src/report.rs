@@ -365,7 +365,8 @@ even on a noisy machine (absolute figures move ±20% from run to run here).
 - **transport**: one *pair* is a push of one tensor and a pull of it. EDL goes through the
   client library and a shard server that applies SGD to every push; bare quinn sends the same
   bytes as request/response streams with the same TLS 1.3 and transport settings (no framing,
-  no optimizer); TCP sends them over one plain connection per client and server. Gbit/s counts
+  no optimizer; each side receives what it is sent into one buffer, as a real client and
+  server must); TCP sends them over one plain connection per client and server. Gbit/s counts
   both directions. With several shards the tensor is split evenly and the parts travel in
   parallel, as EDL's client sends them. Tables are given for QUIC's default datagrams (safe on
   any network) and for a fixed large datagram (loopback, jumbo frames).

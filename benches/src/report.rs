@@ -360,7 +360,7 @@ const METHOD: &str = "\
 ## Method
 
 Every comparison is measured in one run, in one process, on loopback, so that the ratios hold
-even on a noisy machine (absolute figures move ±20% from run to run here).
+even on a noisy machine, where absolute figures move from run to run.
 
 - **transport**: one *pair* is a push of one tensor and a pull of it. EDL goes through the
   client library and a shard server that applies SGD to every push; bare quinn sends the same

@@ -245,21 +245,13 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     Ok(Results {
         target: plan.target,
         layers: plan.layers.clone(),
-        optimizer: optimizer_name(&plan.optimizer),
+        optimizer: plan.optimizer.to_string(),
         batch: plan.batch,
         train_samples: plan.train_samples,
         shards: plan.shards,
         summary: summarize(&runs),
         runs,
     })
-}
-
-fn optimizer_name(o: &OptimizerSpec) -> String {
-    match o {
-        OptimizerSpec::Sgd { lr } => format!("sgd:{lr}"),
-        OptimizerSpec::Momentum { lr, momentum } => format!("momentum:{lr}:{momentum}"),
-        OptimizerSpec::Adam { lr, .. } => format!("adam:{lr}"),
-    }
 }
 
 /// The seed of the first run of each cell (then +1, +2, ...).

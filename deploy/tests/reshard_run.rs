@@ -61,12 +61,6 @@ action = "shard_remove"
 shard = "s0"
 "#;
 
-/// Parses `start..end`.
-fn range(r: &str) -> (u64, u64) {
-    let (a, b) = r.split_once("..").expect("a range");
-    (a.parse().expect("start"), b.parse().expect("end"))
-}
-
 /// Checks that `retired` is retired, `active` are active, and every key is held by exactly one
 /// active shard.
 fn assert_layout(r: &Report, retired: &str, active: &[&str]) {
@@ -88,7 +82,11 @@ fn assert_layout(r: &Report, retired: &str, active: &[&str]) {
     for s in r.shard_layout.iter().filter(|s| s.role == "active") {
         assert!(s.error.is_none(), "{s:?}");
         let mut keys = 0;
-        for (a, b) in s.ranges.iter().map(|x| range(x)) {
+        for (a, b) in s
+            .ranges
+            .iter()
+            .map(|x| edl_ps::admin::parse_range(x).expect("a range"))
+        {
             for k in a..b {
                 holders[k as usize] += 1;
             }

@@ -154,8 +154,8 @@ impl_message!(Response, |_m| false);
 pub trait Payload {
     /// Payload bytes in all.
     fn byte_len(&self) -> usize;
-    /// The buffers to send, in order.
-    fn into_parts(self) -> Vec<Bytes>;
+    /// Appends the buffers to send, in order, to `out`.
+    fn append_to(self, out: &mut Vec<Bytes>);
 }
 
 impl Payload for Bytes {
@@ -163,8 +163,8 @@ impl Payload for Bytes {
         self.len()
     }
 
-    fn into_parts(self) -> Vec<Bytes> {
-        vec![self]
+    fn append_to(self, out: &mut Vec<Bytes>) {
+        out.push(self);
     }
 }
 
@@ -178,8 +178,8 @@ impl Payload for Parts {
         self.0.iter().map(Bytes::len).sum()
     }
 
-    fn into_parts(self) -> Vec<Bytes> {
-        self.0
+    fn append_to(self, out: &mut Vec<Bytes>) {
+        out.extend(self.0);
     }
 }
 
@@ -191,12 +191,6 @@ impl Parts {
             out.extend_from_slice(p);
         }
         out.freeze()
-    }
-}
-
-impl From<Bytes> for Parts {
-    fn from(b: Bytes) -> Self {
-        Parts(vec![b])
     }
 }
 

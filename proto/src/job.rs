@@ -425,15 +425,9 @@ impl ShardMap {
     }
 
     /// The map one epoch later, with `[start, end)` owned by `to` (listed in `shards` as
-    /// `to_info` if it was not yet) and shards left without ranges dropped from `shards`
-    /// unless they are in `keep`. Adjacent ranges of one owner are merged.
-    pub fn with_move(
-        &self,
-        start: u64,
-        end: u64,
-        to_info: &ShardInfo,
-        keep: &[ShardId],
-    ) -> ShardMap {
+    /// `to_info` if it was not yet) and shards left without ranges dropped from `shards`.
+    /// Adjacent ranges of one owner are merged.
+    pub fn with_move(&self, start: u64, end: u64, to_info: &ShardInfo) -> ShardMap {
         let mut ranges: Vec<RangeOwner> = Vec::new();
         let mut push = |r: RangeOwner| {
             if r.end <= r.start {
@@ -462,7 +456,7 @@ impl ShardMap {
         if !shards.iter().any(|s| s.id == to_info.id) {
             shards.push(to_info.clone());
         }
-        shards.retain(|s| keep.contains(&s.id) || ranges.iter().any(|r| r.shard == s.id));
+        shards.retain(|s| ranges.iter().any(|r| r.shard == s.id));
         ShardMap {
             epoch: MapEpoch(self.epoch.0 + 1),
             shards,
@@ -600,7 +594,7 @@ mod tests {
             id: ShardId(2),
             addr: "new".into(),
         };
-        let moved = map.with_move(3, 7, &s2, &[]);
+        let moved = map.with_move(3, 7, &s2);
         assert_eq!(moved.epoch, MapEpoch(2));
         let owners: Vec<u32> = (0..10)
             .map(|k| moved.owner(Key(k)).expect("covered").0)
@@ -608,7 +602,7 @@ mod tests {
         assert_eq!(owners, [0, 0, 0, 2, 2, 2, 2, 1, 1, 1]);
         assert_eq!(moved.addr_of(ShardId(2)), Some("new"));
         // Moving a shard's last keys away drops it from the map; adjacent ranges merge.
-        let back = moved.with_move(3, 7, &shards(2)[0], &[]);
+        let back = moved.with_move(3, 7, &shards(2)[0]);
         assert!(back.addr_of(ShardId(2)).is_none());
         assert_eq!(back.ranges.len(), 2);
 
@@ -622,7 +616,7 @@ mod tests {
             } else {
                 shards(2)[to.0 as usize].clone()
             };
-            after = after.with_move(*a, *b, &info, &[]);
+            after = after.with_move(*a, *b, &info);
         }
         let count = |s: u32| {
             (0..10)

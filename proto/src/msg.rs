@@ -22,6 +22,26 @@ pub struct KeyRange {
     pub end: u64,
 }
 
+impl KeyRange {
+    /// The fewest ranges that cover exactly `keys` (in any order, repeats allowed), sorted.
+    pub fn runs(keys: impl Iterator<Item = u64>) -> Vec<KeyRange> {
+        let mut keys: Vec<u64> = keys.collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let mut out: Vec<KeyRange> = Vec::new();
+        for k in keys {
+            match out.last_mut() {
+                Some(r) if r.end == k => r.end = k + 1,
+                _ => out.push(KeyRange {
+                    start: k,
+                    end: k + 1,
+                }),
+            }
+        }
+        out
+    }
+}
+
 /// A slice of one epoch's sample order leased to a worker: positions `[start, start + len)` of
 /// the epoch's permutation (derived from the job seed and the epoch number).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

@@ -110,7 +110,7 @@ impl Chunk {
         if snap.params.len() != n || snap.pending.iter().any(|(_, s, _)| s.len() != n) {
             return Err(format!("key {} has the wrong length", snap.key));
         }
-        if snap.params.iter().any(|v| !v.is_finite()) {
+        if first_non_finite(&snap.params).is_some() {
             return Err(format!("key {} holds non-finite parameters", snap.key));
         }
         Ok(Chunk {
@@ -159,9 +159,8 @@ pub struct ShardState {
     /// The job's keys and their lengths.
     layout: KeyLayout,
     /// The newest map this shard knows; it changes when ranges move.
-    map: RwLock<Arc<ShardMap>>,
-    /// The epoch of `map`, for requests routed with a newer map to wait on.
-    epoch: watch::Sender<u64>,
+    /// Requests routed with a newer map wait on it.
+    map: watch::Sender<Arc<ShardMap>>,
     chunks: DashMap<Key, Chunk>,
     ledgers: Mutex<Ledgers>,
     load: Load,
@@ -169,6 +168,9 @@ pub struct ShardState {
     /// them; a checkpoint holds it exclusively while it copies the state, so it never sees
     /// half a push, and a range move holds it exclusively while keys leave or arrive.
     gate: RwLock<()>,
+    /// Held from a checkpoint's snapshot to its rename, so that checkpoints (periodic, on
+    /// demand, after a move, at shutdown) reach the disk one at a time and in snapshot order.
+    saving: Mutex<()>,
 }
 
 /// Request counters for operators.
@@ -237,11 +239,11 @@ impl ShardState {
         ShardState {
             id,
             layout,
-            epoch: watch::Sender::new(map.epoch.0),
-            map: RwLock::new(Arc::new(map)),
+            map: watch::Sender::new(Arc::new(map)),
             ledgers: Mutex::new(ledgers),
             load: Load::default(),
             gate: RwLock::new(()),
+            saving: Mutex::new(()),
             job,
             chunks,
         }
@@ -282,7 +284,7 @@ impl ShardState {
                 ..map.clone()
             },
         );
-        *write_lock(&st.map) = Arc::new(map);
+        st.map.send_replace(Arc::new(map));
         let ledgers = Ledgers::restore(&st.job, &ckpt.ledgers).map_err(mismatch)?;
         let segments = ledgers.ids();
         for snap in ckpt.chunks {
@@ -325,18 +327,23 @@ impl ShardState {
 
     /// The newest map this shard knows.
     pub fn read_map(&self) -> Arc<ShardMap> {
-        read_lock(&self.map).clone()
+        self.map.borrow().clone()
+    }
+
+    /// The epoch of the newest map this shard knows.
+    pub fn map_epoch(&self) -> MapEpoch {
+        self.map.borrow().epoch
     }
 
     /// Adopts `map` if it is newer than the one held; true if it was.
     pub fn install_map(&self, map: &ShardMap) -> bool {
-        let mut held = write_lock(&self.map);
-        if map.epoch <= held.epoch {
-            return false;
-        }
-        *held = Arc::new(map.clone());
-        self.epoch.send_replace(map.epoch.0);
-        true
+        self.map.send_if_modified(|held| {
+            let newer = map.epoch > held.epoch;
+            if newer {
+                *held = Arc::new(map.clone());
+            }
+            newer
+        })
     }
 
     /// True if every key in `keys` is held here.
@@ -347,8 +354,8 @@ impl ShardState {
     /// Waits (up to `limit`) until this shard knows a map of at least `epoch`: a request
     /// routed with a map newer than this shard's may concern keys that are on their way here.
     pub async fn wait_for_epoch(&self, epoch: MapEpoch, limit: Duration) {
-        let mut rx = self.epoch.subscribe();
-        let _ = tokio::time::timeout(limit, rx.wait_for(|e| *e >= epoch.0)).await;
+        let mut rx = self.map.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|m| m.epoch >= epoch)).await;
     }
 
     /// Why `key` cannot be used here: it is not part of the job, or (a key of the job this
@@ -398,14 +405,11 @@ impl ShardState {
             }
             count += r.end - r.start;
         }
-        let keys = || ranges.iter().flat_map(|r| (r.start..r.end).map(Key));
         let _gate = read_lock(&self.gate);
         let mut refs = Vec::with_capacity(count as usize);
-        let floats: usize = keys()
-            .filter_map(|k| self.layout.span(k).map(|s| s.len as usize))
-            .sum();
         let mut out = Vec::with_capacity(count as usize);
-        for key in keys() {
+        let mut floats = 0u64;
+        for key in ranges.iter().flat_map(|r| (r.start..r.end).map(Key)) {
             let Some(mut chunk) = self.chunks.get_mut(&key) else {
                 return Err(self.missing(key));
             };
@@ -413,6 +417,7 @@ impl ShardState {
                 apply_due(&self.job, &mut chunk, apply_through.0);
             }
             chunk.load += chunk.params.len() as u64;
+            floats += chunk.params.len() as u64;
             out.push(wire_params(&chunk.params));
             refs.push(ChunkRef {
                 key,
@@ -420,9 +425,7 @@ impl ShardState {
             });
         }
         self.load.pulls.fetch_add(1, Ordering::Relaxed);
-        self.load
-            .bytes_out
-            .fetch_add(floats as u64 * 4, Ordering::Relaxed);
+        self.load.bytes_out.fetch_add(floats * 4, Ordering::Relaxed);
         Ok(Frame::with_payload(
             Response::Pulled { chunks: refs },
             Parts(out),
@@ -608,7 +611,7 @@ impl ShardState {
     ) -> Result<(), Refusal> {
         let _gate = write_lock(&self.gate);
         exactly(start, end, &export)?;
-        if self.read_map().epoch >= map.epoch && self.holds((start..end).map(Key)) {
+        if self.map_epoch() >= map.epoch && self.holds((start..end).map(Key)) {
             return Ok(());
         }
         self.take_in(start, end, export)?;
@@ -626,16 +629,15 @@ impl ShardState {
     ) -> Result<(), Refusal> {
         let _gate = write_lock(&self.gate);
         self.take_in(start, end, export)?;
-        *write_lock(&self.map) = Arc::new(before.clone());
-        self.epoch.send_replace(before.epoch.0);
+        self.map.send_replace(Arc::new(before.clone()));
         Ok(())
     }
 
-    /// Inserts the keys of `export`, which must be exactly `[start, end)`, none held yet.
+    /// Inserts the keys of `export` (the caller checked they are exactly `[start, end)`), none
+    /// held yet.
     /// The caller holds the gate exclusively.
     fn take_in(&self, start: u64, end: u64, export: RangeExport) -> Result<(), Refusal> {
         let refuse = |m: String| Refusal::new(ErrorCode::InvalidRequest, m);
-        exactly(start, end, &export)?;
         if end > self.layout.num_keys() {
             return Err(refuse(format!(
                 "keys {start}..{end} are not part of the job"
@@ -681,21 +683,9 @@ impl ShardState {
             };
             state_bytes += 4 * (n + opt);
         }
-        let mut keys: Vec<u64> = self.chunks.iter().map(|c| c.key().0).collect();
-        keys.sort_unstable();
-        let mut ranges: Vec<KeyRange> = Vec::new();
-        for k in keys {
-            match ranges.last_mut() {
-                Some(r) if r.end == k => r.end = k + 1,
-                _ => ranges.push(KeyRange {
-                    start: k,
-                    end: k + 1,
-                }),
-            }
-        }
         ShardStats {
             shard: self.id,
-            ranges,
+            ranges: KeyRange::runs(self.chunks.iter().map(|c| c.key().0)),
             keys: self.chunks.len() as u64,
             floats,
             state_bytes,
@@ -955,7 +945,7 @@ impl Service for ShardService {
                 apply_through,
             } => {
                 let keys = || ranges.iter().flat_map(|r| (r.start..r.end).map(Key));
-                if epoch > st.read_map().epoch && !st.holds(keys()) {
+                if epoch > st.map_epoch() && !st.holds(keys()) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }
                 st.pull(epoch, &ranges, apply_through)
@@ -968,7 +958,7 @@ impl Service for ShardService {
                 chunks,
                 span,
             } => {
-                if epoch > st.read_map().epoch && !st.holds(chunks.iter().map(|c| c.key)) {
+                if epoch > st.map_epoch() && !st.holds(chunks.iter().map(|c| c.key)) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }
                 st.push(epoch, worker, clock, &chunks, &payload, span.as_ref())
@@ -1040,6 +1030,7 @@ pub struct ShardConfig {
 
 /// Writes a checkpoint of `state` to `path`; returns (bytes, milliseconds).
 pub fn write_checkpoint(state: &ShardState, path: &Path) -> Result<(u64, f64), CheckpointError> {
+    let _one = state.saving.lock().unwrap_or_else(|p| p.into_inner());
     let t = std::time::Instant::now();
     let bytes = checkpoint::write(path, &state.snapshot())?;
     Ok((bytes, t.elapsed().as_secs_f64() * 1000.0))

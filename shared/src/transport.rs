@@ -341,9 +341,6 @@ pub enum CallError {
     /// The peer answered with a message that does not fit the request.
     #[error("unexpected response: {0}")]
     Unexpected(String),
-    /// The call did not finish in time.
-    #[error("timed out")]
-    Timeout,
 }
 
 impl CallError {
@@ -414,8 +411,9 @@ pub async fn write_frame<T: Message, P: Payload>(
     frame: Frame<T, P>,
 ) -> Result<(), CallError> {
     let head = frame.encode_head()?;
-    let mut chunks = vec![head];
-    chunks.extend(frame.payload.into_parts());
+    let mut chunks = Vec::with_capacity(2);
+    chunks.push(head);
+    frame.payload.append_to(&mut chunks);
     send.write_all_chunks(&mut chunks).await?;
     send.finish()?;
     Ok(())

@@ -76,44 +76,27 @@ impl TestCluster {
         let coordinator = bound.coordinator.clone();
         let coordinator_addr = bound.addr;
         tasks.spawn(bound.run(shutdown.clone()));
-        let mut shard_addrs = Vec::new();
-        for i in 0..shards {
-            let id = pki.ensure(Role::Shard, &format!("s{i}"))?;
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let cfg = ShardConfig {
-                coordinator: coordinator_addr.to_string(),
-                listen: "127.0.0.1:0".parse()?,
-                advertise: None,
-                checkpoint: None,
-                checkpoint_every: None,
-            };
-            let stop = shutdown.clone();
-            let settings = settings.clone();
-            tasks.spawn(async move {
-                if let Err(e) = shard::run(cfg, id, settings, stop, Some(tx)).await {
-                    tracing::error!(error = %e, "test shard failed");
-                }
-            });
-            shard_addrs.push(rx.await?);
-        }
-        let cluster = TestCluster {
+        let mut cluster = TestCluster {
             coordinator,
             coordinator_addr,
-            shard_addrs,
+            shard_addrs: Vec::new(),
             settings,
             pki,
             dir,
             shutdown,
             tasks,
         };
+        for i in 0..shards {
+            cluster.spawn_shard(&format!("s{i}")).await?;
+        }
         // Connecting waits for the shard map, so the cluster is fully formed on return.
         cluster.connect("probe").await?;
         Ok(cluster)
     }
 
-    /// Starts one more shard server, `name`; it joins the running job and stands by (holding
-    /// nothing) until an operator adds it. Returns its address.
-    pub async fn add_shard(&mut self, name: &str) -> anyhow::Result<SocketAddr> {
+    /// Starts a shard server `name` in the cluster's task set (no checkpoints) and records its
+    /// address once it listens.
+    async fn spawn_shard(&mut self, name: &str) -> anyhow::Result<SocketAddr> {
         let id = self.pki.ensure(Role::Shard, name)?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let cfg = ShardConfig {
@@ -131,6 +114,13 @@ impl TestCluster {
         });
         let addr = rx.await?;
         self.shard_addrs.push(addr);
+        Ok(addr)
+    }
+
+    /// Starts one more shard server, `name`; it joins the running job and stands by (holding
+    /// nothing) until an operator adds it. Returns its address.
+    pub async fn add_shard(&mut self, name: &str) -> anyhow::Result<SocketAddr> {
+        let addr = self.spawn_shard(name).await?;
         // The shard joins in the background; wait until the coordinator lists it.
         let admin = self.admin().await?;
         for _ in 0..200 {

@@ -16,9 +16,9 @@ const PIXEL_MEAN: f32 = 0.2860;
 /// Standard deviation of the scaled training pixels, used to give the inputs unit variance.
 const PIXEL_STD: f32 = 0.3530;
 /// Magic number of an idx file holding unsigned bytes in three dimensions (images).
-const IDX3_MAGIC: u32 = 0x0000_0803;
+pub const IDX3_MAGIC: u32 = 0x0000_0803;
 /// Magic number of an idx file holding unsigned bytes in one dimension (labels).
-const IDX1_MAGIC: u32 = 0x0000_0801;
+pub const IDX1_MAGIC: u32 = 0x0000_0801;
 /// The first two bytes of every gzip stream; files are sniffed rather than trusted by name.
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// Fashion-MNIST has ten clothing classes, so every label must be below this.

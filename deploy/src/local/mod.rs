@@ -466,7 +466,8 @@ impl Launch<'_> {
             .await
             .context("the trace request timed out")?
             .context("asking the coordinator for its event trace")?;
-        // The shard map may have changed since `job` connected: a fresh connection reads the
+        // `job`'s connections may be to shards that were killed and restarted since (a dead
+        // connection fails the call rather than reconnecting): a fresh client reads the
         // ledgers of the shards that hold keys now (a retired shard holds none).
         let ledgers = tokio::time::timeout(FINAL_STATUS_TIMEOUT, async {
             let now = Job::connect(&ClientConfig {

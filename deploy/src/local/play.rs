@@ -31,8 +31,8 @@ const RESTART_STOP: Duration = Duration::from_secs(60);
 const RESTART_START: Duration = Duration::from_secs(180);
 /// How often a restart checks whether its new workers have stepped.
 const RESTART_POLL: Duration = Duration::from_millis(50);
-/// How long a killed worker gets to disappear.
-const KILL_WAIT: Duration = Duration::from_secs(10);
+/// How long a killed process (worker or shard) gets to disappear.
+pub(super) const KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// The scenario's progress through a run.
 #[derive(Debug)]
@@ -102,9 +102,8 @@ impl Launch<'_> {
             if zero.elapsed() < ev.at {
                 break;
             }
-            let outcome = if ev.action.is_shard_event() {
-                self.apply_shard(&ev).await?
-            } else if player.restart {
+            // Shard events are carried out the same way in both modes (`apply` hands them on).
+            let outcome = if player.restart && !ev.action.is_shard_event() {
                 self.restart(player, &ev, job).await?
             } else {
                 self.apply(&ev, job).await?
@@ -396,6 +395,6 @@ where
     Ok(st.t_ms.saturating_sub(since))
 }
 
-fn ms(d: Duration) -> f64 {
+pub(super) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }

@@ -19,7 +19,7 @@ use edl_shared::proto::ShardId;
 use edl_shared::proto::msg::ShardEntry;
 use nix::sys::signal::Signal;
 
-use super::play::{Outcome, coordinator_ms};
+use super::play::{KILL_WAIT, Outcome, coordinator_ms, ms};
 use super::{Launch, args};
 use crate::costs::ShardAction;
 use crate::procs::{Proc, Spawn};
@@ -34,8 +34,6 @@ const JOIN_POLL: Duration = Duration::from_millis(20);
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long one request that reshapes the map (its moves included) may take.
 const RESHAPE_TIMEOUT: Duration = Duration::from_secs(120);
-/// How long a killed shard gets to disappear.
-const KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// What the launcher did to a shard, which says how it may end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,10 +107,6 @@ impl Shards {
         }
         problems
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 /// A line for the progress output: what a reshaping moved.

@@ -55,6 +55,9 @@ pub struct Coordinator {
     caller: std::sync::OnceLock<Arc<reshard::ShardCaller>>,
     /// Held while a resharding runs: one at a time.
     resharding: tokio::sync::Mutex<()>,
+    /// Held from a save's snapshot to its rename: saves reach the disk one at a time and in
+    /// snapshot order.
+    saving: tokio::sync::Mutex<()>,
 }
 
 impl Coordinator {
@@ -73,6 +76,7 @@ impl Coordinator {
             state_file,
             caller: std::sync::OnceLock::new(),
             resharding: tokio::sync::Mutex::new(()),
+            saving: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -90,10 +94,23 @@ impl Coordinator {
         Ok(Self::with_state(state, config.state_file.clone()))
     }
 
-    /// Writes the durable state to `path`; returns the bytes written.
-    pub fn persist(&self, path: &Path) -> anyhow::Result<u64> {
+    /// Writes the durable state to the state file, if there is one, off the runtime; logs a
+    /// failure. Returns the bytes written.
+    async fn save(&self) -> Option<u64> {
+        let path = self.state_file.clone()?;
+        let _one = self.saving.lock().await;
         let snap = self.lock().snapshot();
-        persist_snap(path, &snap)
+        let written = tokio::task::spawn_blocking(move || persist_snap(&path, &snap))
+            .await
+            .map_err(anyhow::Error::from)
+            .and_then(|r| r);
+        match written {
+            Ok(bytes) => Some(bytes),
+            Err(e) => {
+                tracing::error!(error = %e, "saving coordinator state failed");
+                None
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, CoordinatorState> {
@@ -320,7 +337,6 @@ pub struct BoundCoordinator {
     pub addr: SocketAddr,
     endpoint: quinn::Endpoint,
     settings: TransportSettings,
-    state_file: Option<PathBuf>,
 }
 
 /// Binds a coordinator on `listen`.
@@ -330,7 +346,6 @@ pub fn bind(
     identity: &Identity,
     settings: TransportSettings,
 ) -> anyhow::Result<BoundCoordinator> {
-    let state_file = config.state_file.clone();
     let coordinator = Coordinator::open(config)?;
     let _ = coordinator
         .caller
@@ -343,7 +358,6 @@ pub fn bind(
         addr,
         endpoint,
         settings,
-        state_file,
     })
 }
 
@@ -362,7 +376,7 @@ impl BoundCoordinator {
                 }
             }
         });
-        let persister = self.state_file.clone().map(|path| {
+        let persister = self.coordinator.state_file.is_some().then(|| {
             let (c, stop) = (self.coordinator.clone(), shutdown.clone());
             tokio::spawn(async move {
                 let mut rx = c.changed.subscribe();
@@ -375,14 +389,7 @@ impl BoundCoordinator {
                         continue;
                     }
                     rx.mark_unchanged();
-                    let (c, path) = (c.clone(), path.clone());
-                    match tokio::task::spawn_blocking(move || c.persist(&path)).await {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(e)) => {
-                            tracing::error!(error = %e, "saving coordinator state failed")
-                        }
-                        Err(e) => tracing::error!(error = %e, "saving coordinator state failed"),
-                    }
+                    c.save().await;
                 }
             })
         });
@@ -398,11 +405,8 @@ impl BoundCoordinator {
         if let Some(p) = persister {
             let _ = p.await;
         }
-        if let Some(path) = &self.state_file {
-            match self.coordinator.persist(path) {
-                Ok(bytes) => info!(bytes, path = %path.display(), "coordinator state saved"),
-                Err(e) => tracing::error!(error = %e, "saving coordinator state failed"),
-            }
+        if let Some(bytes) = self.coordinator.save().await {
+            info!(bytes, "coordinator state saved");
         }
     }
 }

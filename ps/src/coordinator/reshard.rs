@@ -126,7 +126,8 @@ impl Coordinator {
                 (st.map(), st.shard_list().into_iter().find(|s| s.id == id))
             };
             self.bump();
-            self.save_now().await;
+            // A published map must survive a crash: save it now.
+            self.save().await;
             if let (Some(map), Some(entry)) = (map, addr) {
                 let req = Request::SetMap { map, retire: true };
                 if let Err(e) = caller.call(&entry.addr, req, Bytes::new()).await {
@@ -237,7 +238,8 @@ impl Coordinator {
             st.live_shards()
         };
         self.bump();
-        self.save_now().await;
+        // A published map must survive a crash: save it now.
+        self.save().await;
         // The source and destination know the new map; tell the others, so that what they
         // answer to a stale request is current. They serve their own keys meanwhile, so the
         // move does not wait for them (nor for one that is down).
@@ -259,20 +261,6 @@ impl Coordinator {
         info!(start = mv.start, end = mv.end, from = %mv.from, to = %mv.to, epoch = %map.epoch,
             bytes = report.bytes, hold_ms = report.hold_ms, millis = report.millis, "range moved");
         Ok(report)
-    }
-
-    /// Writes the durable state now (a published map must survive a crash).
-    async fn save_now(&self) {
-        let Some(path) = self.state_file.clone() else {
-            return;
-        };
-        let snap = self.lock().snapshot();
-        let written = tokio::task::spawn_blocking(move || super::persist_snap(&path, &snap)).await;
-        match written {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::error!(error = %e, "saving coordinator state failed"),
-            Err(e) => tracing::error!(error = %e, "saving coordinator state failed"),
-        }
     }
 }
 

@@ -238,7 +238,7 @@ fn two_shards() -> (ShardState, ShardState, ShardMap) {
     };
     let a = ShardState::new(ShardId(0), job.clone(), map.clone());
     let b = ShardState::new(ShardId(1), job, map.clone());
-    let moved = map.with_move(1, 3, &info(1), &[]);
+    let moved = map.with_move(1, 3, &info(1));
     (a, b, moved)
 }
 
@@ -359,7 +359,6 @@ fn moved_keys_carry_their_state_and_their_ledger() {
                     id: ShardId(0),
                     addr: "s0".into(),
                 },
-                &[],
             ),
         )
         .expect("export");
@@ -408,7 +407,6 @@ fn a_checkpoint_after_moves_restores_the_moved_keys_and_ledgers() {
             id: ShardId(0),
             addr: "s0".into(),
         },
-        &[],
     );
     assert!(ShardState::restore(ShardId(1), job, old, b.snapshot()).is_err());
 }

@@ -11,6 +11,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use edl_worker::backend::cuda::{self, CudaBackend};
 use edl_worker::backend::{Backend, CpuBackend, step_gemm_flops};
+use edl_worker::data::{IDX1_MAGIC, IDX3_MAGIC};
 use edl_worker::model::Mlp;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -244,12 +245,12 @@ fn write_split(
 ) -> anyhow::Result<()> {
     let side = 28u32;
     let mut images = Vec::with_capacity(16 + (n * side * side) as usize);
-    images.extend_from_slice(&0x0000_0803u32.to_be_bytes());
+    images.extend_from_slice(&IDX3_MAGIC.to_be_bytes());
     images.extend_from_slice(&n.to_be_bytes());
     images.extend_from_slice(&side.to_be_bytes());
     images.extend_from_slice(&side.to_be_bytes());
     let mut labels = Vec::with_capacity(8 + n as usize);
-    labels.extend_from_slice(&0x0000_0801u32.to_be_bytes());
+    labels.extend_from_slice(&IDX1_MAGIC.to_be_bytes());
     labels.extend_from_slice(&n.to_be_bytes());
     for _ in 0..n {
         let label = rng.random_range(0..templates.len());

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use edl_shared::proto::frame::{bytes_to_f32s, extend_finite_f32s, f32s_to_bytes};
+use edl_shared::proto::frame::{bytes_to_f32s, extend_f32s, extend_finite_f32s};
 use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, KeyRange};
 use edl_shared::proto::{ErrorCode, Frame, KeyLayout, Request, Response, ShardMap};
@@ -121,24 +121,6 @@ impl Routing {
             .collect::<Vec<_>>()
             .into()
     }
-}
-
-/// Single keys as ranges, adjacent ones merged.
-fn key_ranges(keys: impl Iterator<Item = Key>) -> Vec<KeyRange> {
-    let mut keys: Vec<u64> = keys.map(|k| k.0).collect();
-    keys.sort_unstable();
-    keys.dedup();
-    let mut out: Vec<KeyRange> = Vec::new();
-    for k in keys {
-        match out.last_mut() {
-            Some(r) if r.end == k => r.end = k + 1,
-            _ => out.push(KeyRange {
-                start: k,
-                end: k + 1,
-            }),
-        }
-    }
-    out
 }
 
 fn in_ranges(ranges: &[KeyRange], key: Key) -> bool {
@@ -378,7 +360,7 @@ impl Job {
             return Err(self.inconsistent("client", format!("{k} is not in the shard map")));
         }
         let mut got: HashMap<Key, Vec<f32>> = HashMap::with_capacity(keys.len());
-        let wanted = key_ranges(keys.iter().copied());
+        let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
         self.pull(Some(wanted), apply_through, |key, floats| {
             let mut v = vec![0.0; floats.len() / 4];
             bytes_to_f32s(floats, &mut v)?;
@@ -447,7 +429,7 @@ impl Job {
             check_finite(v)?;
         }
         self.fan_out(
-            Some(key_ranges(chunks.iter().map(|(k, _)| *k))),
+            Some(KeyRange::runs(chunks.iter().map(|(k, _)| k.0))),
             false,
             |link, map| {
                 let mine: Vec<&(Key, &[f32])> = chunks
@@ -461,7 +443,11 @@ impl Job {
                         len: v.len() as u32,
                     })
                     .collect();
-                let floats: Vec<f32> = mine.iter().flat_map(|(_, v)| v.iter().copied()).collect();
+                let floats = mine.iter().map(|(_, v)| v.len()).sum::<usize>();
+                let mut payload = BytesMut::with_capacity(floats * 4);
+                for (_, v) in &mine {
+                    extend_f32s(&mut payload, v);
+                }
                 let req = Request::Push {
                     epoch: map.epoch,
                     worker,
@@ -469,7 +455,7 @@ impl Job {
                     chunks: refs,
                     span: None,
                 };
-                Ok((req, f32s_to_bytes(&floats)))
+                Ok((req, payload.freeze()))
             },
             |_, _| Ok(()),
         )

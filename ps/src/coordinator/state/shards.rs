@@ -195,7 +195,7 @@ impl CoordinatorState {
         let Some(to) = self.shards.iter().find(|s| s.id == mv.to) else {
             return Err(invalid(format!("no shard {} has joined this job", mv.to)));
         };
-        Ok(map.with_move(mv.start, mv.end, to, &[]))
+        Ok(map.with_move(mv.start, mv.end, to))
     }
 
     /// Publishes the map a completed move produced, and records the move.

@@ -534,7 +534,7 @@ mod tests {
         let trace = JobTrace {
             events: vec![join(0, 1, "a"), join(0, 2, "b"), join(350, 3, "c")],
             steps: all,
-            moves: Vec::new(),
+            ..JobTrace::default()
         };
         let (step, stall) = restart_stall(&trace, &["a".into(), "b".into()], &["c".into()]);
         assert_eq!(step, Some(10.0));

@@ -37,6 +37,15 @@ pub enum ErrorCode {
     StaleClock = 14,
     /// The request is valid but makes no sense in the current state.
     InvalidRequest = 15,
+    /// The request names a worker that belongs to another identity (certificate), or a push
+    /// carries no valid registration token for the worker it names.
+    IdentityMismatch = 16,
+    /// A budget is exhausted (bytes in flight, streams, connections per identity); retry later.
+    Busy = 17,
+    /// The request conflicts with a live peer: a shard name already held by a running shard.
+    Conflict = 18,
+    /// The peer's certificate belongs to another job.
+    WrongJob = 19,
 }
 
 impl ErrorCode {
@@ -59,6 +68,10 @@ impl ErrorCode {
             13 => HandshakeRequired,
             14 => StaleClock,
             15 => InvalidRequest,
+            16 => IdentityMismatch,
+            17 => Busy,
+            18 => Conflict,
+            19 => WrongJob,
             _ => return None,
         })
     }

@@ -49,9 +49,14 @@ pub struct Prefix {
 }
 
 impl Prefix {
-    /// Total frame length including the prefix.
+    /// Total frame length including the prefix. The sum saturates: under limits near
+    /// `u64::MAX` the claimed lengths can add up past it, and a wrapped sum could match the
+    /// bytes received. `u64::MAX` itself is never the length of a buffer, so a saturated
+    /// frame is refused as truncated.
     pub fn frame_len(&self) -> u64 {
-        PREFIX_LEN as u64 + self.header_len + self.payload_len
+        (PREFIX_LEN as u64)
+            .saturating_add(self.header_len)
+            .saturating_add(self.payload_len)
     }
 }
 
@@ -256,7 +261,13 @@ impl<T: Message> Frame<T> {
         }
         // Both lengths are bounded by `have`, which is a usize, so these casts are exact.
         let header_end = PREFIX_LEN + prefix.header_len as usize;
-        let msg = T::from_header(&buf[PREFIX_LEN..header_end])?;
+        let header = buf
+            .get(PREFIX_LEN..header_end)
+            .ok_or(ProtoError::Truncated {
+                needed: header_end as u64,
+                got: have,
+            })?;
+        let msg = T::from_header(header)?;
         Ok(Frame {
             msg,
             payload: buf.slice(header_end..),
@@ -446,6 +457,7 @@ mod tests {
                     start: 128,
                     end: 192,
                 }),
+                token: crate::ids::Token([5; 32]),
             },
             payload,
         )

@@ -45,3 +45,17 @@ id_type!(
     /// A worker's logical clock: the number of training steps it has completed.
     Clock(u64), "c"
 );
+
+/// A 32-byte secret or MAC: the coordinator's token key, and the token it issues to a worker
+/// (a MAC of the job, the worker id and the worker's certificate name under that key).
+#[derive(
+    Clone, Copy, PartialEq, Eq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+pub struct Token(pub [u8; 32]);
+
+impl fmt::Debug for Token {
+    /// Never prints the bytes: tokens and keys are secrets.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Token(..)")
+    }
+}

@@ -12,7 +12,7 @@ pub mod msg;
 
 pub use error::{ErrorCode, ProtoError};
 pub use frame::{Frame, FrameLimits, Parts, Payload};
-pub use ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
+pub use ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 pub use job::{
     Consistency, Init, JobConfig, KeyLayout, KeySpan, ModelSpec, OptimizerSpec, ShardMap,
     TensorSpec,
@@ -21,4 +21,4 @@ pub use msg::{Request, Response};
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;

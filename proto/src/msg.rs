@@ -1,7 +1,7 @@
 //! Request and response headers. Tensor data never travels inside a header: it follows the
 //! header as a raw little-endian f32 payload, described by the header's [`ChunkRef`] list.
 
-use crate::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
+use crate::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use crate::job::{JobConfig, ShardMap};
 
 /// One chunk in a tensor payload: `len` floats of `key`, in list order.
@@ -160,15 +160,24 @@ pub struct StepRecord {
 }
 
 /// The job's membership events and step times, from which a run computes what each event
-/// cost the other workers.
-#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+/// cost the other workers. Served in pages of steps: each answer carries every event and
+/// move kept, and the steps from the one asked for.
+#[derive(Clone, Debug, Default, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct JobTrace {
-    /// Membership events in time order.
+    /// Membership events in time order (the oldest are dropped past a cap).
     pub events: Vec<EventRecord>,
     /// Steps in time order (the oldest are dropped past a cap).
     pub steps: Vec<StepRecord>,
-    /// Key-range moves in time order.
+    /// Key-range moves in time order (the oldest are dropped past a cap).
     pub moves: Vec<MoveReport>,
+    /// The sequence number of `steps[0]` (steps are numbered from 0 in arrival order).
+    pub first_step: u64,
+    /// The sequence number to ask for next; `more` says whether steps remain after this page.
+    pub next_step: u64,
+    /// More steps follow this page.
+    pub more: bool,
+    /// Records dropped by the caps so far: events, steps, moves.
+    pub dropped: (u64, u64, u64),
 }
 
 /// One key-range move between shards (online resharding).
@@ -330,9 +339,10 @@ pub enum Request {
         /// The address workers should use to reach it.
         addr: String,
     },
-    /// A worker asks to join; answered once the shard map is ready.
+    /// A worker asks to join; answered once the shard map is ready. It is registered under
+    /// the name in its certificate; `name` is only a label for logs.
     Register {
-        /// A human-readable name.
+        /// A human-readable label.
         name: String,
     },
     /// Renews a worker's lease.
@@ -395,6 +405,9 @@ pub enum Request {
         chunks: Vec<ChunkRef>,
         /// The samples the gradients came from; a span this shard already applied is skipped.
         span: Option<DataSpan>,
+        /// The token the coordinator issued to `worker` at registration, bound to the name
+        /// in the sender's certificate: a shard refuses a push without a valid one.
+        token: Token,
     },
     /// Asks a shard for its per-epoch data ledger.
     Ledger,
@@ -403,8 +416,12 @@ pub enum Request {
         /// The worker.
         worker: WorkerId,
     },
-    /// Asks the coordinator for its event trace.
-    Trace,
+    /// Asks the coordinator for its event trace, with the steps from sequence number
+    /// `from_step` on (one page).
+    Trace {
+        /// The first step wanted.
+        from_step: u64,
+    },
     /// Asks the coordinator for every worker in detail.
     Members,
     /// Asks a shard for its holdings and load.
@@ -452,8 +469,8 @@ pub enum Request {
     },
     /// An operator removes a shard: its ranges move to the others, then it retires.
     ShardRemove {
-        /// The shard.
-        shard: ShardId,
+        /// The shard's name (as given with `--name`), or its address.
+        shard: String,
     },
     /// An operator rebalances the key ranges over the active shards.
     Reshard {
@@ -466,8 +483,8 @@ pub enum Request {
         start: u64,
         /// One past the last key.
         end: u64,
-        /// The receiving shard.
-        to: ShardId,
+        /// The receiving shard's name (as given with `--name`), or its address.
+        to: String,
     },
 }
 
@@ -489,7 +506,7 @@ impl Request {
             Self::Push { .. } => "Push",
             Self::Ledger => "Ledger",
             Self::Drain { .. } => "Drain",
-            Self::Trace => "Trace",
+            Self::Trace { .. } => "Trace",
             Self::Members => "Members",
             Self::ShardStats => "ShardStats",
             Self::Checkpoint => "Checkpoint",
@@ -526,6 +543,9 @@ pub enum Response {
         job: JobConfig,
         /// The shard map.
         map: ShardMap,
+        /// The key with which the coordinator signs worker tokens, so that the shard can
+        /// check that a push comes from the worker it names.
+        token_key: Token,
     },
     /// A worker's admission.
     Registered {
@@ -537,6 +557,9 @@ pub enum Response {
         map: ShardMap,
         /// The clock it enters at (the current minimum).
         clock: Clock,
+        /// Proof, for the shards, that this worker id belongs to the caller's certificate:
+        /// every push carries it.
+        token: Token,
     },
     /// The next partition, or `None` when no data is left.
     Partition {

@@ -3,7 +3,6 @@
 
 use bytes::Bytes;
 use edl_shared::Identity;
-use edl_shared::proto::ids::ShardId;
 use edl_shared::proto::msg::{
     JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
 };
@@ -165,7 +164,8 @@ impl Admin {
         }
     }
 
-    /// Adds the standby shard at `addr` (or named `sN`) and moves its share of keys to it.
+    /// Adds the standby shard named `addr` (its `--name`), or at that address, and moves its
+    /// share of keys to it.
     pub async fn shard_add(&self, addr: &str) -> Result<ReshardView, CallError> {
         self.reshape(Request::ShardAdd {
             addr: addr.to_string(),
@@ -173,24 +173,34 @@ impl Admin {
         .await
     }
 
-    /// Moves every key off `shard` and retires it.
-    pub async fn shard_remove(&self, shard: ShardId) -> Result<ReshardView, CallError> {
-        self.reshape(Request::ShardRemove { shard }).await
+    /// Moves every key off the shard named `shard` (its `--name`, or its address) and
+    /// retires it.
+    pub async fn shard_remove(&self, shard: &str) -> Result<ReshardView, CallError> {
+        self.reshape(Request::ShardRemove {
+            shard: shard.to_string(),
+        })
+        .await
     }
 
-    /// Rebalances the key ranges over the active shards, by size or by recent load.
+    /// Rebalances the key ranges over every shard not removed (standby shards included), by
+    /// size or by recent load.
     pub async fn reshard(&self, by_load: bool) -> Result<ReshardView, CallError> {
         self.reshape(Request::Reshard { by_load }).await
     }
 
-    /// Moves keys `[start, end)` to `to`.
+    /// Moves keys `[start, end)` to the shard named `to` (its `--name`, or its address).
     pub async fn move_range(
         &self,
         start: u64,
         end: u64,
-        to: ShardId,
+        to: &str,
     ) -> Result<ReshardView, CallError> {
-        self.reshape(Request::MoveRange { start, end, to }).await
+        self.reshape(Request::MoveRange {
+            start,
+            end,
+            to: to.to_string(),
+        })
+        .await
     }
 }
 
@@ -280,14 +290,6 @@ pub fn parse_range(s: &str) -> Result<(u64, u64), String> {
         return Err(format!("{s:?} is empty"));
     }
     Ok((a, b))
-}
-
-/// Parses a shard id `sN` or `N`.
-pub fn parse_shard(s: &str) -> Result<ShardId, String> {
-    s.trim_start_matches('s')
-        .parse::<u32>()
-        .map(ShardId)
-        .map_err(|_| format!("{s:?} is not a shard id (sN)"))
 }
 
 /// `edlctl status`, as JSON.
@@ -541,9 +543,6 @@ mod tests {
         assert_eq!(parse_range("k3..k9"), Ok((3, 9)));
         assert!(parse_range("9..3").is_err());
         assert!(parse_range("3-9").is_err());
-        assert_eq!(parse_shard("s2"), Ok(ShardId(2)));
-        assert_eq!(parse_shard("2"), Ok(ShardId(2)));
-        assert!(parse_shard("x").is_err());
     }
 
     #[test]

@@ -18,7 +18,7 @@ use rkyv::util::AlignedVec;
 use thiserror::Error;
 
 const MAGIC: &[u8; 8] = b"EDLCKPT1";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const HEADER: usize = 28;
 
 /// One chunk's state.
@@ -53,6 +53,8 @@ pub struct LedgerSnap {
     pub counts: Vec<Vec<u8>>,
     /// Skipped pushes per epoch.
     pub skipped: Vec<u64>,
+    /// Epochs folded to their counts once every sample was applied: `(epoch, duplicates)`.
+    pub folded: Vec<(u32, u64)>,
 }
 
 /// Everything a shard needs to come back.
@@ -234,6 +236,7 @@ mod tests {
                     progress: vec![(0, 1, 64)],
                     counts: vec![vec![1, 1, 0]],
                     skipped: vec![2],
+                    folded: vec![],
                 },
             )],
         }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dashmap::DashMap;
 use edl_shared::proto::frame::{bytes_to_f32s, f32s_in_place, f32s_to_bytes, first_non_finite};
-use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, WorkerId};
+use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
 };
@@ -500,6 +500,18 @@ impl ShardState {
                     format!("step {} of {} was already applied", clock.0, c.key),
                 )));
             }
+            // Staging is bounded by what BSP can need: no worker is granted a step more than
+            // one past the slowest, so steps far ahead of the applied one are not real.
+            if self.bsp() && clock.0 >= chunk.applied_through + MAX_STAGED_AHEAD {
+                return Err(bad((
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "step {} is {MAX_STAGED_AHEAD} or more steps ahead of the applied step \
+                         {} of {}",
+                        clock.0, chunk.applied_through, c.key
+                    ),
+                )));
+            }
             segments.insert(chunk.segment);
         }
         // Claim the span last: once it is recorded, the chunks below are updated.
@@ -542,6 +554,11 @@ impl ShardState {
                         format!("step {} closed", clock.0),
                     )));
                 }
+                // A worker pushes step `c` only once it was granted `c`: every counting worker
+                // has pushed every step before `c`, so those can be applied now (a pull would
+                // do the same). This keeps staging to a step or two even for a client that
+                // pushes without pulling.
+                apply_due(&self.job, chunk, clock.0);
                 let slot = chunk
                     .pending
                     .entry(clock.0)
@@ -752,6 +769,12 @@ fn apply_due(job: &JobConfig, chunk: &mut Chunk, through: u64) {
     chunk.applied_through = chunk.applied_through.max(through);
 }
 
+/// How many steps ahead of a key's applied step a BSP push may be. Under BSP a worker is
+/// granted step `c` only once every counting worker finished `c - 1`, and its pull or push
+/// applies every step before that, so one or two steps are pending at most; a push far
+/// ahead is not a real step, and is refused rather than staged.
+const MAX_STAGED_AHEAD: u64 = 16;
+
 /// How long a request routed with a newer map than a shard's waits for the shard to learn it.
 const EPOCH_WAIT: Duration = Duration::from_secs(5);
 /// How long a retired shard keeps answering before it stops.
@@ -768,6 +791,10 @@ pub struct ShardService {
     peer: quinn::Endpoint,
     settings: TransportSettings,
     name: String,
+    /// The job in this shard's certificate, which worker tokens are bound to.
+    job: String,
+    /// The key the coordinator signs worker tokens with (learned when this shard joins).
+    token_key: std::sync::OnceLock<Token>,
     /// Cancelled when the coordinator retires this shard.
     retire: CancellationToken,
 }
@@ -919,6 +946,32 @@ impl ShardService {
     }
 }
 
+impl ShardService {
+    /// The refusal of a push whose token was not issued to `worker` for the pushing
+    /// certificate, if it is one.
+    fn bad_token(&self, peer: &Peer, worker: WorkerId, token: &Token) -> Option<Response> {
+        let Some(key) = self.token_key.get() else {
+            return Some(Response::error(
+                ErrorCode::NotReady,
+                "shard has no assignment yet",
+            ));
+        };
+        if edl_shared::token::verify(key, &self.job, worker, &peer.name, token) {
+            return None;
+        }
+        tracing::warn!(%worker, peer = %peer.name, addr = %peer.addr,
+            "push refused: no valid token for this worker and certificate");
+        Some(Response::error(
+            ErrorCode::IdentityMismatch,
+            format!(
+                "push for {worker} refused: its token was not issued to {:?} (register first, \
+                 and push only for the worker id the coordinator gave you)",
+                peer.name
+            ),
+        ))
+    }
+}
+
 impl Service for ShardService {
     fn allowed(&self, role: Role, req: &Request) -> bool {
         match req {
@@ -931,7 +984,12 @@ impl Service for ShardService {
         }
     }
 
-    async fn handle(&self, _peer: &Peer, req: Request, payload: Bytes) -> Frame<Response, Parts> {
+    async fn handle(&self, peer: &Peer, req: Request, payload: Bytes) -> Frame<Response, Parts> {
+        if let Request::Push { worker, token, .. } = &req
+            && let Some(refused) = self.bad_token(peer, *worker, token)
+        {
+            return Frame::new(refused);
+        }
         let Some(st) = self.ready().await else {
             return Frame::new(Response::error(
                 ErrorCode::NotReady,
@@ -957,6 +1015,7 @@ impl Service for ShardService {
                 clock,
                 chunks,
                 span,
+                token: _,
             } => {
                 if epoch > st.map_epoch() && !st.holds(chunks.iter().map(|c| c.key)) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
@@ -1058,23 +1117,31 @@ pub async fn run(
         peer: client_endpoint(&identity, &settings, false)?,
         settings: settings.clone(),
         name: identity.name.clone(),
+        job: identity.job.clone(),
+        token_key: std::sync::OnceLock::new(),
         retire: shutdown.clone(),
     });
-    let server = tokio::spawn(edl_shared::serve(
-        endpoint,
-        service,
-        settings.limits,
-        shutdown.clone(),
-    ));
+    let server = {
+        let (service, settings, stop, job) = (
+            service.clone(),
+            settings.clone(),
+            shutdown.clone(),
+            identity.job.clone(),
+        );
+        tokio::spawn(async move {
+            edl_shared::serve(endpoint, service, &job, &settings, stop).await;
+        })
+    };
     let advertise = config.advertise.clone().unwrap_or_else(|| addr.to_string());
     let joined = tokio::select! {
         _ = shutdown.cancelled() => None,
         r = join(&config.coordinator, &advertise, &identity, &settings) => Some(r?),
     };
-    let Some((id, job, map)) = joined else {
+    let Some((id, job, map, token_key)) = joined else {
         server.await?;
         return Ok(());
     };
+    let _ = service.token_key.set(token_key);
     let state = match config.checkpoint.as_deref().filter(|p| p.exists()) {
         Some(path) => {
             let t = std::time::Instant::now();
@@ -1132,7 +1199,7 @@ async fn join(
     advertise: &str,
     identity: &Identity,
     settings: &TransportSettings,
-) -> anyhow::Result<(ShardId, JobConfig, ShardMap)> {
+) -> anyhow::Result<(ShardId, JobConfig, ShardMap, Token)> {
     let ep = client_endpoint(identity, settings, false)?;
     let mut delay = Duration::from_millis(50);
     loop {
@@ -1147,7 +1214,12 @@ async fn join(
                 )
                 .await?;
             match resp.msg {
-                Response::ShardAssigned { shard, job, map } => Ok((shard, job, map)),
+                Response::ShardAssigned {
+                    shard,
+                    job,
+                    map,
+                    token_key,
+                } => Ok((shard, job, map, token_key)),
                 other => Err(CallError::unexpected(&other)),
             }
         };

@@ -42,3 +42,53 @@ impl IdentityArgs {
         }
     }
 }
+
+/// A server's budgets (see [`crate::server::Budgets`]): what any one peer, and all of them
+/// together, may make it hold. Each flag also reads an environment variable.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BudgetArgs {
+    /// MiB of request frames one connection may have in flight (announced sizes, charged
+    /// before anything is allocated); a frame past it is refused with `Busy`. At least the
+    /// largest frame a client sends.
+    #[arg(long, env = "EDL_BUDGET_CONN_MIB", default_value_t = 1024)]
+    pub budget_conn_mib: u64,
+    /// MiB of request frames the whole server may have in flight; a frame past it is refused
+    /// with `Busy` (clients retry it after a pause).
+    #[arg(long, env = "EDL_BUDGET_SERVER_MIB", default_value_t = 2048)]
+    pub budget_server_mib: u64,
+    /// Requests in flight per connection (QUIC streams).
+    #[arg(long, env = "EDL_MAX_STREAMS", default_value_t = 256)]
+    pub max_streams: u32,
+    /// Connections one identity (role and certificate name) may hold at once.
+    #[arg(long, env = "EDL_MAX_CONNS_PER_IDENTITY", default_value_t = 256)]
+    pub max_conns_per_identity: u32,
+    /// Connections the server holds at once in all.
+    #[arg(long, env = "EDL_MAX_CONNS", default_value_t = 4096)]
+    pub max_conns: u32,
+    /// Seconds a new connection has to complete TLS and the version handshake.
+    #[arg(long, env = "EDL_HELLO_TIMEOUT_S", default_value_t = 10)]
+    pub hello_timeout_s: u64,
+    /// Seconds a request frame has to arrive in full once it started.
+    #[arg(long, env = "EDL_FRAME_TIMEOUT_S", default_value_t = 60)]
+    pub frame_timeout_s: u64,
+    /// Seconds without a request after which a connection is closed (clients reconnect).
+    #[arg(long, env = "EDL_IDLE_TIMEOUT_S", default_value_t = 600)]
+    pub idle_timeout_s: u64,
+}
+
+impl BudgetArgs {
+    /// The budgets these flags set.
+    pub fn budgets(&self) -> crate::server::Budgets {
+        use std::time::Duration;
+        crate::server::Budgets {
+            conn_bytes: self.budget_conn_mib.saturating_mul(1 << 20),
+            server_bytes: self.budget_server_mib.saturating_mul(1 << 20),
+            streams: self.max_streams.max(1),
+            conns_per_identity: self.max_conns_per_identity.max(1),
+            conns: self.max_conns.max(1),
+            hello_timeout: Duration::from_secs(self.hello_timeout_s.max(1)),
+            frame_timeout: Duration::from_secs(self.frame_timeout_s.max(1)),
+            idle_timeout: Duration::from_secs(self.idle_timeout_s.max(1)),
+        }
+    }
+}

@@ -5,10 +5,12 @@
 //! does no I/O; they are re-exported here as [`proto`] so that callers need one import.
 
 pub mod cli;
+pub mod faults;
 pub mod pki;
 pub mod server;
 pub mod shutdown;
 pub mod telemetry;
+pub mod token;
 pub mod transport;
 
 pub use edl_proto as proto;

@@ -1,8 +1,10 @@
 //! The cluster PKI: a CA, node certificates that carry a role, and loading them from disk.
 //!
 //! Every node certificate is signed by the cluster CA and names its holder in the subject's
-//! common name as `ROLE/NAME` (for example `worker/w3`). Servers require a client certificate
-//! signed by the CA and read the role from it, so roles are checked, not assumed.
+//! common name as `ROLE/NAME` (for example `worker/w3`), and the job it belongs to in the
+//! subject's organizational unit as `job:JOB` (certificates without one belong to
+//! [`DEFAULT_JOB`]). Servers require a client certificate signed by the CA, refuse peers of
+//! another job, and read the role and name from it, so identities are checked, not assumed.
 
 use std::fmt;
 use std::fs;
@@ -20,6 +22,12 @@ use thiserror::Error;
 /// The server name every EDL server certificate carries; clients verify against it, so the
 /// identity that matters is the CA's signature, not the host name.
 pub const CLUSTER_SERVER_NAME: &str = "edl-cluster";
+
+/// The job of certificates issued without one (single-job clusters).
+pub const DEFAULT_JOB: &str = "default";
+
+/// The prefix of the organizational unit that names a certificate's job.
+const JOB_OU_PREFIX: &str = "job:";
 
 /// What a node may do, read from its certificate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -115,6 +123,8 @@ pub struct Identity {
     pub role: Role,
     /// The name in the certificate.
     pub name: String,
+    /// The job in the certificate.
+    pub job: String,
     /// The node certificate.
     pub cert: CertificateDer<'static>,
     /// The node's private key.
@@ -128,6 +138,7 @@ impl Clone for Identity {
         Identity {
             role: self.role,
             name: self.name.clone(),
+            job: self.job.clone(),
             cert: self.cert.clone(),
             key: self.key.clone_key(),
             ca: self.ca.clone(),
@@ -187,9 +198,18 @@ impl PkiDir {
         Ok(true)
     }
 
-    /// Issues a certificate for `role/name` signed by the CA, valid for the cluster server name,
-    /// `localhost`, loopback and any extra `hosts` (DNS names or IP addresses).
-    pub fn issue(&self, role: Role, name: &str, hosts: &[String]) -> Result<(), PkiError> {
+    /// Issues a certificate for `role/name` of job `job`, signed by the CA, valid for the
+    /// cluster server name, `localhost`, loopback and any extra `hosts` (DNS names or IP
+    /// addresses).
+    pub fn issue(
+        &self,
+        role: Role,
+        name: &str,
+        job: &str,
+        hosts: &[String],
+    ) -> Result<(), PkiError> {
+        check_label("name", name)?;
+        check_label("job", job)?;
         let ca_pem = read_string(&self.ca_cert()).map_err(|e| match e {
             PkiError::Io { .. } => PkiError::NoCa(self.ca_cert()),
             e => e,
@@ -206,6 +226,10 @@ impl PkiDir {
         let mut params = CertificateParams::new(names)?;
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, format!("{role}/{name}"));
+        dn.push(
+            DnType::OrganizationalUnitName,
+            format!("{JOB_OU_PREFIX}{job}"),
+        );
         params.distinguished_name = dn;
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
@@ -225,7 +249,7 @@ impl PkiDir {
             tracing::warn!(dir = %self.dir.display(), "created a new dev cluster CA");
         }
         if !self.node_cert(role, name).exists() || !self.node_key(role, name).exists() {
-            self.issue(role, name, &[])?;
+            self.issue(role, name, DEFAULT_JOB, &[])?;
         }
         self.load(role, name)
     }
@@ -254,18 +278,45 @@ pub fn load_identity(ca: &Path, cert: &Path, key: &Path) -> Result<Identity, Pki
         path: key.to_path_buf(),
         what: e.to_string(),
     })?;
-    let (role, name) = subject_of(&cert_der)?;
+    let Subject { role, name, job } = subject_of(&cert_der)?;
     Ok(Identity {
         role,
         name,
+        job,
         cert: cert_der,
         key: key_der,
         ca: ca_der,
     })
 }
 
-/// Reads `ROLE/NAME` from a certificate's subject common name.
-pub fn subject_of(cert: &CertificateDer<'_>) -> Result<(Role, String), PkiError> {
+/// Who a certificate names: role, name and job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Subject {
+    /// The role, from the common name `ROLE/NAME`.
+    pub role: Role,
+    /// The name, from the common name `ROLE/NAME`.
+    pub name: String,
+    /// The job, from the organizational unit `job:JOB` ([`DEFAULT_JOB`] without one).
+    pub job: String,
+}
+
+/// Names and jobs go into certificate subjects, file names and logs: keep them plain.
+fn check_label(what: &str, s: &str) -> Result<(), PkiError> {
+    let ok = !s.is_empty()
+        && s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(PkiError::BadSubject(format!(
+            "{what} {s:?}: use 1 to 64 letters, digits, '-', '_' or '.'"
+        )))
+    }
+}
+
+/// Reads the role, name and job from a certificate's subject.
+pub fn subject_of(cert: &CertificateDer<'_>) -> Result<Subject, PkiError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| PkiError::BadSubject(format!("unparsable certificate: {e}")))?;
     let cn = parsed
@@ -277,7 +328,25 @@ pub fn subject_of(cert: &CertificateDer<'_>) -> Result<(Role, String), PkiError>
     let (role, name) = cn
         .split_once('/')
         .ok_or_else(|| PkiError::BadSubject(format!("common name {cn:?} is not ROLE/NAME")))?;
-    Ok((role.parse()?, name.to_string()))
+    let mut jobs = parsed
+        .subject()
+        .iter_organizational_unit()
+        .filter_map(|ou| ou.as_str().ok())
+        .filter_map(|ou| ou.strip_prefix(JOB_OU_PREFIX));
+    let job = match (jobs.next(), jobs.next()) {
+        (None, _) => DEFAULT_JOB.to_string(),
+        (Some(job), None) => job.to_string(),
+        (Some(_), Some(_)) => {
+            return Err(PkiError::BadSubject(format!(
+                "certificate of {cn:?} names more than one job"
+            )));
+        }
+    };
+    Ok(Subject {
+        role: role.parse()?,
+        name: name.to_string(),
+        job,
+    })
 }
 
 fn read_string(path: &Path) -> Result<String, PkiError> {
@@ -323,13 +392,32 @@ mod tests {
         assert_eq!(id.name, "s0");
         let again = pki.load(Role::Shard, "s0").expect("load");
         assert_eq!(again.cert, id.cert);
+        assert_eq!(again.job, DEFAULT_JOB);
+    }
+
+    #[test]
+    fn the_job_travels_in_the_certificate() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = PkiDir::new(dir.path());
+        pki.init_ca().expect("ca");
+        pki.issue(Role::Worker, "w1", "mnist-7", &[])
+            .expect("issue");
+        let id = pki.load(Role::Worker, "w1").expect("load");
+        assert_eq!((id.role, id.name.as_str()), (Role::Worker, "w1"));
+        assert_eq!(id.job, "mnist-7");
+        let err = pki
+            .issue(Role::Worker, "w/2", DEFAULT_JOB, &[])
+            .expect_err("a slash would change the subject's meaning");
+        assert!(err.to_string().contains("w/2"), "{err}");
     }
 
     #[test]
     fn issue_without_ca_is_a_clear_error() {
         let dir = tempfile::tempdir().expect("tempdir");
         let pki = PkiDir::new(dir.path());
-        let err = pki.issue(Role::Worker, "w", &[]).expect_err("no CA");
+        let err = pki
+            .issue(Role::Worker, "w", DEFAULT_JOB, &[])
+            .expect_err("no CA");
         assert!(matches!(err, PkiError::NoCa(_)), "{err}");
     }
 }

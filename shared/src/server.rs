@@ -5,18 +5,22 @@
 //! response. Malformed frames, forbidden roles and version mismatches are answered here with a
 //! stable error code and never reach the service.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::shutdown::CancellationToken;
 use bytes::Bytes;
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, Parts, Request, Response};
 use quinn::{Endpoint, VarInt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
-use crate::pki::{Role, subject_of};
-use crate::transport::{read_frame, write_frame};
+use crate::pki::{Role, Subject, subject_of};
+use crate::transport::{TransportSettings, read_frame, read_frame_body, read_prefix, write_frame};
 
 /// The authenticated peer of a request.
 #[derive(Clone, Debug)]
@@ -25,6 +29,8 @@ pub struct Peer {
     pub role: Role,
     /// Its name, read from its certificate.
     pub name: String,
+    /// Its job, read from its certificate.
+    pub job: String,
     /// Its address.
     pub addr: SocketAddr,
 }
@@ -44,13 +50,180 @@ pub trait Service: Send + Sync + 'static {
     ) -> impl Future<Output = Frame<Response, Parts>> + Send;
 }
 
-/// Serves `service` on `endpoint` until `shutdown` is cancelled.
+/// Limits a server enforces on its peers, so that no peer, authenticated or not, can make it
+/// hold unbounded memory or connections. Every limit is a named setting; see the README's
+/// "Limits" section.
+#[derive(Clone, Debug)]
+pub struct Budgets {
+    /// Bytes of request frames (as their prefixes announce them) being received or handled
+    /// at once on one connection. A frame that would pass it is refused with
+    /// [`ErrorCode::Busy`] before anything is allocated for it. At least one largest frame.
+    pub conn_bytes: u64,
+    /// Bytes of request frames being received or handled at once on the whole server. A frame
+    /// that would pass it is refused with [`ErrorCode::Busy`] at once, and its stream is
+    /// stopped, so that QUIC drops what the peer sent of it instead of buffering it (a
+    /// frame made to wait would sit in QUIC's receive buffers, outside the budget). Nothing
+    /// of a refused request was done, so clients retry it after a pause.
+    pub server_bytes: u64,
+    /// Requests served at once on one connection (QUIC's concurrent bidirectional streams).
+    pub streams: u32,
+    /// Connections held at once by one identity (role and certificate name).
+    pub conns_per_identity: u32,
+    /// Connections held at once in all.
+    pub conns: u32,
+    /// Time a new connection has to complete the version handshake.
+    pub hello_timeout: Duration,
+    /// Time a request frame has to arrive in full once it started.
+    pub frame_timeout: Duration,
+    /// A connection that sends no request for this long is closed (keep-alives do not
+    /// count); clients reconnect when they need to.
+    pub idle_timeout: Duration,
+}
+
+impl Default for Budgets {
+    fn default() -> Self {
+        Budgets {
+            conn_bytes: 1 << 30,
+            server_bytes: 2 << 30,
+            streams: 256,
+            conns_per_identity: 256,
+            conns: 4096,
+            hello_timeout: Duration::from_secs(10),
+            frame_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Bytes in flight on the whole server, in KiB permits (a semaphore counts in `u32`).
+struct ServerBytes {
+    permits: Arc<Semaphore>,
+    total_kib: u32,
+}
+
+fn kib(bytes: u64) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+/// The budget a frame holds while it is received and handled; released on drop.
+struct Charge {
+    _server: Option<OwnedSemaphorePermit>,
+    conn: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.conn.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// Connections per identity, counted while they are open.
+type IdentityCounts = Arc<Mutex<HashMap<(Role, String), u32>>>;
+
+/// One open connection of an identity; uncounted on drop.
+struct IdentitySlot {
+    counts: IdentityCounts,
+    key: (Role, String),
+}
+
+impl Drop for IdentitySlot {
+    fn drop(&mut self) {
+        let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = c.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                c.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// What every connection of one server shares.
+struct Shared {
+    limits: FrameLimits,
+    budgets: Budgets,
+    job: String,
+    bytes: ServerBytes,
+    identities: IdentityCounts,
+}
+
+impl Shared {
+    /// Charges a frame of `len` bytes to its connection and to the server, or says why not.
+    fn charge(&self, conn: &Arc<AtomicU64>, len: u64) -> Result<Charge, String> {
+        let limit = self.budgets.conn_bytes;
+        let taken = conn.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            (used.saturating_add(len) <= limit).then_some(used + len)
+        });
+        if let Err(used) = taken {
+            return Err(format!(
+                "a frame of {len} bytes would pass this connection's budget of {limit} bytes \
+                 ({used} in flight); retry later"
+            ));
+        }
+        let mut charge = Charge {
+            _server: None,
+            conn: conn.clone(),
+            bytes: len,
+        };
+        let want = kib(len).min(self.bytes.total_kib);
+        match self.bytes.permits.clone().try_acquire_many_owned(want) {
+            Ok(p) => {
+                charge._server = Some(p);
+                Ok(charge)
+            }
+            Err(_) => Err(format!(
+                "the server's budget of {} bytes in flight is exhausted; retry later",
+                self.budgets.server_bytes
+            )),
+        }
+    }
+
+    /// Counts a new connection of `peer`, or says why it is one too many.
+    fn admit(&self, peer: &Peer, open: usize) -> Result<IdentitySlot, String> {
+        if open > self.budgets.conns as usize {
+            return Err(format!(
+                "the server holds its limit of {} connections",
+                self.budgets.conns
+            ));
+        }
+        let key = (peer.role, peer.name.clone());
+        let mut c = self.identities.lock().unwrap_or_else(|p| p.into_inner());
+        let n = c.entry(key.clone()).or_insert(0);
+        if *n >= self.budgets.conns_per_identity {
+            return Err(format!(
+                "{}/{} holds its limit of {} connections",
+                peer.role, peer.name, self.budgets.conns_per_identity
+            ));
+        }
+        *n += 1;
+        Ok(IdentitySlot {
+            counts: self.identities.clone(),
+            key,
+        })
+    }
+}
+
+/// Serves `service` on `endpoint` until `shutdown` is cancelled: only to peers of `job` (the
+/// job in the server's own certificate), within `settings`' frame limits and budgets.
 pub async fn serve<S: Service>(
     endpoint: Endpoint,
     service: Arc<S>,
-    limits: FrameLimits,
+    job: &str,
+    settings: &TransportSettings,
     shutdown: CancellationToken,
 ) {
+    let total_kib = kib(settings.budgets.server_bytes).max(1);
+    let shared = Arc::new(Shared {
+        limits: settings.limits,
+        budgets: settings.budgets.clone(),
+        job: job.to_string(),
+        bytes: ServerBytes {
+            permits: Arc::new(Semaphore::new(total_kib as usize)),
+            total_kib,
+        },
+        identities: Arc::default(),
+    });
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
@@ -59,8 +232,10 @@ pub async fn serve<S: Service>(
                 Some(incoming) => {
                     let service = service.clone();
                     let shutdown = shutdown.clone();
+                    let shared = shared.clone();
+                    let open = conns.len();
                     conns.spawn(async move {
-                        connection(incoming, service, limits, shutdown).await;
+                        connection(incoming, service, shared, open, shutdown).await;
                     });
                 }
                 None => break,
@@ -74,18 +249,28 @@ pub async fn serve<S: Service>(
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), endpoint.wait_idle()).await;
 }
 
+/// Closes `conn` with `code`, saying why.
+fn refuse(conn: &quinn::Connection, code: ErrorCode, why: &str) {
+    conn.close(VarInt::from_u32(code.as_u16().into()), why.as_bytes());
+}
+
 async fn connection<S: Service>(
     incoming: quinn::Incoming,
     service: Arc<S>,
-    limits: FrameLimits,
+    shared: Arc<Shared>,
+    open: usize,
     shutdown: CancellationToken,
 ) {
     let addr = incoming.remote_address();
-    let conn = match incoming.await {
-        Ok(c) => c,
-        Err(e) => {
+    let conn = match tokio::time::timeout(shared.budgets.hello_timeout, incoming).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
             // This is where a peer without a cluster-signed certificate ends up.
             warn!(%addr, error = %e, "refused connection");
+            return;
+        }
+        Err(_) => {
+            warn!(%addr, "refused connection: TLS handshake not done in time");
             return;
         }
     };
@@ -93,94 +278,172 @@ async fn connection<S: Service>(
         Ok(p) => p,
         Err(why) => {
             warn!(%addr, %why, "refused peer");
-            conn.close(
-                VarInt::from_u32(ErrorCode::Forbidden.as_u16().into()),
-                why.as_bytes(),
-            );
+            refuse(&conn, ErrorCode::Forbidden, &why);
+            return;
+        }
+    };
+    if peer.job != shared.job {
+        let why = format!(
+            "certificate {}/{} belongs to job {:?}, this server to job {:?}",
+            peer.role, peer.name, peer.job, shared.job
+        );
+        warn!(%addr, %why, "refused peer");
+        refuse(&conn, ErrorCode::WrongJob, &why);
+        return;
+    }
+    let _slot = match shared.admit(&peer, open) {
+        Ok(slot) => slot,
+        Err(why) => {
+            warn!(%addr, %why, "refused connection");
+            refuse(&conn, ErrorCode::Busy, &why);
             return;
         }
     };
     debug!(%addr, role = %peer.role, name = %peer.name, "connected");
-    // The first stream must carry the version handshake.
-    match conn.accept_bi().await {
-        Ok((mut send, mut recv)) => {
-            let reply = match read_frame::<Request>(&mut recv, &limits).await {
-                Ok(Frame {
-                    msg: Request::Hello { version, .. },
-                    ..
-                }) if version == PROTOCOL_VERSION => Response::Hello {
-                    version: PROTOCOL_VERSION,
-                    role: peer.role.to_string(),
-                },
-                Ok(Frame {
-                    msg: Request::Hello { version, .. },
-                    ..
-                }) => Response::error(
-                    ErrorCode::UnsupportedVersion,
-                    format!(
-                        "protocol version {version} not supported; this server speaks {PROTOCOL_VERSION}"
-                    ),
-                ),
-                Ok(_) => Response::error(
-                    ErrorCode::HandshakeRequired,
-                    "the first request must be Hello",
-                ),
-                Err(e) => Response::error(read_error_code(&e), e.to_string()),
-            };
-            let ok = matches!(reply, Response::Hello { .. });
-            let _ = write_frame(&mut send, Frame::<_>::new(reply)).await;
-            if !ok {
-                // Let the error response reach the peer before closing.
-                let _ = send.stopped().await;
-                conn.close(
-                    VarInt::from_u32(ErrorCode::HandshakeRequired.as_u16().into()),
-                    b"handshake failed",
-                );
-                return;
-            }
+    // The first stream must carry the version handshake, within the deadline.
+    let hello = tokio::time::timeout(shared.budgets.hello_timeout, async {
+        let (mut send, mut recv) = conn.accept_bi().await?;
+        let read = read_frame::<Request>(&mut recv, &shared.limits).await;
+        Ok::<_, quinn::ConnectionError>((send_hello(&mut send, read, &peer).await, send))
+    })
+    .await;
+    match hello {
+        Ok(Ok((true, _))) => {}
+        Ok(Ok((false, send))) => {
+            // Let the error response reach the peer before closing.
+            let _ = tokio::time::timeout(shared.budgets.hello_timeout, send.stopped()).await;
+            refuse(&conn, ErrorCode::HandshakeRequired, "handshake failed");
+            return;
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             debug!(%addr, error = %e, "closed before handshake");
+            return;
+        }
+        Err(_) => {
+            warn!(%addr, name = %peer.name, "no handshake in time; closing");
+            refuse(&conn, ErrorCode::HandshakeRequired, "no handshake in time");
             return;
         }
     }
     let peer = Arc::new(peer);
+    let in_flight = Arc::new(AtomicU64::new(0));
     let mut streams = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
             _ = shutdown.cancelled() => break,
-            a = conn.accept_bi() => a,
+            a = tokio::time::timeout(shared.budgets.idle_timeout, conn.accept_bi()) => a,
             Some(_) = streams.join_next(), if !streams.is_empty() => continue,
         };
-        let (mut send, mut recv) = match accepted {
-            Ok(s) => s,
-            Err(e) => {
+        let (send, recv) = match accepted {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
                 debug!(%addr, error = %e, "connection ended");
                 break;
             }
-        };
-        let service = service.clone();
-        let peer = peer.clone();
-        streams.spawn(async move {
-            let reply = match read_frame::<Request>(&mut recv, &limits).await {
-                Err(e) => Frame::new(Response::error(read_error_code(&e), e.to_string())),
-                Ok(f) if matches!(f.msg, Request::Hello { .. }) => Frame::new(Response::error(
-                    ErrorCode::InvalidRequest,
-                    "repeated handshake",
-                )),
-                Ok(f) if !service.allowed(peer.role, &f.msg) => Frame::new(Response::error(
-                    ErrorCode::Forbidden,
-                    format!("role {} may not send this request", peer.role),
-                )),
-                Ok(f) => service.handle(&peer, f.msg, f.payload).await,
-            };
-            if let Err(e) = write_frame(&mut send, reply).await {
-                debug!(error = %e, "could not send response");
+            Err(_) if !streams.is_empty() => continue,
+            Err(_) => {
+                debug!(%addr, name = %peer.name, "idle; closing");
+                conn.close(VarInt::from_u32(0), b"idle");
+                break;
             }
+        };
+        let (service, peer) = (service.clone(), peer.clone());
+        let (shared, in_flight) = (shared.clone(), in_flight.clone());
+        streams.spawn(async move {
+            request(send, recv, service, &peer, &shared, &in_flight).await;
         });
     }
     streams.abort_all();
     info!(%addr, name = %peer.name, "disconnected");
+}
+
+/// Answers the handshake request `read`; true when it was accepted.
+async fn send_hello(
+    send: &mut quinn::SendStream,
+    read: Result<Frame<Request>, crate::transport::CallError>,
+    peer: &Peer,
+) -> bool {
+    let reply = match read {
+        Ok(Frame {
+            msg: Request::Hello { version, .. },
+            ..
+        }) if version == PROTOCOL_VERSION => Response::Hello {
+            version: PROTOCOL_VERSION,
+            role: peer.role.to_string(),
+        },
+        Ok(Frame {
+            msg: Request::Hello { version, .. },
+            ..
+        }) => Response::error(
+            ErrorCode::UnsupportedVersion,
+            format!(
+                "protocol version {version} not supported; this server speaks {PROTOCOL_VERSION}"
+            ),
+        ),
+        Ok(_) => Response::error(
+            ErrorCode::HandshakeRequired,
+            "the first request must be Hello",
+        ),
+        Err(e) => Response::error(read_error_code(&e), e.to_string()),
+    };
+    let ok = matches!(reply, Response::Hello { .. });
+    let _ = write_frame(send, Frame::<_>::new(reply)).await;
+    ok
+}
+
+/// Reads one request within the budgets and deadlines, has the service handle it, answers.
+async fn request<S: Service>(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    service: Arc<S>,
+    peer: &Peer,
+    shared: &Shared,
+    in_flight: &Arc<AtomicU64>,
+) {
+    let deadline = shared.budgets.frame_timeout;
+    let read = async {
+        let prefix =
+            match tokio::time::timeout(deadline, read_prefix(&mut recv, &shared.limits)).await {
+                Ok(Ok(p)) => p,
+                Ok(Err(e)) => return Err(Response::error(read_error_code(&e), e.to_string())),
+                Err(_) => return Err(Response::error(ErrorCode::Malformed, "no frame in time")),
+            };
+        // Charge what the frame announces before anything is allocated for it.
+        let charge = match shared.charge(in_flight, prefix.frame_len()) {
+            Ok(c) => c,
+            Err(why) => {
+                let _ = recv.stop(VarInt::from_u32(ErrorCode::Busy.as_u16().into()));
+                return Err(Response::error(ErrorCode::Busy, why));
+            }
+        };
+        match tokio::time::timeout(deadline, read_frame_body::<Request>(&mut recv, &prefix)).await {
+            Ok(Ok(f)) => Ok((f, charge)),
+            Ok(Err(e)) => Err(Response::error(read_error_code(&e), e.to_string())),
+            Err(_) => {
+                let _ = recv.stop(VarInt::from_u32(ErrorCode::Malformed.as_u16().into()));
+                Err(Response::error(
+                    ErrorCode::Malformed,
+                    format!("the frame did not arrive within {deadline:?}"),
+                ))
+            }
+        }
+    };
+    let reply = match read.await {
+        Err(resp) => Frame::new(resp),
+        Ok((f, _)) if matches!(f.msg, Request::Hello { .. }) => Frame::new(Response::error(
+            ErrorCode::InvalidRequest,
+            "repeated handshake",
+        )),
+        Ok((f, _)) if !service.allowed(peer.role, &f.msg) => Frame::new(Response::error(
+            ErrorCode::Forbidden,
+            format!("role {} may not send this request", peer.role),
+        )),
+        // The charge is held until the request is handled: its payload lives until then.
+        Ok((f, _charge)) => service.handle(peer, f.msg, f.payload).await,
+    };
+    if let Err(e) = write_frame(&mut send, reply).await {
+        debug!(error = %e, "could not send response");
+    }
 }
 
 /// The wire code for a request that could not be read.
@@ -200,6 +463,11 @@ fn peer_of(conn: &quinn::Connection, addr: SocketAddr) -> Result<Peer, String> {
         })
         .ok_or("no client certificate")?;
     let leaf = certs.first().ok_or("empty certificate chain")?;
-    let (role, name) = subject_of(leaf).map_err(|e| e.to_string())?;
-    Ok(Peer { role, name, addr })
+    let Subject { role, name, job } = subject_of(leaf).map_err(|e| e.to_string())?;
+    Ok(Peer {
+        role,
+        name,
+        job,
+        addr,
+    })
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use edl_proto::ShardMap;
-use edl_proto::frame::{FiniteScan, Message, PREFIX_LEN, Payload, parse_prefix};
+use edl_proto::frame::{FiniteScan, Message, PREFIX_LEN, Payload, Prefix, parse_prefix};
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, ProtoError, Request, Response};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Endpoint, RecvStream, SendStream, VarInt};
@@ -33,6 +33,11 @@ pub struct TransportSettings {
     pub keep_alive: Duration,
     /// Frame size limits for received messages.
     pub limits: FrameLimits,
+    /// What a server allows its peers (bytes in flight, streams, connections, deadlines).
+    pub budgets: crate::server::Budgets,
+    /// How long a client keeps retrying a server it cannot reach before it gives up; `None`
+    /// (the default) retries, with capped backoff, until the server answers.
+    pub reconnect: Option<Duration>,
     /// A fixed UDP datagram size (bytes of UDP payload) for paths known to carry it: loopback,
     /// or networks with jumbo frames. `None` keeps QUIC's safe default for any network
     /// (1200-byte datagrams, probing upward to what the path carries). Large datagrams are
@@ -41,6 +46,10 @@ pub struct TransportSettings {
     /// Socket send and receive buffer size asked of the kernel (it caps the request at
     /// `net.core.rmem_max` / `wmem_max`). Small buffers drop packets under load.
     pub socket_buffer: usize,
+    /// A fault plan for tests: when set, every endpoint made with these settings sends through
+    /// it (loss, delay, reordering, duplication, partitions). `None`, the default unless
+    /// [`crate::faults::FAULTS_ENV`] holds a spec, leaves the socket untouched.
+    pub faults: Option<crate::faults::Faults>,
 }
 
 /// The environment variable that sets [`TransportSettings::datagram`] for every EDL process
@@ -57,7 +66,8 @@ const MAX_UDP_PAYLOAD: u16 = 65_527;
 const MAX_MIN_MTU: u16 = 16_383;
 
 impl Default for TransportSettings {
-    /// The defaults, with [`DATAGRAM_ENV`] applied when it holds a size from 1200 to 65527.
+    /// The defaults, with [`DATAGRAM_ENV`] applied when it holds a size from 1200 to 65527, and
+    /// the fault plan of [`crate::faults::FAULTS_ENV`] when it holds one.
     fn default() -> Self {
         let datagram = std::env::var(DATAGRAM_ENV)
             .ok()
@@ -71,8 +81,11 @@ impl Default for TransportSettings {
             idle_timeout: Duration::from_secs(6),
             keep_alive: Duration::from_millis(1500),
             limits: FrameLimits::default(),
+            budgets: crate::server::Budgets::default(),
+            reconnect: None,
             datagram,
             socket_buffer: 8 << 20,
+            faults: crate::faults::Faults::from_env(),
         }
     }
 }
@@ -99,7 +112,9 @@ impl TransportSettings {
         t.stream_receive_window(VarInt::from_u32(self.stream_window));
         t.receive_window(VarInt::from_u32(self.conn_window));
         t.send_window(u64::from(self.conn_window));
-        t.max_concurrent_bidi_streams(VarInt::from_u32(4096));
+        // What a peer may open toward this endpoint: a server's budget of requests in flight
+        // per connection (servers open no streams toward clients).
+        t.max_concurrent_bidi_streams(VarInt::from_u32(self.budgets.streams));
         t.max_concurrent_uni_streams(VarInt::from_u32(0));
         t.max_idle_timeout(Some(
             self.idle_timeout
@@ -223,6 +238,10 @@ fn endpoint(
             max: (usize::from(MAX_UDP_PAYLOAD) / usize::from(n.max(1))).max(1),
             inner: udp,
         }),
+        None => udp,
+    };
+    let udp = match &settings.faults {
+        Some(faults) => faults.wrap(udp).map_err(CallError::Bind)?,
         None => udp,
     };
     Endpoint::new_with_abstract_socket(config, server, udp, runtime).map_err(CallError::Bind)
@@ -362,14 +381,30 @@ impl CallError {
 /// Reads one frame from a stream, checking the size limits before allocating. The header is
 /// decoded before the payload is read; a payload that must be finite f32 values (a push's
 /// gradients) is checked part by part as it arrives, and refused with
-/// [`ProtoError::NonFinite`] once it has all arrived.
+/// [`ProtoError::NonFinite`] once it has all arrived. Bytes after the frame are refused with
+/// [`ProtoError::Trailing`].
 pub async fn read_frame<T: Message>(
     recv: &mut RecvStream,
     limits: &FrameLimits,
 ) -> Result<Frame<T>, CallError> {
+    let p = read_prefix(recv, limits).await?;
+    read_frame_body(recv, &p).await
+}
+
+/// Reads and checks a frame's fixed prefix: what the frame announces, before anything is
+/// allocated for it (a server charges it against its budgets first).
+pub async fn read_prefix(recv: &mut RecvStream, limits: &FrameLimits) -> Result<Prefix, CallError> {
     let mut prefix = [0u8; PREFIX_LEN];
     recv.read_exact(&mut prefix).await?;
-    let p = parse_prefix(&prefix, limits)?;
+    Ok(parse_prefix(&prefix, limits)?)
+}
+
+/// Reads the rest of a frame whose prefix [`read_prefix`] returned, up to the end of the
+/// stream (see [`read_frame`]).
+pub async fn read_frame_body<T: Message>(
+    recv: &mut RecvStream,
+    p: &Prefix,
+) -> Result<Frame<T>, CallError> {
     // Both lengths passed the limits check, which keeps them far below usize::MAX.
     let mut header = vec![0u8; p.header_len as usize];
     recv.read_exact(&mut header).await?;
@@ -394,6 +429,14 @@ pub async fn read_frame<T: Message>(
                 }
                 .into());
             }
+        }
+    }
+    // The frame must be the whole stream: anything after it is a malformed message, not
+    // something to ignore.
+    while let Some(chunk) = recv.read_chunk(usize::MAX, true).await? {
+        if !chunk.bytes.is_empty() {
+            let _ = recv.stop(VarInt::from_u32(0));
+            return Err(ProtoError::Trailing(chunk.bytes.len() as u64).into());
         }
     }
     if let Some(scan) = &scan {

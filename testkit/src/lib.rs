@@ -13,6 +13,7 @@ use std::sync::Arc;
 use edl_ps::admin::Admin;
 use edl_ps::coordinator::{self, Coordinator, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
+use edl_shared::faults::Faults;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
 use edl_shared::shutdown::CancellationToken;
@@ -49,6 +50,22 @@ impl TestCluster {
         Self::start_with(job, shards, TransportSettings::default()).await
     }
 
+    /// [`TestCluster::start`] with every server and client sending through `faults`. Each
+    /// node's addresses are named in the plan: `coordinator`, the shards `s0`, `s1`, ..., and
+    /// clients by the name given to [`TestCluster::connect`] (`test-admin` for
+    /// [`TestCluster::admin`]), so a test can say `faults.isolate("w1")`.
+    pub async fn start_with_faults(
+        job: JobConfig,
+        shards: u32,
+        faults: Faults,
+    ) -> anyhow::Result<TestCluster> {
+        let settings = TransportSettings {
+            faults: Some(faults),
+            ..TransportSettings::default()
+        };
+        Self::start_with(job, shards, settings).await
+    }
+
     /// [`TestCluster::start`] with explicit transport settings for the servers (clients pick
     /// theirs in [`TestCluster::client_config`]'s result).
     pub async fn start_with(
@@ -71,7 +88,7 @@ impl TestCluster {
             },
             "127.0.0.1:0".parse()?,
             &id,
-            settings.clone(),
+            labelled(&settings, "coordinator"),
         )?;
         let coordinator = bound.coordinator.clone();
         let coordinator_addr = bound.addr;
@@ -106,7 +123,7 @@ impl TestCluster {
             checkpoint: None,
             checkpoint_every: None,
         };
-        let (stop, settings) = (self.shutdown.clone(), self.settings.clone());
+        let (stop, settings) = (self.shutdown.clone(), labelled(&self.settings, name));
         self.tasks.spawn(async move {
             if let Err(e) = shard::run(cfg, id, settings, stop, Some(tx)).await {
                 tracing::error!(error = %e, "test shard failed");
@@ -139,7 +156,7 @@ impl TestCluster {
         Ok(Admin::connect(
             &self.coordinator_addr.to_string(),
             &id,
-            TransportSettings::default(),
+            self.node_settings("test-admin"),
         )
         .await?)
     }
@@ -159,8 +176,22 @@ impl TestCluster {
         Ok(ClientConfig {
             coordinator: self.coordinator_addr.to_string(),
             identity: self.identity(Role::Worker, name)?,
-            settings: TransportSettings::default(),
+            settings: self.node_settings(name),
         })
+    }
+
+    /// Default client settings for node `name`, sending through the cluster's fault plan (if
+    /// any) under that name.
+    pub fn node_settings(&self, name: &str) -> TransportSettings {
+        TransportSettings {
+            faults: self.settings.faults.as_ref().map(|f| f.labelled(name)),
+            ..TransportSettings::default()
+        }
+    }
+
+    /// The fault plan that every server and client of the cluster sends through, if any.
+    pub fn faults(&self) -> Option<&Faults> {
+        self.settings.faults.as_ref()
     }
 
     /// Connects a worker-role client.
@@ -172,6 +203,14 @@ impl TestCluster {
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// `settings` with their fault plan (if any) labelled `name`, so the plan can name the node.
+fn labelled(settings: &TransportSettings, name: &str) -> TransportSettings {
+    TransportSettings {
+        faults: settings.faults.as_ref().map(|f| f.labelled(name)),
+        ..settings.clone()
     }
 }
 

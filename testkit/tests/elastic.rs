@@ -82,7 +82,8 @@ async fn a_push_that_reached_some_shards_before_death_is_applied_once() -> anyho
     let map = a.job().map().clone();
     let owner = map.owner(Key(0)).expect("placed");
     let range = map.ranges_of(owner).next().expect("a range");
-    let id = cluster.identity(Role::Worker, "a-raw")?;
+    // The raw push goes out under a's own certificate, id and token, as a's process would.
+    let id = cluster.identity(Role::Worker, "a")?;
     let settings = TransportSettings::default();
     let ep = transport::client_endpoint(&id, &settings, false)?;
     let conn = Conn::connect(&ep, map.addr_of(owner).expect("addr"), "a-raw", &settings).await?;
@@ -100,6 +101,7 @@ async fn a_push_that_reached_some_shards_before_death_is_applied_once() -> anyho
             clock: a.clock(),
             chunks,
             span: Some(second),
+            token: a.token(),
         },
         f32s_to_bytes(&floats),
     )

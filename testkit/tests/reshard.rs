@@ -60,8 +60,8 @@ async fn counters_are_exact_while_ranges_move_between_three_shards() -> anyhow::
     for _ in 0..24 {
         let start = rng.random_range(0..KEYS - 1);
         let end = rng.random_range(start + 1..=(start + 6).min(KEYS));
-        let to = edl_shared::proto::ids::ShardId(rng.random_range(0..3));
-        let v = admin.move_range(start, end, to).await?;
+        let to = format!("s{}", rng.random_range(0..3));
+        let v = admin.move_range(start, end, &to).await?;
         moves += v.moves.len();
         holds.extend(v.moves.iter().map(|m| m.hold_ms));
         tokio::time::sleep(std::time::Duration::from_millis(15)).await;
@@ -118,9 +118,7 @@ async fn a_removed_shard_hands_over_everything_and_retires() -> anyhow::Result<(
     let admin = cluster.admin().await?;
     let session = cluster.connect("c").await?.register("c").await?;
     session.push(&vec![-2.0; FLOATS]).await?;
-    let v = admin
-        .shard_remove(edl_shared::proto::ids::ShardId(1))
-        .await?;
+    let v = admin.shard_remove("s1").await?;
     assert!(v.layout.iter().all(|(id, _)| *id != 1), "{:?}", v.layout);
     // The session routes with the old map; its next push is re-routed transparently.
     session.push(&vec![-3.0; FLOATS]).await?;
@@ -131,13 +129,10 @@ async fn a_removed_shard_hands_over_everything_and_retires() -> anyhow::Result<(
     let roles: Vec<(u32, &str)> = rows.iter().map(|(r, _)| (r.id, r.role.as_str())).collect();
     assert_eq!(roles, vec![(0, "active"), (1, "retired"), (2, "active")]);
     // Refusals are clear: the retired shard cannot take keys, and ranges must exist.
-    let err = admin
-        .move_range(0, 2, edl_shared::proto::ids::ShardId(1))
-        .await
-        .expect_err("retired");
+    let err = admin.move_range(0, 2, "s1").await.expect_err("retired");
     assert!(err.to_string().contains("removed"), "{err}");
     let err = admin
-        .move_range(5, 999, edl_shared::proto::ids::ShardId(0))
+        .move_range(5, 999, "s0")
         .await
         .expect_err("no such keys");
     assert!(err.to_string().contains("not a range"), "{err}");

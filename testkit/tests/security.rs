@@ -217,22 +217,25 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
     let err = session.push(&[1.0; 3]).await.expect_err("wrong size");
     assert!(matches!(err, ClientError::BufferSize { .. }), "{err}");
 
-    let id = cluster.identity(Role::Worker, "raw")?;
+    // Raw requests on the session's own identity, with its id and token.
+    let id = cluster.identity(Role::Worker, "w")?;
     let settings = TransportSettings::default();
     let ep = transport::client_endpoint(&id, &settings, false)?;
     let owner = job.map().owner(Key(0)).expect("key 0 is placed");
     let addr = job.map().addr_of(owner).expect("shard address").to_string();
     let conn = Conn::connect(&ep, &addr, "raw", &settings).await?;
+    let (worker, token) = (session.worker(), session.token());
     let push = |epoch: MapEpoch, chunks: Vec<ChunkRef>, values: Vec<f32>| {
         let conn = conn.clone();
         async move {
             conn.call(
                 Request::Push {
                     epoch,
-                    worker: session_worker(),
+                    worker,
                     clock: Clock(0),
                     chunks,
                     span: None,
+                    token,
                 },
                 f32s_to_bytes(&values),
             )
@@ -303,8 +306,4 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
     assert_eq!(hb.code(), Some(ErrorCode::UnknownWorker));
     session.leave().await?;
     Ok(())
-}
-
-fn session_worker() -> WorkerId {
-    WorkerId(1)
 }

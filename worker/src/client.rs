@@ -96,25 +96,29 @@ struct CoordLink {
 }
 
 impl CoordLink {
-    /// Calls the coordinator; a failed connection is replaced and the call repeated until
-    /// [`RECONNECT_WINDOW`] ends. Every coordinator request can be repeated: a repeated clock
-    /// report or leave is recognized, and a partition leased twice returns to the pool when
-    /// the worker leaves.
+    /// Calls the coordinator; a failed connection is replaced and the call repeated, with
+    /// capped backoff, for as long as the transport settings' `reconnect` allows (by default
+    /// until the coordinator answers). Every coordinator request can be repeated: a repeated
+    /// clock report or leave is recognized, and a partition leased twice returns to the pool
+    /// when the worker leaves.
     async fn call(&self, req: Request, payload: Bytes) -> Result<Frame<Response>, CallError> {
-        let deadline = tokio::time::Instant::now() + RECONNECT_WINDOW;
-        let mut delay = Duration::from_millis(100);
+        let what = format!("the coordinator at {}", self.addr);
+        let mut outage = Outage::new(&what, self.net.settings.reconnect);
+        let mut busy = Busy::default();
         loop {
             let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let err = match conn.call(req.clone(), payload.clone()).await {
                 Err(e) if is_connection_failure(&e) => e,
-                other => return other,
+                Err(e) if e.code() == Some(ErrorCode::Busy) => {
+                    busy.pause(&what, &e).await;
+                    continue;
+                }
+                other => {
+                    outage.over();
+                    return other;
+                }
             };
-            if tokio::time::Instant::now() >= deadline {
-                return Err(err);
-            }
-            tracing::warn!(error = %err, "coordinator unreachable; reconnecting");
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(2));
+            outage.failed(err).await?;
             let net = &self.net;
             if let Ok(c) = Conn::connect(&net.endpoint, &self.addr, &net.name, &net.settings).await
             {
@@ -132,8 +136,79 @@ struct Net {
     name: String,
 }
 
-/// How long a client keeps trying to reach a shard that went away (a restart).
-const RECONNECT_WINDOW: Duration = Duration::from_secs(60);
+/// One outage of a server as a client sees it: its start and its end are logged once each,
+/// not once per attempt, and the attempts back off up to [`MAX_BACKOFF`].
+struct Outage<'a> {
+    what: &'a str,
+    limit: Option<Duration>,
+    since: Option<tokio::time::Instant>,
+    delay: Duration,
+}
+
+/// Pauses between attempts of a request a server refused as over its budget (`Busy`), which
+/// is never applied, so it is always safe to repeat; the first refusal is logged.
+#[derive(Default)]
+struct Busy {
+    delay: Duration,
+}
+
+impl Busy {
+    async fn pause(&mut self, what: &str, err: &CallError) {
+        if self.delay.is_zero() {
+            tracing::info!(error = %err, "{what} is busy; retrying");
+            self.delay = Duration::from_millis(20);
+        }
+        tokio::time::sleep(self.delay).await;
+        self.delay = (self.delay * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// The longest pause between two attempts to reach a server.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+impl<'a> Outage<'a> {
+    fn new(what: &'a str, limit: Option<Duration>) -> Self {
+        Outage {
+            what,
+            limit,
+            since: None,
+            delay: Duration::from_millis(100),
+        }
+    }
+
+    /// Records a failed attempt: gives the error back once the outage has lasted past the
+    /// limit, else waits before the next attempt.
+    async fn failed(&mut self, err: CallError) -> Result<(), CallError> {
+        let now = tokio::time::Instant::now();
+        let since = *self.since.get_or_insert_with(|| {
+            tracing::warn!(error = %err, "{} is unreachable; retrying until it answers", self.what);
+            now
+        });
+        if self.limit.is_some_and(|l| now.duration_since(since) >= l) {
+            tracing::error!(
+                "giving up on {} after {:?}",
+                self.what,
+                now.duration_since(since)
+            );
+            return Err(err);
+        }
+        tracing::debug!(error = %err, "{}: retrying", self.what);
+        tokio::time::sleep(self.delay).await;
+        self.delay = (self.delay * 2).min(MAX_BACKOFF);
+        Ok(())
+    }
+
+    /// The server answered: logs the end of the outage, if there was one.
+    fn over(&mut self) {
+        if let Some(since) = self.since.take() {
+            tracing::warn!(
+                "{} answers again after {:.1} s",
+                self.what,
+                since.elapsed().as_secs_f64()
+            );
+        }
+    }
+}
 
 /// True for failures of the connection itself, after which a retry on a new connection may
 /// succeed; false for answers (errors the server sent, malformed replies).
@@ -151,7 +226,8 @@ fn is_connection_failure(e: &CallError) -> bool {
 }
 
 /// Calls a shard; with `retry`, a failed connection is replaced (the shard's address is read
-/// again from the coordinator's map) and the call repeated until [`RECONNECT_WINDOW`] ends.
+/// again from the coordinator's map) and the call repeated for as long as the transport
+/// settings' `reconnect` allows (by default until the shard answers).
 /// Only idempotent requests may be retried: pulls, and pushes that carry a data span (a shard
 /// skips a span it applied). A request that was never sent (no stream could be opened) is
 /// retried whatever it is. A shard that is no longer in the coordinator's map (it was
@@ -164,28 +240,31 @@ async fn call_shard(
     payload: Bytes,
     retry: bool,
 ) -> Result<Frame<Response>, CallError> {
-    let deadline = tokio::time::Instant::now() + RECONNECT_WINDOW;
-    let mut delay = Duration::from_millis(100);
+    let what = format!("shard {id}");
+    let mut outage = Outage::new(&what, net.settings.reconnect);
+    let mut busy = Busy::default();
     loop {
         let current = conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let err = match current.call(req.clone(), payload.clone()).await {
             Err(e @ CallError::NotSent(_)) => e,
+            // Nothing of a request refused for the server's budget was done: send it again.
+            Err(e) if e.code() == Some(ErrorCode::Busy) => {
+                busy.pause(&what, &e).await;
+                continue;
+            }
             Err(e) if retry && is_connection_failure(&e) => e,
-            other => return other,
+            other => {
+                outage.over();
+                return other;
+            }
         };
-        if tokio::time::Instant::now() >= deadline {
-            return Err(err);
-        }
-        tracing::warn!(shard = %id, error = %err, "shard unreachable; reconnecting");
+        outage.failed(err).await?;
         let map = match coordinator.call(Request::GetMap, Bytes::new()).await {
             Ok(Frame {
                 msg: Response::Map(m),
                 ..
             }) => m,
-            _ => {
-                tokio::time::sleep(delay).await;
-                continue;
-            }
+            _ => continue,
         };
         let Some(addr) = map.addr_of(id).map(str::to_string) else {
             return Err(CallError::Remote {
@@ -194,8 +273,6 @@ async fn call_shard(
                 map: Some(Box::new(map)),
             });
         };
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_secs(2));
         if let Ok(c) = Conn::connect(&net.endpoint, &addr, &net.name, &net.settings).await {
             *conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
         }
@@ -237,13 +314,7 @@ impl Job {
                 name: name.to_string(),
             }),
         };
-        let map = retry_not_ready(600, || async {
-            match coordinator.call(Request::GetMap, Bytes::new()).await?.msg {
-                Response::Map(m) => Ok(m),
-                other => Err(CallError::unexpected(&other)),
-            }
-        })
-        .await?;
+        let map = wait_for_map(&coordinator).await?;
         let job = fetch_job(&coordinator).await?;
         Job::with_map(coordinator, job, map).await
     }
@@ -307,17 +378,45 @@ impl Job {
         }
     }
 
-    /// The coordinator's membership events and step times.
+    /// The coordinator's membership events and step times: every page of steps it keeps,
+    /// joined.
     pub async fn trace(&self) -> Result<JobTrace, ClientError> {
-        match self
-            .coordinator
-            .call(Request::Trace, Bytes::new())
-            .await?
-            .msg
-        {
-            Response::Trace(t) => Ok(t),
-            other => Err(CallError::unexpected(&other).into()),
+        let mut whole: Option<JobTrace> = None;
+        let mut from_step = 0;
+        loop {
+            let page = match self
+                .coordinator
+                .call(Request::Trace { from_step }, Bytes::new())
+                .await?
+                .msg
+            {
+                Response::Trace(t) => t,
+                other => return Err(CallError::unexpected(&other).into()),
+            };
+            if page.next_step <= from_step && page.more {
+                return Err(
+                    self.inconsistent("coordinator", "a trace page that does not advance".into())
+                );
+            }
+            from_step = page.next_step;
+            let more = page.more;
+            match &mut whole {
+                None => whole = Some(page),
+                Some(w) => {
+                    // Events and moves come whole with every page: keep the latest.
+                    w.steps.extend(page.steps);
+                    w.events = page.events;
+                    w.moves = page.moves;
+                    w.next_step = page.next_step;
+                    w.dropped = page.dropped;
+                    w.more = more;
+                }
+            }
+            if !more {
+                break;
+            }
         }
+        whole.ok_or_else(|| self.inconsistent("coordinator", "no trace".into()))
     }
 
     /// Asks a worker to leave gracefully after its current step (admin role).
@@ -354,8 +453,13 @@ impl Job {
             )
         })
         .await?;
-        let (worker, clock) = match resp.msg {
-            Response::Registered { worker, clock, .. } => (worker, clock),
+        let (worker, clock, token) = match resp.msg {
+            Response::Registered {
+                worker,
+                clock,
+                token,
+                ..
+            } => (worker, clock, token),
             other => return Err(CallError::unexpected(&other).into()),
         };
         let stop = CancellationToken::new();
@@ -372,6 +476,7 @@ impl Job {
         Ok(Session {
             job: self,
             worker,
+            token,
             clock,
             granted: clock,
             stop,
@@ -405,6 +510,38 @@ fn check_finite(values: &[f32]) -> Result<(), ClientError> {
     }
 }
 
+/// Waits, without a deadline, until the coordinator has a shard map (every shard it waits
+/// for has joined), saying once what it waits for.
+async fn wait_for_map(coordinator: &CoordLink) -> Result<ShardMap, CallError> {
+    let mut said = false;
+    loop {
+        match coordinator.call(Request::GetMap, Bytes::new()).await {
+            Ok(Frame {
+                msg: Response::Map(m),
+                ..
+            }) => {
+                if said {
+                    tracing::info!("the shard map is formed; joining");
+                }
+                return Ok(m);
+            }
+            Ok(other) => return Err(CallError::unexpected(&other.msg)),
+            Err(CallError::Remote {
+                code: Some(ErrorCode::NotReady),
+                message,
+                ..
+            }) => {
+                if !said {
+                    tracing::info!(coordinator = %coordinator.addr, "waiting for the shard map: {message}");
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Fetches the job configuration.
 async fn fetch_job(coordinator: &CoordLink) -> Result<JobConfig, ClientError> {
     match retry_not_ready(600, || coordinator.call(Request::GetJob, Bytes::new()))
@@ -422,15 +559,18 @@ async fn connect_retry(
     name: &str,
     settings: &TransportSettings,
 ) -> Result<Conn, ClientError> {
-    let mut attempt = 0;
+    let what = format!("the server at {addr}");
+    let mut outage = Outage::new(&what, settings.reconnect);
     loop {
         match Conn::connect(ep, addr, name, settings).await {
-            Ok(c) => return Ok(c),
-            // A server that does not answer may be starting up: retry a few times. Anything
-            // else (a refused certificate, a wrong version) is final.
-            Err(e @ CallError::Connection(quinn::ConnectionError::TimedOut)) if attempt < 3 => {
-                tracing::debug!(%addr, error = %e, "connect timed out; retrying");
-                attempt += 1;
+            Ok(c) => {
+                outage.over();
+                return Ok(c);
+            }
+            // A server that does not answer may be starting up, or down for a while: keep
+            // trying. Anything else (a refused certificate, a wrong version) is final.
+            Err(e @ CallError::Connection(quinn::ConnectionError::TimedOut)) => {
+                outage.failed(e).await?;
             }
             Err(e) => return Err(e.into()),
         }

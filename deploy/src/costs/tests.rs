@@ -32,7 +32,7 @@ fn trace(events: Vec<EventRecord>, mut all: Vec<Vec<StepRecord>>) -> JobTrace {
     JobTrace {
         events,
         steps,
-        moves: Vec::new(),
+        ..JobTrace::default()
     }
 }
 

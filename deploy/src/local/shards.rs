@@ -219,13 +219,6 @@ impl Launch<'_> {
     }
 
     /// The coordinator's id for the shard named `name`, which must have joined.
-    async fn shard_id(&self, name: &str) -> anyhow::Result<ShardId> {
-        self.entry(name)
-            .await?
-            .map(|e| e.id)
-            .with_context(|| format!("the coordinator does not know a shard named {name}"))
-    }
-
     /// Sends one reshaping request and waits for its moves to finish.
     async fn reshape(
         &mut self,
@@ -291,11 +284,10 @@ impl Launch<'_> {
                 ));
             }
             Action::ShardRemove { shard } => {
-                let id = self.shard_id(shard).await?;
                 let asked = Instant::now();
                 let v = self
                     .reshape(&format!("removing shard {shard}"), async |a| {
-                        a.shard_remove(id).await
+                        a.shard_remove(shard).await
                     })
                     .await?;
                 if let Some(s) = self.shards.current(shard) {
@@ -310,10 +302,9 @@ impl Launch<'_> {
                 ));
             }
             Action::Move { start, end, to } => {
-                let id = self.shard_id(to).await?;
                 let v = self
                     .reshape(&format!("moving keys {start}..{end} to {to}"), async |a| {
-                        a.move_range(*start, *end, id).await
+                        a.move_range(*start, *end, to).await
                     })
                     .await?;
                 self.progress.println(&format!(

@@ -7,9 +7,9 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use edl_ps::coordinator::{self, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
-use edl_shared::cli::IdentityArgs;
+use edl_shared::cli::{BudgetArgs, IdentityArgs};
 use edl_shared::pki::PkiDir;
-use edl_shared::proto::{Consistency, JobConfig, ModelSpec, OptimizerSpec};
+use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, shutdown, telemetry};
 
@@ -51,6 +51,10 @@ struct CoordinatorArgs {
     /// MLP layer widths, input to classes.
     #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
     layers: Vec<u32>,
+    /// Instead of an MLP, a zero-initialized tensor of FLOATS floats trained by SGD at learning
+    /// rate 1 (for load tests: pushes of -1 make every float count the pushes applied to it).
+    #[arg(long, value_name = "FLOATS", conflicts_with_all = ["layers", "optimizer"])]
+    counter: Option<u32>,
     /// Server-side optimizer: sgd:LR, momentum:LR:M or adam:LR.
     #[arg(long, default_value = "adam:0.001")]
     optimizer: OptimizerSpec,
@@ -85,6 +89,8 @@ struct CoordinatorArgs {
     no_persist: bool,
     #[command(flatten)]
     identity: IdentityArgs,
+    #[command(flatten)]
+    budgets: BudgetArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -117,6 +123,8 @@ struct ShardArgs {
     no_checkpoint: bool,
     #[command(flatten)]
     identity: IdentityArgs,
+    #[command(flatten)]
+    budgets: BudgetArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -135,9 +143,14 @@ enum CaCmd {
         /// Role: coordinator, shard, worker or admin.
         #[arg(long)]
         role: Role,
-        /// Node name.
+        /// Node name: a worker registers under it, a shard is known by it (`edlctl` commands
+        /// take it). Letters, digits, '-', '_' and '.'.
         #[arg(long)]
         name: String,
+        /// The job the certificate belongs to: servers refuse peers of another job, so one CA
+        /// can serve several jobs.
+        #[arg(long, default_value = edl_shared::pki::DEFAULT_JOB)]
+        job: String,
         /// Extra host names or IP addresses the certificate is valid for.
         #[arg(long)]
         host: Vec<String>,
@@ -158,11 +171,29 @@ async fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Coordinator(a) => {
             let identity = a.identity.identity(Role::Coordinator, "coordinator")?;
+            let (model, tensors, optimizer) = match a.counter {
+                Some(floats) => (
+                    ModelSpec::Custom,
+                    vec![TensorSpec {
+                        name: "counter".into(),
+                        shape: vec![floats],
+                        init: Init::Zeros,
+                    }],
+                    OptimizerSpec::Sgd { lr: 1.0 },
+                ),
+                None => (
+                    ModelSpec::Mlp {
+                        layers: a.layers.clone(),
+                    },
+                    ModelSpec::mlp_tensors(&a.layers),
+                    a.optimizer,
+                ),
+            };
             let job = JobConfig {
-                tensors: ModelSpec::mlp_tensors(&a.layers),
-                model: ModelSpec::Mlp { layers: a.layers },
+                tensors,
+                model,
                 chunk_size: a.chunk_size,
-                optimizer: a.optimizer,
+                optimizer,
                 consistency: a.consistency,
                 batch_size: a.batch_size,
                 epochs: a.epochs,
@@ -178,7 +209,11 @@ async fn main() -> anyhow::Result<()> {
                 shards: a.shards,
                 state_file,
             };
-            let bound = coordinator::bind(cfg, a.listen, &identity, TransportSettings::default())
+            let settings = TransportSettings {
+                budgets: a.budgets.budgets(),
+                ..TransportSettings::default()
+            };
+            let bound = coordinator::bind(cfg, a.listen, &identity, settings)
                 .context("starting the coordinator")?;
             write_addr(&a.addr_file, bound.addr)?;
             bound.run(shutdown::on_signals()).await;
@@ -202,10 +237,14 @@ async fn main() -> anyhow::Result<()> {
                 checkpoint_every: (a.checkpoint_every > 0)
                     .then(|| std::time::Duration::from_secs(a.checkpoint_every)),
             };
+            let settings = TransportSettings {
+                budgets: a.budgets.budgets(),
+                ..TransportSettings::default()
+            };
             let run = tokio::spawn(shard::run(
                 cfg,
                 identity,
-                TransportSettings::default(),
+                settings,
                 shutdown::on_signals(),
                 Some(tx),
             ));
@@ -226,10 +265,11 @@ async fn main() -> anyhow::Result<()> {
             state_dir,
             role,
             name,
+            job,
             host,
         }) => {
             let pki = PkiDir::new(&state_dir);
-            pki.issue(role, &name, &host)?;
+            pki.issue(role, &name, &job, &host)?;
             println!(
                 "issued {} and {}",
                 pki.node_cert(role, &name).display(),

@@ -60,7 +60,8 @@ enum Cmd {
     Move {
         /// Keys `START..END` (end excluded).
         range: String,
-        /// The shard that takes them (`sN`).
+        /// The shard that takes them: its name (as given with `edl-ps shard --name`), or its
+        /// address. A standby shard may take them.
         #[arg(long)]
         to: String,
     },
@@ -71,12 +72,12 @@ enum ShardCmd {
     /// Give a shard server that joined (and stands by) its share of the keys. Start it first
     /// with `edl-ps shard --coordinator ...`.
     Add {
-        /// The shard's advertised address, or its id `sN`.
+        /// The shard's name (as given with `edl-ps shard --name`), or its advertised address.
         addr: String,
     },
     /// Move every key off a shard, then retire it (the process exits).
     Remove {
-        /// The shard's id (`sN`).
+        /// The shard's name (as given with `edl-ps shard --name`), or its address.
         shard: String,
     },
 }
@@ -301,11 +302,10 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Shard {
             cmd: ShardCmd::Remove { shard },
         } => {
-            let id = admin::parse_shard(&shard).map_err(anyhow::Error::msg)?;
             let v = admin
-                .shard_remove(id)
+                .shard_remove(&shard)
                 .await
-                .with_context(|| format!("removing shard {id}"))?;
+                .with_context(|| format!("removing shard {shard}"))?;
             print_reshard(&v, cli.json)?;
         }
         Cmd::Reshard { by } => {
@@ -317,9 +317,8 @@ async fn main() -> anyhow::Result<()> {
         }
         Cmd::Move { range, to } => {
             let (start, end) = admin::parse_range(&range).map_err(anyhow::Error::msg)?;
-            let to = admin::parse_shard(&to).map_err(anyhow::Error::msg)?;
             let v = admin
-                .move_range(start, end, to)
+                .move_range(start, end, &to)
                 .await
                 .with_context(|| format!("moving keys {start}..{end} to {to}"))?;
             print_reshard(&v, cli.json)?;

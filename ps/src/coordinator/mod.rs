@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use edl_shared::proto::{ErrorCode, Frame, JobConfig, Parts, Request, Response};
+use edl_shared::proto::{ErrorCode, Frame, JobConfig, Parts, Request, Response, WorkerId};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{TransportSettings, server_endpoint};
 use edl_shared::{Identity, Peer, Role, Service};
@@ -53,6 +53,9 @@ pub struct Coordinator {
     state_file: Option<PathBuf>,
     /// Connections to shards for resharding (set once the coordinator has an identity).
     caller: std::sync::OnceLock<Arc<reshard::ShardCaller>>,
+    /// The job named in the coordinator's certificate (set with its identity), which worker
+    /// tokens are bound to.
+    job_name: std::sync::OnceLock<String>,
     /// Held while a resharding runs: one at a time.
     resharding: tokio::sync::Mutex<()>,
     /// Held from a save's snapshot to its rename: saves reach the disk one at a time and in
@@ -75,6 +78,7 @@ impl Coordinator {
             changed: watch::Sender::new(0),
             state_file,
             caller: std::sync::OnceLock::new(),
+            job_name: std::sync::OnceLock::new(),
             resharding: tokio::sync::Mutex::new(()),
             saving: tokio::sync::Mutex::new(()),
         }
@@ -167,6 +171,57 @@ impl Coordinator {
     pub fn status(&self) -> edl_shared::proto::msg::JobStatus {
         self.lock().status(Instant::now())
     }
+
+    fn job_name(&self) -> &str {
+        self.job_name
+            .get()
+            .map_or(edl_shared::pki::DEFAULT_JOB, String::as_str)
+    }
+
+    /// The refusal of a request for `worker` from an identity other than the one it
+    /// registered as, if it is one.
+    fn not_owner(&self, worker: WorkerId, peer: &Peer) -> Option<Response> {
+        let (code, msg) = self.lock().check_owner(worker, &peer.name).err()?;
+        warn!(%worker, peer = %peer.name, addr = %peer.addr, "refused: {msg}");
+        Some(Response::error(code, msg))
+    }
+
+    /// A shard joins under `peer`'s name at `addr`. A name already held by a shard at
+    /// another address is refused while that shard still answers: two processes must not
+    /// share one shard's identity, and a second join must not move a live shard's address.
+    async fn shard_join(&self, peer: &Peer, addr: &str) -> Response {
+        let old = self.lock().shard_addr_by_name(&peer.name);
+        if let (Some(old), Some(caller)) = (old.filter(|o| o != addr), self.caller.get()) {
+            if caller.answers(&old).await {
+                return Response::error(
+                    ErrorCode::Conflict,
+                    format!(
+                        "shard {} is already serving at {old}; stop it before starting another \
+                         shard with this name (or use another name)",
+                        peer.name
+                    ),
+                );
+            }
+            warn!(shard = %peer.name, %old, new = %addr, "shard moved: the old address is gone");
+        }
+        let joined = self.lock().shard_join(&peer.name, addr);
+        match joined {
+            Err((code, msg)) => Response::error(code, msg),
+            Ok(id) => {
+                info!(shard = %id, name = %peer.name, %addr, "shard joined");
+                self.bump();
+                match self.wait_for(|st| st.assignment(id)).await {
+                    Ok((job, map)) => Response::ShardAssigned {
+                        shard: id,
+                        job,
+                        map,
+                        token_key: self.lock().token_key(),
+                    },
+                    Err(e) => e,
+                }
+            }
+        }
+    }
 }
 
 impl Service for Coordinator {
@@ -189,43 +244,45 @@ impl Service for Coordinator {
 
     async fn handle(&self, peer: &Peer, req: Request, _payload: Bytes) -> Frame<Response, Parts> {
         let now = Instant::now;
+        if let Request::Heartbeat { worker }
+        | Request::Leave { worker }
+        | Request::NextPartition { worker }
+        | Request::Clock { worker, .. } = &req
+            && let Some(refused) = self.not_owner(*worker, peer)
+        {
+            return Frame::new(refused);
+        }
         let resp = match req {
-            Request::ShardJoin { addr } => {
-                let joined = self.lock().shard_join(&peer.name, &addr);
-                match joined {
-                    Err((code, msg)) => Response::error(code, msg),
-                    Ok(id) => {
-                        info!(shard = %id, %addr, "shard joined");
-                        self.bump();
-                        match self.wait_for(|st| st.assignment(id)).await {
-                            Ok((job, map)) => Response::ShardAssigned {
-                                shard: id,
-                                job,
-                                map,
-                            },
-                            Err(e) => e,
-                        }
-                    }
-                }
-            }
-            Request::Register { name } => {
+            Request::ShardJoin { addr } => self.shard_join(peer, &addr).await,
+            Request::Register { name: label } => {
+                // The worker is registered under the name in its certificate, never under
+                // one it claims.
                 let requested = now();
+                let name = &peer.name;
                 match self
-                    .wait_for(|st| st.register(&name, &peer.addr.to_string(), requested, now()))
+                    .wait_for(|st| st.register(name, &peer.addr.to_string(), requested, now()))
                     .await
                 {
                     Ok((worker, job, map, clock)) => {
-                        info!(%worker, %name, addr = %peer.addr, %clock, "worker admitted");
+                        info!(%worker, %name, %label, addr = %peer.addr, %clock, "worker admitted");
+                        let token_key = self.lock().token_key();
                         Response::Registered {
                             worker,
                             job,
                             map,
                             clock,
+                            token: edl_shared::token::issue(
+                                &token_key,
+                                self.job_name(),
+                                worker,
+                                name,
+                            ),
                         }
                     }
                     Err(e) => e,
                 }
             }
+
             Request::Heartbeat { worker } => match self.lock().heartbeat(worker, now()) {
                 Ok(()) => Response::Ack,
                 Err((code, msg)) => Response::error(code, msg),
@@ -286,7 +343,7 @@ impl Service for Coordinator {
                 }
             }
             Request::Status => Response::Status(self.status()),
-            Request::Trace => Response::Trace(self.lock().trace()),
+            Request::Trace { from_step } => Response::Trace(self.lock().trace(from_step)),
             Request::Members => Response::Members(self.lock().members(Instant::now())),
             Request::Drain { worker } => {
                 let r = self.lock().drain(worker);
@@ -310,10 +367,22 @@ impl Service for Coordinator {
                 self.reshape(reshard::Reshape::Move { start, end, to })
                     .await
             }
-            Request::GetMap => match self.lock().map() {
-                Some(map) => Response::Map(map),
-                None => Response::error(ErrorCode::NotReady, "shard map not formed yet"),
-            },
+            Request::GetMap => {
+                let st = self.lock();
+                match st.map() {
+                    Some(map) => Response::Map(map),
+                    None => {
+                        let s = st.status(Instant::now());
+                        Response::error(
+                            ErrorCode::NotReady,
+                            format!(
+                                "shard map not formed yet: {} of {} shard servers have joined",
+                                s.shards_joined, s.shards_expected
+                            ),
+                        )
+                    }
+                }
+            }
             other => Response::error(
                 ErrorCode::InvalidRequest,
                 format!("the coordinator does not serve {}", other.name()),
@@ -350,6 +419,7 @@ pub fn bind(
     let _ = coordinator
         .caller
         .set(Arc::new(reshard::ShardCaller::new(identity, &settings)?));
+    let _ = coordinator.job_name.set(identity.job.clone());
     let coordinator = Arc::new(coordinator);
     let endpoint = server_endpoint(listen, identity, &settings)?;
     let addr = endpoint.local_addr()?;
@@ -394,10 +464,12 @@ impl BoundCoordinator {
             })
         });
         info!(addr = %self.addr, "coordinator serving");
+        let job = self.coordinator.job_name().to_string();
         edl_shared::serve(
             self.endpoint,
             self.coordinator.clone(),
-            self.settings.limits,
+            &job,
+            &self.settings,
             shutdown,
         )
         .await;

@@ -32,6 +32,8 @@ pub struct ShardCaller {
 
 /// How long the coordinator waits for one shard request of a resharding.
 const SHARD_CALL: Duration = Duration::from_secs(60);
+/// How long the coordinator waits for a shard to answer whether it is still there.
+const PROBE: Duration = Duration::from_secs(3);
 
 impl ShardCaller {
     /// A caller with the coordinator's identity.
@@ -42,6 +44,22 @@ impl ShardCaller {
             name: identity.name.clone(),
             conns: tokio::sync::Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Whether a shard server answers at `addr` (within a few seconds).
+    pub async fn answers(&self, addr: &str) -> bool {
+        let probe = async {
+            let conn = Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
+            let r = conn.call(Request::GetMap, Bytes::new()).await;
+            conn.close();
+            r
+        };
+        match tokio::time::timeout(PROBE, probe).await {
+            Ok(Ok(_)) => true,
+            // An answer, even an error (a shard not assigned yet), means a server is there.
+            Ok(Err(CallError::Remote { .. })) => true,
+            _ => false,
+        }
     }
 
     /// One request to the shard at `addr`, on a cached connection (replaced once if it failed).
@@ -82,12 +100,12 @@ impl ShardCaller {
 pub enum Reshape {
     /// Give a standby shard its share.
     Add(String),
-    /// Move everything off a shard and retire it.
-    Remove(ShardId),
+    /// Move everything off a shard (by name or address) and retire it.
+    Remove(String),
     /// Rebalance by size, or by recent load.
     Rebalance { by_load: bool },
-    /// Bring a key range to a shard.
-    Move { start: u64, end: u64, to: ShardId },
+    /// Bring a key range to a shard (by name or address).
+    Move { start: u64, end: u64, to: String },
 }
 
 impl Coordinator {
@@ -106,6 +124,10 @@ impl Coordinator {
             Ok(p) => p,
             Err((code, msg)) => return Response::error(code, msg),
         };
+        let removed = match &op {
+            Reshape::Remove(name) => self.lock().resolve_shard(name).ok(),
+            _ => None,
+        };
         let mut moves = Vec::new();
         for mv in plan {
             match self.move_once(&caller, mv).await {
@@ -119,7 +141,7 @@ impl Coordinator {
                 }
             }
         }
-        if let Reshape::Remove(id) = op {
+        if let Some(id) = removed {
             let (map, addr) = {
                 let mut st = self.lock();
                 st.retire_shard(id);
@@ -153,8 +175,14 @@ impl Coordinator {
                 let id = st.resolve_shard(name)?;
                 st.plan_add(id)
             }
-            Reshape::Remove(id) => self.lock().plan_remove(*id),
-            Reshape::Move { start, end, to } => self.lock().plan_move(*start, *end, *to),
+            Reshape::Remove(name) => {
+                let st = self.lock();
+                st.plan_remove(st.resolve_shard(name)?)
+            }
+            Reshape::Move { start, end, to } => {
+                let st = self.lock();
+                st.plan_move(*start, *end, st.resolve_shard(to)?)
+            }
             Reshape::Rebalance { by_load: false } => {
                 let st = self.lock();
                 st.plan_rebalance(&st.key_sizes())

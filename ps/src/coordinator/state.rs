@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, WorkerId};
+use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::job::ShardInfo;
 use edl_shared::proto::msg::{
     DataSpan, EpochStats, EventKind, EventRecord, JobStatus, JobTrace, MoveReport, Partition,
@@ -57,6 +57,7 @@ pub struct CoordinatorSnap {
     completed: Vec<u32>,
     epochs: Vec<EpochStats>,
     samples_done: u64,
+    token_key: Token,
 }
 
 /// An error answer: a stable code and a message.
@@ -120,15 +121,37 @@ pub struct CoordinatorState {
     data: DataPlan,
     epochs: Vec<EpochStats>,
     samples_done: u64,
+    /// The key worker tokens are signed with (see `edl_shared::token`).
+    token_key: Token,
     /// Time zero of the trace.
     started: Instant,
-    events: Vec<EventRecord>,
+    events: VecDeque<EventRecord>,
     steps: VecDeque<StepRecord>,
-    moves: Vec<MoveReport>,
+    moves: VecDeque<MoveReport>,
+    /// Trace records dropped by the caps: events, steps, moves.
+    dropped: (u64, u64, u64),
 }
 
 /// Step records kept for the trace; older ones are dropped.
 const MAX_STEP_RECORDS: usize = 1 << 20;
+/// Membership events kept for the trace; older ones are dropped.
+const MAX_EVENT_RECORDS: usize = 10_000;
+/// Range moves kept for the trace; older ones are dropped.
+const MAX_MOVE_RECORDS: usize = 1_000;
+/// Steps in one page of the trace (24 bytes each: well under the header limit with the
+/// events and moves).
+pub const TRACE_PAGE: usize = 65_536;
+/// Departed (left or dead) workers kept in the registry; older ones are forgotten.
+const MAX_DEPARTED: usize = 10_000;
+
+/// Appends `item` to a capped record queue, dropping (and counting) the oldest past `cap`.
+fn push_capped<T>(q: &mut VecDeque<T>, item: T, cap: usize, dropped: &mut u64) {
+    while q.len() >= cap {
+        q.pop_front();
+        *dropped += 1;
+    }
+    q.push_back(item);
+}
 
 fn unknown(worker: WorkerId) -> Refusal {
     (
@@ -161,10 +184,29 @@ impl CoordinatorState {
             data,
             epochs,
             samples_done: 0,
+            token_key: edl_shared::token::new_key(),
             started: Instant::now(),
-            events: Vec::new(),
+            events: VecDeque::new(),
             steps: VecDeque::new(),
-            moves: Vec::new(),
+            moves: VecDeque::new(),
+            dropped: (0, 0, 0),
+        }
+    }
+
+    /// The key worker tokens are signed with.
+    pub fn token_key(&self) -> Token {
+        self.token_key
+    }
+
+    /// Refuses a request about `worker` from a certificate other than the one it registered
+    /// with. Unknown workers pass: the request itself then answers `UnknownWorker`.
+    pub fn check_owner(&self, worker: WorkerId, identity: &str) -> Result<(), Refusal> {
+        match self.workers.get(&worker) {
+            Some(w) if w.name != identity => Err((
+                ErrorCode::IdentityMismatch,
+                format!("{worker} belongs to another identity; {identity:?} may not act for it"),
+            )),
+            _ => Ok(()),
         }
     }
 
@@ -199,6 +241,7 @@ impl CoordinatorState {
             completed,
             epochs: self.epochs.clone(),
             samples_done: self.samples_done,
+            token_key: self.token_key,
         }
     }
 
@@ -234,6 +277,7 @@ impl CoordinatorState {
         st.data = data;
         st.epochs = snap.epochs;
         st.samples_done = snap.samples_done;
+        st.token_key = snap.token_key;
         for w in snap.workers {
             st.workers.insert(
                 w.id,
@@ -269,21 +313,43 @@ impl CoordinatorState {
             .map(|w| w.name.clone())
             .unwrap_or_default();
         let now = Instant::now();
-        self.events.push(EventRecord {
+        let record = EventRecord {
             t_ms: self.ms(now),
             requested_ms: self.ms(requested.min(now)),
             kind,
             worker,
             name,
-        });
+        };
+        push_capped(
+            &mut self.events,
+            record,
+            MAX_EVENT_RECORDS,
+            &mut self.dropped.0,
+        );
     }
 
-    /// The membership events and step times so far.
-    pub fn trace(&self) -> JobTrace {
+    /// The membership events and moves kept, and one page of step times: those numbered
+    /// `from_step` on (steps are numbered in arrival order from 0; dropped ones are gone).
+    pub fn trace(&self, from_step: u64) -> JobTrace {
+        let first_kept = self.dropped.1;
+        let first = from_step.max(first_kept);
+        let skip = usize::try_from(first - first_kept).unwrap_or(usize::MAX);
+        let steps: Vec<StepRecord> = self
+            .steps
+            .iter()
+            .skip(skip)
+            .take(TRACE_PAGE)
+            .copied()
+            .collect();
+        let next_step = first + steps.len() as u64;
         JobTrace {
-            events: self.events.clone(),
-            steps: self.steps.iter().copied().collect(),
-            moves: self.moves.clone(),
+            events: self.events.iter().cloned().collect(),
+            more: next_step < first_kept + self.steps.len() as u64,
+            first_step: first,
+            next_step,
+            steps,
+            moves: self.moves.iter().cloned().collect(),
+            dropped: self.dropped,
         }
     }
 
@@ -307,11 +373,18 @@ impl CoordinatorState {
         self.map.clone()
     }
 
+    /// The address of the shard named `name`, if one with that name has joined.
+    pub fn shard_addr_by_name(&self, name: &str) -> Option<String> {
+        let i = self.shard_names.iter().position(|n| n == name)?;
+        Some(self.shards[i].addr.clone())
+    }
+
     /// A shard announces itself. A shard that rejoins under the same certificate name (after
     /// a restart) keeps its id and ranges; if its address changed, the map's address is
-    /// updated (ownership did not change, so the map epoch stays). A new shard that joins
-    /// once the map is formed stands by, holding nothing, until an operator adds it
-    /// (`edlctl shard add`).
+    /// updated (ownership did not change, so the map epoch stays). The service layer refuses
+    /// a rejoin from another address while the shard at the old one still answers. A new
+    /// shard gets the id its name asks for (see `new_shard_id`); one that joins once the map
+    /// is formed stands by, holding nothing, until an operator adds it (`edlctl shard add`).
     pub fn shard_join(&mut self, name: &str, addr: &str) -> Result<ShardId, Refusal> {
         if let Some(i) = self.shard_names.iter().position(|n| n == name) {
             let id = self.shards[i].id;
@@ -325,7 +398,7 @@ impl CoordinatorState {
             }
             return Ok(id);
         }
-        let id = ShardId(self.shards.len() as u32);
+        let id = self.new_shard_id(name);
         self.shard_names.push(name.to_string());
         self.shards.push(ShardInfo {
             id,
@@ -404,6 +477,21 @@ impl CoordinatorState {
         Ok(())
     }
 
+    /// Forgets the oldest departed workers past [`MAX_DEPARTED`]: they hold no data and no
+    /// clock, and a request naming one is answered `UnknownWorker` as for a departed one.
+    fn prune_departed(&mut self) {
+        let departed: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.state != WorkerState::Active)
+            .map(|(id, _)| *id)
+            .collect();
+        let excess = departed.len().saturating_sub(MAX_DEPARTED);
+        for id in departed.into_iter().take(excess) {
+            self.workers.remove(&id);
+        }
+    }
+
     fn retire(&mut self, worker: WorkerId, state: WorkerState) {
         if let Some(min) = self.min_active_clock() {
             self.floor = self.floor.max(min);
@@ -428,6 +516,7 @@ impl CoordinatorState {
         self.active(worker)?;
         self.retire(worker, WorkerState::Left);
         self.event(EventKind::Leave, worker, Instant::now());
+        self.prune_departed();
         Ok(())
     }
 
@@ -446,6 +535,7 @@ impl CoordinatorState {
             self.retire(*id, WorkerState::Dead);
             self.event(EventKind::Dead, *id, now);
         }
+        self.prune_departed();
         dead
     }
 
@@ -553,16 +643,15 @@ impl CoordinatorState {
                             ),
                         )
                     })?;
-                let l = &mut w.leased[i];
-                // Likewise its span may start past the saved position: those samples were
-                // pushed (the shards' ledgers have them) but their commit was lost.
-                if w.restored && span.start > l.committed && span.start <= l.end() {
-                    l.committed = span.start;
-                }
                 let l = &w.leased[i];
+                // A restored worker's span may start past the saved position: those samples
+                // were pushed and committed (the shards' ledgers have them), but the commit
+                // was lost with the crash.
+                let start_ok = span.start == l.committed
+                    || (w.restored && span.start > l.committed && span.start <= l.end());
                 if span.epoch != epoch
                     || span.len() != samples
-                    || span.start != l.committed
+                    || !start_ok
                     || span.end > l.end()
                     || span.is_empty()
                 {
@@ -579,6 +668,12 @@ impl CoordinatorState {
                         ),
                     ));
                 }
+                // Count the lost commits now, so that the progress counters come back exact
+                // (their losses are unknown: they count as samples only).
+                let lost = u64::from(span.start - l.committed);
+                w.samples += lost;
+                stats.samples += lost;
+                self.samples_done += lost;
                 Some((i, span.end))
             }
         };
@@ -594,14 +689,12 @@ impl CoordinatorState {
         w.restored = false;
         w.samples += u64::from(samples);
         let t_ms = now.saturating_duration_since(self.started).as_millis() as u64;
-        if self.steps.len() >= MAX_STEP_RECORDS {
-            self.steps.pop_front();
-        }
-        self.steps.push_back(StepRecord {
+        let step = StepRecord {
             t_ms,
             worker,
             clock,
-        });
+        };
+        push_capped(&mut self.steps, step, MAX_STEP_RECORDS, &mut self.dropped.1);
         stats.samples += u64::from(samples);
         stats.loss_sum += loss_sum;
         self.samples_done += u64::from(samples);

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use edl_shared::proto::frame::{bytes_to_f32s, extend_f32s, extend_finite_f32s};
-use edl_shared::proto::ids::{Clock, Key, ShardId, WorkerId};
+use edl_shared::proto::ids::{Clock, Key, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, KeyRange};
 use edl_shared::proto::{ErrorCode, Frame, KeyLayout, Request, Response, ShardMap};
 use edl_shared::transport::{CallError, Conn};
@@ -380,7 +380,7 @@ impl Job {
     /// Pushes the flat gradient vector `grads` for step `clock`, to all shards in parallel.
     pub(super) async fn push_all(
         &self,
-        worker: WorkerId,
+        (worker, token): (WorkerId, Token),
         clock: Clock,
         grads: &[f32],
         span: Option<DataSpan>,
@@ -407,6 +407,7 @@ impl Job {
                     clock,
                     chunks: link.chunks.clone(),
                     span,
+                    token,
                 };
                 Ok((req, payload.freeze()))
             },
@@ -418,7 +419,7 @@ impl Job {
     /// Pushes `(key, values)` pairs for step `clock` (a sparse write).
     pub async fn push_keys(
         &self,
-        worker: WorkerId,
+        (worker, token): (WorkerId, Token),
         clock: Clock,
         chunks: &[(Key, &[f32])],
     ) -> Result<(), ClientError> {
@@ -454,6 +455,7 @@ impl Job {
                     clock,
                     chunks: refs,
                     span: None,
+                    token,
                 };
                 Ok((req, payload.freeze()))
             },

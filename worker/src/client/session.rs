@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
-use edl_shared::proto::ids::{Clock, Key, WorkerId};
+use edl_shared::proto::ids::{Clock, Key, Token, WorkerId};
 use edl_shared::proto::msg::{DataSpan, Partition};
 use edl_shared::proto::{ErrorCode, Request, Response};
 use edl_shared::shutdown::CancellationToken;
@@ -17,6 +17,8 @@ use super::{ClientError, Job, retry_not_ready};
 pub struct Session {
     pub(super) job: Job,
     pub(super) worker: WorkerId,
+    /// The coordinator's token for `worker`, which every push carries to the shards.
+    pub(super) token: Token,
     pub(super) clock: Clock,
     pub(super) granted: Clock,
     pub(super) stop: CancellationToken,
@@ -34,6 +36,12 @@ impl Session {
     /// This worker's id.
     pub fn worker(&self) -> WorkerId {
         self.worker
+    }
+
+    /// The coordinator's token for this worker, which every push carries (for tools that
+    /// speak the protocol directly).
+    pub fn token(&self) -> Token {
+        self.token
     }
 
     /// The job connection.
@@ -82,7 +90,7 @@ impl Session {
     pub async fn push(&self, grads: &[f32]) -> Result<(), ClientError> {
         self.check_lost()?;
         self.job
-            .push_all(self.worker, self.clock, grads, None)
+            .push_all((self.worker, self.token), self.clock, grads, None)
             .await
     }
 
@@ -91,14 +99,16 @@ impl Session {
     pub async fn push_span(&self, grads: &[f32], span: DataSpan) -> Result<(), ClientError> {
         self.check_lost()?;
         self.job
-            .push_all(self.worker, self.clock, grads, Some(span))
+            .push_all((self.worker, self.token), self.clock, grads, Some(span))
             .await
     }
 
     /// Pushes sparse gradients for the current step.
     pub async fn push_keys(&self, chunks: &[(Key, &[f32])]) -> Result<(), ClientError> {
         self.check_lost()?;
-        self.job.push_keys(self.worker, self.clock, chunks).await
+        self.job
+            .push_keys((self.worker, self.token), self.clock, chunks)
+            .await
     }
 
     /// Ends the current step: reports its progress and waits until the consistency model lets

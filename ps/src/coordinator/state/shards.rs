@@ -77,18 +77,43 @@ impl CoordinatorState {
             .collect()
     }
 
-    /// The shard an operator named: `sN`, `N`, or its address.
+    /// The shard an operator named: by its name (`--name`, the name in its certificate),
+    /// else by its address. Shard names are unique in a job, and a shard named `sN` has id
+    /// `sN` unless that id was taken first, so the name is what operators use.
     pub fn resolve_shard(&self, name: &str) -> Result<ShardId, Refusal> {
-        let by_id = name
-            .strip_prefix('s')
-            .unwrap_or(name)
-            .parse::<u32>()
-            .ok()
-            .map(ShardId)
-            .filter(|id| self.shards.iter().any(|s| s.id == *id));
-        by_id
+        let by_name = self
+            .shard_names
+            .iter()
+            .position(|n| n == name)
+            .map(|i| self.shards[i].id);
+        by_name
             .or_else(|| self.shards.iter().find(|s| s.addr == name).map(|s| s.id))
-            .ok_or_else(|| invalid(format!("no shard {name} has joined this job")))
+            .ok_or_else(|| {
+                let known = self.shard_names.join(", ");
+                invalid(format!(
+                    "no shard named {name:?} has joined this job (shards: {known})"
+                ))
+            })
+    }
+
+    /// The name of shard `id` (its id written out if it has none).
+    pub fn shard_name(&self, id: ShardId) -> String {
+        self.shards
+            .iter()
+            .position(|s| s.id == id)
+            .map_or_else(|| id.to_string(), |i| self.shard_names[i].clone())
+    }
+
+    /// The id a newly joining shard named `name` gets: `N` for a name `sN` whose id is free,
+    /// else the lowest free id.
+    pub(super) fn new_shard_id(&self, name: &str) -> ShardId {
+        let taken = |id: u32| self.shards.iter().any(|s| s.id.0 == id);
+        let wanted = name
+            .strip_prefix('s')
+            .filter(|n| !n.starts_with('0') || n.len() == 1)
+            .and_then(|n| n.parse::<u32>().ok())
+            .filter(|n| !taken(*n));
+        ShardId(wanted.unwrap_or_else(|| (0..).find(|n| !taken(*n)).unwrap_or(u32::MAX)))
     }
 
     fn usable(&self, id: ShardId) -> Result<(), Refusal> {
@@ -145,11 +170,18 @@ impl CoordinatorState {
             .collect())
     }
 
-    /// Moves that rebalance the keys over the shards that hold keys now, by `weight` per key.
+    /// Moves that rebalance the keys over every shard of the job that is not retired (those
+    /// that hold keys now, then the standby ones), by `weight` per key.
     pub fn plan_rebalance(&self, weight: &[f64]) -> Result<Vec<Move>, Refusal> {
         let map = self.formed()?;
+        let mut targets = map.owners_in_order();
+        for (id, _) in self.live_shards() {
+            if !targets.contains(&id) {
+                targets.push(id);
+            }
+        }
         Ok(map
-            .plan_balance(&map.owners_in_order(), weight)
+            .plan_balance(&targets, weight)
             .into_iter()
             .map(Move::from)
             .collect())
@@ -202,7 +234,12 @@ impl CoordinatorState {
     pub fn commit_move(&mut self, map: ShardMap, mut report: MoveReport, began: Instant) {
         report.t_ms = self.ms(began);
         self.map = Some(map);
-        self.moves.push(report);
+        super::push_capped(
+            &mut self.moves,
+            report,
+            super::MAX_MOVE_RECORDS,
+            &mut self.dropped.2,
+        );
     }
 
     /// Marks `id` removed from the job.

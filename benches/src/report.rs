@@ -7,7 +7,7 @@ use anyhow::Context;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use serde::Serialize;
 
-use crate::{apply, elastic, scale, transport, tta};
+use crate::{apply, elastic, load, scale, transport, tta};
 
 pub use edl_shared::transport::LOOPBACK_DATAGRAM;
 
@@ -303,6 +303,106 @@ pub fn tta_table(r: &tta::Results) -> String {
     )
 }
 
+/// The load results: throughput and latency per operation, errors by kind, each server's
+/// memory, the check of every float, and what the hostile client held.
+pub fn load_table(r: &load::Results) -> String {
+    let mut ops = table(&["op", "ok", "per s", "p50 µs", "p99 µs"]);
+    for o in &r.ops {
+        ops.add_row(vec![
+            o.op.clone(),
+            o.ok.to_string(),
+            format!("{:.0}", o.per_s),
+            format!("{:.0}", o.p50_us),
+            format!("{:.0}", o.p99_us),
+        ]);
+    }
+    let mut errors = table(&["error", "count"]);
+    for (kind, n) in &r.errors {
+        errors.add_row(vec![kind.clone(), n.to_string()]);
+    }
+    if r.errors.is_empty() {
+        errors.add_row(vec!["none".to_string(), "0".to_string()]);
+    }
+    let mib = |kib: u64| format!("{:.1}", kib as f64 / 1024.0);
+    let mut mem = table(&[
+        "server",
+        "RSS at start MiB",
+        "peak RSS MiB",
+        "RSS at end MiB",
+    ]);
+    for s in &r.servers {
+        mem.add_row(vec![
+            s.name.clone(),
+            mib(s.rss_start_kib),
+            mib(s.rss_peak_kib),
+            mib(s.rss_end_kib),
+        ]);
+    }
+    let c = &r.check;
+    let verdict = if c.lost_updates == 0 && c.extra_updates == 0 {
+        "every acknowledged push applied, none twice".to_string()
+    } else {
+        format!(
+            "LOST {} acknowledged pushes ({} floats short), {} extra updates",
+            c.lost_updates, c.floats_short, c.extra_updates
+        )
+    };
+    let mut out = format!(
+        "load, {} clients ({} ran) for {:.0} s, {} floats in {} keys over {} shards, asp:\n{ops}\n\
+         errors:\n{errors}\n\
+         server memory:\n{mem}\n\
+         clients dropped by the coordinator and registered again: {}\n\
+         check: {} acknowledged pushes, {} failed; floats read back {} to {}: {verdict}",
+        r.clients,
+        r.clients_running,
+        r.seconds,
+        r.floats,
+        r.keys,
+        r.shards,
+        r.reregistered,
+        c.acknowledged,
+        c.failed,
+        c.min,
+        c.max,
+    );
+    if let Some(h) = &r.hostile {
+        let mut t = table(&[
+            "hostile",
+            "asked",
+            "sent/opened",
+            "peak held",
+            "held at end",
+        ]);
+        t.add_row(vec![
+            "half-sent 1 GiB frames".to_string(),
+            h.frames.to_string(),
+            h.frames_sent.to_string(),
+            h.frames_held_peak.to_string(),
+            h.frames_held_at_end.to_string(),
+        ]);
+        t.add_row(vec![
+            "idle connections (no Hello)".to_string(),
+            h.idle.to_string(),
+            h.idle_opened.to_string(),
+            h.idle_held_peak.to_string(),
+            h.idle_held_at_end.to_string(),
+        ]);
+        let mut ends = table(&["what the servers did", "count"]);
+        let lists = [
+            ("frame", &h.frame_outcomes),
+            ("idle", &h.idle_outcomes),
+            ("connect failed", &h.connect_failures),
+        ];
+        for (what, list) in lists {
+            for (kind, n) in list {
+                ends.add_row(vec![format!("{what}: {kind}"), n.to_string()]);
+            }
+        }
+        let _ = write!(out, "\nhostile client:\n{t}\n{ends}");
+    }
+    out
+}
+
 /// Writes `BENCHMARKS.md` (method, machine, tables) and its plots into `dir`.
 pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir.join("benches/plots"))
@@ -351,6 +451,10 @@ pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
         "## Time to accuracy\n\n![tta](benches/plots/tta.png)\n\n```text\n{}\n```",
         tta_table(&all.tta)
     );
+    // `all` runs in one process; the load test starts server processes, so only its method
+    // is written here.
+    md.push('\n');
+    md.push_str(LOAD_METHOD);
     let path = dir.join("BENCHMARKS.md");
     std::fs::write(&path, md).with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -414,4 +518,40 @@ even on a noisy machine, where absolute figures move from run to run.
   (initialization and data order); the table gives the median and the range. With a CPU
   backend on 2 cores, more than 2 workers cannot compute faster: the figures show what each
   consistency model costs in samples to reach the target more than a speed-up.
+";
+
+/// What `edl-bench load` measures and how; `BENCHMARKS.md` ends with it.
+const LOAD_METHOD: &str = "\
+## Load
+
+`edl-bench all` does not run this one: it starts `edl-ps` server processes (from the release
+build, next to `edl-bench`) and keeps them under load for a minute, so it runs on its own.
+
+```sh
+cargo build --release -p edl-ps -p edl-benches
+target/release/edl-bench load --clients 64 --seconds 60 [--hostile] [--json load.json]
+```
+
+A coordinator and 2 shard servers run as separate `edl-ps` processes on loopback, as in a
+deployment (the coordinator with `--counter FLOATS`). The N clients (default 64) run in the
+benchmark's one tokio runtime (2 threads), each a registered worker with its own certificate
+and connections, looping pull, push and advance (the clock report) through the client
+library under ASP, so that nobody waits on anybody's clock and the figures are the servers'.
+The model is a counter: one zero-initialized tensor of 64 Ki floats (4 keys, 2 per shard)
+trained by SGD at learning rate 1, and every push is -1.0 in every float, so each float ends
+equal to the number of pushes applied to it. Throughput counts the operations completed over
+the run (`--seconds`, default 60); latency is per operation, p50 and p99 by nearest rank. A
+failed operation is counted by kind (the error code the server answered, or what became of
+the stream or connection) and its client starts its next step 20 ms later; a client the
+coordinator dropped registers again. At the end every float is read back and compared with
+the pushes acknowledged to the clients: a float below that count means *lost updates*, and
+the run fails. A push that failed may or may not have been applied (on one shard and not the
+other, even), so a float may exceed the count by at most the failed pushes; more would be an
+update applied twice. Each server's peak memory is its `VmHWM` from `/proc/PID/status`.
+With `--hostile`, one more client holds 256 *half-sent frames* (on an authenticated worker
+connection to each shard, a push whose prefix announces a 1 GiB payload, its header and 4 KiB
+of it, then nothing more) and 256 *idle connections* (TLS done, never a Hello) spread over
+the three servers. Whatever a server does about one (an error answer, a reset, closing the
+connection) is counted by kind, and the hostile client tries again 100 ms later, so that the
+pressure lasts the whole run. Clients, hostile client and servers share the machine's cores.
 ";

@@ -3,10 +3,13 @@
 //!
 //! tta needs Fashion-MNIST (Debian's `dataset-fashion-mnist`); without it the tta and `all`
 //! checks say they were skipped, unless `EDL_REQUIRE_DATA=1` (set by CI) makes that a failure.
+//! load starts `edl-ps` processes: from `EDL_BIN_DIR`, or built next to `edl-bench` first.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
+
+use anyhow::Context;
 
 use edl_worker::data::DEFAULT_DATA_DIR;
 use serde_json::Value;
@@ -36,6 +39,39 @@ fn bench(args: &[&str]) -> anyhow::Result<Value> {
         "edl-bench {args:?} printed no table"
     );
     Ok(serde_json::from_slice(&std::fs::read(&json)?)?)
+}
+
+/// Where `edl-bench load` finds `edl-ps`: `EDL_BIN_DIR`, or next to `edl-bench`, built there
+/// first (testing this package alone does not build another package's binaries).
+fn ps_bin_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("EDL_BIN_DIR") {
+        return Ok(dir.into());
+    }
+    let bench = Path::new(env!("CARGO_BIN_EXE_edl-bench"));
+    let dir = bench.parent().context("edl-bench has no directory")?;
+    let mut cargo = Command::new(env!("CARGO"));
+    cargo
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "edl-ps",
+            "--bin",
+            "edl-ps",
+            "--manifest-path",
+        ])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml"));
+    if dir.ends_with("release") {
+        cargo.arg("--release");
+    }
+    let status = cargo.status()?;
+    anyhow::ensure!(status.success(), "building edl-ps failed ({status})");
+    anyhow::ensure!(
+        dir.join("edl-ps").is_file(),
+        "no edl-ps in {}",
+        dir.display()
+    );
+    Ok(dir.to_path_buf())
 }
 
 fn have_data() -> anyhow::Result<bool> {
@@ -136,6 +172,57 @@ fn tta_runs() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A few clients against real server processes for a moment, with and without the hostile
+/// client: pushes happen, and every acknowledged push is in the counter.
+#[test]
+fn load_runs_and_loses_nothing() -> anyhow::Result<()> {
+    let bins = ps_bin_dir()?;
+    let bins = bins.to_str().context("a UTF-8 binary directory")?;
+    let common = [
+        "load",
+        "--clients",
+        "4",
+        "--seconds",
+        "3",
+        "--bin-dir",
+        bins,
+    ];
+    for hostile in [false, true] {
+        let mut args = common.to_vec();
+        if hostile {
+            args.push("--hostile");
+        }
+        let v = bench(&args)?;
+        let check = &v["check"];
+        assert_eq!(num(check, "lost_updates"), 0.0, "{v}");
+        assert_eq!(num(check, "extra_updates"), 0.0, "{v}");
+        assert!(
+            num(check, "acknowledged") > 0.0,
+            "no push acknowledged: {v}"
+        );
+        assert_eq!(num(&v, "clients_running"), 4.0, "{v}");
+        let push = v["ops"]
+            .as_array()
+            .and_then(|ops| ops.iter().find(|o| o["op"] == "push"))
+            .expect("push figures");
+        assert!(num(push, "per_s") > 0.0, "{push}");
+        assert!(num(push, "p99_us") >= num(push, "p50_us"), "{push}");
+        let servers = v["servers"].as_array().expect("servers");
+        assert_eq!(servers.len(), 3, "a coordinator and two shards: {v}");
+        for s in servers {
+            assert!(num(s, "rss_peak_kib") > 0.0, "{s}");
+        }
+        if hostile {
+            let h = &v["hostile"];
+            assert!(num(h, "frames_sent") > 0.0, "{h}");
+            assert!(num(h, "idle_opened") > 0.0, "{h}");
+        } else {
+            assert!(v["hostile"].is_null(), "{v}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn transport_and_apply_run() -> anyhow::Result<()> {
     let t = bench(&["transport", "--sizes", "4K", "--points", "1x1"])?;
@@ -175,6 +262,7 @@ fn all_writes_the_report_and_plots() -> anyhow::Result<()> {
         "## Scaling",
         "## Elasticity",
         "## Time to accuracy",
+        "## Load",
     ] {
         assert!(md.contains(heading), "BENCHMARKS.md lacks {heading}");
     }

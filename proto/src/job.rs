@@ -31,9 +31,12 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
-    /// Number of f32 elements.
+    /// Number of f32 elements. The product saturates at `u64::MAX` instead of overflowing: a
+    /// shape arrives in headers, and an absurd one must not panic the peer that reads it.
     pub fn len(&self) -> u64 {
-        self.shape.iter().map(|&d| u64::from(d)).product()
+        self.shape
+            .iter()
+            .fold(1u64, |n, &d| n.saturating_mul(u64::from(d)))
     }
 
     /// True when the tensor holds no elements.

@@ -24,8 +24,10 @@ pub struct KeyRange {
 
 impl KeyRange {
     /// The fewest ranges that cover exactly `keys` (in any order, repeats allowed), sorted.
+    /// Key `u64::MAX` cannot be in a half-open range and is left out (no job has that many
+    /// keys).
     pub fn runs(keys: impl Iterator<Item = u64>) -> Vec<KeyRange> {
-        let mut keys: Vec<u64> = keys.collect();
+        let mut keys: Vec<u64> = keys.filter(|&k| k < u64::MAX).collect();
         keys.sort_unstable();
         keys.dedup();
         let mut out: Vec<KeyRange> = Vec::new();

@@ -31,6 +31,8 @@ pub enum Claim {
 pub struct DataLedger {
     epochs: u32,
     samples: u32,
+    /// Samples per partition: partition `i` holds positions `[i * size, (i + 1) * size)`.
+    partition_size: u32,
     /// Applied-up-to position per (epoch, partition).
     progress: HashMap<(u32, u32), u32>,
     /// Applications per sample position, per epoch (allocated on first use).
@@ -47,6 +49,7 @@ impl DataLedger {
         DataLedger {
             epochs: job.epochs,
             samples: job.train_samples,
+            partition_size: job.partition_size.max(1),
             progress: HashMap::new(),
             counts: vec![Vec::new(); job.epochs as usize],
             skipped: vec![0; job.epochs as usize],
@@ -74,6 +77,19 @@ impl DataLedger {
                 format!(
                     "span {}..{} of epoch {} is outside the job ({} epochs of {} samples)",
                     span.start, span.end, span.epoch, self.epochs, self.samples
+                ),
+            ));
+        }
+        // A span must lie in the partition it names, or the same sample could be claimed
+        // under two partitions and applied twice.
+        let first = u64::from(span.partition) * u64::from(self.partition_size);
+        let last = first + u64::from(self.partition_size);
+        if u64::from(span.start) < first || u64::from(span.end) > last {
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!(
+                    "span {}..{} is outside partition {}/{} ({first}..{last})",
+                    span.start, span.end, span.epoch, span.partition
                 ),
             ));
         }
@@ -322,7 +338,11 @@ mod tests {
     use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec};
 
     fn ledger() -> DataLedger {
-        DataLedger::new(&JobConfig {
+        DataLedger::new(&job())
+    }
+
+    fn job() -> JobConfig {
+        JobConfig {
             model: ModelSpec::Custom,
             tensors: vec![],
             chunk_size: 1,
@@ -334,7 +354,7 @@ mod tests {
             train_samples: 8,
             seed: 0,
             lease_ms: 1000,
-        })
+        }
     }
 
     fn span(epoch: u32, partition: u32, start: u32, end: u32) -> DataSpan {
@@ -365,5 +385,33 @@ mod tests {
         assert_eq!(r[0].duplicates, 0);
         assert_eq!(r[0].skipped_pushes, 1);
         assert_eq!(r[1].missing, 8);
+    }
+
+    #[test]
+    fn a_complete_epoch_folds_to_its_counts_and_survives_a_checkpoint() {
+        let mut l = ledger();
+        for (p, start) in [(0, 0), (0, 2), (1, 4), (1, 6)] {
+            assert_eq!(l.claim(&span(0, p, start, start + 2)), Ok(Claim::Apply));
+        }
+        // Every sample of epoch 0 applied: its per-sample and per-partition records are gone.
+        assert!(l.counts[0].is_empty());
+        assert!(l.progress.keys().all(|(e, _)| *e != 0));
+        assert_eq!(l.folded[0], Some(0));
+        // A late span of the folded epoch is skipped, not applied twice.
+        assert_eq!(l.claim(&span(0, 1, 6, 8)), Ok(Claim::AlreadyApplied));
+        assert_eq!(l.claim(&span(1, 0, 0, 2)), Ok(Claim::Apply));
+        let want = l.report();
+        assert_eq!(
+            (
+                want[0].applied,
+                want[0].duplicates,
+                want[0].missing,
+                want[0].skipped_pushes
+            ),
+            (8, 0, 0, 1)
+        );
+        let back = DataLedger::restore(&job(), &l.snapshot()).expect("restore");
+        assert_eq!(back.report(), want);
+        assert_eq!(back.check(&span(0, 0, 0, 2)), Ok(Claim::AlreadyApplied));
     }
 }

@@ -406,6 +406,15 @@ impl ShardState {
             count += r.end - r.start;
         }
         let _gate = read_lock(&self.gate);
+        // Refused whole, before any key changes: a pull that names a key this shard does not
+        // hold must not apply BSP steps to, or count load on, the keys before it.
+        if let Some(key) = ranges
+            .iter()
+            .flat_map(|r| (r.start..r.end).map(Key))
+            .find(|k| !self.chunks.contains_key(k))
+        {
+            return Err(self.missing(key));
+        }
         let mut refs = Vec::with_capacity(count as usize);
         let mut out = Vec::with_capacity(count as usize);
         let mut floats = 0u64;
@@ -502,7 +511,7 @@ impl ShardState {
             }
             // Staging is bounded by what BSP can need: no worker is granted a step more than
             // one past the slowest, so steps far ahead of the applied one are not real.
-            if self.bsp() && clock.0 >= chunk.applied_through + MAX_STAGED_AHEAD {
+            if self.bsp() && clock.0 >= chunk.applied_through.saturating_add(MAX_STAGED_AHEAD) {
                 return Err(bad((
                     ErrorCode::InvalidRequest,
                     format!(
@@ -1237,5 +1246,7 @@ async fn join(
     }
 }
 
+#[cfg(test)]
+mod proptests;
 #[cfg(test)]
 mod tests;

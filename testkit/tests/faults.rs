@@ -181,3 +181,82 @@ async fn a_worker_partitioned_past_its_lease_is_dead_and_its_data_reissued() -> 
     );
     Ok(())
 }
+
+async fn reader_status(cluster: &TestCluster) -> anyhow::Result<edl_shared::proto::msg::JobStatus> {
+    Ok(cluster.connect("observer").await?.status().await?)
+}
+
+/// Trains until no data is left, waiting as long as it takes (a shard may be unreachable for
+/// minutes); returns the partitions trained and when the slowest step ended.
+async fn train_patiently(mut s: Session) -> anyhow::Result<(Vec<Partition>, Duration)> {
+    let mut got = Vec::new();
+    let mut slowest = Duration::ZERO;
+    while let Some(p) = s.next_partition().await? {
+        let mut start = p.start;
+        while start < p.start + p.len {
+            let sp = span(&p, start);
+            let t = Instant::now();
+            s.push_span(&[-1.0; LEN], sp).await?;
+            s.commit(sp, 0.0).await?;
+            slowest = slowest.max(t.elapsed());
+            start = sp.end;
+        }
+        got.push(p);
+    }
+    s.leave().await?;
+    Ok((got, slowest))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_partitioned_for_90_s_then_healed_loses_nothing() -> anyhow::Result<()> {
+    const OUTAGE: Duration = Duration::from_secs(90);
+    let t = Instant::now();
+    let faults = Faults::new(4);
+    // Enough data that training is still going when the shard disappears.
+    let (samples, epochs) = (4096, 2);
+    // Leases well under the outage: the workers must stay alive by heartbeating the
+    // coordinator while the shard is gone.
+    let cluster =
+        TestCluster::start_with_faults(job(samples, epochs, 1000), 2, faults.clone()).await?;
+    let mut workers = tokio::task::JoinSet::new();
+    for name in ["w0", "w1"] {
+        let s = cluster.connect(name).await?.register(name).await?;
+        workers.spawn(train_patiently(s));
+    }
+    // Let training start, then cut shard s0 off from everyone for the outage.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = reader_status(&cluster).await?;
+    assert!(!before.finished, "the job ended before the outage began");
+    faults.isolate("s0");
+    tokio::time::sleep(OUTAGE).await;
+    let cut = faults.stats().partitioned;
+    faults.heal("s0", "*");
+    let mut partitions = 0;
+    let mut slowest = Duration::ZERO;
+    while let Some(r) = workers.join_next().await {
+        // No worker gave up: each trained to the end and left.
+        let (got, slow) = r??;
+        partitions += got.len();
+        slowest = slowest.max(slow);
+    }
+    assert!(partitions >= (samples / 8 * epochs) as usize);
+    assert!(cut > 0, "the partition dropped nothing");
+    assert!(
+        slowest >= OUTAGE - Duration::from_secs(1),
+        "no step waited out the outage ({slowest:?}): was the shard ever needed?"
+    );
+    let reader = cluster.connect("reader").await?;
+    assert_exact(&reader, samples, epochs).await?;
+    let status = reader.status().await?;
+    assert!(status.finished);
+    assert!(
+        status.workers.iter().all(|w| w.state == WorkerState::Left),
+        "{:?}",
+        status.workers
+    );
+    eprintln!(
+        "shard partitioned for {OUTAGE:?}: {:?} in all, slowest step {slowest:?}, {cut} datagrams cut",
+        t.elapsed()
+    );
+    Ok(())
+}

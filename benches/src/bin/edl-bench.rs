@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use edl_benches::{apply, elastic, report, scale, transport, tta};
+use edl_benches::{apply, elastic, load, report, scale, transport, tta};
 use edl_shared::proto::Consistency;
 use edl_shared::transport::TransportSettings;
 use edl_worker::data::DEFAULT_DATA_DIR;
@@ -102,6 +102,37 @@ enum Cmd {
         /// The test accuracy to reach.
         #[arg(long)]
         target: Option<f64>,
+    },
+    /// Many clients (each a registered worker) against a real cluster of `edl-ps` processes
+    /// for a set time, optionally beside a hostile client: pushes and pulls per second, their
+    /// latency, errors by kind, each server's peak memory, and a check that every
+    /// acknowledged push was applied. Fails if one was not.
+    Load {
+        /// Concurrent clients [default: 64; 4 with --quick].
+        #[arg(long)]
+        clients: Option<usize>,
+        /// How long the clients run, seconds [default: 60; 3 with --quick].
+        #[arg(long)]
+        seconds: Option<f64>,
+        /// Floats of the counter tensor (e.g. `64K`, `1M`) [default: 64K].
+        #[arg(long)]
+        floats: Option<String>,
+        /// Shard servers [default: 2].
+        #[arg(long)]
+        shards: Option<u32>,
+        /// Also run a hostile client: half-sent frames announcing 1 GiB on the shards, and
+        /// idle authenticated connections that never say Hello on every server.
+        #[arg(long)]
+        hostile: bool,
+        /// Half-sent frames the hostile client holds [default: 256; 16 with --quick].
+        #[arg(long, requires = "hostile")]
+        hostile_frames: Option<usize>,
+        /// Idle connections the hostile client holds [default: 256; 16 with --quick].
+        #[arg(long, requires = "hostile")]
+        hostile_idle: Option<usize>,
+        /// Where `edl-ps` is [default: next to edl-bench].
+        #[arg(long)]
+        bin_dir: Option<PathBuf>,
     },
     /// Everything; rewrites BENCHMARKS.md and the plots under `--out`.
     All {
@@ -266,6 +297,42 @@ async fn main() -> anyhow::Result<()> {
             let r = tta::run(&plan).await?;
             println!("{}", report::tta_table(&r));
             write_json(&cli.json, &r)?;
+        }
+        Cmd::Load {
+            clients,
+            seconds,
+            floats,
+            shards,
+            hostile,
+            hostile_frames,
+            hostile_idle,
+            bin_dir,
+        } => {
+            let mut plan = load::Plan::standard(cli.quick, *hostile, local);
+            if let Some(n) = clients {
+                plan.clients = *n;
+            }
+            if let Some(s) = seconds {
+                anyhow::ensure!(s.is_finite() && *s > 0.0, "--seconds {s}: more than 0");
+                plan.duration = std::time::Duration::from_secs_f64(*s);
+            }
+            if let Some(f) = floats {
+                plan.spec.floats = u32::try_from(parse_size(f)?)
+                    .with_context(|| format!("--floats {f}: too many"))?;
+            }
+            if let Some(n) = shards {
+                plan.spec.shards = *n;
+            }
+            if let Some(h) = plan.hostile.as_mut() {
+                h.frames = hostile_frames.unwrap_or(h.frames);
+                h.idle = hostile_idle.unwrap_or(h.idle);
+            }
+            plan.spec.bin_dir = bin_dir.clone();
+            let r = load::run(&plan).await?;
+            println!("{}", report::load_table(&r));
+            write_json(&cli.json, &r)?;
+            let failures = r.failures();
+            anyhow::ensure!(failures.is_empty(), "{}", failures.join("; "));
         }
         Cmd::Apply => {
             let rows = apply_run(cli.quick);

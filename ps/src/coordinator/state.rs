@@ -618,7 +618,7 @@ impl CoordinatorState {
         }
         // A restored worker may report past the saved clock: steps whose reports were lost
         // with the coordinator's crash.
-        if clock.0 != w.clock.0 + 1 && !(w.restored && clock.0 > w.clock.0) {
+        if Some(clock.0) != w.clock.0.checked_add(1) && !(w.restored && clock.0 > w.clock.0) {
             return Err((
                 ErrorCode::InvalidRequest,
                 format!(
@@ -717,7 +717,7 @@ impl CoordinatorState {
             // A draining worker leaves after this step: it need not wait for anyone.
             _ if w.draining => Poll::Ready((min, true)),
             None => Poll::Ready((min, false)),
-            Some(s) if min.0 + s >= w.clock.0 => Poll::Ready((min, false)),
+            Some(s) if min.0.saturating_add(s) >= w.clock.0 => Poll::Ready((min, false)),
             Some(_) => Poll::Pending,
         }
     }
@@ -791,5 +791,7 @@ impl CoordinatorState {
 
 pub mod shards;
 
+#[cfg(test)]
+mod proptests;
 #[cfg(test)]
 mod tests;

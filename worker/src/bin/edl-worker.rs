@@ -42,6 +42,12 @@ struct Cli {
     /// (= cuda:0) or cuda:N.
     #[arg(long, env = "EDL_DEVICE", default_value = "auto")]
     device: Device,
+    /// Give up when the coordinator or a shard has been unreachable this many seconds. By
+    /// default a worker waits out any outage (retrying with capped backoff, logging once
+    /// when it starts and once when it ends) and ends only when the job ends or the
+    /// coordinator drops it.
+    #[arg(long, value_name = "SECS")]
+    give_up_after: Option<u64>,
     #[command(flatten)]
     identity: IdentityArgs,
 }
@@ -69,7 +75,10 @@ async fn main() -> anyhow::Result<()> {
     let cfg = ClientConfig {
         coordinator: cli.coordinator.clone(),
         identity,
-        settings: TransportSettings::default(),
+        settings: TransportSettings {
+            reconnect: cli.give_up_after.map(std::time::Duration::from_secs),
+            ..TransportSettings::default()
+        },
     };
     let job = tokio::select! {
         r = Job::connect(&cfg) => r.context("connecting to the job")?,

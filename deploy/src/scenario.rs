@@ -38,6 +38,12 @@
 //! and never restarts it, or reshapes the shard map (shard_add, shard_remove, move) while a
 //! killed shard is down, since a move may need any shard. Key ranges are checked against the
 //! job's keys once it runs ([`Scenario::check_keys`]).
+//!
+//! Events happen in order: one that is not possible yet (a shard that has not joined, a
+//! worker to drain that has not been admitted) holds back the ones after it. In elastic runs a
+//! drain, kill or term also waits until every worker added before it has been admitted, so
+//! that "add, then drain" means the same on a fast machine and on a busy one where a worker
+//! takes seconds to prepare.
 
 use std::fmt;
 use std::path::Path;

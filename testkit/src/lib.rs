@@ -15,11 +15,12 @@ use edl_ps::coordinator::{self, Coordinator, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
 use edl_shared::faults::Faults;
 use edl_shared::pki::PkiDir;
+use edl_shared::proto::msg::{DataSpan, Partition};
 use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Identity, Role};
-use edl_worker::{ClientConfig, Job};
+use edl_worker::{ClientConfig, Job, Session};
 use tokio::task::JoinSet;
 
 /// A running in-process cluster. Dropping it stops every server.
@@ -259,4 +260,35 @@ pub fn counter_job(len: u32, chunk: u32, consistency: Consistency) -> JobConfig 
         seed: 0,
         lease_ms: 2000,
     }
+}
+
+/// The batch of partition `p` that starts at position `start`: `batch` samples, or what is
+/// left of the partition.
+pub fn batch_span(p: &Partition, start: u32, batch: u32) -> DataSpan {
+    DataSpan {
+        epoch: p.epoch,
+        partition: p.index,
+        start,
+        end: (start + batch).min(p.start + p.len),
+    }
+}
+
+/// Trains the rest of partition `p` on a counter job: for each batch of `batch` samples from
+/// `from`, pushes -1 for each of the `floats` counters and commits the batch.
+pub async fn push_counter_batches(
+    s: &mut Session,
+    p: &Partition,
+    from: u32,
+    batch: u32,
+    floats: usize,
+) -> anyhow::Result<()> {
+    let grads = vec![-1.0f32; floats];
+    let mut start = from;
+    while start < p.start + p.len {
+        let sp = batch_span(p, start, batch);
+        s.push_span(&grads, sp).await?;
+        s.commit(sp, 0.0).await?;
+        start = sp.end;
+    }
+    Ok(())
 }

@@ -25,24 +25,12 @@ fn job() -> JobConfig {
 }
 
 fn span(p: &Partition, start: u32) -> DataSpan {
-    DataSpan {
-        epoch: p.epoch,
-        partition: p.index,
-        start,
-        end: (start + 4).min(p.start + p.len),
-    }
+    edl_testkit::batch_span(p, start, 4)
 }
 
-/// Pushes -1 for every counter for each remaining batch of `p`, committing each.
+/// Pushes -1 for every counter for each batch of `p`, committing each.
 async fn finish(s: &mut Session, p: &Partition) -> anyhow::Result<()> {
-    let mut start = p.start;
-    while start < p.start + p.len {
-        let sp = span(p, start);
-        s.push_span(&[-1.0; 64], sp).await?;
-        s.commit(sp, 0.0).await?;
-        start = sp.end;
-    }
-    Ok(())
+    edl_testkit::push_counter_batches(s, p, p.start, 4, 64).await
 }
 
 async fn admin(cluster: &TestCluster) -> anyhow::Result<Job> {

@@ -26,24 +26,12 @@ fn job(samples: u32, epochs: u32, lease_ms: u32) -> JobConfig {
 }
 
 fn span(p: &Partition, start: u32) -> DataSpan {
-    DataSpan {
-        epoch: p.epoch,
-        partition: p.index,
-        start,
-        end: (start + 4).min(p.start + p.len),
-    }
+    edl_testkit::batch_span(p, start, 4)
 }
 
-/// Pushes -1 for every counter for each remaining batch of `p`, committing each.
+/// Pushes -1 for every counter for each batch of `p`, committing each.
 async fn finish(s: &mut Session, p: &Partition) -> anyhow::Result<()> {
-    let mut start = p.start;
-    while start < p.start + p.len {
-        let sp = span(p, start);
-        s.push_span(&[-1.0; LEN], sp).await?;
-        s.commit(sp, 0.0).await?;
-        start = sp.end;
-    }
-    Ok(())
+    edl_testkit::push_counter_batches(s, p, p.start, 4, LEN).await
 }
 
 /// Trains until no data is left; returns the partitions trained.

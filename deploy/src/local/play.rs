@@ -41,6 +41,10 @@ pub(super) struct Player {
     restart: bool,
     /// Since when the front event has waited to become possible.
     waiting_since: Option<Instant>,
+    /// Workers an `add` started that the coordinator has not admitted yet: a later drain,
+    /// kill or term waits for them, so that a scenario's order holds whatever the time a
+    /// worker takes to prepare (seconds on a busy machine).
+    unadmitted: Vec<String>,
     /// The restarts done so far.
     pub restarts: Vec<RestartReport>,
     /// Events that did not happen, and why.
@@ -61,6 +65,7 @@ impl Player {
             pending: scenario.events.iter().cloned().collect(),
             restart,
             waiting_since: None,
+            unadmitted: Vec::new(),
             restarts: Vec::new(),
             skipped: Vec::new(),
         }
@@ -103,13 +108,37 @@ impl Launch<'_> {
                 break;
             }
             // Shard events are carried out the same way in both modes (`apply` hands them on).
-            let outcome = if player.restart && !ev.action.is_shard_event() {
+            let leaves = matches!(
+                ev.action,
+                Action::Drain { .. } | Action::Kill { .. } | Action::Term { .. }
+            );
+            let outcome = if !player.restart && leaves && !player.unadmitted.is_empty() {
+                let st = tokio::time::timeout(ADMIN_TIMEOUT, job.status())
+                    .await
+                    .context("the status request timed out")?
+                    .context("asking the coordinator which workers were admitted")?;
+                player
+                    .unadmitted
+                    .retain(|n| !st.workers.iter().any(|w| w.name == *n));
+                if player.unadmitted.is_empty() {
+                    self.apply(&ev, job).await?
+                } else {
+                    Outcome::Waiting(format!(
+                        "{} (added before it) not admitted yet",
+                        player.unadmitted.join(", ")
+                    ))
+                }
+            } else if player.restart && !ev.action.is_shard_event() {
                 self.restart(player, &ev, job).await?
             } else {
                 self.apply(&ev, job).await?
             };
             match outcome {
-                Outcome::Done => {}
+                Outcome::Done => {
+                    if let (false, Action::Add { names }) = (player.restart, &ev.action) {
+                        player.unadmitted.extend(names.iter().cloned());
+                    }
+                }
                 Outcome::Skipped(reason) => {
                     self.progress.println(&format!(
                         "edl-local: {:.1} s: skipped {}: {reason}",

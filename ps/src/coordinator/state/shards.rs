@@ -105,7 +105,8 @@ impl CoordinatorState {
     }
 
     /// The id a newly joining shard named `name` gets: `N` for a name `sN` whose id is free,
-    /// else the lowest free id.
+    /// else one past the highest id in use (which leaves the low ids to the conventional
+    /// names `s0`, `s1`, ... that may still join).
     pub(super) fn new_shard_id(&self, name: &str) -> ShardId {
         let taken = |id: u32| self.shards.iter().any(|s| s.id.0 == id);
         let wanted = name
@@ -113,7 +114,14 @@ impl CoordinatorState {
             .filter(|n| !n.starts_with('0') || n.len() == 1)
             .and_then(|n| n.parse::<u32>().ok())
             .filter(|n| !taken(*n));
-        ShardId(wanted.unwrap_or_else(|| (0..).find(|n| !taken(*n)).unwrap_or(u32::MAX)))
+        let next = self
+            .shards
+            .iter()
+            .map(|s| s.id.0.saturating_add(1))
+            .max()
+            .unwrap_or(0)
+            .max(self.shards_expected);
+        ShardId(wanted.unwrap_or(next))
     }
 
     fn usable(&self, id: ShardId) -> Result<(), Refusal> {

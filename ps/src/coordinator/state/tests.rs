@@ -170,3 +170,139 @@ fn bad_reports_change_nothing() {
     );
     assert_eq!(st.status(t0).samples_done, 0);
 }
+
+#[test]
+fn shards_are_known_by_the_names_operators_gave_them() {
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 3);
+    // Join order is not name order: ids follow the names.
+    let s1 = st.shard_join("s1", "127.0.0.1:2").expect("join");
+    let gpu = st.shard_join("gpu-a", "127.0.0.1:9").expect("join");
+    let s0 = st.shard_join("s0", "127.0.0.1:1").expect("join");
+    assert_eq!((s0, s1), (ShardId(0), ShardId(1)));
+    assert_eq!(
+        gpu,
+        ShardId(3),
+        "a name without a number gets an id past the expected ones"
+    );
+    assert_eq!(st.resolve_shard("s0"), Ok(ShardId(0)));
+    assert_eq!(st.resolve_shard("gpu-a"), Ok(ShardId(3)));
+    assert_eq!(st.resolve_shard("127.0.0.1:2"), Ok(ShardId(1)));
+    let err = st.resolve_shard("s2").expect_err("no shard is named s2");
+    assert!(
+        err.1.contains("\"s2\"") && err.1.contains("gpu-a"),
+        "{err:?}"
+    );
+    // A name whose id is taken gets one past the highest.
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
+    st.shard_join("s1", "a").expect("join");
+    st.shard_join("x", "a2").expect("join");
+    assert_eq!(st.shard_join("s1-b", "b"), Ok(ShardId(3)));
+    assert_eq!(st.resolve_shard("x"), Ok(ShardId(2)));
+    assert_eq!(st.shard_name(ShardId(3)), "s1-b");
+}
+
+#[test]
+fn a_rebalance_spreads_keys_over_standby_shards_too() {
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 2);
+    st.shard_join("s0", "a").expect("join");
+    st.shard_join("s1", "b").expect("join");
+    let s2 = st.shard_join("s2", "c").expect("join");
+    let t0 = Instant::now();
+    // Everything moves to s2; s0 and s1 stand by.
+    let keys = st.map().expect("formed").num_keys();
+    for mv in st.plan_move(0, keys, s2).expect("plan") {
+        let map = st.map_after(mv).expect("map");
+        let report = MoveReport {
+            t_ms: 0,
+            start: mv.start,
+            end: mv.end,
+            from: mv.from,
+            to: mv.to,
+            epoch: map.epoch,
+            bytes: 0,
+            millis: 0.0,
+            hold_ms: 0.0,
+        };
+        st.commit_move(map, report, t0);
+    }
+    assert_eq!(st.map().expect("map").owners_in_order(), vec![s2]);
+    let plan = st.plan_rebalance(&st.key_sizes()).expect("plan");
+    let targets: std::collections::BTreeSet<ShardId> = plan.iter().map(|m| m.to).collect();
+    assert_eq!(
+        targets,
+        [ShardId(0), ShardId(1)].into_iter().collect(),
+        "{plan:?}"
+    );
+}
+
+#[test]
+fn the_trace_is_served_in_pages_and_capped() {
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
+    let t0 = Instant::now();
+    st.shard_join("s0", "x").expect("join");
+    let (a, ..) = ready(st.register("a", "x", t0, t0));
+    let steps = TRACE_PAGE as u64 + 10;
+    for c in 1..=steps {
+        st.advance(a, Clock(c), 0, 0, 0.0, None, t0)
+            .expect("advance");
+    }
+    let first = st.trace(0);
+    assert_eq!(first.steps.len(), TRACE_PAGE);
+    assert!(first.more);
+    let second = st.trace(first.next_step);
+    assert_eq!(second.first_step, TRACE_PAGE as u64);
+    assert_eq!(second.steps.len(), 10);
+    assert!(!second.more);
+    assert_eq!(second.steps.last().map(|s| s.clock), Some(Clock(steps)));
+    // Departed workers past the cap are forgotten, oldest first.
+    for i in 0..MAX_DEPARTED + 5 {
+        let (w, ..) = ready(st.register(&format!("w{i}"), "x", t0, t0));
+        st.leave(w).expect("leave");
+    }
+    let departed = st
+        .workers
+        .values()
+        .filter(|w| w.state != WorkerState::Active)
+        .count();
+    assert_eq!(departed, MAX_DEPARTED);
+    assert!(st.events.len() <= MAX_EVENT_RECORDS);
+    assert!(st.dropped.0 > 0, "old events were dropped and counted");
+}
+
+#[test]
+fn commits_lost_with_a_crash_are_counted_when_the_worker_resumes() {
+    let j = job(Consistency::Asp);
+    let mut st = CoordinatorState::new(j.clone(), 1);
+    let t0 = Instant::now();
+    st.shard_join("s0", "x").expect("join");
+    let (a, ..) = ready(st.register("a", "x", t0, t0));
+    let p = ready(st.next_partition(a, t0)).0.expect("partition");
+    let span = |start: u32| {
+        Some(DataSpan {
+            epoch: p.epoch,
+            partition: p.index,
+            start,
+            end: start + 1,
+        })
+    };
+    st.advance(a, Clock(1), 0, 1, 1.0, span(p.start), t0)
+        .expect("commit");
+    let saved = st.snapshot();
+    // Two more steps are committed, then the coordinator crashes before saving them.
+    st.advance(a, Clock(2), 0, 1, 1.0, span(p.start + 1), t0)
+        .expect("commit");
+    st.advance(a, Clock(3), 0, 1, 1.0, span(p.start + 2), t0)
+        .expect("commit");
+    let mut back = CoordinatorState::restore(saved, &j, 1, t0).expect("restore");
+    assert_eq!(back.status(t0).samples_done, 1);
+    // The worker goes on where it was: its next span shows the two lost commits.
+    back.advance(a, Clock(4), 0, 1, 1.0, span(p.start + 3), t0)
+        .expect("resume");
+    assert_eq!(
+        back.status(t0).samples_done,
+        4,
+        "as many as before the crash, plus one"
+    );
+    assert_eq!(back.status(t0).epochs[0].samples, 4);
+    assert!(back.status(t0).samples_done <= back.status(t0).samples_total);
+}

@@ -1,0 +1,88 @@
+//! Connection budgets in process: one identity cannot hold more connections than its budget
+//! (the one past it is closed with `Busy`, others are unaffected), and a connection without
+//! requests is closed after the idle timeout while its client reconnects transparently.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use edl_shared::Role;
+use edl_shared::pki::CLUSTER_SERVER_NAME;
+use edl_shared::proto::{Consistency, ErrorCode, Request, Response};
+use edl_shared::transport::{self, Conn, TransportSettings};
+use edl_testkit::{TestCluster, counter_job};
+
+fn tight() -> TransportSettings {
+    let mut s = TransportSettings::default();
+    s.budgets.conns_per_identity = 3;
+    s.budgets.idle_timeout = Duration::from_secs(2);
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_identity_cannot_hold_more_connections_than_its_budget() -> anyhow::Result<()> {
+    let cluster =
+        TestCluster::start_with(counter_job(16, 16, Consistency::Asp), 1, tight()).await?;
+    let settings = TransportSettings::default();
+    let hog = cluster.identity(Role::Worker, "hog")?;
+    let ep = transport::client_endpoint(&hog, &settings, false)?;
+    let addr = cluster.coordinator_addr.to_string();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(Conn::connect(&ep, &addr, "hog", &settings).await?);
+    }
+    // The fourth is closed by the server right after TLS, before any request.
+    let fourth = ep
+        .connect(cluster.coordinator_addr, CLUSTER_SERVER_NAME)?
+        .await?;
+    match tokio::time::timeout(Duration::from_secs(10), fourth.closed()).await? {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(
+                c.error_code,
+                quinn::VarInt::from_u32(ErrorCode::Busy.as_u16().into())
+            );
+            let why = String::from_utf8_lossy(&c.reason);
+            assert!(why.contains("hog") && why.contains('3'), "{why}");
+        }
+        other => panic!("the fourth connection ended otherwise: {other}"),
+    }
+    // Other identities are not affected, and the held connections still serve.
+    let other = cluster.connect("other").await?;
+    assert!(other.status().await.is_ok());
+    for c in &held {
+        assert!(matches!(
+            c.call(Request::GetMap, Bytes::new()).await?.msg,
+            Response::Map(_)
+        ));
+    }
+    // Closing one frees its slot.
+    held.pop().expect("held").close();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Conn::connect(&ep, &addr, "hog", &settings).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed_and_clients_reconnect() -> anyhow::Result<()> {
+    let cluster =
+        TestCluster::start_with(counter_job(16, 16, Consistency::Asp), 1, tight()).await?;
+    let settings = TransportSettings::default();
+    let id = cluster.identity(Role::Worker, "sleepy")?;
+    let ep = transport::client_endpoint(&id, &settings, false)?;
+    let conn = Conn::connect(
+        &ep,
+        &cluster.coordinator_addr.to_string(),
+        "sleepy",
+        &settings,
+    )
+    .await?;
+    let why = tokio::time::timeout(Duration::from_secs(10), conn.quic().closed()).await?;
+    assert!(
+        matches!(why, quinn::ConnectionError::ApplicationClosed(_)),
+        "{why}"
+    );
+    // The client library reconnects on its own after an idle close.
+    let job = cluster.connect("patient").await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(job.status().await.is_ok());
+    Ok(())
+}

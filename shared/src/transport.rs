@@ -348,7 +348,7 @@ pub enum CallError {
     #[error("bad frame from peer: {0}")]
     Proto(#[from] ProtoError),
     /// The peer answered with an error.
-    #[error("{code:?}: {message}")]
+    #[error("{}: {message}", code_name(*.code))]
     Remote {
         /// The stable error code (`None` when the peer sent a code this build does not know).
         code: Option<ErrorCode>,
@@ -360,6 +360,14 @@ pub enum CallError {
     /// The peer answered with a message that does not fit the request.
     #[error("unexpected response: {0}")]
     Unexpected(String),
+}
+
+/// An error code as operators read it (`Busy`, `StaleEpoch`), or that it was not known.
+fn code_name(code: Option<ErrorCode>) -> String {
+    code.map_or_else(
+        || "error (code unknown to this build)".into(),
+        |c| format!("{c:?}"),
+    )
 }
 
 impl CallError {

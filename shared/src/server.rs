@@ -95,6 +95,12 @@ impl Default for Budgets {
     }
 }
 
+/// Size limits of the handshake frame.
+const HELLO_LIMITS: FrameLimits = FrameLimits {
+    max_header: 4096,
+    max_payload: 0,
+};
+
 /// Bytes in flight on the whole server, in KiB permits (a semaphore counts in `u32`).
 struct ServerBytes {
     permits: Arc<Semaphore>,
@@ -303,7 +309,9 @@ async fn connection<S: Service>(
     // The first stream must carry the version handshake, within the deadline.
     let hello = tokio::time::timeout(shared.budgets.hello_timeout, async {
         let (mut send, mut recv) = conn.accept_bi().await?;
-        let read = read_frame::<Request>(&mut recv, &shared.limits).await;
+        // The handshake is small and carries no payload: a peer that has not shaken hands
+        // gets no budget to make this server allocate anything sizable.
+        let read = read_frame::<Request>(&mut recv, &HELLO_LIMITS).await;
         Ok::<_, quinn::ConnectionError>((send_hello(&mut send, read, &peer).await, send))
     })
     .await;

@@ -86,3 +86,37 @@ async fn idle_connections_are_closed_and_clients_reconnect() -> anyhow::Result<(
     assert!(job.status().await.is_ok());
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_announcing_a_payload_is_refused_before_anything_is_allocated()
+-> anyhow::Result<()> {
+    use edl_shared::proto::frame::{Message, encode_prefix};
+    use edl_shared::proto::{Frame, FrameLimits};
+    let cluster = TestCluster::start(counter_job(16, 16, Consistency::Asp), 1).await?;
+    let settings = TransportSettings::default();
+    let id = cluster.identity(Role::Worker, "greedy")?;
+    let ep = transport::client_endpoint(&id, &settings, false)?;
+    let conn = ep
+        .connect(cluster.coordinator_addr, CLUSTER_SERVER_NAME)?
+        .await?;
+    let (mut send, mut recv) = conn.open_bi().await?;
+    let hello = Request::Hello {
+        version: edl_shared::proto::PROTOCOL_VERSION,
+        name: "greedy".into(),
+    }
+    .to_header()?;
+    // A valid Hello header, followed by the promise of a 512 MiB payload.
+    send.write_all(&encode_prefix(hello.len() as u32, 512 << 20))
+        .await?;
+    send.write_all(&hello).await?;
+    let f: Frame<Response> = transport::read_frame(&mut recv, &FrameLimits::default()).await?;
+    match f.msg {
+        Response::Error { code, .. } => {
+            assert_eq!(ErrorCode::from_u16(code), Some(ErrorCode::TooLarge))
+        }
+        other => panic!("a handshake with a payload was accepted: {other:?}"),
+    }
+    let closed = tokio::time::timeout(Duration::from_secs(10), conn.closed()).await;
+    assert!(closed.is_ok(), "the connection stayed open");
+    Ok(())
+}

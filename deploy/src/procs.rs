@@ -116,6 +116,38 @@ impl Proc {
         Ok(self.exited)
     }
 
+    /// Waits until the child has written its listening address to `addr_file` (which it
+    /// writes atomically, so a file that exists holds the whole address), checking every
+    /// `poll`; fails if the child exits first or `limit` passes.
+    pub async fn wait_for_addr(
+        &mut self,
+        addr_file: &Path,
+        limit: Duration,
+        poll: Duration,
+    ) -> anyhow::Result<std::net::SocketAddr> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if let Ok(text) = std::fs::read_to_string(addr_file) {
+                return text.trim().parse().with_context(|| {
+                    format!("{} holds {text:?}, not an address", addr_file.display())
+                });
+            }
+            if let Some(status) = self.try_exit()? {
+                bail!("{}", self.failure("exited before it was listening", status));
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "{} did not write {} within {} s; its log is {}",
+                    self.name,
+                    addr_file.display(),
+                    limit.as_secs(),
+                    self.log.display()
+                );
+            }
+            tokio::time::sleep(poll).await;
+        }
+    }
+
     /// Waits for the child to exit and collects what it printed on stdout (empty unless it was
     /// started with `capture_stdout`).
     pub async fn output(self) -> anyhow::Result<(ExitStatus, String)> {

@@ -37,6 +37,9 @@ pub struct DataLedger {
     progress: HashMap<(u32, u32), u32>,
     /// Applications per sample position, per epoch (allocated on first use).
     counts: Vec<Vec<u8>>,
+    /// Per epoch, the positions of `counts` applied at least once: the epoch folds when this
+    /// reaches the sample count, without a pass over `counts` per push.
+    covered: Vec<u32>,
     /// Spans skipped as already applied, per epoch.
     skipped: Vec<u64>,
     /// Per epoch, once every sample was applied: its duplicates (it is folded).
@@ -52,6 +55,7 @@ impl DataLedger {
             partition_size: job.partition_size.max(1),
             progress: HashMap::new(),
             counts: vec![Vec::new(); job.epochs as usize],
+            covered: vec![0; job.epochs as usize],
             skipped: vec![0; job.epochs as usize],
             folded: vec![None; job.epochs as usize],
         }
@@ -59,10 +63,10 @@ impl DataLedger {
 
     /// Folds epoch `e` to its counts if every sample of it has been applied.
     fn fold_if_complete(&mut self, e: u32) {
-        let counts = &self.counts[e as usize];
-        if counts.is_empty() || counts.contains(&0) {
+        if self.covered[e as usize] < self.samples {
             return;
         }
+        let counts = &self.counts[e as usize];
         let duplicates = counts.iter().filter(|&&c| c > 1).count() as u64;
         self.folded[e as usize] = Some(duplicates);
         self.counts[e as usize] = Vec::new();
@@ -124,10 +128,12 @@ impl DataLedger {
                 if counts.is_empty() {
                     counts.resize(self.samples as usize, 0);
                 }
+                let mut fresh = 0;
                 for c in &mut counts[span.start as usize..span.end as usize] {
+                    fresh += u32::from(*c == 0);
                     *c = c.saturating_add(1);
                 }
-                // A byte search (memchr) over the epoch: microseconds even for large sets.
+                self.covered[e] += fresh;
                 self.fold_if_complete(span.epoch);
             }
         }
@@ -168,6 +174,11 @@ impl DataLedger {
             return Err("the checkpoint's data ledger does not fit the job".into());
         }
         l.counts = snap.counts.clone();
+        l.covered = l
+            .counts
+            .iter()
+            .map(|c| c.iter().filter(|&&n| n > 0).count() as u32)
+            .collect();
         l.skipped = snap.skipped.clone();
         for &(e, duplicates) in &snap.folded {
             let slot = l

@@ -23,6 +23,7 @@ use edl_shared::proto::{
     Response, ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
+use edl_shared::token::Signer;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint, server_endpoint};
 use edl_shared::{Identity, Peer, Role, Service};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -800,10 +801,9 @@ pub struct ShardService {
     peer: quinn::Endpoint,
     settings: TransportSettings,
     name: String,
-    /// The job in this shard's certificate, which worker tokens are bound to.
-    job: String,
-    /// The key the coordinator signs worker tokens with (learned when this shard joins).
-    token_key: std::sync::OnceLock<Token>,
+    /// Checks worker tokens: the coordinator's key (learned when this shard joins) and the job
+    /// in this shard's certificate.
+    tokens: std::sync::OnceLock<Signer>,
     /// Cancelled when the coordinator retires this shard.
     retire: CancellationToken,
 }
@@ -953,19 +953,17 @@ impl ShardService {
         info!(shard = %st.id(), start, end, epoch = %map.epoch, "range taken over");
         Ok(Frame::new(Response::Ack))
     }
-}
 
-impl ShardService {
     /// The refusal of a push whose token was not issued to `worker` for the pushing
     /// certificate, if it is one.
     fn bad_token(&self, peer: &Peer, worker: WorkerId, token: &Token) -> Option<Response> {
-        let Some(key) = self.token_key.get() else {
+        let Some(tokens) = self.tokens.get() else {
             return Some(Response::error(
                 ErrorCode::NotReady,
                 "shard has no assignment yet",
             ));
         };
-        if edl_shared::token::verify(key, &self.job, worker, &peer.name, token) {
+        if tokens.verify(worker, &peer.name, token) {
             return None;
         }
         tracing::warn!(%worker, peer = %peer.name, addr = %peer.addr,
@@ -1126,8 +1124,7 @@ pub async fn run(
         peer: client_endpoint(&identity, &settings, false)?,
         settings: settings.clone(),
         name: identity.name.clone(),
-        job: identity.job.clone(),
-        token_key: std::sync::OnceLock::new(),
+        tokens: std::sync::OnceLock::new(),
         retire: shutdown.clone(),
     });
     let server = {
@@ -1150,7 +1147,7 @@ pub async fn run(
         server.await?;
         return Ok(());
     };
-    let _ = service.token_key.set(token_key);
+    let _ = service.tokens.set(Signer::new(&token_key, &identity.job));
     let state = match config.checkpoint.as_deref().filter(|p| p.exists()) {
         Some(path) => {
             let t = std::time::Instant::now();

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use crate::pki::{Identity, PkiDir, PkiError, Role, load_identity};
+use crate::server::Budgets;
 
 /// Credential and state flags.
 #[derive(Clone, Debug, clap::Args)]
@@ -43,44 +44,45 @@ impl IdentityArgs {
     }
 }
 
-/// A server's budgets (see [`crate::server::Budgets`]): what any one peer, and all of them
-/// together, may make it hold. Each flag also reads an environment variable.
+/// A server's budgets (see [`Budgets`]): what any one peer, and all of them together, may make
+/// it hold. Each flag also reads an environment variable; the defaults are
+/// `Budgets::default()`'s.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BudgetArgs {
     /// MiB of request frames one connection may have in flight (announced sizes, charged
     /// before anything is allocated); a frame past it is refused with `Busy`. At least the
     /// largest frame a client sends.
-    #[arg(long, env = "EDL_BUDGET_CONN_MIB", default_value_t = 1024)]
+    #[arg(long, env = "EDL_BUDGET_CONN_MIB", default_value_t = Budgets::default().conn_bytes >> 20)]
     pub budget_conn_mib: u64,
     /// MiB of request frames the whole server may have in flight; a frame past it is refused
     /// with `Busy` (clients retry it after a pause).
-    #[arg(long, env = "EDL_BUDGET_SERVER_MIB", default_value_t = 2048)]
+    #[arg(long, env = "EDL_BUDGET_SERVER_MIB", default_value_t = Budgets::default().server_bytes >> 20)]
     pub budget_server_mib: u64,
     /// Requests in flight per connection (QUIC streams).
-    #[arg(long, env = "EDL_MAX_STREAMS", default_value_t = 256)]
+    #[arg(long, env = "EDL_MAX_STREAMS", default_value_t = Budgets::default().streams)]
     pub max_streams: u32,
     /// Connections one identity (role and certificate name) may hold at once.
-    #[arg(long, env = "EDL_MAX_CONNS_PER_IDENTITY", default_value_t = 256)]
+    #[arg(long, env = "EDL_MAX_CONNS_PER_IDENTITY", default_value_t = Budgets::default().conns_per_identity)]
     pub max_conns_per_identity: u32,
     /// Connections the server holds at once in all.
-    #[arg(long, env = "EDL_MAX_CONNS", default_value_t = 4096)]
+    #[arg(long, env = "EDL_MAX_CONNS", default_value_t = Budgets::default().conns)]
     pub max_conns: u32,
     /// Seconds a new connection has to complete TLS and the version handshake.
-    #[arg(long, env = "EDL_HELLO_TIMEOUT_S", default_value_t = 10)]
+    #[arg(long, env = "EDL_HELLO_TIMEOUT_S", default_value_t = Budgets::default().hello_timeout.as_secs())]
     pub hello_timeout_s: u64,
     /// Seconds a request frame has to arrive in full once it started.
-    #[arg(long, env = "EDL_FRAME_TIMEOUT_S", default_value_t = 60)]
+    #[arg(long, env = "EDL_FRAME_TIMEOUT_S", default_value_t = Budgets::default().frame_timeout.as_secs())]
     pub frame_timeout_s: u64,
     /// Seconds without a request after which a connection is closed (clients reconnect).
-    #[arg(long, env = "EDL_IDLE_TIMEOUT_S", default_value_t = 600)]
+    #[arg(long, env = "EDL_IDLE_TIMEOUT_S", default_value_t = Budgets::default().idle_timeout.as_secs())]
     pub idle_timeout_s: u64,
 }
 
 impl BudgetArgs {
     /// The budgets these flags set.
-    pub fn budgets(&self) -> crate::server::Budgets {
+    pub fn budgets(&self) -> Budgets {
         use std::time::Duration;
-        crate::server::Budgets {
+        Budgets {
             conn_bytes: self.budget_conn_mib.saturating_mul(1 << 20),
             server_bytes: self.budget_server_mib.saturating_mul(1 << 20),
             streams: self.max_streams.max(1),

@@ -21,35 +21,51 @@ pub fn new_key() -> Token {
     Token(key)
 }
 
-fn message(job: &str, worker: WorkerId, name: &str) -> Vec<u8> {
-    let mut m = Vec::with_capacity(64);
-    m.extend_from_slice(b"edl worker token v1\0");
-    m.extend_from_slice(&(job.len() as u64).to_le_bytes());
-    m.extend_from_slice(job.as_bytes());
-    m.extend_from_slice(&worker.0.to_le_bytes());
-    m.extend_from_slice(name.as_bytes());
-    m
+/// Issues and checks the tokens of one job under one key. The HMAC key is set up once (a
+/// shard keeps one for all its pushes), not per token.
+pub struct Signer {
+    key: hmac::Key,
+    job: String,
 }
 
-/// The token of worker `worker` registered by certificate name `name` in job `job`.
-pub fn issue(key: &Token, job: &str, worker: WorkerId, name: &str) -> Token {
-    let tag = hmac::sign(
-        &hmac::Key::new(hmac::HMAC_SHA256, &key.0),
-        &message(job, worker, name),
-    );
-    let mut out = [0u8; 32];
-    out.copy_from_slice(tag.as_ref());
-    Token(out)
+impl std::fmt::Debug for Signer {
+    /// Never prints the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Signer").field("job", &self.job).finish()
+    }
 }
 
-/// Whether `token` is the one issued to `worker` for `name` in `job` (in constant time).
-pub fn verify(key: &Token, job: &str, worker: WorkerId, name: &str, token: &Token) -> bool {
-    hmac::verify(
-        &hmac::Key::new(hmac::HMAC_SHA256, &key.0),
-        &message(job, worker, name),
-        &token.0,
-    )
-    .is_ok()
+impl Signer {
+    /// A signer for job `job` under `key`.
+    pub fn new(key: &Token, job: &str) -> Self {
+        Signer {
+            key: hmac::Key::new(hmac::HMAC_SHA256, &key.0),
+            job: job.to_string(),
+        }
+    }
+
+    fn message(&self, worker: WorkerId, name: &str) -> Vec<u8> {
+        let mut m = Vec::with_capacity(40 + self.job.len() + name.len());
+        m.extend_from_slice(b"edl worker token v1\0");
+        m.extend_from_slice(&(self.job.len() as u64).to_le_bytes());
+        m.extend_from_slice(self.job.as_bytes());
+        m.extend_from_slice(&worker.0.to_le_bytes());
+        m.extend_from_slice(name.as_bytes());
+        m
+    }
+
+    /// The token of worker `worker` registered by certificate name `name`.
+    pub fn issue(&self, worker: WorkerId, name: &str) -> Token {
+        let tag = hmac::sign(&self.key, &self.message(worker, name));
+        let mut out = [0u8; 32];
+        out.copy_from_slice(tag.as_ref());
+        Token(out)
+    }
+
+    /// Whether `token` is the one issued to `worker` for `name` (in constant time).
+    pub fn verify(&self, worker: WorkerId, name: &str, token: &Token) -> bool {
+        hmac::verify(&self.key, &self.message(worker, name), &token.0).is_ok()
+    }
 }
 
 #[cfg(test)]
@@ -59,18 +75,13 @@ mod tests {
     #[test]
     fn a_token_is_bound_to_its_worker_name_job_and_key() {
         let key = new_key();
-        let t = issue(&key, "default", WorkerId(3), "w1");
-        assert!(verify(&key, "default", WorkerId(3), "w1", &t));
-        assert!(!verify(&key, "default", WorkerId(4), "w1", &t));
-        assert!(!verify(&key, "default", WorkerId(3), "w2", &t));
-        assert!(!verify(&key, "other", WorkerId(3), "w1", &t));
-        assert!(!verify(&new_key(), "default", WorkerId(3), "w1", &t));
-        assert!(!verify(
-            &key,
-            "default",
-            WorkerId(3),
-            "w1",
-            &Token::default()
-        ));
+        let s = Signer::new(&key, "default");
+        let t = s.issue(WorkerId(3), "w1");
+        assert!(s.verify(WorkerId(3), "w1", &t));
+        assert!(!s.verify(WorkerId(4), "w1", &t));
+        assert!(!s.verify(WorkerId(3), "w2", &t));
+        assert!(!Signer::new(&key, "other").verify(WorkerId(3), "w1", &t));
+        assert!(!Signer::new(&new_key(), "default").verify(WorkerId(3), "w1", &t));
+        assert!(!s.verify(WorkerId(3), "w1", &Token::default()));
     }
 }

@@ -15,7 +15,8 @@ use edl_ps::coordinator::{self, Coordinator, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
 use edl_shared::faults::Faults;
 use edl_shared::pki::PkiDir;
-use edl_shared::proto::msg::{DataSpan, Partition};
+use edl_shared::proto::ids::{ShardId, WorkerId};
+use edl_shared::proto::msg::{DataSpan, EpochLedger, EventKind, JobTrace, Partition};
 use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
@@ -291,4 +292,34 @@ pub async fn push_counter_batches(
         start = sp.end;
     }
     Ok(())
+}
+
+/// Asserts that every shard applied each of `samples` samples exactly once in every epoch it
+/// reports, and returns the shards' ledgers for further checks.
+pub async fn assert_exactly_once(
+    job: &Job,
+    samples: u64,
+) -> anyhow::Result<Vec<(ShardId, Vec<EpochLedger>)>> {
+    let all = job.ledgers().await?;
+    for (shard, ledgers) in &all {
+        for l in ledgers {
+            assert_eq!(
+                (l.applied, l.duplicates, l.missing),
+                (samples, 0, 0),
+                "shard {shard} epoch {}",
+                l.epoch
+            );
+        }
+    }
+    Ok(all)
+}
+
+/// The kinds of the membership events of `worker` in `trace`, in order.
+pub fn event_kinds(trace: &JobTrace, worker: WorkerId) -> Vec<EventKind> {
+    trace
+        .events
+        .iter()
+        .filter(|e| e.worker == worker)
+        .map(|e| e.kind)
+        .collect()
 }

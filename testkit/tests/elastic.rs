@@ -11,7 +11,7 @@ use edl_shared::proto::ids::{Clock, Key};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, EventKind, Partition, WorkerState};
 use edl_shared::proto::{Consistency, JobConfig, Request};
 use edl_shared::transport::{self, Conn, TransportSettings};
-use edl_testkit::{TestCluster, counter_job};
+use edl_testkit::{TestCluster, assert_exactly_once, counter_job, event_kinds};
 use edl_worker::{ClientConfig, Job, Session};
 
 /// 16 samples in two partitions of 8, batches of 4; one 64-float counter tensor on 2 shards.
@@ -40,20 +40,6 @@ async fn admin(cluster: &TestCluster) -> anyhow::Result<Job> {
         settings: TransportSettings::default(),
     })
     .await?)
-}
-
-async fn assert_exactly_once(job: &Job, samples: u64) -> anyhow::Result<()> {
-    for (shard, ledgers) in job.ledgers().await? {
-        for l in ledgers {
-            assert_eq!(
-                (l.applied, l.duplicates, l.missing),
-                (samples, 0, 0),
-                "shard {shard} epoch {}",
-                l.epoch
-            );
-        }
-    }
-    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,13 +160,10 @@ async fn a_drained_worker_leaves_after_its_step_and_its_data_is_finished_by_anot
     assert!(v.iter().all(|&x| x == 4.0), "{v:?}");
     assert_exactly_once(&op, 16).await?;
     let trace = op.trace().await?;
-    let kinds: Vec<EventKind> = trace
-        .events
-        .iter()
-        .filter(|e| e.worker == a_id)
-        .map(|e| e.kind)
-        .collect();
-    assert_eq!(kinds, [EventKind::Join, EventKind::Drain, EventKind::Leave]);
+    assert_eq!(
+        event_kinds(&trace, a_id),
+        [EventKind::Join, EventKind::Drain, EventKind::Leave]
+    );
     assert_eq!(trace.steps.iter().filter(|s| s.worker == a_id).count(), 1);
     // Only operators may drain.
     let err = b_cannot_drain(&cluster, a_id).await;

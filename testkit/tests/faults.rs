@@ -48,18 +48,10 @@ async fn train(mut s: Session) -> anyhow::Result<Vec<Partition>> {
 /// Every shard applied every sample of every epoch exactly once, and every counter holds one
 /// -1 per batch of every epoch.
 async fn assert_exact(reader: &Job, samples: u32, epochs: u32) -> anyhow::Result<()> {
-    let ledgers = reader.ledgers().await?;
+    let ledgers = edl_testkit::assert_exactly_once(reader, u64::from(samples)).await?;
     assert_eq!(ledgers.len(), 2, "two shards");
     for (shard, ledgers) in ledgers {
         assert_eq!(ledgers.len(), epochs as usize, "shard {shard}: {ledgers:?}");
-        for l in ledgers {
-            assert_eq!(
-                (l.applied, l.duplicates, l.missing),
-                (u64::from(samples), 0, 0),
-                "shard {shard} epoch {}",
-                l.epoch
-            );
-        }
     }
     let mut v = vec![0f32; LEN];
     reader.pull_all(&mut v, Clock(0)).await?;
@@ -156,13 +148,10 @@ async fn a_worker_partitioned_past_its_lease_is_dead_and_its_data_reissued() -> 
     let dead = status.workers.iter().find(|w| w.id == a_id).expect("a");
     assert_eq!(dead.state, WorkerState::Dead);
     let trace = reader.trace().await?;
-    let kinds: Vec<EventKind> = trace
-        .events
-        .iter()
-        .filter(|e| e.worker == a_id)
-        .map(|e| e.kind)
-        .collect();
-    assert_eq!(kinds, [EventKind::Join, EventKind::Dead]);
+    assert_eq!(
+        edl_testkit::event_kinds(&trace, a_id),
+        [EventKind::Join, EventKind::Dead]
+    );
     eprintln!(
         "partitioned worker: {:?}, {dropped} datagrams partitioned, late step {late}",
         t.elapsed()

@@ -102,15 +102,15 @@ impl CoordLink {
     /// clock report or leave is recognized, and a partition leased twice returns to the pool
     /// when the worker leaves.
     async fn call(&self, req: Request, payload: Bytes) -> Result<Frame<Response>, CallError> {
-        let what = format!("the coordinator at {}", self.addr);
-        let mut outage = Outage::new(&what, self.net.settings.reconnect);
+        let what = Server::Coordinator(&self.addr);
+        let mut outage = Outage::new(what, self.net.settings.reconnect);
         let mut busy = Busy::default();
         loop {
             let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let err = match conn.call(req.clone(), payload.clone()).await {
                 Err(e) if is_connection_failure(&e) => e,
                 Err(e) if e.code() == Some(ErrorCode::Busy) => {
-                    busy.pause(&what, &e).await;
+                    busy.pause(what, &e).await;
                     continue;
                 }
                 other => {
@@ -136,10 +136,29 @@ struct Net {
     name: String,
 }
 
+/// The server a call goes to, as its log lines name it (formatted only when one is logged,
+/// not on every call).
+#[derive(Clone, Copy)]
+enum Server<'a> {
+    Coordinator(&'a str),
+    Shard(ShardId),
+    At(&'a str),
+}
+
+impl std::fmt::Display for Server<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Server::Coordinator(addr) => write!(f, "the coordinator at {addr}"),
+            Server::Shard(id) => write!(f, "shard {id}"),
+            Server::At(addr) => write!(f, "the server at {addr}"),
+        }
+    }
+}
+
 /// One outage of a server as a client sees it: its start and its end are logged once each,
 /// not once per attempt, and the attempts back off up to [`MAX_BACKOFF`].
 struct Outage<'a> {
-    what: &'a str,
+    what: Server<'a>,
     limit: Option<Duration>,
     since: Option<tokio::time::Instant>,
     delay: Duration,
@@ -153,7 +172,7 @@ struct Busy {
 }
 
 impl Busy {
-    async fn pause(&mut self, what: &str, err: &CallError) {
+    async fn pause(&mut self, what: Server<'_>, err: &CallError) {
         if self.delay.is_zero() {
             tracing::info!(error = %err, "{what} is busy; retrying");
             self.delay = Duration::from_millis(20);
@@ -167,7 +186,7 @@ impl Busy {
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 impl<'a> Outage<'a> {
-    fn new(what: &'a str, limit: Option<Duration>) -> Self {
+    fn new(what: Server<'a>, limit: Option<Duration>) -> Self {
         Outage {
             what,
             limit,
@@ -240,8 +259,8 @@ async fn call_shard(
     payload: Bytes,
     retry: bool,
 ) -> Result<Frame<Response>, CallError> {
-    let what = format!("shard {id}");
-    let mut outage = Outage::new(&what, net.settings.reconnect);
+    let what = Server::Shard(id);
+    let mut outage = Outage::new(what, net.settings.reconnect);
     let mut busy = Busy::default();
     loop {
         let current = conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -249,7 +268,7 @@ async fn call_shard(
             Err(e @ CallError::NotSent(_)) => e,
             // Nothing of a request refused for the server's budget was done: send it again.
             Err(e) if e.code() == Some(ErrorCode::Busy) => {
-                busy.pause(&what, &e).await;
+                busy.pause(what, &e).await;
                 continue;
             }
             Err(e) if retry && is_connection_failure(&e) => e,
@@ -381,42 +400,36 @@ impl Job {
     /// The coordinator's membership events and step times: every page of steps it keeps,
     /// joined.
     pub async fn trace(&self) -> Result<JobTrace, ClientError> {
-        let mut whole: Option<JobTrace> = None;
-        let mut from_step = 0;
-        loop {
-            let page = match self
-                .coordinator
-                .call(Request::Trace { from_step }, Bytes::new())
-                .await?
-                .msg
-            {
-                Response::Trace(t) => t,
-                other => return Err(CallError::unexpected(&other).into()),
-            };
-            if page.next_step <= from_step && page.more {
+        let mut whole = self.trace_page(0).await?;
+        while whole.more {
+            let page = self.trace_page(whole.next_step).await?;
+            if page.more && page.next_step <= whole.next_step {
                 return Err(
                     self.inconsistent("coordinator", "a trace page that does not advance".into())
                 );
             }
-            from_step = page.next_step;
-            let more = page.more;
-            match &mut whole {
-                None => whole = Some(page),
-                Some(w) => {
-                    // Events and moves come whole with every page: keep the latest.
-                    w.steps.extend(page.steps);
-                    w.events = page.events;
-                    w.moves = page.moves;
-                    w.next_step = page.next_step;
-                    w.dropped = page.dropped;
-                    w.more = more;
-                }
-            }
-            if !more {
-                break;
-            }
+            // Events and moves come whole with every page: keep the latest.
+            whole.steps.extend(page.steps);
+            whole.events = page.events;
+            whole.moves = page.moves;
+            whole.next_step = page.next_step;
+            whole.dropped = page.dropped;
+            whole.more = page.more;
         }
-        whole.ok_or_else(|| self.inconsistent("coordinator", "no trace".into()))
+        Ok(whole)
+    }
+
+    /// One page of the coordinator's trace: its steps from `from_step` on.
+    async fn trace_page(&self, from_step: u64) -> Result<JobTrace, ClientError> {
+        match self
+            .coordinator
+            .call(Request::Trace { from_step }, Bytes::new())
+            .await?
+            .msg
+        {
+            Response::Trace(t) => Ok(t),
+            other => Err(CallError::unexpected(&other).into()),
+        }
     }
 
     /// Asks a worker to leave gracefully after its current step (admin role).
@@ -559,8 +572,7 @@ async fn connect_retry(
     name: &str,
     settings: &TransportSettings,
 ) -> Result<Conn, ClientError> {
-    let what = format!("the server at {addr}");
-    let mut outage = Outage::new(&what, settings.reconnect);
+    let mut outage = Outage::new(Server::At(addr), settings.reconnect);
     loop {
         match Conn::connect(ep, addr, name, settings).await {
             Ok(c) => {

@@ -6,7 +6,7 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use edl_deploy::local::fresh_state_dir;
@@ -168,27 +168,10 @@ impl Cluster {
             log: self.state_dir.join("logs").join(format!("{name}.log")),
             capture_stdout: false,
         })?;
-        let deadline = Instant::now() + START_LIMIT;
-        // Both files are complete once the address file exists: the pid is written before the
-        // server starts, and the address file atomically.
-        let addr = loop {
-            if let Ok(text) = std::fs::read_to_string(&addr_file) {
-                break text.trim().parse::<SocketAddr>().with_context(|| {
-                    format!("{} holds {text:?}, not an address", addr_file.display())
-                })?;
-            }
-            if let Some(status) = proc.try_exit()? {
-                bail!("{}", proc.failure("exited before it was listening", status));
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "{name} did not listen within {} s; its log is {}",
-                    START_LIMIT.as_secs(),
-                    proc.log().display()
-                );
-            }
-            tokio::time::sleep(START_POLL).await;
-        };
+        // The pid is written before the server starts, so it is there once the address is.
+        let addr = proc
+            .wait_for_addr(&addr_file, START_LIMIT, START_POLL)
+            .await?;
         let pid = std::fs::read_to_string(&pid_file)
             .with_context(|| format!("reading {}", pid_file.display()))?
             .trim()

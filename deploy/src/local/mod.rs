@@ -554,29 +554,11 @@ impl Launch<'_> {
             capture_stdout: false,
         })?);
 
-        let deadline = Instant::now() + COORDINATOR_START;
-        loop {
-            // The file is written atomically, so once it exists it holds the whole address.
-            if let Ok(text) = std::fs::read_to_string(&addr_file) {
-                let addr: SocketAddr = text.trim().parse().with_context(|| {
-                    format!("{} holds {text:?}, not an address", addr_file.display())
-                })?;
-                self.coordinator_addr = Some(addr);
-                return Ok(addr);
-            }
-            if let Some(status) = proc.try_exit()? {
-                bail!("{}", proc.failure("exited before it was listening", status));
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "the coordinator did not write {} within {} s; its log is {}",
-                    addr_file.display(),
-                    COORDINATOR_START.as_secs(),
-                    proc.log().display()
-                );
-            }
-            tokio::time::sleep(ADDR_CHECK).await;
-        }
+        let addr = proc
+            .wait_for_addr(&addr_file, COORDINATOR_START, ADDR_CHECK)
+            .await?;
+        self.coordinator_addr = Some(addr);
+        Ok(addr)
     }
 
     fn start_workers(&mut self) -> anyhow::Result<()> {

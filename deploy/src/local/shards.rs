@@ -218,7 +218,6 @@ impl Launch<'_> {
         Ok(list.into_iter().find(|e| e.name == name))
     }
 
-    /// The coordinator's id for the shard named `name`, which must have joined.
     /// Sends one reshaping request and waits for its moves to finish.
     async fn reshape(
         &mut self,

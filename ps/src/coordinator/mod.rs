@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use edl_shared::proto::{ErrorCode, Frame, JobConfig, Parts, Request, Response, WorkerId};
 use edl_shared::shutdown::CancellationToken;
+use edl_shared::token::Signer;
 use edl_shared::transport::{TransportSettings, server_endpoint};
 use edl_shared::{Identity, Peer, Role, Service};
 use tokio::sync::watch;
@@ -266,23 +267,18 @@ impl Service for Coordinator {
                     Ok((worker, job, map, clock)) => {
                         info!(%worker, %name, %label, addr = %peer.addr, %clock, "worker admitted");
                         let token_key = self.lock().token_key();
+                        let token = Signer::new(&token_key, self.job_name()).issue(worker, name);
                         Response::Registered {
                             worker,
                             job,
                             map,
                             clock,
-                            token: edl_shared::token::issue(
-                                &token_key,
-                                self.job_name(),
-                                worker,
-                                name,
-                            ),
+                            token,
                         }
                     }
                     Err(e) => e,
                 }
             }
-
             Request::Heartbeat { worker } => match self.lock().heartbeat(worker, now()) {
                 Ok(()) => Response::Ack,
                 Err((code, msg)) => Response::error(code, msg),
@@ -372,12 +368,12 @@ impl Service for Coordinator {
                 match st.map() {
                     Some(map) => Response::Map(map),
                     None => {
-                        let s = st.status(Instant::now());
+                        let (joined, expected) = st.shards_joined();
                         Response::error(
                             ErrorCode::NotReady,
                             format!(
-                                "shard map not formed yet: {} of {} shard servers have joined",
-                                s.shards_joined, s.shards_expected
+                                "shard map not formed yet: {joined} of {expected} shard servers \
+                                 have joined"
                             ),
                         )
                     }

@@ -373,10 +373,19 @@ impl CoordinatorState {
         self.map.clone()
     }
 
+    /// The index in `shards` of the shard named `name`, if one with that name has joined.
+    fn shard_index(&self, name: &str) -> Option<usize> {
+        self.shard_names.iter().position(|n| n == name)
+    }
+
     /// The address of the shard named `name`, if one with that name has joined.
     pub fn shard_addr_by_name(&self, name: &str) -> Option<String> {
-        let i = self.shard_names.iter().position(|n| n == name)?;
-        Some(self.shards[i].addr.clone())
+        Some(self.shards[self.shard_index(name)?].addr.clone())
+    }
+
+    /// Shard servers joined, and how many the job waits for before forming the map.
+    pub fn shards_joined(&self) -> (u32, u32) {
+        (self.shards.len() as u32, self.shards_expected)
     }
 
     /// A shard announces itself. A shard that rejoins under the same certificate name (after
@@ -386,7 +395,7 @@ impl CoordinatorState {
     /// shard gets the id its name asks for (see `new_shard_id`); one that joins once the map
     /// is formed stands by, holding nothing, until an operator adds it (`edlctl shard add`).
     pub fn shard_join(&mut self, name: &str, addr: &str) -> Result<ShardId, Refusal> {
-        if let Some(i) = self.shard_names.iter().position(|n| n == name) {
+        if let Some(i) = self.shard_index(name) {
             let id = self.shards[i].id;
             if self.shards[i].addr != addr {
                 self.shards[i].addr = addr.to_string();
@@ -405,11 +414,11 @@ impl CoordinatorState {
             addr: addr.to_string(),
         });
         if self.map.is_none() && self.shards.len() as u32 == self.shards_expected {
-            self.map = Some(ShardMap::balanced(
-                MapEpoch(1),
-                self.shards.clone(),
-                &self.job.layout(),
-            ));
+            // In id order, so that the first layout does not depend on which shard joined
+            // first (s0 holds the first keys).
+            let mut shards = self.shards.clone();
+            shards.sort_by_key(|s| s.id);
+            self.map = Some(ShardMap::balanced(MapEpoch(1), shards, &self.job.layout()));
         }
         Ok(id)
     }
@@ -535,7 +544,9 @@ impl CoordinatorState {
             self.retire(*id, WorkerState::Dead);
             self.event(EventKind::Dead, *id, now);
         }
-        self.prune_departed();
+        if !dead.is_empty() {
+            self.prune_departed();
+        }
         dead
     }
 
@@ -764,10 +775,11 @@ impl CoordinatorState {
 
     /// A snapshot for status requests.
     pub fn status(&self, now: Instant) -> JobStatus {
+        let (shards_joined, shards_expected) = self.shards_joined();
         JobStatus {
             t_ms: self.ms(now),
-            shards_joined: self.shards.len() as u32,
-            shards_expected: self.shards_expected,
+            shards_joined,
+            shards_expected,
             samples_total: self.data.samples_total(),
             samples_done: self.samples_done,
             epochs: self.epochs.clone(),

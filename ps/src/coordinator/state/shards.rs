@@ -51,9 +51,11 @@ impl CoordinatorState {
         self.map.as_ref().ok_or_else(not_ready)
     }
 
-    /// Every shard server the job has had, with its role.
+    /// Every shard server the job has had, with its role, in id order (ids follow names, not
+    /// the order in which the shards happened to join).
     pub fn shard_list(&self) -> Vec<ShardEntry> {
-        self.shards
+        let mut list: Vec<ShardEntry> = self
+            .shards
             .iter()
             .zip(&self.shard_names)
             .map(|(info, name)| {
@@ -74,18 +76,16 @@ impl CoordinatorState {
                     },
                 }
             })
-            .collect()
+            .collect();
+        list.sort_by_key(|e| e.id);
+        list
     }
 
     /// The shard an operator named: by its name (`--name`, the name in its certificate),
     /// else by its address. Shard names are unique in a job, and a shard named `sN` has id
     /// `sN` unless that id was taken first, so the name is what operators use.
     pub fn resolve_shard(&self, name: &str) -> Result<ShardId, Refusal> {
-        let by_name = self
-            .shard_names
-            .iter()
-            .position(|n| n == name)
-            .map(|i| self.shards[i].id);
+        let by_name = self.shard_index(name).map(|i| self.shards[i].id);
         by_name
             .or_else(|| self.shards.iter().find(|s| s.addr == name).map(|s| s.id))
             .ok_or_else(|| {
@@ -94,14 +94,6 @@ impl CoordinatorState {
                     "no shard named {name:?} has joined this job (shards: {known})"
                 ))
             })
-    }
-
-    /// The name of shard `id` (its id written out if it has none).
-    pub fn shard_name(&self, id: ShardId) -> String {
-        self.shards
-            .iter()
-            .position(|s| s.id == id)
-            .map_or_else(|| id.to_string(), |i| self.shard_names[i].clone())
     }
 
     /// The id a newly joining shard named `name` gets: `N` for a name `sN` whose id is free,

@@ -398,6 +398,7 @@ impl Failure {
             Failure::Client(ClientError::Inconsistent { .. }) => "inconsistent answer".into(),
             Failure::Client(ClientError::NonFinite { .. }) => "non-finite gradient".into(),
             Failure::Client(ClientError::BufferSize { .. }) => "buffer size".into(),
+            Failure::Client(other) => format!("client error: {other}"),
             Failure::TimedOut(d) => format!("no answer within {} s", d.as_secs()),
         }
     }
@@ -468,7 +469,7 @@ async fn step(
     t.pull.push(at.elapsed());
     t.pulls += 1;
     let at = Instant::now();
-    if let Err(e) = timed(s.push(grads)).await {
+    if let Err(e) = timed(s.push_step(grads)).await {
         t.failed_pushes += 1;
         return Err(("push", e));
     }

@@ -87,7 +87,7 @@ impl Synth {
             Mode::Dense => {
                 s.pull(&mut self.params).await?;
                 self.compute().await;
-                s.push(&self.grads).await?;
+                s.push_step(&self.grads).await?;
                 2 * 4 * self.params.len() as u64
             }
             Mode::Sparse => {

@@ -270,7 +270,7 @@ async fn edl(
     let measured = measure(clients, pairs, |c| {
         let (s, g, out) = (sessions[c].clone(), grads.clone(), outs[c].clone());
         async move {
-            s.push(&g).await?;
+            s.push_step(&g).await?;
             let mut out = out.lock().await;
             s.job().pull_all(&mut out, Clock(0)).await?;
             Ok(())

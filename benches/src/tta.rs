@@ -20,9 +20,10 @@ use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_testkit::{TestCluster, mlp_job};
 use edl_worker::backend::{Backend, CpuBackend};
-use edl_worker::data::{DEFAULT_DATA_DIR, Dataset, Split};
+use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet, Split};
 use edl_worker::model::Mlp;
 use edl_worker::trainer::{self, TrainOptions, TrainSummary};
+use edl_worker::workload::MlpModel;
 use edl_worker::{ClientConfig, Job};
 use serde::Serialize;
 
@@ -211,8 +212,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     let dir = plan.data_dir.clone();
     let (mut train, test) = tokio::task::spawn_blocking(move || {
         anyhow::Ok((
-            Dataset::load(&dir, Split::Train)?,
-            Dataset::load(&dir, Split::Test)?,
+            ImageSet::load(&dir, Split::Train)?,
+            ImageSet::load(&dir, Split::Test)?,
         ))
     })
     .await?
@@ -266,8 +267,8 @@ struct Snapshot {
 
 async fn run_one(
     plan: &Plan,
-    train: &Arc<Dataset>,
-    test: &Arc<Dataset>,
+    train: &Arc<ImageSet>,
+    test: &Arc<ImageSet>,
     workers: usize,
     consistency: Consistency,
     seed: u64,
@@ -334,7 +335,7 @@ async fn run_one(
 fn worker(
     cfg: ClientConfig,
     name: &str,
-    train: &Dataset,
+    train: &ImageSet,
     stop: CancellationToken,
 ) -> anyhow::Result<TrainSummary> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -343,15 +344,10 @@ fn worker(
     rt.block_on(async {
         let job = Job::connect(&cfg).await?;
         let mut backend = CpuBackend::new();
-        Ok(trainer::train(
-            job,
-            name,
-            train,
-            &mut backend,
-            TrainOptions::default(),
-            stop,
-        )
-        .await?)
+        // The worker registers under its certificate's name, `name`.
+        debug_assert_eq!(cfg.identity.name, name);
+        let mut model = MlpModel::new(trainer::model_of(job.config())?, &mut backend);
+        Ok(trainer::train(job, &mut model, train, TrainOptions::default(), stop).await?)
     })
 }
 
@@ -360,7 +356,7 @@ async fn snapshots(
     plan: &Plan,
     eval: &Job,
     mlp: &Mlp,
-    test: &Arc<Dataset>,
+    test: &Arc<ImageSet>,
     started: Instant,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Vec<Snapshot>> {
@@ -399,7 +395,7 @@ async fn snapshots(
 }
 
 /// Test accuracy of `params`, on a blocking thread.
-async fn accuracy(mlp: Mlp, params: Vec<f32>, test: Arc<Dataset>) -> anyhow::Result<f64> {
+async fn accuracy(mlp: Mlp, params: Vec<f32>, test: Arc<ImageSet>) -> anyhow::Result<f64> {
     tokio::task::spawn_blocking(move || {
         let mut b = CpuBackend::new();
         Ok(b.evaluate(&mlp, &params, test.images(), test.labels())?
@@ -412,7 +408,7 @@ async fn accuracy(mlp: Mlp, params: Vec<f32>, test: Arc<Dataset>) -> anyhow::Res
 async fn evaluate_all(
     snaps: Vec<Snapshot>,
     mlp: &Mlp,
-    test: &Arc<Dataset>,
+    test: &Arc<ImageSet>,
 ) -> anyhow::Result<Vec<Point>> {
     let mut curve = Vec::with_capacity(snaps.len());
     for s in snaps {

@@ -457,6 +457,7 @@ mod tests {
                     start: 128,
                     end: 192,
                 }),
+                covers: Vec::new(),
                 token: crate::ids::Token([5; 32]),
             },
             payload,

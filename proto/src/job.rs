@@ -17,6 +17,27 @@ pub enum Init {
         /// Half-width of the interval.
         limit: f32,
     },
+    /// Every element `value`.
+    Constant {
+        /// The value.
+        value: f32,
+    },
+    /// Normal with mean 0 and standard deviation `std` (He when `std = sqrt(2 / fan_in)`).
+    Normal {
+        /// The standard deviation.
+        std: f32,
+    },
+}
+
+impl fmt::Display for Init {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Init::Zeros => write!(f, "zeros"),
+            Init::Uniform { limit } => write!(f, "uniform(±{limit})"),
+            Init::Constant { value } => write!(f, "constant({value})"),
+            Init::Normal { std } => write!(f, "normal(std {std})"),
+        }
+    }
 }
 
 /// One named tensor of the model.
@@ -55,7 +76,15 @@ pub enum ModelSpec {
         /// Layer widths from input to classes, e.g. `[784, 256, 128, 10]`.
         layers: Vec<u32>,
     },
-    /// Free-form tensors with no built-in model (tests and benchmarks push to them directly).
+    /// Binary logistic regression on sparse features: a weight `weight` of shape `[features]`
+    /// and a bias `bias` of shape `[1]`, in that order. Workers pull and push only the rows
+    /// (features) their batch touches.
+    LogReg {
+        /// Number of features.
+        features: u32,
+    },
+    /// Tensors defined by the application (a model built with the client library), or by
+    /// tests and benchmarks that push to them directly.
     Custom,
 }
 
@@ -79,6 +108,68 @@ impl ModelSpec {
         }
         out
     }
+
+    /// The tensors of a logistic regression, all starting at zero.
+    pub fn logreg_tensors(features: u32) -> Vec<TensorSpec> {
+        vec![
+            TensorSpec {
+                name: "weight".into(),
+                shape: vec![features],
+                init: Init::Zeros,
+            },
+            TensorSpec {
+                name: "bias".into(),
+                shape: vec![1],
+                init: Init::Zeros,
+            },
+        ]
+    }
+}
+
+impl fmt::Display for ModelSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ModelSpec::Mlp { layers } => {
+                let widths: Vec<String> = layers.iter().map(u32::to_string).collect();
+                write!(f, "mlp {}", widths.join("-"))
+            }
+            ModelSpec::LogReg { features } => write!(f, "logreg over {features} features"),
+            ModelSpec::Custom => write!(f, "custom"),
+        }
+    }
+}
+
+/// The format of a job's data files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum DataFormat {
+    /// Labelled images in idx files: `PREFIX-images-idx3-ubyte` and
+    /// `PREFIX-labels-idx1-ubyte` (each optionally gzip-compressed, with a `.gz` suffix), as
+    /// MNIST and Fashion-MNIST ship them.
+    Idx,
+    /// Sparse labelled rows in LIBSVM text format (`LABEL INDEX:VALUE ...`, 1-based indices).
+    LibSvm,
+}
+
+impl fmt::Display for DataFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DataFormat::Idx => write!(f, "idx"),
+            DataFormat::LibSvm => write!(f, "libsvm"),
+        }
+    }
+}
+
+/// Where a job's data lies, as the job file named it: workers read it from there unless told
+/// otherwise.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct DataSpec {
+    /// The file format.
+    pub format: DataFormat,
+    /// The training data: an idx prefix (e.g. `/usr/share/datasets/fashion-mnist/train`) or a
+    /// LIBSVM file.
+    pub train: String,
+    /// The test data, in the same form (empty when there is none).
+    pub test: String,
 }
 
 /// The server-side optimizer that shards apply to pushed gradients.
@@ -244,9 +335,17 @@ pub struct JobConfig {
     pub seed: u64,
     /// Worker heartbeat lease in milliseconds; a worker silent this long is declared dead.
     pub lease_ms: u32,
+    /// Where the data lies, when the job says (a job file's `[data]`); workers may be told
+    /// otherwise.
+    pub data: Option<DataSpec>,
 }
 
 impl JobConfig {
+    /// The index of the tensor called `name`.
+    pub fn tensor_index(&self, name: &str) -> Option<usize> {
+        self.tensors.iter().position(|t| t.name == name)
+    }
+
     /// Cuts the tensors into keys.
     pub fn layout(&self) -> KeyLayout {
         KeyLayout::new(&self.tensors, self.chunk_size)

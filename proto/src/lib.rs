@@ -9,16 +9,17 @@ pub mod frame;
 pub mod ids;
 pub mod job;
 pub mod msg;
+pub mod order;
 
 pub use error::{ErrorCode, ProtoError};
 pub use frame::{Frame, FrameLimits, Parts, Payload};
 pub use ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 pub use job::{
-    Consistency, Init, JobConfig, KeyLayout, KeySpan, ModelSpec, OptimizerSpec, ShardMap,
+    Consistency, DataFormat, DataSpec, Init, JobConfig, KeyLayout, KeySpan, ModelSpec, OptimizerSpec, ShardMap,
     TensorSpec,
 };
 pub use msg::{Request, Response};
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;

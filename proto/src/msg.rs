@@ -407,6 +407,10 @@ pub enum Request {
         chunks: Vec<ChunkRef>,
         /// The samples the gradients came from; a span this shard already applied is skipped.
         span: Option<DataSpan>,
+        /// A sparse push's further keys: their gradient is zero (nothing of them travels) but
+        /// the span counts for them too, so that the span is recorded for every key the
+        /// worker's map places here. Every key in these ranges must be held by the shard.
+        covers: Vec<KeyRange>,
         /// The token the coordinator issued to `worker` at registration, bound to the name
         /// in the sender's certificate: a shard refuses a push without a valid one.
         token: Token,

@@ -329,15 +329,8 @@ impl StatusView {
             .filter(|w| w.state == WorkerState::Active)
             .collect();
         let model = match &job.model {
-            ModelSpec::Mlp { layers } => format!(
-                "mlp {}",
-                layers
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join("-")
-            ),
             ModelSpec::Custom => format!("custom ({} tensors)", job.tensors.len()),
+            other => other.to_string(),
         };
         StatusView {
             model,

@@ -365,6 +365,7 @@ mod tests {
             train_samples: 8,
             seed: 0,
             lease_ms: 1000,
+            data: None,
         }
     }
 

@@ -52,6 +52,14 @@ fn wire_params(params: &Arc<Vec<f32>>) -> Bytes {
     }
 }
 
+/// A draw from the standard normal distribution (Box-Muller).
+fn standard_normal(rng: &mut StdRng) -> f32 {
+    // 1 - u lies in (0, 1], so the logarithm is finite.
+    let u: f64 = 1.0 - rng.random::<f64>();
+    let v: f64 = rng.random();
+    ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+}
+
 /// One chunk of parameters with its optimizer state.
 #[derive(Debug)]
 struct Chunk {
@@ -72,14 +80,19 @@ struct Chunk {
 impl Chunk {
     /// A fresh chunk of `key`, initialized from the job seed and the key.
     fn fresh(job: &JobConfig, key: Key, tensor: usize, len: usize) -> Chunk {
+        let rng = || StdRng::seed_from_u64(job.seed ^ key.0.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let params = match job.tensors.get(tensor).map(|t| &t.init) {
             Some(Init::Uniform { limit }) if *limit > 0.0 => {
-                let mut rng =
-                    StdRng::seed_from_u64(job.seed ^ key.0.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let mut rng = rng();
                 (0..len)
                     .map(|_| rng.random_range(-limit..=*limit))
                     .collect()
             }
+            Some(Init::Normal { std }) if *std > 0.0 => {
+                let mut rng = rng();
+                (0..len).map(|_| std * standard_normal(&mut rng)).collect()
+            }
+            Some(Init::Constant { value }) => vec![*value; len],
             _ => vec![0.0; len],
         };
         Chunk {
@@ -447,8 +460,22 @@ impl ShardState {
     /// push's data span already are skipped (acknowledged, not applied again). The gradients
     /// must be finite: `read_frame` checks them as they arrive, so that this needs no second
     /// pass over them.
-    #[allow(clippy::too_many_arguments)]
     pub fn push(
+        &self,
+        epoch: MapEpoch,
+        worker: WorkerId,
+        clock: Clock,
+        chunks: &[ChunkRef],
+        payload: &[u8],
+        span: Option<&DataSpan>,
+    ) -> Result<Claim, Refusal> {
+        self.push_covering(epoch, worker, clock, chunks, payload, span, &[])
+    }
+
+    /// [`ShardState::push`] of a sparse push: the span also counts for the keys in `covers`,
+    /// whose gradient is zero (none of it travels).
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_covering(
         &self,
         _epoch: MapEpoch,
         worker: WorkerId,
@@ -456,6 +483,7 @@ impl ShardState {
         chunks: &[ChunkRef],
         payload: &[u8],
         span: Option<&DataSpan>,
+        covers: &[KeyRange],
     ) -> Result<Claim, Refusal> {
         let bad = |(code, msg): (ErrorCode, String)| {
             Refusal::new(code, format!("push from {worker}: {msg}"))
@@ -523,6 +551,36 @@ impl ShardState {
                 )));
             }
             segments.insert(chunk.segment);
+        }
+        if !covers.is_empty() && span.is_none() {
+            return Err(bad((
+                ErrorCode::InvalidRequest,
+                "a push that covers further keys must carry a data span".into(),
+            )));
+        }
+        for r in covers {
+            // Bounded by the job's keys, whatever the ranges say.
+            let end = r.end.min(self.layout.num_keys());
+            for k in r.start.min(end)..end {
+                match self.chunks.get(&Key(k)) {
+                    Some(chunk) => {
+                        segments.insert(chunk.segment);
+                    }
+                    None => {
+                        let r = self.missing(Key(k));
+                        return Err(Refusal {
+                            message: format!("push from {worker}: {}", r.message),
+                            ..r
+                        });
+                    }
+                }
+            }
+            if r.end > self.layout.num_keys() {
+                return Err(bad((
+                    ErrorCode::UnknownKey,
+                    format!("covered key range ends at {}, past the job's keys", r.end),
+                )));
+            }
         }
         // Claim the span last: once it is recorded, the chunks below are updated.
         let claims = match span {
@@ -1022,12 +1080,17 @@ impl Service for ShardService {
                 clock,
                 chunks,
                 span,
+                covers,
                 token: _,
             } => {
-                if epoch > st.map_epoch() && !st.holds(chunks.iter().map(|c| c.key)) {
+                let keys = || {
+                    let covered = covers.iter().flat_map(|r| (r.start..r.end).map(Key));
+                    chunks.iter().map(|c| c.key).chain(covered)
+                };
+                if epoch > st.map_epoch() && !st.holds(keys()) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }
-                st.push(epoch, worker, clock, &chunks, &payload, span.as_ref())
+                st.push_covering(epoch, worker, clock, &chunks, &payload, span.as_ref(), &covers)
                     .map(|_| Frame::new(Response::Ack))
                     .map_err(Response::from)
             }

@@ -86,6 +86,7 @@ async fn half_sent(conn: Conn) -> Option<ErrorCode> {
             len: (FRAME / 4) as u32,
         }],
         span: None,
+        covers: Vec::new(),
         token: Token::default(),
     }
     .to_header()
@@ -155,7 +156,7 @@ async fn a_hostile_client_cannot_pass_the_budgets() -> anyhow::Result<()> {
     .register("honest")
     .await?;
     let ones = vec![-1.0f32; FLOATS as usize];
-    honest.push(&ones).await?;
+    honest.push_step(&ones).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let pid = shard.0.id();
     let base = rss(pid)?;
@@ -177,7 +178,7 @@ async fn a_hostile_client_cannot_pass_the_budgets() -> anyhow::Result<()> {
     let mut honest_pushes = 1;
     while t.elapsed() < Duration::from_secs(3) {
         peak = peak.max(rss(pid)?);
-        if honest.push(&ones).await.is_ok() {
+        if honest.push_step(&ones).await.is_ok() {
             honest_pushes += 1;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -236,7 +237,7 @@ async fn a_hostile_client_cannot_pass_the_budgets() -> anyhow::Result<()> {
     eprintln!("50 silent connections closed after {:?}", t.elapsed());
 
     // Every acknowledged honest push was applied, none of the hostile bytes were.
-    honest.push(&ones).await?;
+    honest.push_step(&ones).await?;
     honest_pushes += 1;
     let mut params = vec![0f32; FLOATS as usize];
     honest.pull(&mut params).await?;

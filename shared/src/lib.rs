@@ -4,8 +4,11 @@
 //! The wire types themselves (ids, job config, shard map, messages) live in `edl-proto`, which
 //! does no I/O; they are re-exported here as [`proto`] so that callers need one import.
 
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod faults;
+pub mod jobfile;
+pub mod libsvm;
 pub mod pki;
 pub mod server;
 pub mod shutdown;

@@ -238,6 +238,7 @@ pub fn mlp_job(
         train_samples,
         seed: 7,
         lease_ms: 2000,
+        data: None,
     }
 }
 
@@ -260,6 +261,7 @@ pub fn counter_job(len: u32, chunk: u32, consistency: Consistency) -> JobConfig 
         train_samples: 1,
         seed: 0,
         lease_ms: 2000,
+        data: None,
     }
 }
 
@@ -288,7 +290,7 @@ pub async fn push_counter_batches(
     while start < p.start + p.len {
         let sp = batch_span(p, start, batch);
         s.push_span(&grads, sp).await?;
-        s.commit(sp, 0.0).await?;
+        s.commit_span(sp, 0.0).await?;
         start = sp.end;
     }
     Ok(())

@@ -44,7 +44,7 @@ async fn churn(consistency: Consistency) -> anyhow::Result<()> {
     let tb = tokio::spawn(async move {
         for _ in 0..15 {
             tokio::time::sleep(Duration::from_millis(10)).await;
-            b.push(&gb).await?;
+            b.push_step(&gb).await?;
             log(&lb, Ev::Report("b", b.clock().0 + 1));
             let t = Instant::now();
             let min = b.advance(0, 1, 0.0).await?;
@@ -61,7 +61,7 @@ async fn churn(consistency: Consistency) -> anyhow::Result<()> {
         let mut c = c_job.register("c").await?;
         for _ in 0..10 {
             tokio::time::sleep(Duration::from_millis(5)).await;
-            c.push(&gc).await?;
+            c.push_step(&gc).await?;
             log(&lc, Ev::Report("c", c.clock().0 + 1));
             let t = Instant::now();
             let min = c.advance(0, 1, 0.0).await?;
@@ -74,7 +74,7 @@ async fn churn(consistency: Consistency) -> anyhow::Result<()> {
         anyhow::Ok(())
     });
     for _ in 0..80 {
-        a.push(&g).await?;
+        a.push_step(&g).await?;
         log(&l, Ev::Report("a", a.clock().0 + 1));
         let t = Instant::now();
         let min = tokio::time::timeout(Duration::from_secs(10), a.advance(0, 1, 0.0)).await??;

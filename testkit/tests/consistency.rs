@@ -50,7 +50,7 @@ async fn bsp_with_one_worker_equals_local_sgd() -> anyhow::Result<()> {
     for (x, y) in &batches {
         session.pull(&mut remote).await?;
         backend.forward_backward(&mlp, &remote, x, y, &mut grads)?;
-        session.push(&grads).await?;
+        session.push_step(&grads).await?;
         session.advance(0, y.len() as u32, 0.0).await?;
         // The same step, locally.
         let mut g = vec![0f32; n];
@@ -103,7 +103,7 @@ async fn ssp_never_lets_a_worker_run_more_than_s_clocks_ahead() -> anyhow::Resul
     let slow_task = tokio::spawn(async move {
         for _ in 0..STEPS {
             tokio::time::sleep(Duration::from_millis(15)).await;
-            slow.push(&grads).await?;
+            slow.push_step(&grads).await?;
             slow_log
                 .lock()
                 .expect("log")
@@ -115,7 +115,7 @@ async fn ssp_never_lets_a_worker_run_more_than_s_clocks_ahead() -> anyhow::Resul
     });
     let grads = vec![0.0f32; 64];
     for _ in 0..STEPS {
-        fast.push(&grads).await?;
+        fast.push_step(&grads).await?;
         let min = fast.advance(0, 1, 0.0).await?;
         log.lock()
             .expect("log")
@@ -156,15 +156,15 @@ async fn a_silent_worker_is_dropped_and_the_others_do_not_hang() -> anyhow::Resu
     let silent_id = silent.worker();
     let grads = vec![-1.0f32; 32];
     // Both do step 0; then the silent one stops heartbeating and never reports again.
-    silent.push(&grads).await?;
-    alive.push(&grads).await?;
+    silent.push_step(&grads).await?;
+    alive.push_step(&grads).await?;
     let both = tokio::join!(alive.advance(0, 1, 0.0), silent.advance(0, 1, 0.0));
     both.0?;
     both.1?;
     silent.stop_heartbeat();
     let started = Instant::now();
     for _ in 0..10 {
-        alive.push(&grads).await?;
+        alive.push_step(&grads).await?;
         tokio::time::timeout(Duration::from_secs(5), alive.advance(0, 1, 0.0)).await??;
     }
     let waited = started.elapsed();
@@ -206,7 +206,7 @@ async fn concurrent_pushes_lose_no_update() -> anyhow::Result<()> {
             // Each client adds (i + 1) to every counter per push.
             let grads = vec![-(i as f32 + 1.0); 1000];
             for _ in 0..PUSHES {
-                session.push(&grads).await?;
+                session.push_step(&grads).await?;
             }
             session.leave().await?;
             anyhow::Ok(())

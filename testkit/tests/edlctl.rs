@@ -50,7 +50,7 @@ async fn every_command_prints_a_table_and_json() -> anyhow::Result<()> {
     let cluster = TestCluster::start(counter_job(256, 64, Consistency::Asp), 2).await?;
     let mut w = cluster.connect("w0").await?.register("w0").await?;
     for _ in 0..5 {
-        w.push(&[-1.0; 256]).await?;
+        w.push_step(&[-1.0; 256]).await?;
         w.advance(0, 1, 0.0).await?;
     }
 
@@ -91,7 +91,7 @@ async fn every_command_prints_a_table_and_json() -> anyhow::Result<()> {
 
     let drained = json(&run(&cluster, &["--json", "drain", "w0"]).await);
     assert_eq!(drained["drained"], w.worker().0);
-    w.push(&[-1.0; 256]).await?;
+    w.push_step(&[-1.0; 256]).await?;
     w.advance(0, 1, 0.0).await?;
     assert!(w.drain_requested());
     let id = w.worker();
@@ -128,7 +128,7 @@ async fn resharding_commands_reshape_a_live_cluster() -> anyhow::Result<()> {
     let mut cluster = TestCluster::start(counter_job(256, 32, Consistency::Asp), 2).await?;
     let third = cluster.add_shard("s2").await?;
     let w = cluster.connect("w0").await?.register("w0").await?;
-    w.push(&[-1.0; 256]).await?;
+    w.push_step(&[-1.0; 256]).await?;
 
     let rows = json(&run(&cluster, &["shards", "--json"]).await);
     let roles: Vec<&str> = rows

@@ -51,7 +51,7 @@ async fn a_push_that_reached_some_shards_before_death_is_applied_once() -> anyho
     // reaches the shard that holds key 0 and not the other.
     let first = span(&pa, pa.start);
     a.push_span(&[-1.0; 64], first).await?;
-    a.commit(first, 0.0).await?;
+    a.commit_span(first, 0.0).await?;
     let second = span(&pa, first.end);
     let map = a.job().map().clone();
     let owner = map.owner(Key(0)).expect("placed");
@@ -75,6 +75,7 @@ async fn a_push_that_reached_some_shards_before_death_is_applied_once() -> anyho
             clock: a.clock(),
             chunks,
             span: Some(second),
+            covers: Vec::new(),
             token: a.token(),
         },
         f32s_to_bytes(&floats),
@@ -138,7 +139,7 @@ async fn a_drained_worker_leaves_after_its_step_and_its_data_is_finished_by_anot
     assert!(!a.drain_requested());
     // The operator drains a mid-step: the step completes, and its grant tells a to go.
     op.drain(a.worker()).await?;
-    a.commit(first, 0.0).await?;
+    a.commit_span(first, 0.0).await?;
     assert!(a.drain_requested());
     let a_id = a.worker();
     a.leave().await?;

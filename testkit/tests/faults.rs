@@ -106,14 +106,14 @@ async fn a_worker_partitioned_past_its_lease_is_dead_and_its_data_reissued() -> 
     let pa = a.next_partition().await?.expect("data");
     let first = span(&pa, pa.start);
     a.push_span(&[-1.0; LEN], first).await?;
-    a.commit(first, 0.0).await?;
+    a.commit_span(first, 0.0).await?;
 
     // Cut a off from everyone, then let it try its next step: it cannot reach anyone.
     faults.isolate("a");
     let second = span(&pa, first.end);
     let late = tokio::spawn(async move {
         a.push_span(&[-1.0; LEN], second).await?;
-        a.commit(second, 0.0).await?;
+        a.commit_span(second, 0.0).await?;
         anyhow::Ok(())
     });
 
@@ -174,7 +174,7 @@ async fn train_patiently(mut s: Session) -> anyhow::Result<(Vec<Partition>, Dura
             let sp = span(&p, start);
             let t = Instant::now();
             s.push_span(&[-1.0; LEN], sp).await?;
-            s.commit(sp, 0.0).await?;
+            s.commit_span(sp, 0.0).await?;
             slowest = slowest.max(t.elapsed());
             start = sp.end;
         }

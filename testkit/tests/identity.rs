@@ -132,6 +132,7 @@ async fn pushes_need_the_token_of_their_worker_and_certificate() -> anyhow::Resu
         clock: Clock(0),
         chunks: one(),
         span: None,
+        covers: Vec::new(),
         token,
     };
     let grads = f32s_to_bytes(&[-1.0; 16]);
@@ -206,7 +207,7 @@ async fn a_live_shards_name_cannot_join_again_from_elsewhere() -> anyhow::Result
     assert_eq!(before, after, "a refused join moved a shard");
     // Workers still reach every shard.
     let w = cluster.connect("w").await?.register("w").await?;
-    w.push(&[-1.0; 64]).await?;
+    w.push_step(&[-1.0; 64]).await?;
     Ok(())
 }
 

@@ -43,7 +43,7 @@ async fn counters_are_exact_while_ranges_move_between_three_shards() -> anyhow::
             let sparse = vec![-1.0f32; CHUNK as usize];
             let (mut dense_acks, mut sparse_acks) = (0u64, 0u64);
             while !stop.load(Ordering::Relaxed) {
-                session.push(&dense).await?;
+                session.push_step(&dense).await?;
                 dense_acks += 1;
                 session.push_keys(&[(Key(i as u64), &sparse)]).await?;
                 sparse_acks += 1;
@@ -117,11 +117,11 @@ async fn a_removed_shard_hands_over_everything_and_retires() -> anyhow::Result<(
         TestCluster::start(counter_job(FLOATS as u32, CHUNK, Consistency::Asp), 3).await?;
     let admin = cluster.admin().await?;
     let session = cluster.connect("c").await?.register("c").await?;
-    session.push(&vec![-2.0; FLOATS]).await?;
+    session.push_step(&vec![-2.0; FLOATS]).await?;
     let v = admin.shard_remove("s1").await?;
     assert!(v.layout.iter().all(|(id, _)| *id != 1), "{:?}", v.layout);
     // The session routes with the old map; its next push is re-routed transparently.
-    session.push(&vec![-3.0; FLOATS]).await?;
+    session.push_step(&vec![-3.0; FLOATS]).await?;
     let mut got = vec![0f32; FLOATS];
     session.pull(&mut got).await?;
     assert!(got.iter().all(|&v| v == 5.0));

@@ -179,7 +179,7 @@ async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> an
     for _ in 0..3 {
         let span = step(&mut at);
         w.push_span(&[-1.0; 20], span).await?;
-        w.commit(span, 0.0).await?;
+        w.commit_span(span, 0.0).await?;
     }
     let admin = Admin::connect(
         &coordinator,
@@ -195,7 +195,7 @@ async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> an
     for _ in 0..2 {
         let span = step(&mut at);
         w.push_span(&[-1.0; 20], span).await?;
-        w.commit(span, 0.0).await?;
+        w.commit_span(span, 0.0).await?;
     }
 
     // SIGKILL the shard that holds key 0, then start it again on the same address.
@@ -216,7 +216,7 @@ async fn a_killed_shard_restarts_from_its_checkpoint_and_the_job_goes_on() -> an
     // The worker's next push reconnects and goes through once the shard is back.
     let span = step(&mut at);
     tokio::time::timeout(Duration::from_secs(60), w.push_span(&[-1.0; 20], span)).await??;
-    w.commit(span, 0.0).await?;
+    w.commit_span(span, 0.0).await?;
     let recovered = restarted_at.elapsed();
     eprintln!("shard restart to first applied push: {recovered:?}");
 
@@ -305,7 +305,7 @@ async fn a_killed_coordinator_restarts_from_its_state_and_workers_carry_on() -> 
         };
         at += 4;
         w.push_span(&[-1.0; 20], span).await?;
-        w.commit(span, 0.0).await?;
+        w.commit_span(span, 0.0).await?;
     }
     // Let the coordinator save its state, then kill it and start it again.
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -326,7 +326,7 @@ async fn a_killed_coordinator_restarts_from_its_state_and_workers_carry_on() -> 
             };
             at += 4;
             w.push_span(&[-1.0; 20], span).await?;
-            tokio::time::timeout(Duration::from_secs(60), w.commit(span, 0.0)).await??;
+            tokio::time::timeout(Duration::from_secs(60), w.commit_span(span, 0.0)).await??;
         }
         part = w.next_partition().await?;
         if let Some(p) = part {

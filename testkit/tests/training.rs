@@ -11,10 +11,11 @@ use edl_shared::proto::{Consistency, OptimizerSpec};
 use edl_shared::shutdown::CancellationToken;
 use edl_testkit::{TestCluster, mlp_job};
 use edl_worker::backend::{Backend, CpuBackend};
-use edl_worker::data::{DEFAULT_DATA_DIR, Dataset, Split};
+use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet, Split};
 use edl_worker::trainer::{self, TrainOptions};
+use edl_worker::workload::MlpModel;
 
-fn datasets() -> anyhow::Result<Option<(Dataset, Dataset)>> {
+fn datasets() -> anyhow::Result<Option<(ImageSet, ImageSet)>> {
     let dir = Path::new(DEFAULT_DATA_DIR);
     if !dir.exists() {
         if std::env::var("EDL_REQUIRE_DATA").is_ok_and(|v| v == "1") {
@@ -24,8 +25,8 @@ fn datasets() -> anyhow::Result<Option<(Dataset, Dataset)>> {
         return Ok(None);
     }
     Ok(Some((
-        Dataset::load(dir, Split::Train)?,
-        Dataset::load(dir, Split::Test)?,
+        ImageSet::load(dir, Split::Train)?,
+        ImageSet::load(dir, Split::Test)?,
     )))
 }
 
@@ -56,11 +57,11 @@ async fn three_workers_two_shards_reach_the_accuracy_bar() -> anyhow::Result<()>
         let train = train.clone();
         workers.spawn(async move {
             let mut backend = CpuBackend::new();
+            let mut model = MlpModel::new(trainer::model_of(job.config())?, &mut backend);
             trainer::train(
                 job,
-                &format!("w{i}"),
-                &train,
-                &mut backend,
+                &mut model,
+                &*train,
                 TrainOptions::default(),
                 CancellationToken::new(),
             )
@@ -107,9 +108,11 @@ async fn three_workers_two_shards_reach_the_accuracy_bar() -> anyhow::Result<()>
         }
     }
     let mut backend = CpuBackend::new();
-    let stats = trainer::evaluate(&eval, &test, &mut backend).await?;
+    let name = backend.name();
+    let mut model = MlpModel::new(trainer::model_of(eval.config())?, &mut backend);
+    let stats = trainer::evaluate(&eval, &mut model, &test).await?;
     assert_eq!(stats.samples, 10_000);
-    eprintln!("test accuracy {:.4} ({})", stats.accuracy(), backend.name());
+    eprintln!("test accuracy {:.4} ({name})", stats.accuracy());
     assert!(
         stats.accuracy() >= 0.80,
         "test accuracy {}",

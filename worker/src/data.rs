@@ -1,4 +1,5 @@
-//! Fashion-MNIST loading: idx file parsing (raw or gzip), pixel normalization and mini-batch gathering.
+//! Labelled image sets in idx files (Fashion-MNIST, MNIST, any class count): parsing (raw or
+//! gzip), pixel normalization and mini-batch gathering.
 
 use std::fmt;
 use std::fs;
@@ -11,18 +12,12 @@ use thiserror::Error;
 /// Where the `dataset-fashion-mnist` package installs the idx files.
 pub const DEFAULT_DATA_DIR: &str = "/usr/share/datasets/fashion-mnist";
 
-/// Mean of the Fashion-MNIST training pixels after scaling to [0, 1], used to center the inputs.
-const PIXEL_MEAN: f32 = 0.2860;
-/// Standard deviation of the scaled training pixels, used to give the inputs unit variance.
-const PIXEL_STD: f32 = 0.3530;
 /// Magic number of an idx file holding unsigned bytes in three dimensions (images).
 pub const IDX3_MAGIC: u32 = 0x0000_0803;
 /// Magic number of an idx file holding unsigned bytes in one dimension (labels).
 pub const IDX1_MAGIC: u32 = 0x0000_0801;
 /// The first two bytes of every gzip stream; files are sniffed rather than trusted by name.
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
-/// Fashion-MNIST has ten clothing classes, so every label must be below this.
-const NUM_CLASSES: usize = 10;
 /// What the user can do when the files are absent, shown in [`DataError::Missing`].
 const MISSING_HINT: &str = "install it with `apt-get install dataset-fashion-mnist` \
                             or pass --data-dir <DIR> pointing at the idx files";
@@ -37,8 +32,8 @@ pub enum Split {
 }
 
 impl Split {
-    /// The file name prefix the original distribution uses for this split.
-    fn prefix(self) -> &'static str {
+    /// The file name prefix the original distribution uses for this split (`train`, `t10k`).
+    pub fn prefix(self) -> &'static str {
         match self {
             Split::Train => "train",
             Split::Test => "t10k",
@@ -49,7 +44,7 @@ impl Split {
 /// Everything that can go wrong while loading or sampling the dataset.
 #[derive(Debug, Error)]
 pub enum DataError {
-    /// The file does not exist (for [`Dataset::load`], neither with nor without `.gz`).
+    /// The file does not exist (for [`ImageSet::load`], neither with nor without `.gz`).
     #[error("dataset file {} not found (also looked for it with a .gz suffix); {hint}", .path.display())]
     Missing {
         /// The path that was looked for, without the `.gz` suffix when the directory was searched.
@@ -115,16 +110,6 @@ pub enum DataError {
         /// Number of labels in it.
         labels: usize,
     },
-    /// A label is not one of the ten Fashion-MNIST classes.
-    #[error("{}: label {label} at index {index} is out of range (must be < {NUM_CLASSES})", .path.display())]
-    BadLabel {
-        /// The label file.
-        path: PathBuf,
-        /// Position of the bad label.
-        index: usize,
-        /// Its value.
-        label: u8,
-    },
     /// A mini-batch asked for a sample the dataset does not have.
     #[error("sample index {index} is out of range for a dataset of {len} samples")]
     IndexOutOfRange {
@@ -135,10 +120,13 @@ pub enum DataError {
     },
 }
 
-/// A labelled image set held in memory as normalized `f32` rows.
+/// A labelled image set held in memory as normalized `f32` rows: each pixel is scaled to
+/// [0, 1], then centered and scaled by the set's own mean and standard deviation (for
+/// Fashion-MNIST's training set 0.2860 and 0.3530). The class count is one more than the
+/// largest label.
 #[derive(Clone, PartialEq)]
-pub struct Dataset {
-    /// `len() * dim` values, row-major, each `(pixel / 255 - 0.2860) / 0.3530`.
+pub struct ImageSet {
+    /// `len() * dim` values, row-major, each `(pixel / 255 - mean) / std`.
     images: Vec<f32>,
     /// One class index per image, all below `classes`.
     labels: Vec<u8>,
@@ -148,10 +136,10 @@ pub struct Dataset {
     classes: usize,
 }
 
-impl fmt::Debug for Dataset {
+impl fmt::Debug for ImageSet {
     // A derived Debug would print tens of millions of floats, so only the shape is shown.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Dataset")
+        f.debug_struct("ImageSet")
             .field("len", &self.len())
             .field("dim", &self.dim)
             .field("classes", &self.classes)
@@ -159,17 +147,27 @@ impl fmt::Debug for Dataset {
     }
 }
 
-impl Dataset {
+impl ImageSet {
     /// Loads one split from `dir`, accepting each idx file raw or gzip-compressed.
-    pub fn load(dir: &Path, split: Split) -> Result<Dataset, DataError> {
-        let prefix = split.prefix();
-        let images = locate(dir, &format!("{prefix}-images-idx3-ubyte"))?;
-        let labels = locate(dir, &format!("{prefix}-labels-idx1-ubyte"))?;
-        Dataset::load_idx(&images, &labels)
+    pub fn load(dir: &Path, split: Split) -> Result<ImageSet, DataError> {
+        ImageSet::load_prefix(&dir.join(split.prefix()))
+    }
+
+    /// Loads `PREFIX-images-idx3-ubyte` and `PREFIX-labels-idx1-ubyte` (each raw or with a
+    /// `.gz` suffix), e.g. the prefix `/usr/share/datasets/fashion-mnist/train`.
+    pub fn load_prefix(prefix: &Path) -> Result<ImageSet, DataError> {
+        let dir = prefix.parent().unwrap_or(Path::new("."));
+        let stem = prefix
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let images = locate(dir, &format!("{stem}-images-idx3-ubyte"))?;
+        let labels = locate(dir, &format!("{stem}-labels-idx1-ubyte"))?;
+        ImageSet::load_idx(&images, &labels)
     }
 
     /// Loads an explicit idx3 image file and idx1 label file; gzip is detected from the content.
-    pub fn load_idx(images: &Path, labels: &Path) -> Result<Dataset, DataError> {
+    pub fn load_idx(images: &Path, labels: &Path) -> Result<ImageSet, DataError> {
         let image_bytes = read_maybe_gz(images)?;
         let (count, dim, pixels) = parse_idx3(images, &image_bytes)?;
         let label_bytes = read_maybe_gz(labels)?;
@@ -182,26 +180,26 @@ impl Dataset {
                 labels: label_slice.len(),
             });
         }
-        if let Some((index, &label)) = label_slice
-            .iter()
-            .enumerate()
-            .find(|&(_, &label)| usize::from(label) >= NUM_CLASSES)
-        {
-            return Err(DataError::BadLabel {
-                path: labels.to_path_buf(),
-                index,
-                label,
-            });
-        }
+        let classes = label_slice.iter().max().map_or(0, |&m| usize::from(m) + 1);
+        // The set's own pixel statistics, in one pass (f64 sums: tens of millions of pixels).
+        let (sum, sq) = pixels.iter().fold((0f64, 0f64), |(s, q), &p| {
+            let v = f64::from(p) / 255.0;
+            (s + v, q + v * v)
+        });
+        let n = pixels.len().max(1) as f64;
+        let mean = sum / n;
+        let std = (sq / n - mean * mean).max(0.0).sqrt();
+        let std = if std > 1e-6 { std } else { 1.0 };
+        let (mean, std) = (mean as f32, std as f32);
         let images = pixels
             .iter()
-            .map(|&p| (f32::from(p) / 255.0 - PIXEL_MEAN) / PIXEL_STD)
+            .map(|&p| (f32::from(p) / 255.0 - mean) / std)
             .collect();
-        Ok(Dataset {
+        Ok(ImageSet {
             images,
             labels: label_slice.to_vec(),
             dim,
-            classes: NUM_CLASSES,
+            classes,
         })
     }
 
@@ -448,11 +446,15 @@ mod tests {
         .expect("write");
     }
 
+    /// Pixel `p` of the synthetic images (pixels 0..18) as the loader normalizes it.
     fn normalized(p: u8) -> f32 {
-        (f32::from(p) / 255.0 - PIXEL_MEAN) / PIXEL_STD
+        let v: Vec<f64> = (0..18).map(|p| f64::from(p) / 255.0).collect();
+        let mean = v.iter().sum::<f64>() / 18.0;
+        let std = (v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / 18.0).sqrt();
+        ((f64::from(p) / 255.0 - mean) / std) as f32
     }
 
-    fn check_synthetic(ds: &Dataset) {
+    fn check_synthetic(ds: &ImageSet) {
         assert_eq!(ds.len(), 3);
         assert!(!ds.is_empty());
         assert_eq!(ds.dim(), 6);
@@ -460,7 +462,7 @@ mod tests {
         assert_eq!(ds.labels(), &[7, 0, 9]);
         assert_eq!(ds.images().len(), 18);
         for (k, &v) in ds.images().iter().enumerate() {
-            assert!((v - normalized(k as u8)).abs() < 1e-6, "pixel {k}: {v}");
+            assert!((v - normalized(k as u8)).abs() < 1e-4, "pixel {k}: {v}");
         }
     }
 
@@ -468,7 +470,7 @@ mod tests {
     fn loads_raw_files() {
         let tmp = TempDir::new("raw");
         write_split(&tmp.0, "train", &idx3(3, 2, 3), &idx1(&[7, 0, 9]), false);
-        let ds = Dataset::load(&tmp.0, Split::Train).expect("load raw");
+        let ds = ImageSet::load(&tmp.0, Split::Train).expect("load raw");
         check_synthetic(&ds);
     }
 
@@ -482,7 +484,7 @@ mod tests {
             &gzip(&idx1(&[7, 0, 9])),
             true,
         );
-        let ds = Dataset::load(&tmp.0, Split::Test).expect("load gz");
+        let ds = ImageSet::load(&tmp.0, Split::Test).expect("load gz");
         check_synthetic(&ds);
         // Gzip content under a plain name must also be recognized, since detection ignores names.
         let tmp = TempDir::new("gz-plain-name");
@@ -493,13 +495,13 @@ mod tests {
             &gzip(&idx1(&[7, 0, 9])),
             false,
         );
-        check_synthetic(&Dataset::load(&tmp.0, Split::Train).expect("load gz without suffix"));
+        check_synthetic(&ImageSet::load(&tmp.0, Split::Train).expect("load gz without suffix"));
     }
 
     #[test]
     fn missing_files_mention_the_package() {
         let tmp = TempDir::new("missing");
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("empty dir");
+        let err = ImageSet::load(&tmp.0, Split::Train).expect_err("empty dir");
         assert!(matches!(err, DataError::Missing { .. }), "{err:?}");
         let msg = err.to_string();
         assert!(
@@ -515,7 +517,7 @@ mod tests {
         let mut images = idx3(3, 2, 3);
         images.pop();
         write_split(&tmp.0, "train", &images, &idx1(&[7, 0, 9]), false);
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("short payload");
+        let err = ImageSet::load(&tmp.0, Split::Train).expect_err("short payload");
         assert!(
             matches!(
                 err,
@@ -536,7 +538,7 @@ mod tests {
             &idx1(&[7, 0, 9]),
             false,
         );
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("short header");
+        let err = ImageSet::load(&tmp.0, Split::Train).expect_err("short header");
         assert!(matches!(err, DataError::Truncated { .. }), "{err:?}");
 
         // A cut gzip stream is a decompression failure.
@@ -548,14 +550,14 @@ mod tests {
             &idx1(&[7, 0, 9]),
             false,
         );
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("short gzip");
+        let err = ImageSet::load(&tmp.0, Split::Train).expect_err("short gzip");
         assert!(matches!(err, DataError::Gzip { .. }), "{err:?}");
 
         // A header claiming an absurd size must not overflow or allocate.
         let mut huge = idx3(0, 0, 0);
         huge[4..16].copy_from_slice(&[0xff; 12]);
         write_split(&tmp.0, "train", &huge, &idx1(&[]), false);
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("huge header");
+        let err = ImageSet::load(&tmp.0, Split::Train).expect_err("huge header");
         assert!(matches!(err, DataError::Truncated { .. }), "{err:?}");
     }
 
@@ -565,7 +567,7 @@ mod tests {
         let mut labels = idx1(&[7, 0, 9]);
         labels.push(1);
         write_split(&tmp.0, "train", &idx3(3, 2, 3), &labels, false);
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("extra byte");
+        let err = ImageSet::load(&tmp.0, Split::Train).expect_err("extra byte");
         assert!(matches!(err, DataError::TrailingData { .. }), "{err:?}");
     }
 
@@ -574,7 +576,7 @@ mod tests {
         let tmp = TempDir::new("magic");
         // Swapping the files gives each one the other's magic.
         write_split(&tmp.0, "train", &idx1(&[7, 0, 9]), &idx3(3, 2, 3), false);
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("swapped");
+        let err = ImageSet::load(&tmp.0, Split::Train).expect_err("swapped");
         assert!(
             matches!(
                 err,
@@ -589,28 +591,21 @@ mod tests {
     }
 
     #[test]
-    fn out_of_range_label_is_rejected() {
+    fn labels_set_the_class_count() {
         let tmp = TempDir::new("label");
-        write_split(&tmp.0, "train", &idx3(3, 2, 3), &idx1(&[7, 10, 9]), false);
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("label 10");
-        assert!(
-            matches!(
-                err,
-                DataError::BadLabel {
-                    index: 1,
-                    label: 10,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        write_split(&tmp.0, "train", &idx3(3, 2, 3), &idx1(&[7, 200, 9]), false);
+        let ds = ImageSet::load(&tmp.0, Split::Train).expect("any u8 label");
+        assert_eq!(ds.classes(), 201);
+        write_split(&tmp.0, "mine", &idx3(3, 2, 3), &idx1(&[1, 0, 1]), true);
+        let ds = ImageSet::load_prefix(&tmp.0.join("mine")).expect("a prefix of .gz files");
+        assert_eq!((ds.len(), ds.classes()), (3, 2));
     }
 
     #[test]
     fn count_mismatch_is_rejected() {
         let tmp = TempDir::new("count");
         write_split(&tmp.0, "train", &idx3(3, 2, 3), &idx1(&[7, 0]), false);
-        let err = Dataset::load(&tmp.0, Split::Train).expect_err("2 labels for 3 images");
+        let err = ImageSet::load(&tmp.0, Split::Train).expect_err("2 labels for 3 images");
         assert!(
             matches!(
                 err,
@@ -628,7 +623,7 @@ mod tests {
     fn gather_and_truncate() {
         let tmp = TempDir::new("gather");
         write_split(&tmp.0, "train", &idx3(3, 2, 3), &idx1(&[7, 0, 9]), false);
-        let mut ds = Dataset::load(&tmp.0, Split::Train).expect("load");
+        let mut ds = ImageSet::load(&tmp.0, Split::Train).expect("load");
 
         let (mut x, mut y) = (vec![42.0], vec![42]);
         ds.gather(&[2, 0, 2], &mut x, &mut y).expect("in range");
@@ -639,7 +634,10 @@ mod tests {
         .iter()
         .map(|&p| normalized(p))
         .collect();
-        assert_eq!(x, expect);
+        assert_eq!(x.len(), expect.len());
+        for (a, b) in x.iter().zip(&expect) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
 
         let err = ds.gather(&[0, 3], &mut x, &mut y).expect_err("index 3");
         assert!(

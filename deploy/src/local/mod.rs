@@ -31,7 +31,7 @@ use edl_shared::proto::msg::{EpochLedger, JobStatus, JobTrace};
 use edl_shared::proto::{Consistency, OptimizerSpec, ShardId};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
-use edl_worker::data::{Dataset, Split};
+use edl_worker::data::{ImageSet, Split};
 use edl_worker::{ClientConfig, Job};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -164,7 +164,7 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     // before anything starts turns a missing dataset into one clear message, not three worker
     // failures.
     let data_dir = cfg.data_dir.clone();
-    tokio::task::spawn_blocking(move || Dataset::load(&data_dir, Split::Test))
+    tokio::task::spawn_blocking(move || ImageSet::load(&data_dir, Split::Test))
         .await
         .context("the Fashion-MNIST check did not finish")?
         .context("checking the Fashion-MNIST data")?;

@@ -200,6 +200,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                 train_samples,
                 seed,
                 lease_ms,
+                data: None,
             },
         )
         .boxed()
@@ -449,6 +450,7 @@ pub fn request() -> BoxedStrategy<Request> {
                     clock,
                     chunks,
                     span,
+                    covers: Vec::new(),
                     token,
                 }
             ),

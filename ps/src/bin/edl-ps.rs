@@ -201,6 +201,7 @@ async fn main() -> anyhow::Result<()> {
                 train_samples: a.train_samples,
                 seed: a.seed,
                 lease_ms: a.lease_ms,
+                data: None,
             };
             let state_file =
                 (!a.no_persist).then(|| a.identity.state_dir.join("coordinator").join("state.bin"));

@@ -42,6 +42,7 @@ fn job(consistency: Consistency) -> JobConfig {
         train_samples: SAMPLES,
         seed: 0,
         lease_ms: 2000,
+        data: None,
     }
 }
 

@@ -21,6 +21,7 @@ fn state(consistency: Consistency) -> ShardState {
         train_samples: 1,
         seed: 0,
         lease_ms: 1000,
+        data: None,
     };
     let map = ShardMap {
         epoch: MapEpoch(1),
@@ -222,6 +223,7 @@ fn two_shards() -> (ShardState, ShardState, ShardMap) {
         train_samples: 4,
         seed: 0,
         lease_ms: 1000,
+        data: None,
     };
     let info = |i: u32| ShardInfo {
         id: ShardId(i),

@@ -307,7 +307,7 @@ fn gemm(a: MatRef<'_>, b: MatRef<'_>, beta: f32, c: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{DEFAULT_DATA_DIR, Dataset, Split};
+    use crate::data::{DEFAULT_DATA_DIR, ImageSet, Split};
     use rand::rngs::StdRng;
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
@@ -645,8 +645,8 @@ mod tests {
             println!("skipped: dataset not installed at {DEFAULT_DATA_DIR}");
             return;
         }
-        let mut train = Dataset::load(dir, Split::Train).expect("load train split");
-        let test = Dataset::load(dir, Split::Test).expect("load test split");
+        let mut train = ImageSet::load(dir, Split::Train).expect("load train split");
+        let test = ImageSet::load(dir, Split::Test).expect("load test split");
         train.truncate(10_000);
         assert_eq!(train.len(), 10_000);
         assert_eq!(test.len(), 10_000);

@@ -1,5 +1,6 @@
-//! `edl-worker`: trains the job's model on Fashion-MNIST as one elastic worker, or evaluates
-//! the current parameters on the test set.
+//! `edl-worker`: trains the job's built-in model (the MLP on idx images, or logistic
+//! regression on LIBSVM rows) as one elastic worker, or evaluates the current parameters on
+//! the test set.
 
 use std::path::PathBuf;
 
@@ -9,8 +10,12 @@ use edl_shared::cli::IdentityArgs;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, shutdown, telemetry};
 use edl_worker::backend::{self, Device};
-use edl_worker::data::{DEFAULT_DATA_DIR, Dataset, Split};
-use edl_worker::trainer::{self, TrainOptions};
+use edl_shared::proto::{DataFormat, ModelSpec};
+use edl_shared::shutdown::CancellationToken;
+use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet, Split};
+use edl_worker::logreg::LogReg;
+use edl_worker::trainer::{self, TrainOptions, TrainSummary};
+use edl_worker::workload::{MlpModel, Model, SparseSet};
 use edl_worker::{ClientConfig, Job};
 
 /// Large tensors are allocated and freed on every request; mimalloc keeps them off fresh
@@ -28,11 +33,17 @@ struct Cli {
     /// This worker's name (its certificate name).
     #[arg(long, default_value = "worker")]
     name: String,
-    /// Directory with the Fashion-MNIST idx files (gzip or not).
+    /// Directory with the Fashion-MNIST idx files (gzip or not), for an MLP job whose job
+    /// file names no data.
     #[arg(long, default_value = DEFAULT_DATA_DIR)]
     data_dir: PathBuf,
-    /// Do not train: pull the current parameters, evaluate them on the 10,000 test images and
-    /// print one JSON line.
+    /// The data to read instead of the job file's `[data]`: an idx prefix (e.g.
+    /// `DIR/train` for `DIR/train-images-idx3-ubyte`) or a LIBSVM file. With --evaluate,
+    /// the test data.
+    #[arg(long, value_name = "PATH")]
+    data: Option<PathBuf>,
+    /// Do not train: pull the current parameters, evaluate them on the test data and print
+    /// one JSON line.
     #[arg(long)]
     evaluate: bool,
     /// Leave after this many steps.
@@ -66,12 +77,6 @@ async fn main() -> anyhow::Result<()> {
             cli.device
         )
     })?;
-    let split = if cli.evaluate {
-        Split::Test
-    } else {
-        Split::Train
-    };
-    let data = Dataset::load(&cli.data_dir, split).context("loading Fashion-MNIST")?;
     let cfg = ClientConfig {
         coordinator: cli.coordinator.clone(),
         identity,
@@ -85,27 +90,85 @@ async fn main() -> anyhow::Result<()> {
         // Not admitted yet: nothing to hand back, so a signal simply ends the process.
         _ = shutdown.cancelled() => return Ok(()),
     };
-    if cli.evaluate {
-        let stats = trainer::evaluate(&job, &data, &mut *backend).await?;
-        let line = serde_json::json!({
-            "test_accuracy": stats.accuracy(),
-            "test_loss": stats.mean_loss(),
-            "test_samples": stats.samples,
-        });
-        println!("{line}");
-        return Ok(());
-    }
-    let opts = TrainOptions {
-        max_steps: cli.max_steps,
+    let spec = job.config().clone();
+    let data_path = |format: DataFormat| -> anyhow::Result<PathBuf> {
+        if let Some(p) = &cli.data {
+            return Ok(p.clone());
+        }
+        match &spec.data {
+            Some(d) if d.format == format => {
+                let p = if cli.evaluate { &d.test } else { &d.train };
+                anyhow::ensure!(!p.is_empty(), "the job file names no test data; pass --data");
+                Ok(PathBuf::from(p))
+            }
+            Some(d) => anyhow::bail!("the job's data is {}, its model needs {format}", d.format),
+            None if format == DataFormat::Idx => {
+                let split = if cli.evaluate { Split::Test } else { Split::Train };
+                Ok(cli.data_dir.join(split.prefix()))
+            }
+            None => anyhow::bail!("the job names no {format} data: pass --data FILE"),
+        }
     };
-    tracing::info!(backend = backend.name(), "worker prepared; asking to join");
-    let s = trainer::train(job, &cli.name, &data, &mut *backend, opts, shutdown).await?;
-    tracing::info!(
-        steps = s.steps,
-        samples = s.samples,
-        mean_loss = s.loss_sum / s.samples.max(1) as f64,
-        wall_s = s.wall.as_secs_f64(),
-        "worker done"
-    );
-    Ok(())
+    let run = Run {
+        job,
+        evaluate: cli.evaluate,
+        opts: TrainOptions {
+            max_steps: cli.max_steps,
+        },
+        shutdown,
+        backend: backend.name(),
+    };
+    match &spec.model {
+        ModelSpec::Mlp { .. } => {
+            let path = data_path(DataFormat::Idx)?;
+            let data = ImageSet::load_prefix(&path)
+                .with_context(|| format!("loading the idx images {}", path.display()))?;
+            let mut model = MlpModel::new(trainer::model_of(&spec)?, &mut *backend);
+            run.go(&mut model, &data).await
+        }
+        ModelSpec::LogReg { features } => {
+            let path = data_path(DataFormat::LibSvm)?;
+            let data = SparseSet::load(&path)?;
+            run.go(&mut LogReg::new(*features), &data).await
+        }
+        ModelSpec::Custom => anyhow::bail!(
+            "this job's model is defined by its application (a custom model): edl-worker \
+             trains the built-in models (mlp, logreg); run the application's own worker"
+        ),
+    }
+}
+
+/// A worker's run, once the job and the data are known.
+struct Run {
+    job: Job,
+    evaluate: bool,
+    opts: TrainOptions,
+    shutdown: CancellationToken,
+    backend: &'static str,
+}
+
+impl Run {
+    async fn go<M: Model>(self, model: &mut M, data: &M::Data) -> anyhow::Result<()> {
+        if self.evaluate {
+            let stats = trainer::evaluate(&self.job, model, data).await?;
+            let line = serde_json::json!({
+                "test_accuracy": stats.accuracy(),
+                "test_loss": stats.mean_loss(),
+                "test_samples": stats.samples,
+            });
+            println!("{line}");
+            return Ok(());
+        }
+        tracing::info!(backend = self.backend, "worker prepared; asking to join");
+        let s: TrainSummary =
+            trainer::train(self.job, model, data, self.opts, self.shutdown).await?;
+        tracing::info!(
+            steps = s.steps,
+            samples = s.samples,
+            mean_loss = s.loss_sum / s.samples.max(1) as f64,
+            wall_s = s.wall.as_secs_f64(),
+            "worker done"
+        );
+        Ok(())
+    }
 }

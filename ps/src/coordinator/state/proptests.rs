@@ -32,6 +32,7 @@ fn job(consistency: Consistency) -> JobConfig {
         train_samples: SAMPLES,
         seed: 1,
         lease_ms: LEASE_MS as u32,
+        data: None,
     }
 }
 

@@ -16,6 +16,7 @@ fn job(consistency: Consistency) -> JobConfig {
         train_samples: 8,
         seed: 1,
         lease_ms: 1000,
+        data: None,
     }
 }
 

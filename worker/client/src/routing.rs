@@ -226,6 +226,7 @@ impl Job {
                 .collect::<Result<Vec<_>, _>>()?;
             let mut set = JoinSet::new();
             for (i, (part, (req, payload))) in parts.iter().zip(requests).enumerate() {
+                self.traffic.sent(payload.len());
                 let call = call_shard(
                     (part.id, part.conn.clone()),
                     self.net.clone(),
@@ -244,7 +245,10 @@ impl Job {
                     return Err(self.inconsistent("client", "shard request task failed".into()));
                 };
                 match resp {
-                    Ok(frame) => take(&parts[i], frame)?,
+                    Ok(frame) => {
+                        self.traffic.received(frame.payload.len());
+                        take(&parts[i], frame)?
+                    }
                     Err(CallError::Remote {
                         code: Some(ErrorCode::StaleEpoch),
                         map,
@@ -407,6 +411,7 @@ impl Job {
                     clock,
                     chunks: link.chunks.clone(),
                     span,
+                    covers: Vec::new(),
                     token,
                 };
                 Ok((req, payload.freeze()))
@@ -455,6 +460,59 @@ impl Job {
                     clock,
                     chunks: refs,
                     span: None,
+                    covers: Vec::new(),
+                    token,
+                };
+                Ok((req, payload.freeze()))
+            },
+            |_, _| Ok(()),
+        )
+        .await
+    }
+
+    /// Pushes a sparse gradient for step `clock`, computed from the samples of `span`: the
+    /// whole chunks in `chunks` travel (sorted by key, no repeats, each as long as its key);
+    /// every other key of the model gets a zero gradient, which does not travel but counts
+    /// the span, so that every shard's ledger records it.
+    pub(super) async fn push_sparse(
+        &self,
+        (worker, token): (WorkerId, Token),
+        clock: Clock,
+        span: DataSpan,
+        chunks: &[(Key, Vec<f32>)],
+    ) -> Result<(), ClientError> {
+        for (k, v) in chunks {
+            if self.layout.span(*k).is_none_or(|s| s.len as usize != v.len()) {
+                return Err(self.inconsistent("client", format!("{k} does not fit the job")));
+            }
+            check_finite(v)?;
+        }
+        self.fan_out(
+            None,
+            true,
+            |link, map| {
+                let mine: Vec<&(Key, Vec<f32>)> = chunks
+                    .iter()
+                    .filter(|(k, _)| in_ranges(&link.ranges, *k))
+                    .collect();
+                let floats = mine.iter().map(|(_, v)| v.len()).sum::<usize>();
+                let mut payload = BytesMut::with_capacity(floats * 4);
+                for (_, v) in &mine {
+                    extend_f32s(&mut payload, v);
+                }
+                let req = Request::Push {
+                    epoch: map.epoch,
+                    worker,
+                    clock,
+                    chunks: mine
+                        .iter()
+                        .map(|(k, v)| ChunkRef {
+                            key: *k,
+                            len: v.len() as u32,
+                        })
+                        .collect(),
+                    span: Some(span),
+                    covers: link.ranges.clone(),
                     token,
                 };
                 Ok((req, payload.freeze()))

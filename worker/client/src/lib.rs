@@ -1,34 +1,63 @@
-//! The client library: connect to a job, register, pull and push parameters (fanned out to the
-//! shards in parallel), advance the clock, lease data, heartbeat in the background, leave.
+//! The EDL client library: join an elastic training job, lease its data exactly once, pull
+//! parameters and push gradients. It trains any model whose parameters are a list of named
+//! `f32` tensors; the trainer, the built-in models and the compute backends live elsewhere
+//! (`edl-worker`).
 //!
-//! ```text
-//! let job = Job::connect(&cfg).await?;          // authenticate, fetch the shard map
-//! let mut s = job.register("w1").await?;        // admitted at the current minimum clock
-//! s.pull(&mut params).await?;                   // all keys, from every shard at once
-//! s.push(&grads).await?;                        // gradients for the current step
-//! s.advance(epoch, samples, loss_sum).await?;   // waits only as SSP/BSP requires
-//! s.leave().await?;
+//! A training loop, with the model's own forward and backward pass in `compute`:
+//!
+//! ```no_run
+//! # async fn run(cfg: edl_client::ClientConfig) -> Result<(), edl_client::ClientError> {
+//! # fn compute(params: &[f32], indices: &[u32], grads: &mut [f32]) -> f64 { 0.0 }
+//! use edl_client::Job;
+//!
+//! let job = Job::connect(&cfg).await?;          // authenticate, fetch the job and shard map
+//! let spec = job.spec().clone();                // named tensors over one flat vector
+//! let fc1 = spec.require("fc1.weight")?;        // offset and shape of one tensor
+//! let mut params = vec![0f32; spec.param_count()];
+//! let mut grads = vec![0f32; spec.param_count()];
+//! let mut session = job.join().await?;          // prepared first, then admitted (stop-free)
+//! while let Some(batch) = session.next_batch().await? {
+//!     session.pull(&mut params).await?;         // waits only as SSP/BSP requires
+//!     let loss_sum = compute(&params, batch.indices(), &mut grads);
+//!     let _ = fc1.of(&params);                  // the first layer's weights, by name
+//!     session.push(&batch, &grads).await?;      // the gradient of exactly these samples
+//!     session.commit(batch, loss_sum).await?;   // the samples are done; next step
+//!     if session.drain_requested() {
+//!         break;                                // an operator asked this worker to leave
+//!     }
+//! }
+//! session.leave().await?;                       // uncommitted data returns to the pool
+//! # Ok(()) }
 //! ```
+//!
+//! Exactly once by construction: a [`Batch`] can only come from [`Session::next_batch`], a
+//! push needs the batch it belongs to, and committing consumes it. The batch's sample indices
+//! are the epoch's order ([`edl_shared::proto::order`], a specified permutation) over the
+//! batch's data span, so a span re-issued after a worker died has the same indices. Callers
+//! that are not async use [`blocking`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use edl_shared::Identity;
-use edl_shared::proto::ids::{ShardId, WorkerId};
+use edl_shared::proto::ids::{Clock, ShardId, WorkerId};
 use edl_shared::proto::msg::{EpochLedger, JobStatus, JobTrace};
 use edl_shared::proto::{ErrorCode, Frame, JobConfig, KeyLayout, Request, Response, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use thiserror::Error;
 
+pub mod blocking;
 mod routing;
 mod session;
+mod spec;
 
 use routing::Routing;
-pub use session::Session;
+pub use session::{Batch, RowGrads, Session};
+pub use spec::{JobSpec, TensorView};
 
 /// Why a client operation failed.
 #[derive(Debug, Error)]
@@ -61,6 +90,81 @@ pub enum ClientError {
         /// Floats given.
         got: usize,
     },
+    /// The job has no tensor of this name.
+    #[error("the job has no tensor {0:?}")]
+    UnknownTensor(String),
+    /// A row index is outside its tensor.
+    #[error("row {row} is outside tensor {tensor:?}, which has {rows} rows")]
+    RowOutOfRange {
+        /// The tensor.
+        tensor: String,
+        /// The row asked for.
+        row: u32,
+        /// Rows the tensor has.
+        rows: usize,
+    },
+    /// Rows and their values do not fit together.
+    #[error("{what}")]
+    RowShape {
+        /// What is wrong.
+        what: String,
+    },
+    /// A batch was used out of turn (pushed or committed twice, or a new one asked for
+    /// before the last was committed); nothing was sent.
+    #[error("batch misuse: {0}")]
+    Batch(String),
+    /// The blocking client could not start its runtime.
+    #[error("cannot start the client runtime: {0}")]
+    Runtime(String),
+}
+
+impl ClientError {
+    /// The error code a server answered with, when this is a server's refusal.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Call(c) => c.code(),
+            _ => None,
+        }
+    }
+}
+
+/// Bytes this client has sent to and received from the shards (payloads only: gradients out,
+/// parameters in), and the requests that carried them.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    sent: AtomicU64,
+    received: AtomicU64,
+    requests: AtomicU64,
+}
+
+/// A reading of [`Traffic`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrafficCount {
+    /// Payload bytes sent (gradients).
+    pub sent: u64,
+    /// Payload bytes received (parameters).
+    pub received: u64,
+    /// Shard requests.
+    pub requests: u64,
+}
+
+impl Traffic {
+    fn sent(&self, bytes: usize) {
+        self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn received(&self, bytes: usize) {
+        self.received.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn read(&self) -> TrafficCount {
+        TrafficCount {
+            sent: self.sent.load(Ordering::Relaxed),
+            received: self.received.load(Ordering::Relaxed),
+            requests: self.requests.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// How to reach a job.
@@ -85,6 +189,8 @@ pub struct Job {
     conns: Arc<tokio::sync::Mutex<HashMap<ShardId, Arc<Mutex<Conn>>>>>,
     job: JobConfig,
     layout: KeyLayout,
+    spec: Arc<JobSpec>,
+    traffic: Arc<Traffic>,
 }
 
 /// The connection to the coordinator, replaced when the coordinator restarts.
@@ -357,8 +463,10 @@ impl Job {
             coordinator,
             routing: Arc::new(std::sync::RwLock::new(Arc::new(empty))),
             conns: Arc::new(tokio::sync::Mutex::new(HashMap::new())),
+            spec: Arc::new(JobSpec::of(&job)),
             job,
             layout,
+            traffic: Arc::new(Traffic::default()),
         };
         job.adopt(map).await?;
         Ok(job)
@@ -372,6 +480,17 @@ impl Job {
     /// The shard map in use.
     pub fn map(&self) -> ShardMap {
         self.routing().map.clone()
+    }
+
+    /// The model's tensors: names, shapes and places in the flat parameter vector.
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+
+    /// Payload bytes exchanged with the shards so far, by this job handle and every session
+    /// made from it.
+    pub fn traffic(&self) -> TrafficCount {
+        self.traffic.read()
     }
 
     /// The key layout.
@@ -454,8 +573,22 @@ impl Job {
         Ok(out)
     }
 
-    /// Registers as a worker. The session heartbeats in the background until it is dropped or
-    /// leaves.
+    /// Joins the job as a worker, stop-free: the connections to every shard are warmed (one
+    /// pull of the model) before the coordinator is asked to admit this worker, so the others
+    /// never wait on this worker's set-up. Do the application's own slow set-up (loading
+    /// data, building the model) before calling this. The worker is registered under its
+    /// certificate's name.
+    pub async fn join(self) -> Result<Session, ClientError> {
+        let mut warm = vec![0f32; self.param_count()];
+        self.pull_all(&mut warm, Clock(0)).await?;
+        drop(warm);
+        let name = self.net.name.clone();
+        self.register(&name).await
+    }
+
+    /// Registers as a worker, at once (see [`Job::join`] for the stop-free way). `name` is a
+    /// label for logs; the coordinator knows the worker by its certificate's name. The
+    /// session heartbeats in the background until it is dropped or leaves.
     pub async fn register(self, name: &str) -> Result<Session, ClientError> {
         let resp = retry_not_ready(600, || {
             self.coordinator.call(
@@ -495,6 +628,7 @@ impl Job {
             stop,
             lost,
             drain: false,
+            feed: session::Feed::default(),
         })
     }
 

@@ -1,0 +1,1585 @@
+//! Job files: a TOML description of a training job (model, optimizer, consistency, training
+//! settings, data) that parses into a validated [`JobConfig`], with errors that name the field
+//! and the line.
+//!
+//! ```toml
+//! [model]
+//! kind = "mlp"                 # "mlp" | "logreg" | "custom"
+//! layers = [784, 256, 128, 10] # mlp only; logreg takes `features = N | "auto"`
+//!
+//! [optimizer]
+//! kind = "adam"                # sgd | momentum | adam
+//! lr = 0.001
+//!
+//! [training]
+//! consistency = "ssp:2"        # asp | bsp | ssp:N
+//! samples = 60000              # or "auto" (counted in the libsvm training data)
+//!
+//! [data]
+//! format = "idx"               # idx | libsvm
+//! train = "/usr/share/datasets/fashion-mnist/train"
+//! test = "/usr/share/datasets/fashion-mnist/t10k"
+//! ```
+//!
+//! A `custom` model lists its tensors as `[[tensor]]` tables (`name`, `shape`, `init` and, for
+//! some inits, `scale` or `value`). Settings left out take the defaults of
+//! `edl-ps coordinator`'s flags, so a file and the flags describe the same job. Relative data
+//! paths are resolved against the job file's directory.
+
+use std::collections::HashMap;
+use std::fmt::{self, Write as _};
+use std::io;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use edl_proto::{
+    Consistency, DataFormat, DataSpec, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec,
+};
+use serde::Deserialize;
+use serde::de::{self, Deserializer, Unexpected, Visitor};
+use toml::Spanned;
+use toml::de::{DeTable, DeValue};
+
+use crate::libsvm;
+
+// The defaults of `edl-ps coordinator`'s flags.
+const DEFAULT_OPTIMIZER: &str = "adam";
+const DEFAULT_CONSISTENCY: &str = "ssp:2";
+const DEFAULT_BATCH_SIZE: u32 = 64;
+const DEFAULT_EPOCHS: u32 = 3;
+const DEFAULT_SAMPLES: u32 = 60_000;
+const DEFAULT_PARTITION_SIZE: u32 = 1024;
+const DEFAULT_LEASE_MS: u32 = 3000;
+const DEFAULT_SEED: u64 = 1;
+const DEFAULT_CHUNK_SIZE: u32 = 16_384;
+
+/// A shorter lease would drop healthy workers between two heartbeats.
+const MIN_LEASE_MS: u32 = 100;
+/// The most floats a job's tensors may hold together (2^31).
+const MAX_PARAMETERS: u64 = 1 << 31;
+
+/// A job file that does not describe a valid job; `Display` is the full message.
+#[derive(Debug, thiserror::Error)]
+pub enum JobFileError {
+    /// The job file could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        /// The job file.
+        path: PathBuf,
+        /// The underlying I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// The file is not valid TOML, has an unknown or ill-typed field, or describes an invalid job.
+    #[error("{}{}: {field}: {message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
+    Invalid {
+        /// The job file.
+        path: PathBuf,
+        /// The 1-based line of the offending field, when known.
+        line: Option<usize>,
+        /// The field's dotted path, e.g. `training.batch_size` or `tensor[1].shape`.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Reads and parses a job file (see [`parse`]).
+pub fn load(path: &Path) -> Result<JobConfig, JobFileError> {
+    let text = std::fs::read_to_string(path).map_err(|source| JobFileError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&text, path)
+}
+
+/// Parses and validates a job file's text. `path` names the file in messages and anchors
+/// relative data paths; the training data is read only for `auto` counts.
+pub fn parse(text: &str, path: &Path) -> Result<JobConfig, JobFileError> {
+    let cx = Cx { text, path };
+    let raw: RawJob = toml::from_str(text).map_err(|e| cx.toml_error(&e))?;
+    let data = raw.data.as_ref().map(|d| cx.data(d)).transpose()?;
+    let mut counts = Counts {
+        data: data.as_ref().zip(raw.data.as_ref()),
+        shape: None,
+    };
+    let (model, tensors) = cx.model(&raw, &mut counts)?;
+    let optimizer = cx.optimizer(raw.optimizer.as_ref())?;
+    let t = raw.training.as_ref().map(Spanned::get_ref);
+    let consistency = match t.and_then(|t| t.consistency.as_ref()) {
+        None => DEFAULT_CONSISTENCY
+            .parse()
+            .map_err(|m| cx.err(0..0, "training.consistency", m))?,
+        Some(c) => c
+            .get_ref()
+            .parse::<Consistency>()
+            .map_err(|m| cx.at(c, "training.consistency", m))?,
+    };
+    let samples = match t.and_then(|t| t.samples.as_ref()) {
+        None => DEFAULT_SAMPLES,
+        Some(s) => match s.get_ref() {
+            Count::Fixed(n) => *n,
+            Count::Auto => counts.shape(&cx, s, "training.samples")?.samples,
+        },
+    };
+    let positive = |v: Option<&Spanned<u32>>, field: &str, default: u32| match v {
+        None => Ok(default),
+        Some(v) if *v.get_ref() == 0 => Err(cx.at(v, field, "must be > 0")),
+        Some(v) => Ok(*v.get_ref()),
+    };
+    if samples == 0 {
+        let at = t
+            .and_then(|t| t.samples.as_ref())
+            .map_or(0..0, Spanned::span);
+        return Err(cx.err(at, "training.samples", "must be > 0"));
+    }
+    let lease_ms = match t.and_then(|t| t.lease_ms.as_ref()) {
+        Some(v) if *v.get_ref() < MIN_LEASE_MS => {
+            return Err(cx.at(v, "training.lease_ms", format!("must be >= {MIN_LEASE_MS}")));
+        }
+        Some(v) => *v.get_ref(),
+        None => DEFAULT_LEASE_MS,
+    };
+    Ok(JobConfig {
+        model,
+        tensors,
+        chunk_size: positive(
+            t.and_then(|t| t.chunk_size.as_ref()),
+            "training.chunk_size",
+            DEFAULT_CHUNK_SIZE,
+        )?,
+        optimizer,
+        consistency,
+        batch_size: positive(
+            t.and_then(|t| t.batch_size.as_ref()),
+            "training.batch_size",
+            DEFAULT_BATCH_SIZE,
+        )?,
+        epochs: positive(
+            t.and_then(|t| t.epochs.as_ref()),
+            "training.epochs",
+            DEFAULT_EPOCHS,
+        )?,
+        // A batch larger than a partition is allowed: workers cut batches within a partition.
+        partition_size: positive(
+            t.and_then(|t| t.partition_size.as_ref()),
+            "training.partition_size",
+            DEFAULT_PARTITION_SIZE,
+        )?,
+        train_samples: samples,
+        seed: t
+            .and_then(|t| t.seed.as_ref())
+            .map_or(DEFAULT_SEED, |s| s.get_ref().0),
+        lease_ms,
+        data,
+    })
+}
+
+/// Writes a job as a job file that [`parse`] reads back to an equal [`JobConfig`]: a `custom`
+/// model lists its tensors, an `mlp` or `logreg` model is written by kind (its tensors are
+/// assumed to be the ones the kind builds). Data paths are written as they are; relative ones
+/// resolve against the directory of the file they are written to.
+pub fn to_toml(job: &JobConfig) -> String {
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = write_toml(&mut out, job);
+    out
+}
+
+/// The resolved job as a human-readable report: the settings, a table of tensors (name, shape,
+/// init, offset, floats, keys) and the totals (parameters, bytes at 4 per float, keys).
+pub fn describe(job: &JobConfig) -> String {
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = write_description(&mut out, job);
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// The file as written: every table denies unknown fields, and values keep their spans so that
+// semantic errors can name the line.
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawJob {
+    model: Spanned<RawModel>,
+    optimizer: Option<Spanned<RawOptimizer>>,
+    training: Option<Spanned<RawTraining>>,
+    data: Option<Spanned<RawData>>,
+    tensor: Option<Spanned<Vec<Spanned<RawTensor>>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModel {
+    kind: Spanned<String>,
+    layers: Option<Spanned<Vec<Spanned<u32>>>>,
+    features: Option<Spanned<Count>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOptimizer {
+    kind: Spanned<String>,
+    lr: Option<Spanned<f32>>,
+    momentum: Option<Spanned<f32>>,
+    beta1: Option<Spanned<f32>>,
+    beta2: Option<Spanned<f32>>,
+    eps: Option<Spanned<f32>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTraining {
+    consistency: Option<Spanned<String>>,
+    batch_size: Option<Spanned<u32>>,
+    epochs: Option<Spanned<u32>>,
+    samples: Option<Spanned<Count>>,
+    partition_size: Option<Spanned<u32>>,
+    lease_ms: Option<Spanned<u32>>,
+    seed: Option<Spanned<Seed>>,
+    chunk_size: Option<Spanned<u32>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawData {
+    format: Spanned<String>,
+    train: Spanned<String>,
+    test: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTensor {
+    name: Spanned<String>,
+    shape: Spanned<Vec<Spanned<u32>>>,
+    init: Spanned<String>,
+    scale: Option<Spanned<f32>>,
+    value: Option<Spanned<f32>>,
+}
+
+/// A count given as a number or as `"auto"` (taken from the training data).
+enum Count {
+    Auto,
+    Fixed(u32),
+}
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Count;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a positive integer or \"auto\"")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Count, E> {
+                u32::try_from(v)
+                    .map(Count::Fixed)
+                    .map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Count, E> {
+                u32::try_from(v)
+                    .map(Count::Fixed)
+                    .map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Count, E> {
+                match v {
+                    "auto" => Ok(Count::Auto),
+                    _ => Err(E::invalid_value(Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A seed: a TOML integer, or a decimal string for seeds above `i64::MAX` (TOML integers are
+/// signed 64-bit).
+struct Seed(u64);
+
+impl<'de> Deserialize<'de> for Seed {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Seed;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a non-negative integer (or a decimal string above 2^63)")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Seed, E> {
+                u64::try_from(v)
+                    .map(Seed)
+                    .map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Seed, E> {
+                Ok(Seed(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Seed, E> {
+                v.parse()
+                    .map(Seed)
+                    .map_err(|_| E::invalid_value(Unexpected::Str(v), &self))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The training data's shape, scanned at most once and only when a count is `auto`.
+struct Counts<'a> {
+    data: Option<(&'a DataSpec, &'a Spanned<RawData>)>,
+    shape: Option<libsvm::Shape>,
+}
+
+impl Counts<'_> {
+    fn shape<T>(
+        &mut self,
+        cx: &Cx<'_>,
+        at: &Spanned<T>,
+        field: &str,
+    ) -> Result<libsvm::Shape, JobFileError> {
+        if let Some(shape) = self.shape {
+            return Ok(shape);
+        }
+        let (spec, raw) = match self.data {
+            Some((spec, raw)) if spec.format == DataFormat::LibSvm => (spec, raw),
+            _ => {
+                return Err(cx.at(
+                    at,
+                    field,
+                    "\"auto\" needs libsvm training data to count: add [data] with format = \"libsvm\"",
+                ));
+            }
+        };
+        let shape = libsvm::scan(Path::new(&spec.train)).map_err(|e| {
+            cx.at(
+                &raw.get_ref().train,
+                "data.train",
+                format!("cannot count the training data for {field} = \"auto\": {e}"),
+            )
+        })?;
+        self.shape = Some(shape);
+        Ok(shape)
+    }
+}
+
+/// The file being parsed, for messages.
+struct Cx<'a> {
+    text: &'a str,
+    path: &'a Path,
+}
+
+impl Cx<'_> {
+    /// The 1-based line holding byte `offset`.
+    fn line(&self, offset: usize) -> usize {
+        let end = offset.min(self.text.len());
+        self.text.as_bytes()[..end]
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count()
+            + 1
+    }
+
+    fn err(&self, span: Range<usize>, field: &str, message: impl Into<String>) -> JobFileError {
+        JobFileError::Invalid {
+            path: self.path.to_path_buf(),
+            line: (!self.text.is_empty()).then(|| self.line(span.start)),
+            field: field.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    fn at<T>(&self, value: &Spanned<T>, field: &str, message: impl Into<String>) -> JobFileError {
+        self.err(value.span(), field, message)
+    }
+
+    /// A TOML syntax or type error, with the field found from its span.
+    fn toml_error(&self, e: &toml::de::Error) -> JobFileError {
+        let message = e.message().trim().to_owned();
+        let span = e.span();
+        let missing = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.strip_suffix('`'));
+        let found = span.as_ref().and_then(|s| field_at(self.text, s.start));
+        let (line, field) = match (span, missing) {
+            // A field missing from the top level has an empty span at the start of the file.
+            (Some(s), Some(name)) if s.is_empty() && s.start == 0 => (None, name.to_owned()),
+            // Otherwise the span is the header of the table that lacks the field.
+            (Some(s), Some(name)) => (
+                Some(self.line(s.start)),
+                found.map_or_else(|| name.to_owned(), |table| format!("{table}.{name}")),
+            ),
+            (Some(s), None) => (
+                Some(self.line(s.start)),
+                found.unwrap_or_else(|| "(toml)".to_owned()),
+            ),
+            (None, _) => (None, missing.unwrap_or("(toml)").to_owned()),
+        };
+        JobFileError::Invalid {
+            path: self.path.to_path_buf(),
+            line,
+            field,
+            message,
+        }
+    }
+
+    fn data(&self, raw: &Spanned<RawData>) -> Result<DataSpec, JobFileError> {
+        let d = raw.get_ref();
+        let format = match d.format.get_ref().as_str() {
+            "idx" => DataFormat::Idx,
+            "libsvm" => DataFormat::LibSvm,
+            other => {
+                return Err(self.at(
+                    &d.format,
+                    "data.format",
+                    format!("unknown format {other:?}: use idx or libsvm"),
+                ));
+            }
+        };
+        let resolve = |p: &Spanned<String>, field: &str| -> Result<String, JobFileError> {
+            if p.get_ref().is_empty() {
+                return Err(self.at(p, field, "must not be empty"));
+            }
+            let given = Path::new(p.get_ref());
+            if given.is_absolute() {
+                return Ok(p.get_ref().clone());
+            }
+            let dir = self.path.parent().unwrap_or(Path::new(""));
+            dir.join(given)
+                .to_str()
+                .map(str::to_owned)
+                .ok_or_else(|| self.at(p, field, "the resolved path is not valid UTF-8"))
+        };
+        Ok(DataSpec {
+            format,
+            train: resolve(&d.train, "data.train")?,
+            test: match &d.test {
+                Some(t) => resolve(t, "data.test")?,
+                None => String::new(),
+            },
+        })
+    }
+
+    fn model(
+        &self,
+        raw: &RawJob,
+        counts: &mut Counts<'_>,
+    ) -> Result<(ModelSpec, Vec<TensorSpec>), JobFileError> {
+        let m = raw.model.get_ref();
+        let kind = m.kind.get_ref().as_str();
+        let unknown = || {
+            self.at(
+                &m.kind,
+                "model.kind",
+                format!("unknown model kind {kind:?}: use mlp, logreg or custom"),
+            )
+        };
+        if !matches!(kind, "mlp" | "logreg" | "custom") {
+            return Err(unknown());
+        }
+        let only = |present: bool, span: Range<usize>, field: &str, kinds: &str| {
+            if present {
+                Err(self.err(span, field, format!("only for kind = {kinds}")))
+            } else {
+                Ok(())
+            }
+        };
+        if kind != "mlp" {
+            let span = m.layers.as_ref().map_or(0..0, Spanned::span);
+            only(m.layers.is_some(), span, "model.layers", "\"mlp\"")?;
+        }
+        if kind != "logreg" {
+            let span = m.features.as_ref().map_or(0..0, Spanned::span);
+            only(m.features.is_some(), span, "model.features", "\"logreg\"")?;
+        }
+        if kind != "custom"
+            && let Some(first) = raw.tensor.as_ref().and_then(|t| t.get_ref().first())
+        {
+            return Err(self.at(
+                first,
+                "tensor",
+                format!(
+                    "[[tensor]] tables are only for kind = \"custom\"; kind = {kind:?} \
+                     builds its own tensors"
+                ),
+            ));
+        }
+        let (model, tensors, total_at, total_field) = match kind {
+            "mlp" => {
+                let Some(layers) = &m.layers else {
+                    return Err(self.at(
+                        &m.kind,
+                        "model.layers",
+                        "missing: an mlp needs its layer widths, e.g. layers = [784, 256, 128, 10]",
+                    ));
+                };
+                if layers.get_ref().len() < 2 {
+                    return Err(self.at(
+                        layers,
+                        "model.layers",
+                        "needs at least 2 widths (input and classes)",
+                    ));
+                }
+                if let Some((i, w)) = layers
+                    .get_ref()
+                    .iter()
+                    .enumerate()
+                    .find(|(_, w)| *w.get_ref() == 0)
+                {
+                    return Err(self.at(w, "model.layers", format!("width {i} is 0; must be > 0")));
+                }
+                let widths: Vec<u32> = layers.get_ref().iter().map(|w| *w.get_ref()).collect();
+                let tensors = ModelSpec::mlp_tensors(&widths);
+                (
+                    ModelSpec::Mlp { layers: widths },
+                    tensors,
+                    layers.span(),
+                    "model.layers",
+                )
+            }
+            "logreg" => {
+                let Some(f) = &m.features else {
+                    return Err(self.at(
+                        &m.kind,
+                        "model.features",
+                        "missing: a logreg needs features = N or features = \"auto\"",
+                    ));
+                };
+                let features = match f.get_ref() {
+                    Count::Fixed(n) => *n,
+                    Count::Auto => counts.shape(self, f, "model.features")?.features,
+                };
+                if features == 0 {
+                    let message = match f.get_ref() {
+                        Count::Fixed(_) => "must be > 0",
+                        Count::Auto => "the training data has no features",
+                    };
+                    return Err(self.at(f, "model.features", message));
+                }
+                (
+                    ModelSpec::LogReg { features },
+                    ModelSpec::logreg_tensors(features),
+                    f.span(),
+                    "model.features",
+                )
+            }
+            "custom" => {
+                let list = raw.tensor.as_ref().map(Spanned::get_ref);
+                let Some(list) = list.filter(|l| !l.is_empty()) else {
+                    return Err(self.at(
+                        &m.kind,
+                        "tensor",
+                        "missing: a custom model lists its tensors as [[tensor]] tables",
+                    ));
+                };
+                return self.custom(list);
+            }
+            _ => return Err(unknown()),
+        };
+        self.check_total(&tensors, total_at, total_field)?;
+        Ok((model, tensors))
+    }
+
+    fn check_total(
+        &self,
+        tensors: &[TensorSpec],
+        span: Range<usize>,
+        field: &str,
+    ) -> Result<(), JobFileError> {
+        let total = tensors.iter().fold(0u64, |n, t| n.saturating_add(t.len()));
+        if total > MAX_PARAMETERS {
+            return Err(self.err(
+                span,
+                field,
+                format!(
+                    "the model has {total} parameters, more than the limit of \
+                     {MAX_PARAMETERS} (2^31) floats"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn custom(
+        &self,
+        list: &[Spanned<RawTensor>],
+    ) -> Result<(ModelSpec, Vec<TensorSpec>), JobFileError> {
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        let mut tensors = Vec::with_capacity(list.len());
+        for (i, t) in list.iter().enumerate() {
+            let t = t.get_ref();
+            let field = |k: &str| format!("tensor[{i}].{k}");
+            let name = t.name.get_ref();
+            if name.is_empty() {
+                return Err(self.at(&t.name, &field("name"), "must not be empty"));
+            }
+            if name.chars().any(char::is_whitespace) {
+                return Err(self.at(
+                    &t.name,
+                    &field("name"),
+                    format!("{name:?} contains whitespace"),
+                ));
+            }
+            if let Some(j) = seen.insert(name, i) {
+                return Err(self.at(
+                    &t.name,
+                    &field("name"),
+                    format!("{name:?} is already the name of tensor[{j}]"),
+                ));
+            }
+            let dims = t.shape.get_ref();
+            if dims.is_empty() {
+                return Err(self.at(&t.shape, &field("shape"), "must have at least one dim"));
+            }
+            if let Some((d, dim)) = dims.iter().enumerate().find(|(_, d)| *d.get_ref() == 0) {
+                return Err(self.at(dim, &field("shape"), format!("dim {d} is 0; must be > 0")));
+            }
+            let shape: Vec<u32> = dims.iter().map(|d| *d.get_ref()).collect();
+            let init = self.init(t, &shape, &field)?;
+            tensors.push(TensorSpec {
+                name: name.clone(),
+                shape,
+                init,
+            });
+            self.check_total(&tensors, t.shape.span(), &field("shape"))?;
+        }
+        Ok((ModelSpec::Custom, tensors))
+    }
+
+    fn init(
+        &self,
+        t: &RawTensor,
+        shape: &[u32],
+        field: &dyn Fn(&str) -> String,
+    ) -> Result<Init, JobFileError> {
+        let kind = t.init.get_ref().as_str();
+        let forbid = |v: &Option<Spanned<f32>>, key: &str| match v {
+            Some(v) => Err(self.at(v, &field(key), format!("not used by init = {kind:?}"))),
+            None => Ok(()),
+        };
+        let required = |v: &Option<Spanned<f32>>, key: &str, positive: bool| match v {
+            None => Err(self.at(
+                &t.init,
+                &field(key),
+                format!("missing: init = {kind:?} needs {key}"),
+            )),
+            Some(v) if !v.get_ref().is_finite() => {
+                Err(self.at(v, &field(key), "must be a finite number"))
+            }
+            Some(v) if positive && *v.get_ref() <= 0.0 => {
+                Err(self.at(v, &field(key), "must be > 0"))
+            }
+            Some(v) => Ok(*v.get_ref()),
+        };
+        let init = match kind {
+            "zeros" => {
+                forbid(&t.scale, "scale")?;
+                forbid(&t.value, "value")?;
+                Init::Zeros
+            }
+            "constant" => {
+                forbid(&t.scale, "scale")?;
+                Init::Constant {
+                    value: required(&t.value, "value", false)?,
+                }
+            }
+            "uniform" => {
+                forbid(&t.value, "value")?;
+                Init::Uniform {
+                    limit: required(&t.scale, "scale", true)?,
+                }
+            }
+            "normal" => {
+                forbid(&t.value, "value")?;
+                Init::Normal {
+                    std: required(&t.scale, "scale", true)?,
+                }
+            }
+            _ => match fan_init(kind, shape) {
+                Some(init) => {
+                    forbid(&t.scale, "scale")?;
+                    forbid(&t.value, "value")?;
+                    init
+                }
+                None => {
+                    return Err(self.at(
+                        &t.init,
+                        &field("init"),
+                        format!(
+                            "unknown init {kind:?}: use zeros, constant, uniform, normal, \
+                             glorot_uniform, glorot_normal, he_uniform or he_normal"
+                        ),
+                    ));
+                }
+            },
+        };
+        Ok(init)
+    }
+
+    fn optimizer(
+        &self,
+        raw: Option<&Spanned<RawOptimizer>>,
+    ) -> Result<OptimizerSpec, JobFileError> {
+        let Some(raw) = raw else {
+            return DEFAULT_OPTIMIZER
+                .parse()
+                .map_err(|m| self.err(0..0, "optimizer", m));
+        };
+        let o = raw.get_ref();
+        let kind = o.kind.get_ref().as_str();
+        // The kind alone parses to the optimizer with the defaults `--optimizer` uses.
+        let mut spec: OptimizerSpec = match kind {
+            "sgd" | "momentum" | "adam" => kind
+                .parse()
+                .map_err(|m| self.at(&o.kind, "optimizer.kind", m))?,
+            _ => {
+                return Err(self.at(
+                    &o.kind,
+                    "optimizer.kind",
+                    format!("unknown optimizer {kind:?}: use sgd, momentum or adam"),
+                ));
+            }
+        };
+        let only = |v: &Option<Spanned<f32>>, key: &str, kinds: &str| match v {
+            Some(v) if kind != kinds => Err(self.at(
+                v,
+                &format!("optimizer.{key}"),
+                format!("only for kind = {kinds:?}"),
+            )),
+            _ => Ok(()),
+        };
+        only(&o.momentum, "momentum", "momentum")?;
+        only(&o.beta1, "beta1", "adam")?;
+        only(&o.beta2, "beta2", "adam")?;
+        only(&o.eps, "eps", "adam")?;
+        let check = |v: &Spanned<f32>, key: &str, ok: fn(f32) -> bool, rule: &str| {
+            let x = *v.get_ref();
+            if x.is_finite() && ok(x) {
+                Ok(x)
+            } else {
+                Err(self.at(
+                    v,
+                    &format!("optimizer.{key}"),
+                    format!("{x} is out of range: {rule}"),
+                ))
+            }
+        };
+        let unit = |x: f32| (0.0..1.0).contains(&x);
+        let set = |slot: &mut f32,
+                   v: &Option<Spanned<f32>>,
+                   key: &str,
+                   ok: fn(f32) -> bool,
+                   rule: &str| {
+            if let Some(v) = v {
+                *slot = check(v, key, ok, rule)?;
+            }
+            Ok::<(), JobFileError>(())
+        };
+        match &mut spec {
+            OptimizerSpec::Sgd { lr } => {
+                set(lr, &o.lr, "lr", |x| x > 0.0, "must be finite and > 0")?
+            }
+            OptimizerSpec::Momentum { lr, momentum } => {
+                set(lr, &o.lr, "lr", |x| x > 0.0, "must be finite and > 0")?;
+                set(momentum, &o.momentum, "momentum", unit, "must be in [0, 1)")?;
+            }
+            OptimizerSpec::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                set(lr, &o.lr, "lr", |x| x > 0.0, "must be finite and > 0")?;
+                set(beta1, &o.beta1, "beta1", unit, "must be in [0, 1)")?;
+                set(beta2, &o.beta2, "beta2", unit, "must be in [0, 1)")?;
+                set(eps, &o.eps, "eps", |x| x > 0.0, "must be finite and > 0")?;
+            }
+        }
+        Ok(spec)
+    }
+}
+
+/// The fans of a tensor under the `[in, out, receptive...]` convention: `[a]` has both fans
+/// `a`; `[a, b, rest...]` has `a * prod(rest)` in and `b * prod(rest)` out.
+fn fans(shape: &[u32]) -> (f64, f64) {
+    match shape {
+        [] => (1.0, 1.0),
+        [a] => (f64::from(*a), f64::from(*a)),
+        [a, b, rest @ ..] => {
+            let receptive: f64 = rest.iter().map(|&d| f64::from(d)).product();
+            (f64::from(*a) * receptive, f64::from(*b) * receptive)
+        }
+    }
+}
+
+/// Resolves a Glorot or He init from the tensor's fans; `None` for other names.
+fn fan_init(kind: &str, shape: &[u32]) -> Option<Init> {
+    let (fan_in, fan_out) = fans(shape);
+    let init = match kind {
+        "glorot_uniform" => Init::Uniform {
+            limit: (6.0 / (fan_in + fan_out)).sqrt() as f32,
+        },
+        "glorot_normal" => Init::Normal {
+            std: (2.0 / (fan_in + fan_out)).sqrt() as f32,
+        },
+        "he_uniform" => Init::Uniform {
+            limit: (6.0 / fan_in).sqrt() as f32,
+        },
+        "he_normal" => Init::Normal {
+            std: (2.0 / fan_in).sqrt() as f32,
+        },
+        _ => return None,
+    };
+    Some(init)
+}
+
+/// The dotted path of the innermost key or value whose span holds byte `offset`, found in the
+/// spanned document (as much of it as parses).
+fn field_at(text: &str, offset: usize) -> Option<String> {
+    let (root, _) = DeTable::parse_recoverable(text);
+    let mut best: Option<(usize, String)> = None;
+    visit_table(root.get_ref(), "", offset, &mut best);
+    best.map(|(_, path)| path)
+}
+
+fn consider(span: Range<usize>, path: &str, offset: usize, best: &mut Option<(usize, String)>) {
+    let holds = span.contains(&offset) || (span.is_empty() && span.start == offset);
+    if holds && best.as_ref().is_none_or(|(len, _)| span.len() <= *len) {
+        *best = Some((span.len(), path.to_owned()));
+    }
+}
+
+fn visit_table(t: &DeTable<'_>, prefix: &str, offset: usize, best: &mut Option<(usize, String)>) {
+    for (k, v) in t.iter() {
+        let path = if prefix.is_empty() {
+            k.get_ref().to_string()
+        } else {
+            format!("{prefix}.{}", k.get_ref())
+        };
+        consider(k.span(), &path, offset, best);
+        consider(v.span(), &path, offset, best);
+        visit_value(v, &path, offset, best);
+    }
+}
+
+fn visit_value(
+    v: &Spanned<DeValue<'_>>,
+    path: &str,
+    offset: usize,
+    best: &mut Option<(usize, String)>,
+) {
+    match v.get_ref() {
+        DeValue::Table(t) => visit_table(t, path, offset, best),
+        DeValue::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                let path = format!("{path}[{i}]");
+                consider(item.span(), &path, offset, best);
+                visit_value(item, &path, offset, best);
+            }
+        }
+        _ => {}
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing.
+
+/// A float as TOML: `Debug` always writes a `.` or an exponent and the shortest digits that
+/// read back to the same `f32`.
+fn toml_float(x: f32) -> String {
+    if x.is_nan() {
+        "nan".to_owned()
+    } else if x.is_infinite() {
+        if x > 0.0 { "inf" } else { "-inf" }.to_owned()
+    } else {
+        format!("{x:?}")
+    }
+}
+
+/// A TOML basic string.
+fn toml_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => {
+                let _ = write!(out, "\\u{:04X}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn join<T: ToString>(items: &[T]) -> String {
+    items
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
+    writeln!(out, "[model]")?;
+    match &job.model {
+        ModelSpec::Mlp { layers } => {
+            writeln!(out, "kind = \"mlp\"")?;
+            writeln!(out, "layers = [{}]", join(layers))?;
+        }
+        ModelSpec::LogReg { features } => {
+            writeln!(out, "kind = \"logreg\"")?;
+            writeln!(out, "features = {features}")?;
+        }
+        ModelSpec::Custom => writeln!(out, "kind = \"custom\"")?,
+    }
+    writeln!(out, "\n[optimizer]")?;
+    match &job.optimizer {
+        OptimizerSpec::Sgd { lr } => {
+            writeln!(out, "kind = \"sgd\"\nlr = {}", toml_float(*lr))?;
+        }
+        OptimizerSpec::Momentum { lr, momentum } => {
+            writeln!(out, "kind = \"momentum\"\nlr = {}", toml_float(*lr))?;
+            writeln!(out, "momentum = {}", toml_float(*momentum))?;
+        }
+        OptimizerSpec::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => {
+            writeln!(out, "kind = \"adam\"\nlr = {}", toml_float(*lr))?;
+            writeln!(out, "beta1 = {}", toml_float(*beta1))?;
+            writeln!(out, "beta2 = {}", toml_float(*beta2))?;
+            writeln!(out, "eps = {}", toml_float(*eps))?;
+        }
+    }
+    writeln!(out, "\n[training]")?;
+    writeln!(out, "consistency = \"{}\"", job.consistency)?;
+    writeln!(out, "batch_size = {}", job.batch_size)?;
+    writeln!(out, "epochs = {}", job.epochs)?;
+    writeln!(out, "samples = {}", job.train_samples)?;
+    writeln!(out, "partition_size = {}", job.partition_size)?;
+    writeln!(out, "lease_ms = {}", job.lease_ms)?;
+    if i64::try_from(job.seed).is_ok() {
+        writeln!(out, "seed = {}", job.seed)?;
+    } else {
+        writeln!(out, "seed = \"{}\"", job.seed)?;
+    }
+    writeln!(out, "chunk_size = {}", job.chunk_size)?;
+    if let Some(data) = &job.data {
+        writeln!(out, "\n[data]")?;
+        writeln!(out, "format = \"{}\"", data.format)?;
+        writeln!(out, "train = {}", toml_string(&data.train))?;
+        if !data.test.is_empty() {
+            writeln!(out, "test = {}", toml_string(&data.test))?;
+        }
+    }
+    if job.model == ModelSpec::Custom {
+        for t in &job.tensors {
+            writeln!(out, "\n[[tensor]]")?;
+            writeln!(out, "name = {}", toml_string(&t.name))?;
+            writeln!(out, "shape = [{}]", join(&t.shape))?;
+            match t.init {
+                Init::Zeros => writeln!(out, "init = \"zeros\"")?,
+                Init::Uniform { limit } => {
+                    writeln!(out, "init = \"uniform\"\nscale = {}", toml_float(limit))?;
+                }
+                Init::Normal { std } => {
+                    writeln!(out, "init = \"normal\"\nscale = {}", toml_float(std))?;
+                }
+                Init::Constant { value } => {
+                    writeln!(out, "init = \"constant\"\nvalue = {}", toml_float(value))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn optimizer_text(o: &OptimizerSpec) -> String {
+    match o {
+        OptimizerSpec::Sgd { lr } => format!("sgd, lr {lr}"),
+        OptimizerSpec::Momentum { lr, momentum } => {
+            format!("momentum, lr {lr}, momentum {momentum}")
+        }
+        OptimizerSpec::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => format!("adam, lr {lr}, beta1 {beta1}, beta2 {beta2}, eps {eps:e}"),
+    }
+}
+
+/// Bytes with a binary unit, e.g. `918.5 KiB`.
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = n as f64;
+    let mut unit = 0;
+    while x >= 1024.0 && unit + 1 < UNITS.len() {
+        x /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{x:.1} {}", UNITS[unit])
+    }
+}
+
+fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
+    let partitions = job.train_samples.div_ceil(job.partition_size.max(1));
+    let settings = [
+        ("model", job.model.to_string()),
+        ("optimizer", optimizer_text(&job.optimizer)),
+        ("consistency", job.consistency.to_string()),
+        ("batch size", format!("{} samples", job.batch_size)),
+        ("epochs", job.epochs.to_string()),
+        ("samples", format!("{} per epoch", job.train_samples)),
+        (
+            "partitions",
+            format!(
+                "{} samples each, {partitions} per epoch",
+                job.partition_size
+            ),
+        ),
+        ("lease", format!("{} ms", job.lease_ms)),
+        ("seed", job.seed.to_string()),
+        ("chunk size", format!("{} floats per key", job.chunk_size)),
+        (
+            "data",
+            match &job.data {
+                None => "not named (workers are told where it lies)".to_owned(),
+                Some(d) if d.test.is_empty() => format!("{}: train {}", d.format, d.train),
+                Some(d) => format!("{}: train {}, test {}", d.format, d.train, d.test),
+            },
+        ),
+    ];
+    for (name, value) in settings {
+        writeln!(out, "{name:<12} {value}")?;
+    }
+
+    let mut keys = vec![0u64; job.tensors.len()];
+    let layout = job.layout();
+    for span in layout.spans() {
+        if let Some(k) = keys.get_mut(span.tensor) {
+            *k += 1;
+        }
+    }
+    let mut rows = vec![[
+        "tensor".to_owned(),
+        "shape".to_owned(),
+        "init".to_owned(),
+        "offset".to_owned(),
+        "floats".to_owned(),
+        "keys".to_owned(),
+    ]];
+    let mut offset = 0u64;
+    for (t, k) in job.tensors.iter().zip(&keys) {
+        let shape: Vec<String> = t.shape.iter().map(u32::to_string).collect();
+        rows.push([
+            t.name.clone(),
+            format!("[{}]", shape.join(", ")),
+            t.init.to_string(),
+            offset.to_string(),
+            t.len().to_string(),
+            k.to_string(),
+        ]);
+        offset = offset.saturating_add(t.len());
+    }
+    let mut width = [0usize; 6];
+    for row in &rows {
+        for (w, cell) in width.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    writeln!(out)?;
+    for row in &rows {
+        let mut line = String::new();
+        for (i, (cell, w)) in row.iter().zip(width).enumerate() {
+            // Names, shapes and inits align left, numbers right.
+            if i < 3 {
+                write!(line, "{cell:<w$}  ")?;
+            } else {
+                write!(line, "{cell:>w$}  ")?;
+            }
+        }
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    let total = layout.total_len();
+    let bytes = total.saturating_mul(4);
+    writeln!(
+        out,
+        "\ntotal: {total} parameters, {bytes} bytes ({}), {} keys",
+        human_bytes(bytes),
+        layout.num_keys()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MLP: &str = r#"[model]
+kind = "mlp"
+layers = [784, 256, 128, 10]
+
+[optimizer]
+kind = "sgd"
+lr = 0.1
+
+[training]
+consistency = "ssp:2"
+batch_size = 64
+epochs = 3
+samples = 60000
+"#;
+
+    const LOGREG: &str = r#"[model]
+kind = "logreg"
+features = 126
+
+[optimizer]
+kind = "momentum"
+lr = 0.05
+momentum = 0.9
+
+[training]
+consistency = "asp"
+batch_size = 32
+samples = 6513
+
+[data]
+format = "libsvm"
+train = "/data/agaricus.txt.train"
+"#;
+
+    const CUSTOM: &str = r#"[model]
+kind = "custom"
+
+[optimizer]
+kind = "momentum"
+lr = 0.05
+momentum = 0.9
+
+[training]
+consistency = "bsp"
+batch_size = 32
+epochs = 1
+samples = 1000
+
+[[tensor]]
+name = "fc1.weight"
+shape = [784, 128]
+init = "glorot_uniform"
+
+[[tensor]]
+name = "fc1.bias"
+shape = [128]
+init = "zeros"
+"#;
+
+    fn job(text: &str) -> JobConfig {
+        match parse(text, Path::new("job.toml")) {
+            Ok(job) => job,
+            Err(e) => panic!("{e}\n--- in ---\n{text}"),
+        }
+    }
+
+    /// `base` with each `(from, to)` replaced once (and `from` present).
+    fn with(base: &str, edits: &[(&str, &str)]) -> String {
+        let mut text = base.to_owned();
+        for (from, to) in edits {
+            assert!(text.contains(from), "{from:?} not in the base text");
+            text = text.replacen(from, to, 1);
+        }
+        text
+    }
+
+    /// A base text, its edits, the field the error must name and its line.
+    type Case = (
+        &'static str,
+        &'static [(&'static str, &'static str)],
+        &'static str,
+        usize,
+    );
+
+    fn close(a: f32, b: f64) -> bool {
+        (f64::from(a) - b).abs() < 1e-6
+    }
+
+    #[test]
+    fn mlp_file_takes_edl_ps_defaults_for_the_rest() {
+        let job = job(MLP);
+        let layers = vec![784, 256, 128, 10];
+        assert_eq!(job.tensors, ModelSpec::mlp_tensors(&layers));
+        assert_eq!(job.model, ModelSpec::Mlp { layers });
+        assert_eq!(job.optimizer, OptimizerSpec::Sgd { lr: 0.1 });
+        assert_eq!(job.consistency, Consistency::Ssp { staleness: 2 });
+        assert_eq!(
+            (job.batch_size, job.epochs, job.train_samples),
+            (64, 3, 60_000)
+        );
+        assert_eq!((job.partition_size, job.lease_ms), (1024, 3000));
+        assert_eq!((job.seed, job.chunk_size), (1, 16_384));
+        assert_eq!(job.data, None);
+
+        // With only a model, the job is the one `edl-ps coordinator` builds from its defaults.
+        let bare = self::job("[model]\nkind = \"mlp\"\nlayers = [784, 256, 128, 10]\n");
+        let adam = OptimizerSpec::Adam {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        };
+        assert_eq!(bare.optimizer, adam);
+        assert_eq!(bare.consistency, Consistency::Ssp { staleness: 2 });
+        assert_eq!(bare.train_samples, 60_000);
+    }
+
+    #[test]
+    fn logreg_file_with_fixed_counts() {
+        let job = job(LOGREG);
+        assert_eq!(job.model, ModelSpec::LogReg { features: 126 });
+        assert_eq!(job.tensors, ModelSpec::logreg_tensors(126));
+        assert_eq!(
+            job.optimizer,
+            OptimizerSpec::Momentum {
+                lr: 0.05,
+                momentum: 0.9
+            }
+        );
+        assert_eq!(job.consistency, Consistency::Asp);
+        assert_eq!((job.batch_size, job.train_samples), (32, 6513));
+        let data = job.data.expect("data");
+        assert_eq!(data.format, DataFormat::LibSvm);
+        assert_eq!(data.train, "/data/agaricus.txt.train");
+        assert_eq!(data.test, "");
+    }
+
+    #[test]
+    fn custom_file_lists_tensors() {
+        let job = job(CUSTOM);
+        assert_eq!(job.model, ModelSpec::Custom);
+        assert_eq!(job.consistency, Consistency::Bsp);
+        let names: Vec<&str> = job.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["fc1.weight", "fc1.bias"]);
+        assert_eq!(job.tensors[0].shape, [784, 128]);
+        // Glorot-uniform as the built-in MLP draws it.
+        assert_eq!(
+            job.tensors[0].init,
+            ModelSpec::mlp_tensors(&[784, 128])[0].init
+        );
+        assert_eq!(job.tensors[1].init, Init::Zeros);
+    }
+
+    #[test]
+    fn glorot_and_he_resolve_from_the_fans() {
+        assert_eq!(fans(&[784, 128]), (784.0, 128.0));
+        assert_eq!(fans(&[10]), (10.0, 10.0));
+        assert_eq!(fans(&[3, 16, 5, 5]), (75.0, 400.0));
+        let cases: [(&str, &[u32], f64); 7] = [
+            ("glorot_uniform", &[784, 128], 0.081_110_710_565_381_27),
+            ("glorot_normal", &[784, 128], 0.046_829_290_579_084_7),
+            ("he_uniform", &[784, 128], 0.087_481_776_527_970_65),
+            ("he_normal", &[784, 128], 0.050_507_627_227_610_534),
+            ("glorot_uniform", &[10], 0.547_722_557_505_166_1),
+            ("glorot_uniform", &[3, 16, 5, 5], 0.112_390_297_389_803_27),
+            ("he_normal", &[3, 16, 5, 5], 0.163_299_316_185_545_22),
+        ];
+        for (kind, shape, want) in cases {
+            let got = match fan_init(kind, shape) {
+                Some(Init::Uniform { limit }) if kind.ends_with("uniform") => limit,
+                Some(Init::Normal { std }) if kind.ends_with("normal") => std,
+                other => panic!("{kind} {shape:?} resolved to {other:?}"),
+            };
+            assert!(close(got, want), "{kind} {shape:?}: {got} != {want}");
+        }
+        assert_eq!(fan_init("xavier", &[1]), None);
+
+        // Through a file: he_normal on a conv kernel.
+        let text = with(
+            CUSTOM,
+            &[(
+                "shape = [784, 128]\ninit = \"glorot_uniform\"",
+                "shape = [3, 16, 5, 5]\ninit = \"he_normal\"",
+            )],
+        );
+        match &self::job(&text).tensors[0].init {
+            Init::Normal { std } => assert!(close(*std, 0.163_299_316_185_545_22)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn auto_counts_come_from_the_libsvm_training_data() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        std::fs::write(
+            dir.path().join("train.txt"),
+            "1 3:1 10:1\n# a comment\n0 1:0.5\n1 7:2 12:1\n",
+        )?;
+        let text = with(
+            LOGREG,
+            &[
+                ("features = 126", "features = \"auto\""),
+                ("samples = 6513", "samples = \"auto\""),
+                (
+                    "train = \"/data/agaricus.txt.train\"",
+                    "train = \"train.txt\"\ntest = \"test.txt\"",
+                ),
+            ],
+        );
+        let file = dir.path().join("job.toml");
+        std::fs::write(&file, &text)?;
+        let job = load(&file)?;
+        assert_eq!(job.model, ModelSpec::LogReg { features: 12 });
+        assert_eq!(job.tensors, ModelSpec::logreg_tensors(12));
+        assert_eq!(job.train_samples, 3);
+        // Relative paths resolve against the job file's directory; the test data is not read.
+        let data = job.data.expect("data");
+        assert_eq!(Path::new(&data.train), dir.path().join("train.txt"));
+        assert_eq!(Path::new(&data.test), dir.path().join("test.txt"));
+
+        // A missing training file is an error at data.train.
+        std::fs::remove_file(dir.path().join("train.txt"))?;
+        match load(&file) {
+            Err(JobFileError::Invalid { field, line, .. }) => {
+                assert_eq!((field.as_str(), line), ("data.train", Some(17)));
+            }
+            other => panic!("expected an error at data.train, got {other:?}"),
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn invalid_fields_are_named_with_their_line() {
+        const TENSOR_FOR_MLP: &str =
+            "samples = 60000\n\n[[tensor]]\nname = \"x\"\nshape = [1]\ninit = \"zeros\"";
+        #[rustfmt::skip]
+        let cases: &[Case] = &[
+            // Unknown keys, also inside [[tensor]].
+            (MLP, &[("epochs = 3", "epochs = 3\nepoch = 4")], "training.epoch", 13),
+            (CUSTOM, &[("init = \"zeros\"", "init = \"zeros\"\nstd = 1")], "tensor[1].std", 24),
+            // TOML syntax and types.
+            (MLP, &[("lr = 0.1", "lr = 0.1.2")], "optimizer.lr", 7),
+            (MLP, &[("batch_size = 64", "batch_size = -64")], "training.batch_size", 11),
+            (MLP, &[("kind = \"mlp\"\n", "")], "model.kind", 1),
+            // Model.
+            (MLP, &[("kind = \"mlp\"", "kind = \"cnn\"")], "model.kind", 2),
+            (MLP, &[("[784, 256, 128, 10]", "[784, 0, 10]")], "model.layers", 3),
+            (MLP, &[("[784, 256, 128, 10]", "[784]")], "model.layers", 3),
+            (MLP, &[("10]\n", "10]\nfeatures = 3\n")], "model.features", 4),
+            (MLP, &[("samples = 60000", TENSOR_FOR_MLP)], "tensor", 15),
+            (MLP, &[("kind = \"mlp\"\nlayers = [784, 256, 128, 10]", "kind = \"custom\"")], "tensor", 2),
+            (LOGREG, &[("features = 126", "features = 0")], "model.features", 3),
+            (LOGREG, &[("features = 126", "features = \"auto\""), ("\"libsvm\"", "\"idx\"")], "model.features", 3),
+            // Tensors.
+            (CUSTOM, &[("name = \"fc1.bias\"", "name = \"fc1.weight\"")], "tensor[1].name", 21),
+            (CUSTOM, &[("name = \"fc1.bias\"", "name = \"fc1 bias\"")], "tensor[1].name", 21),
+            (CUSTOM, &[("shape = [128]", "shape = [128, 0]")], "tensor[1].shape", 22),
+            (CUSTOM, &[("shape = [128]", "shape = []")], "tensor[1].shape", 22),
+            (CUSTOM, &[("shape = [784, 128]", "shape = [65536, 32769]")], "tensor[0].shape", 17),
+            (CUSTOM, &[("init = \"zeros\"", "init = \"xavier\"")], "tensor[1].init", 23),
+            (CUSTOM, &[("init = \"zeros\"", "init = \"uniform\"")], "tensor[1].scale", 23),
+            (CUSTOM, &[("init = \"zeros\"", "init = \"normal\"\nscale = 0.0")], "tensor[1].scale", 24),
+            (CUSTOM, &[("init = \"zeros\"", "init = \"zeros\"\nscale = 0.1")], "tensor[1].scale", 24),
+            (CUSTOM, &[("init = \"zeros\"", "init = \"constant\"\nvalue = nan")], "tensor[1].value", 24),
+            // Optimizer.
+            (MLP, &[("lr = 0.1", "lr = -0.1")], "optimizer.lr", 7),
+            (MLP, &[("kind = \"sgd\"", "kind = \"rmsprop\"")], "optimizer.kind", 6),
+            (MLP, &[("kind = \"sgd\"", "kind = \"adam\""), ("lr = 0.1", "lr = 0.1\neps = 0.0")], "optimizer.eps", 8),
+            (LOGREG, &[("momentum = 0.9", "momentum = 1.0")], "optimizer.momentum", 8),
+            (LOGREG, &[("momentum = 0.9", "beta1 = 0.9")], "optimizer.beta1", 8),
+            // Training.
+            (MLP, &[("\"ssp:2\"", "\"ssp:x\"")], "training.consistency", 10),
+            (MLP, &[("batch_size = 64", "batch_size = 0")], "training.batch_size", 11),
+            (MLP, &[("epochs = 3", "epochs = 0")], "training.epochs", 12),
+            (MLP, &[("samples = 60000", "samples = 0")], "training.samples", 13),
+            (MLP, &[("samples = 60000", "samples = \"auto\"")], "training.samples", 13),
+            (MLP, &[("samples = 60000", "samples = \"many\"")], "training.samples", 13),
+            (MLP, &[("samples = 60000", "samples = 60000\nlease_ms = 50")], "training.lease_ms", 14),
+            (MLP, &[("samples = 60000", "samples = 60000\nchunk_size = 0")], "training.chunk_size", 14),
+            (MLP, &[("samples = 60000", "samples = 60000\npartition_size = 0")], "training.partition_size", 14),
+            // Data.
+            (LOGREG, &[("\"libsvm\"", "\"csv\"")], "data.format", 16),
+            (LOGREG, &[("\"/data/agaricus.txt.train\"", "\"\"")], "data.train", 17),
+            (LOGREG, &[("format = \"libsvm\"\n", "")], "data.format", 15),
+        ];
+        for (base, edits, field, line) in cases {
+            let text = with(base, edits);
+            match parse(&text, Path::new("job.toml")) {
+                Err(e @ JobFileError::Invalid { .. }) => {
+                    let JobFileError::Invalid {
+                        field: got_field,
+                        line: got_line,
+                        message,
+                        ..
+                    } = &e
+                    else {
+                        unreachable!()
+                    };
+                    assert_eq!(
+                        (got_field.as_str(), *got_line),
+                        (*field, Some(*line)),
+                        "{edits:?}: {e}"
+                    );
+                    assert!(!message.is_empty());
+                    assert!(
+                        e.to_string()
+                            .starts_with(&format!("job.toml:{line}: {field}: ")),
+                        "{e}"
+                    );
+                }
+                other => panic!("{edits:?}: expected an error at {field}, got {other:?}"),
+            }
+        }
+        let e = parse(
+            &with(CUSTOM, &[("shape = [784, 128]", "shape = [65536, 32769]")]),
+            Path::new("j"),
+        );
+        assert!(format!("{e:?}").contains("2147483648"), "{e:?}");
+    }
+
+    #[test]
+    fn a_missing_table_or_file_is_named() {
+        match parse("[training]\nepochs = 3\n", Path::new("job.toml")) {
+            Err(e @ JobFileError::Invalid { line: None, .. }) => {
+                assert_eq!(e.to_string(), "job.toml: model: missing field `model`");
+            }
+            other => panic!("{other:?}"),
+        }
+        let missing = Path::new("/nonexistent/edl/job.toml");
+        assert!(matches!(load(missing), Err(JobFileError::Io { .. })));
+    }
+
+    #[test]
+    fn to_toml_round_trips() {
+        let mut mlp = job(MLP);
+        mlp.optimizer = OptimizerSpec::Adam {
+            lr: 3e-4,
+            beta1: 0.85,
+            beta2: 0.995,
+            eps: 1e-7,
+        };
+        mlp.data = Some(DataSpec {
+            format: DataFormat::Idx,
+            train: "/usr/share/datasets/fashion-mnist/train".into(),
+            test: "/usr/share/datasets/fashion-mnist/t10k".into(),
+        });
+        let mut custom = job(CUSTOM);
+        custom.seed = u64::MAX;
+        custom.tensors.extend([
+            TensorSpec {
+                name: "odd\"name\\".into(),
+                shape: vec![2, 3, 4],
+                init: Init::Normal { std: 0.123_456_79 },
+            },
+            TensorSpec {
+                name: "scale".into(),
+                shape: vec![1],
+                init: Init::Constant { value: -1.5e-20 },
+            },
+            TensorSpec {
+                name: "big".into(),
+                shape: vec![7],
+                init: Init::Uniform { limit: 3.0e20 },
+            },
+        ]);
+        for job in [mlp, self::job(LOGREG), custom] {
+            let text = to_toml(&job);
+            let back = parse(&text, Path::new("job.toml"))
+                .unwrap_or_else(|e| panic!("{e}\n--- in ---\n{text}"));
+            assert_eq!(back, job, "\n{text}");
+        }
+    }
+
+    #[test]
+    fn describe_lists_tensors_and_totals() {
+        let text = describe(&job(CUSTOM));
+        for part in [
+            "custom",
+            "momentum, lr 0.05, momentum 0.9",
+            "bsp",
+            "fc1.weight",
+            "[784, 128]",
+            "fc1.bias",
+            // 784 * 128 + 128 floats in 7 + 1 keys of 16384.
+            "100480 parameters",
+            "401920 bytes (392.5 KiB)",
+            "8 keys",
+        ] {
+            assert!(text.contains(part), "{part:?} missing from\n{text}");
+        }
+        let bias = text
+            .lines()
+            .find(|l| l.starts_with("fc1.bias"))
+            .expect("a row for fc1.bias");
+        // Offset 100352, 128 floats, 1 key.
+        let cells: Vec<&str> = bias.split_whitespace().collect();
+        assert_eq!(cells[cells.len() - 3..], ["100352", "128", "1"], "{bias}");
+    }
+
+    #[test]
+    fn example_job_files_parse() -> anyhow::Result<()> {
+        let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/jobs"));
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<Result<_, _>>()?;
+        files.retain(|p| p.extension().is_some_and(|e| e == "toml"));
+        files.sort();
+        let mut parsed = 0;
+        for file in &files {
+            let name = file
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            let agaricus = dir.join("../data/agaricus/agaricus.txt.train");
+            if name.starts_with("agaricus") && !agaricus.exists() {
+                eprintln!(
+                    "{} is missing: checking {name} on stand-in data",
+                    agaricus.display()
+                );
+                let tmp = tempfile::tempdir()?;
+                std::fs::create_dir_all(tmp.path().join("jobs"))?;
+                std::fs::create_dir_all(tmp.path().join("data/agaricus"))?;
+                std::fs::write(
+                    tmp.path().join("data/agaricus/agaricus.txt.train"),
+                    "1 3:1 10:1 126:1\n0 1:1 9:1\n",
+                )?;
+                std::fs::copy(file, tmp.path().join("jobs").join(name))?;
+                let job = load(&tmp.path().join("jobs").join(name))
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                assert_eq!(job.model, ModelSpec::LogReg { features: 126 });
+                assert_eq!(job.train_samples, 2);
+                parsed += 1;
+                continue;
+            }
+            let job = load(file).map_err(|e| anyhow::anyhow!("{e}"))?;
+            match name {
+                "mlp.toml" => {
+                    let layers = vec![784, 256, 128, 10];
+                    assert_eq!(job.model, ModelSpec::Mlp { layers });
+                }
+                "two-layer.toml" => {
+                    assert_eq!(job.model, ModelSpec::Custom);
+                    let names: Vec<&str> = job.tensors.iter().map(|t| t.name.as_str()).collect();
+                    assert_eq!(names, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
+                }
+                "agaricus-logreg.toml" => {
+                    assert!(matches!(job.model, ModelSpec::LogReg { features } if features > 0));
+                }
+                _ => {}
+            }
+            parsed += 1;
+        }
+        assert!(
+            files.len() >= 3,
+            "expected the example job files in {}",
+            dir.display()
+        );
+        assert_eq!(parsed, files.len());
+        Ok(())
+    }
+}

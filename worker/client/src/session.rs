@@ -1,0 +1,533 @@
+//! A registered worker's session: lease batches, pull, push, commit steps, leave.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use edl_shared::proto::ids::{Clock, Key, Token, WorkerId};
+use edl_shared::proto::msg::{DataSpan, Partition};
+use edl_shared::proto::order::epoch_order;
+use edl_shared::proto::{ErrorCode, Request, Response};
+use edl_shared::shutdown::CancellationToken;
+use edl_shared::transport::CallError;
+
+use super::{ClientError, Job, JobSpec, retry_not_ready};
+
+/// A mini-batch leased to this worker: a data span of an epoch and the sample indices it
+/// holds. It comes only from [`Session::next_batch`]; [`Session::push`] sends the gradient
+/// computed from exactly these samples, and [`Session::commit`] (which consumes it) marks them
+/// done. It cannot be cloned, so no gradient can be pushed for samples the worker was not
+/// given, and none committed twice.
+#[derive(Debug)]
+pub struct Batch {
+    span: DataSpan,
+    order: Arc<Vec<u32>>,
+    clock: Clock,
+}
+
+impl Batch {
+    /// The indices of the batch's samples in the training set (positions `span.start..end`
+    /// of the epoch's order). A span re-issued after a worker died has the same indices.
+    pub fn indices(&self) -> &[u32] {
+        &self.order[self.span.start as usize..self.span.end as usize]
+    }
+
+    /// The data span: the epoch, its partition and the positions in the epoch's order.
+    pub fn span(&self) -> DataSpan {
+        self.span
+    }
+
+    /// The epoch the batch belongs to (from 0).
+    pub fn epoch(&self) -> u32 {
+        self.span.epoch
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.span.len() as usize
+    }
+
+    /// True for a batch without samples (never handed out).
+    pub fn is_empty(&self) -> bool {
+        self.span.is_empty()
+    }
+
+    /// The step (clock) the batch's gradient belongs to.
+    pub fn clock(&self) -> Clock {
+        self.clock
+    }
+}
+
+/// Sparse gradients of some rows of one tensor, for [`Session::push_rows`]: `values` holds
+/// `rows.len()` rows of the tensor's row length, in the order of `rows` (a row named twice
+/// is summed).
+#[derive(Clone, Copy, Debug)]
+pub struct RowGrads<'a> {
+    /// The tensor's name.
+    pub tensor: &'a str,
+    /// The rows (first-dimension indices).
+    pub rows: &'a [u32],
+    /// Their gradients, row after row.
+    pub values: &'a [f32],
+}
+
+/// Where the session stands in its leased data.
+#[derive(Debug, Default)]
+pub(super) struct Feed {
+    /// The partition being worked through, and the position its next batch starts at.
+    part: Option<(Partition, u32)>,
+    /// The order of the epoch in use.
+    order: Option<(u32, Arc<Vec<u32>>)>,
+    /// The batch handed out and not yet committed, and whether its gradient was pushed.
+    outstanding: Option<(DataSpan, bool)>,
+}
+
+/// A registered worker's session.
+#[derive(Debug)]
+pub struct Session {
+    pub(super) job: Job,
+    pub(super) worker: WorkerId,
+    /// The coordinator's token for `worker`, which every push carries to the shards.
+    pub(super) token: Token,
+    pub(super) clock: Clock,
+    pub(super) granted: Clock,
+    pub(super) stop: CancellationToken,
+    pub(super) lost: Arc<AtomicBool>,
+    pub(super) drain: bool,
+    pub(super) feed: Feed,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Session {
+    /// This worker's id.
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+
+    /// The coordinator's token for this worker, which every push carries (for tools that
+    /// speak the protocol directly).
+    pub fn token(&self) -> Token {
+        self.token
+    }
+
+    /// The job connection.
+    pub fn job(&self) -> &Job {
+        &self.job
+    }
+
+    /// Steps completed (the clock of the next push).
+    pub fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    /// True once an operator asked this worker to leave (seen on a clock grant).
+    pub fn drain_requested(&self) -> bool {
+        self.drain
+    }
+
+    /// Stops heartbeating, as a worker that hangs would (tests use this to simulate a failure).
+    pub fn stop_heartbeat(&self) {
+        self.stop.cancel();
+    }
+
+    fn check_lost(&self) -> Result<(), ClientError> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(ClientError::Dropped(self.worker));
+        }
+        Ok(())
+    }
+
+    fn map_dropped(&self, e: ClientError) -> ClientError {
+        match &e {
+            ClientError::Call(c) if c.code() == Some(ErrorCode::UnknownWorker) => {
+                ClientError::Dropped(self.worker)
+            }
+            _ => e,
+        }
+    }
+
+    /// The model's tensors.
+    pub fn spec(&self) -> &JobSpec {
+        self.job.spec()
+    }
+
+    /// The next mini-batch of the job's data, or `None` once every epoch's data is leased
+    /// out and done. Partitions are leased from the coordinator as needed (waiting while
+    /// others hold the last of the data, which comes back if they die); a partition is cut
+    /// into batches of the job's batch size from its (possibly re-issued) start. The batch
+    /// handed out before must be committed first.
+    pub async fn next_batch(&mut self) -> Result<Option<Batch>, ClientError> {
+        if let Some((span, _)) = self.feed.outstanding {
+            return Err(ClientError::Batch(format!(
+                "the batch of epoch {} positions {}..{} is not committed yet",
+                span.epoch, span.start, span.end
+            )));
+        }
+        let cfg = self.job.config();
+        let (samples, seed, batch_size) = (cfg.train_samples, cfg.seed, cfg.batch_size.max(1));
+        loop {
+            if let Some((part, next)) = self.feed.part
+                && next < part.start + part.len
+            {
+                let span = DataSpan {
+                    epoch: part.epoch,
+                    partition: part.index,
+                    start: next,
+                    end: (next + batch_size).min(part.start + part.len),
+                };
+                let order = match &self.feed.order {
+                    Some((e, o)) if *e == part.epoch => o.clone(),
+                    _ => {
+                        let o = Arc::new(epoch_order(seed, part.epoch, samples));
+                        self.feed.order = Some((part.epoch, o.clone()));
+                        o
+                    }
+                };
+                self.feed.part = Some((part, span.end));
+                self.feed.outstanding = Some((span, false));
+                return Ok(Some(Batch {
+                    span,
+                    order,
+                    clock: self.clock,
+                }));
+            }
+            self.feed.part = None;
+            let Some(part) = self.next_partition().await? else {
+                return Ok(None);
+            };
+            if part.len == 0 || u64::from(part.start) + u64::from(part.len) > u64::from(samples) {
+                return Err(self.job.inconsistent(
+                    "coordinator",
+                    format!(
+                        "partition {}..{} is outside an epoch of {samples} samples",
+                        part.start,
+                        u64::from(part.start) + u64::from(part.len)
+                    ),
+                ));
+            }
+            self.feed.part = Some((part, part.start));
+        }
+    }
+
+    /// Checks that `batch` is the one handed out and in what state.
+    fn check_batch(&self, batch: &Batch, pushed: bool) -> Result<(), ClientError> {
+        match self.feed.outstanding {
+            Some((span, p)) if span == batch.span && batch.clock == self.clock => {
+                if p == pushed {
+                    Ok(())
+                } else if p {
+                    Err(ClientError::Batch("the batch's gradient was pushed already".into()))
+                } else {
+                    Err(ClientError::Batch(
+                        "push the batch's gradient before committing it".into(),
+                    ))
+                }
+            }
+            _ => Err(ClientError::Batch(
+                "the batch is not the one this session handed out last".into(),
+            )),
+        }
+    }
+
+    /// Pushes the gradient computed from `batch`'s samples: the flat vector over the whole
+    /// model. Shards that applied this span before (for a worker that died before
+    /// committing it) skip it, so a re-issued batch's gradient is applied once.
+    pub async fn push(&mut self, batch: &Batch, grads: &[f32]) -> Result<(), ClientError> {
+        self.check_batch(batch, false)?;
+        self.push_span(grads, batch.span).await?;
+        self.feed.outstanding = Some((batch.span, true));
+        Ok(())
+    }
+
+    /// Pushes sparse gradients computed from `batch`'s samples: the given rows of the given
+    /// tensors; every other parameter's gradient is zero. Only the keys (chunks) holding
+    /// those rows travel, each whole (zero outside the rows); every shard still records the
+    /// batch's span, so the data ledger stays exact.
+    pub async fn push_rows(
+        &mut self,
+        batch: &Batch,
+        grads: &[RowGrads<'_>],
+    ) -> Result<(), ClientError> {
+        self.check_batch(batch, false)?;
+        self.check_lost()?;
+        let spec = self.job.spec();
+        let layout = spec.layout();
+        let mut chunks: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
+        for g in grads {
+            let t = spec.require(g.tensor)?;
+            let row_len = t.row_len();
+            if g.values.len() != g.rows.len() * row_len {
+                return Err(ClientError::RowShape {
+                    what: format!(
+                        "{} rows of tensor {:?} need {} values, {} given",
+                        g.rows.len(),
+                        g.tensor,
+                        g.rows.len() * row_len,
+                        g.values.len()
+                    ),
+                });
+            }
+            spec.keys_of_rows(t, g.rows)?;
+            for (i, &r) in g.rows.iter().enumerate() {
+                let mut pos = (t.offset + r as usize * row_len) as u64;
+                let end = pos + row_len as u64;
+                let mut src = &g.values[i * row_len..(i + 1) * row_len];
+                while pos < end {
+                    let s = spec.span_at(pos);
+                    let n = ((s.offset + u64::from(s.len)).min(end) - pos) as usize;
+                    let chunk = chunks
+                        .entry(s.key)
+                        .or_insert_with(|| vec![0.0; s.len as usize]);
+                    let at = (pos - s.offset) as usize;
+                    for (d, v) in chunk[at..at + n].iter_mut().zip(&src[..n]) {
+                        *d += v;
+                    }
+                    src = &src[n..];
+                    pos += n as u64;
+                }
+            }
+        }
+        debug_assert!(chunks.keys().all(|k| layout.span(*k).is_some()));
+        let chunks: Vec<(Key, Vec<f32>)> = chunks.into_iter().collect();
+        self.job
+            .push_sparse((self.worker, self.token), self.clock, batch.span, &chunks)
+            .await
+            .map_err(|e| self.map_dropped(e))?;
+        self.feed.outstanding = Some((batch.span, true));
+        Ok(())
+    }
+
+    /// Pulls rows `rows` of tensor `tensor` into `out` (`rows.len()` rows of the tensor's row
+    /// length, in the order of `rows`), with every BSP step this worker may see applied. Only
+    /// the keys (chunks) holding those rows travel.
+    pub async fn pull_rows(
+        &self,
+        tensor: &str,
+        rows: &[u32],
+        out: &mut [f32],
+    ) -> Result<(), ClientError> {
+        self.check_lost()?;
+        let spec = self.job.spec();
+        let t = spec.require(tensor)?;
+        let row_len = t.row_len();
+        if out.len() != rows.len() * row_len {
+            return Err(ClientError::RowShape {
+                what: format!(
+                    "{} rows of tensor {tensor:?} need {} floats of output, {} given",
+                    rows.len(),
+                    rows.len() * row_len,
+                    out.len()
+                ),
+            });
+        }
+        let keys = spec.keys_of_rows(t, rows)?;
+        let pulled: BTreeMap<Key, Vec<f32>> = self
+            .job
+            .pull_keys(&keys, self.granted)
+            .await
+            .map_err(|e| self.map_dropped(e))?
+            .into_iter()
+            .collect();
+        for (i, &r) in rows.iter().enumerate() {
+            let mut pos = (t.offset + r as usize * row_len) as u64;
+            let end = pos + row_len as u64;
+            let mut dst = &mut out[i * row_len..(i + 1) * row_len];
+            while pos < end {
+                let s = spec.span_at(pos);
+                let n = ((s.offset + u64::from(s.len)).min(end) - pos) as usize;
+                let at = (pos - s.offset) as usize;
+                let src = pulled.get(&s.key).and_then(|v| v.get(at..at + n)).ok_or_else(|| {
+                    self.job
+                        .inconsistent("shards", format!("{} came back short", s.key))
+                })?;
+                dst[..n].copy_from_slice(src);
+                dst = &mut dst[n..];
+                pos += n as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits `batch`, whose gradient was pushed: its samples are done. Then waits until
+    /// the consistency model lets this worker start the next step. `loss_sum` is the sum of
+    /// the batch's per-sample losses (the coordinator reports their mean per epoch). Returns
+    /// the slowest active worker's clock.
+    pub async fn commit(&mut self, batch: Batch, loss_sum: f64) -> Result<Clock, ClientError> {
+        self.check_batch(&batch, true)?;
+        let clock = self.commit_span(batch.span, loss_sum).await?;
+        self.feed.outstanding = None;
+        Ok(clock)
+    }
+
+    /// Pulls every parameter into `out`, with every BSP step this worker may see applied.
+    pub async fn pull(&self, out: &mut [f32]) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job.pull_all(out, self.granted).await
+    }
+
+    /// Pushes the gradient of the current step with no data span: for jobs without a data
+    /// ledger (synthetic load, benchmarks). Training on data uses [`Session::push`].
+    pub async fn push_step(&self, grads: &[f32]) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job
+            .push_all((self.worker, self.token), self.clock, grads, None)
+            .await
+    }
+
+    /// Pushes the gradient of the current step, computed from the samples of `span` (the
+    /// low-level form of [`Session::push`], for tools that keep their own spans). Shards
+    /// that applied this span before (for a worker that died before committing it) skip it.
+    pub async fn push_span(&self, grads: &[f32], span: DataSpan) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job
+            .push_all((self.worker, self.token), self.clock, grads, Some(span))
+            .await
+    }
+
+    /// Pushes sparse gradients for the current step.
+    pub async fn push_keys(&self, chunks: &[(Key, &[f32])]) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job
+            .push_keys((self.worker, self.token), self.clock, chunks)
+            .await
+    }
+
+    /// Ends the current step: reports its progress and waits until the consistency model lets
+    /// this worker start the next one. Returns the slowest active worker's clock.
+    pub async fn advance(
+        &mut self,
+        epoch: u32,
+        samples: u32,
+        loss_sum: f64,
+    ) -> Result<Clock, ClientError> {
+        self.end_step(epoch, samples, loss_sum, None, false).await
+    }
+
+    /// Ends a step whose gradients came from `span` (pushed with [`Session::push_span`]):
+    /// commits the span as used, then waits as [`Session::advance`] does (the low-level form
+    /// of [`Session::commit`]).
+    pub async fn commit_span(
+        &mut self,
+        span: DataSpan,
+        loss_sum: f64,
+    ) -> Result<Clock, ClientError> {
+        self.end_step(span.epoch, span.len(), loss_sum, Some(span), false)
+            .await
+    }
+
+    /// Commits the step of `span` without waiting for the others, before leaving. Safe to send
+    /// after an interrupted [`Session::commit`]: a repeated report is recognized.
+    pub async fn commit_last(&mut self, span: DataSpan, loss_sum: f64) -> Result<(), ClientError> {
+        self.end_step(span.epoch, span.len(), loss_sum, Some(span), true)
+            .await?;
+        if self.feed.outstanding.is_some_and(|(s, _)| s == span) {
+            self.feed.outstanding = None;
+        }
+        Ok(())
+    }
+
+    async fn end_step(
+        &mut self,
+        epoch: u32,
+        samples: u32,
+        loss_sum: f64,
+        span: Option<DataSpan>,
+        last: bool,
+    ) -> Result<Clock, ClientError> {
+        self.check_lost()?;
+        let next = Clock(self.clock.0 + 1);
+        let resp = retry_not_ready(u32::MAX, || {
+            self.job.coordinator.call(
+                Request::Clock {
+                    worker: self.worker,
+                    clock: next,
+                    epoch,
+                    samples,
+                    loss_sum,
+                    span,
+                    last,
+                },
+                Bytes::new(),
+            )
+        })
+        .await;
+        // A Clock retried after a long-poll timeout repeats only the wait: the coordinator
+        // treats a report of the clock it already holds as a duplicate.
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => return Err(self.map_dropped(e.into())),
+        };
+        match resp.msg {
+            Response::ClockGranted { min_clock, drain } => {
+                self.clock = next;
+                self.granted = min_clock;
+                self.drain |= drain;
+                Ok(min_clock)
+            }
+            other => Err(CallError::unexpected(&other).into()),
+        }
+    }
+
+    /// Leases the next data partition. `None` means no data is left in any epoch.
+    pub async fn next_partition(&mut self) -> Result<Option<Partition>, ClientError> {
+        self.check_lost()?;
+        loop {
+            let r = self
+                .job
+                .coordinator
+                .call(
+                    Request::NextPartition {
+                        worker: self.worker,
+                    },
+                    Bytes::new(),
+                )
+                .await;
+            match r {
+                Ok(resp) => {
+                    return match resp.msg {
+                        Response::Partition { partition, clock } => {
+                            self.clock = clock;
+                            self.granted = self.granted.max(clock);
+                            Ok(partition)
+                        }
+                        other => Err(CallError::unexpected(&other).into()),
+                    };
+                }
+                // The long poll timed out while others still hold the remaining data.
+                Err(e) if e.code() == Some(ErrorCode::NotReady) => {}
+                Err(e) => return Err(self.map_dropped(e.into())),
+            }
+        }
+    }
+
+    /// Leaves gracefully: the coordinator stops counting this worker and returns its data.
+    pub async fn leave(self) -> Result<(), ClientError> {
+        self.stop.cancel();
+        let r = self
+            .job
+            .coordinator
+            .call(
+                Request::Leave {
+                    worker: self.worker,
+                },
+                Bytes::new(),
+            )
+            .await;
+        match r {
+            Ok(_) => Ok(()),
+            // Already gone (a repeated leave after a reconnect, or dropped meanwhile): the
+            // worker is no longer registered, which is what leaving asks for.
+            Err(e) if e.code() == Some(ErrorCode::UnknownWorker) => {
+                tracing::warn!(worker = %self.worker, "already unregistered when leaving");
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}

@@ -15,8 +15,8 @@ pub use error::{ErrorCode, ProtoError};
 pub use frame::{Frame, FrameLimits, Parts, Payload};
 pub use ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 pub use job::{
-    Consistency, DataFormat, DataSpec, Init, JobConfig, KeyLayout, KeySpan, ModelSpec, OptimizerSpec, ShardMap,
-    TensorSpec,
+    Consistency, DataFormat, DataSpec, Init, JobConfig, KeyLayout, KeySpan, ModelSpec,
+    OptimizerSpec, ShardMap, TensorSpec,
 };
 pub use msg::{Request, Response};
 

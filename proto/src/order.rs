@@ -43,8 +43,7 @@ impl SplitMix64 {
 /// (see the module documentation for the algorithm).
 pub fn epoch_order(seed: u64, epoch: u32, n: u32) -> Vec<u32> {
     let mut order: Vec<u32> = (0..n).collect();
-    let mut rng =
-        SplitMix64(seed ^ (u64::from(epoch) + 1).wrapping_mul(0xA076_1D64_78BD_642F));
+    let mut rng = SplitMix64(seed ^ (u64::from(epoch) + 1).wrapping_mul(0xA076_1D64_78BD_642F));
     for i in (1..order.len()).rev() {
         let j = (rng.next() % (i as u64 + 1)) as usize;
         order.swap(i, j);

@@ -1090,9 +1090,17 @@ impl Service for ShardService {
                 if epoch > st.map_epoch() && !st.holds(keys()) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }
-                st.push_covering(epoch, worker, clock, &chunks, &payload, span.as_ref(), &covers)
-                    .map(|_| Frame::new(Response::Ack))
-                    .map_err(Response::from)
+                st.push_covering(
+                    epoch,
+                    worker,
+                    clock,
+                    &chunks,
+                    &payload,
+                    span.as_ref(),
+                    &covers,
+                )
+                .map(|_| Frame::new(Response::Ack))
+                .map_err(Response::from)
             }
             Request::Ledger => Ok(Frame::new(Response::Ledger(st.ledger_report()))),
             Request::ShardStats => Ok(Frame::new(Response::ShardStats(st.stats()))),

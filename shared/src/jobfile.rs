@@ -44,7 +44,7 @@ use crate::libsvm;
 
 // The defaults of `edl-ps coordinator`'s flags.
 const DEFAULT_OPTIMIZER: &str = "adam";
-const DEFAULT_CONSISTENCY: &str = "ssp:2";
+const DEFAULT_CONSISTENCY: Consistency = Consistency::Ssp { staleness: 2 };
 const DEFAULT_BATCH_SIZE: u32 = 64;
 const DEFAULT_EPOCHS: u32 = 3;
 const DEFAULT_SAMPLES: u32 = 60_000;
@@ -100,79 +100,33 @@ pub fn parse(text: &str, path: &Path) -> Result<JobConfig, JobFileError> {
     let raw: RawJob = toml::from_str(text).map_err(|e| cx.toml_error(&e))?;
     let data = raw.data.as_ref().map(|d| cx.data(d)).transpose()?;
     let mut counts = Counts {
-        data: data.as_ref().zip(raw.data.as_ref()),
+        train: match (&data, &raw.data) {
+            (Some(spec), Some(d)) if spec.format == DataFormat::LibSvm => {
+                Some((PathBuf::from(&spec.train), d.get_ref().train.span()))
+            }
+            _ => None,
+        },
         shape: None,
     };
     let (model, tensors) = cx.model(&raw, &mut counts)?;
-    let optimizer = cx.optimizer(raw.optimizer.as_ref())?;
-    let t = raw.training.as_ref().map(Spanned::get_ref);
-    let consistency = match t.and_then(|t| t.consistency.as_ref()) {
-        None => DEFAULT_CONSISTENCY
-            .parse()
-            .map_err(|m| cx.err(0..0, "training.consistency", m))?,
-        Some(c) => c
-            .get_ref()
-            .parse::<Consistency>()
-            .map_err(|m| cx.at(c, "training.consistency", m))?,
-    };
-    let samples = match t.and_then(|t| t.samples.as_ref()) {
-        None => DEFAULT_SAMPLES,
-        Some(s) => match s.get_ref() {
-            Count::Fixed(n) => *n,
-            Count::Auto => counts.shape(&cx, s, "training.samples")?.samples,
-        },
-    };
-    let positive = |v: Option<&Spanned<u32>>, field: &str, default: u32| match v {
-        None => Ok(default),
-        Some(v) if *v.get_ref() == 0 => Err(cx.at(v, field, "must be > 0")),
-        Some(v) => Ok(*v.get_ref()),
-    };
-    if samples == 0 {
-        let at = t
-            .and_then(|t| t.samples.as_ref())
-            .map_or(0..0, Spanned::span);
-        return Err(cx.err(at, "training.samples", "must be > 0"));
-    }
-    let lease_ms = match t.and_then(|t| t.lease_ms.as_ref()) {
-        Some(v) if *v.get_ref() < MIN_LEASE_MS => {
-            return Err(cx.at(v, "training.lease_ms", format!("must be >= {MIN_LEASE_MS}")));
-        }
-        Some(v) => *v.get_ref(),
-        None => DEFAULT_LEASE_MS,
-    };
-    Ok(JobConfig {
+    let mut job = JobConfig {
         model,
         tensors,
-        chunk_size: positive(
-            t.and_then(|t| t.chunk_size.as_ref()),
-            "training.chunk_size",
-            DEFAULT_CHUNK_SIZE,
-        )?,
-        optimizer,
-        consistency,
-        batch_size: positive(
-            t.and_then(|t| t.batch_size.as_ref()),
-            "training.batch_size",
-            DEFAULT_BATCH_SIZE,
-        )?,
-        epochs: positive(
-            t.and_then(|t| t.epochs.as_ref()),
-            "training.epochs",
-            DEFAULT_EPOCHS,
-        )?,
-        // A batch larger than a partition is allowed: workers cut batches within a partition.
-        partition_size: positive(
-            t.and_then(|t| t.partition_size.as_ref()),
-            "training.partition_size",
-            DEFAULT_PARTITION_SIZE,
-        )?,
-        train_samples: samples,
-        seed: t
-            .and_then(|t| t.seed.as_ref())
-            .map_or(DEFAULT_SEED, |s| s.get_ref().0),
-        lease_ms,
+        chunk_size: DEFAULT_CHUNK_SIZE,
+        optimizer: cx.optimizer(raw.optimizer.as_ref())?,
+        consistency: DEFAULT_CONSISTENCY,
+        batch_size: DEFAULT_BATCH_SIZE,
+        epochs: DEFAULT_EPOCHS,
+        partition_size: DEFAULT_PARTITION_SIZE,
+        train_samples: DEFAULT_SAMPLES,
+        seed: DEFAULT_SEED,
+        lease_ms: DEFAULT_LEASE_MS,
         data,
-    })
+    };
+    if let Some(t) = &raw.training {
+        cx.training(t.get_ref(), &mut counts, &mut job)?;
+    }
+    Ok(job)
 }
 
 /// Writes a job as a job file that [`parse`] reads back to an equal [`JobConfig`]: a `custom`
@@ -325,12 +279,13 @@ impl<'de> Deserialize<'de> for Seed {
 }
 
 /// The training data's shape, scanned at most once and only when a count is `auto`.
-struct Counts<'a> {
-    data: Option<(&'a DataSpec, &'a Spanned<RawData>)>,
+struct Counts {
+    /// The LIBSVM training file and the span of `data.train`; `None` without libsvm data.
+    train: Option<(PathBuf, Range<usize>)>,
     shape: Option<libsvm::Shape>,
 }
 
-impl Counts<'_> {
+impl Counts {
     fn shape<T>(
         &mut self,
         cx: &Cx<'_>,
@@ -340,19 +295,16 @@ impl Counts<'_> {
         if let Some(shape) = self.shape {
             return Ok(shape);
         }
-        let (spec, raw) = match self.data {
-            Some((spec, raw)) if spec.format == DataFormat::LibSvm => (spec, raw),
-            _ => {
-                return Err(cx.at(
-                    at,
-                    field,
-                    "\"auto\" needs libsvm training data to count: add [data] with format = \"libsvm\"",
-                ));
-            }
+        let Some((train, span)) = &self.train else {
+            return Err(cx.at(
+                at,
+                field,
+                "\"auto\" needs libsvm training data to count: add [data] with format = \"libsvm\"",
+            ));
         };
-        let shape = libsvm::scan(Path::new(&spec.train)).map_err(|e| {
-            cx.at(
-                &raw.get_ref().train,
+        let shape = libsvm::scan(train).map_err(|e| {
+            cx.err(
+                span.clone(),
                 "data.train",
                 format!("cannot count the training data for {field} = \"auto\": {e}"),
             )
@@ -443,8 +395,12 @@ impl Cx<'_> {
             if given.is_absolute() {
                 return Ok(p.get_ref().clone());
             }
+            // Absolute (from the current directory, without resolving links), since workers
+            // read the path from the coordinator and may run elsewhere.
             let dir = self.path.parent().unwrap_or(Path::new(""));
-            dir.join(given)
+            let joined = dir.join(given);
+            std::path::absolute(&joined)
+                .unwrap_or(joined)
                 .to_str()
                 .map(str::to_owned)
                 .ok_or_else(|| self.at(p, field, "the resolved path is not valid UTF-8"))
@@ -462,7 +418,7 @@ impl Cx<'_> {
     fn model(
         &self,
         raw: &RawJob,
-        counts: &mut Counts<'_>,
+        counts: &mut Counts,
     ) -> Result<(ModelSpec, Vec<TensorSpec>), JobFileError> {
         let m = raw.model.get_ref();
         let kind = m.kind.get_ref().as_str();
@@ -476,20 +432,20 @@ impl Cx<'_> {
         if !matches!(kind, "mlp" | "logreg" | "custom") {
             return Err(unknown());
         }
-        let only = |present: bool, span: Range<usize>, field: &str, kinds: &str| {
-            if present {
-                Err(self.err(span, field, format!("only for kind = {kinds}")))
-            } else {
-                Ok(())
+        let fields = [
+            (m.layers.as_ref().map(Spanned::span), "model.layers", "mlp"),
+            (
+                m.features.as_ref().map(Spanned::span),
+                "model.features",
+                "logreg",
+            ),
+        ];
+        for (span, field, owner) in fields {
+            if let Some(span) = span
+                && kind != owner
+            {
+                return Err(self.err(span, field, format!("only for kind = {owner:?}")));
             }
-        };
-        if kind != "mlp" {
-            let span = m.layers.as_ref().map_or(0..0, Spanned::span);
-            only(m.layers.is_some(), span, "model.layers", "\"mlp\"")?;
-        }
-        if kind != "logreg" {
-            let span = m.features.as_ref().map_or(0..0, Spanned::span);
-            only(m.features.is_some(), span, "model.features", "\"logreg\"")?;
         }
         if kind != "custom"
             && let Some(first) = raw.tensor.as_ref().and_then(|t| t.get_ref().first())
@@ -577,6 +533,57 @@ impl Cx<'_> {
         };
         self.check_total(&tensors, total_at, total_field)?;
         Ok((model, tensors))
+    }
+
+    /// Applies the `[training]` table over edl-ps's defaults.
+    fn training(
+        &self,
+        t: &RawTraining,
+        counts: &mut Counts,
+        job: &mut JobConfig,
+    ) -> Result<(), JobFileError> {
+        let positive = |slot: &mut u32, v: &Option<Spanned<u32>>, field: &str| {
+            if let Some(v) = v {
+                if *v.get_ref() == 0 {
+                    return Err(self.at(v, field, "must be > 0"));
+                }
+                *slot = *v.get_ref();
+            }
+            Ok(())
+        };
+        positive(&mut job.batch_size, &t.batch_size, "training.batch_size")?;
+        positive(&mut job.epochs, &t.epochs, "training.epochs")?;
+        // A batch larger than a partition is allowed: workers cut batches within a partition.
+        positive(
+            &mut job.partition_size,
+            &t.partition_size,
+            "training.partition_size",
+        )?;
+        positive(&mut job.chunk_size, &t.chunk_size, "training.chunk_size")?;
+        if let Some(c) = &t.consistency {
+            job.consistency = c
+                .get_ref()
+                .parse()
+                .map_err(|m| self.at(c, "training.consistency", m))?;
+        }
+        if let Some(s) = &t.samples {
+            job.train_samples = match s.get_ref() {
+                Count::Fixed(0) => return Err(self.at(s, "training.samples", "must be > 0")),
+                Count::Fixed(n) => *n,
+                Count::Auto => counts.shape(self, s, "training.samples")?.samples,
+            };
+        }
+        if let Some(v) = &t.lease_ms {
+            if *v.get_ref() < MIN_LEASE_MS {
+                let message = format!("must be >= {MIN_LEASE_MS}");
+                return Err(self.at(v, "training.lease_ms", message));
+            }
+            job.lease_ms = *v.get_ref();
+        }
+        if let Some(seed) = &t.seed {
+            job.seed = seed.get_ref().0;
+        }
+        Ok(())
     }
 
     fn check_total(

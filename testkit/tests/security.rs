@@ -212,7 +212,10 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
 
     let mut nan = vec![-1.0f32; 64];
     nan[40] = f32::NAN;
-    let err = session.push_step(&nan).await.expect_err("NaN must be refused");
+    let err = session
+        .push_step(&nan)
+        .await
+        .expect_err("NaN must be refused");
     assert!(matches!(err, ClientError::NonFinite { index: 40 }), "{err}");
     let err = session.push_step(&[1.0; 3]).await.expect_err("wrong size");
     assert!(matches!(err, ClientError::BufferSize { .. }), "{err}");

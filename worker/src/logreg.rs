@@ -55,7 +55,9 @@ impl Model for LogReg {
         let w = spec
             .tensor("weight")
             .ok_or("the job has no tensor \"weight\"")?;
-        let b = spec.tensor("bias").ok_or("the job has no tensor \"bias\"")?;
+        let b = spec
+            .tensor("bias")
+            .ok_or("the job has no tensor \"bias\"")?;
         if w.shape != [self.features] || b.shape != [1] {
             return Err(format!(
                 "logistic regression over {} features needs weight [{}] and bias [1], the job \
@@ -177,8 +179,8 @@ mod tests {
 
     #[test]
     fn gradient_matches_finite_differences() {
-        let data = SparseData::parse("1 1:1 3:0.5\n0 2:1 3:-1\n1 1:2\n", Path::new("t"))
-            .expect("parses");
+        let data =
+            SparseData::parse("1 1:1 3:0.5\n0 2:1 3:-1\n1 1:2\n", Path::new("t")).expect("parses");
         let set = SparseSet::from(data);
         let mut batch = SparseBatch::default();
         set.gather(&[0, 1, 2], &mut batch).expect("gathers");

@@ -108,7 +108,8 @@ pub async fn train<M: Model>(
                 grads.resize(spec.param_count(), 0.0);
                 tracing::trace!(clock = %session.clock(), "pull");
                 session.pull(&mut params).await?;
-                let stats = model.step(Params::Dense(&params), &gathered, Grads::Dense(&mut grads))?;
+                let stats =
+                    model.step(Params::Dense(&params), &gathered, Grads::Dense(&mut grads))?;
                 tracing::trace!(clock = %session.clock(), "push");
                 session.push(&batch, &grads).await?;
                 stats

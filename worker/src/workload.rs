@@ -195,10 +195,9 @@ impl Model for MlpModel<'_> {
         grads: Grads<'_>,
     ) -> Result<StepStats, BackendError> {
         match (params, grads) {
-            (Params::Dense(p), Grads::Dense(g)) => {
-                self.backend
-                    .forward_backward(&self.mlp, p, &batch.x, &batch.y, g)
-            }
+            (Params::Dense(p), Grads::Dense(g)) => self
+                .backend
+                .forward_backward(&self.mlp, p, &batch.x, &batch.y, g),
             _ => Err(BackendError::Device(
                 "the MLP is dense: it takes the whole parameter vector".into(),
             )),

@@ -18,6 +18,14 @@ use edl_worker::data::DEFAULT_DATA_DIR;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Cli {
+    /// Run this job file (TOML; examples in deploy/jobs/) instead of an MLP job described by
+    /// the flags below: its model, optimizer, consistency, batch size, epochs, samples and
+    /// data. Its model must be one edl-worker trains (mlp, logreg).
+    #[arg(long, value_name = "FILE", conflicts_with_all = [
+        "epochs", "consistency", "optimizer", "batch_size", "train_samples", "lease_ms",
+        "layers", "seed",
+    ])]
+    job: Option<PathBuf>,
     /// Number of shard servers holding the model.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     shards: u32,
@@ -103,7 +111,7 @@ impl Cli {
             }),
             None => None,
         };
-        Ok(LocalConfig {
+        let cfg = LocalConfig {
             shards: self.shards,
             workers: self.workers,
             epochs: self.epochs,
@@ -124,7 +132,12 @@ impl Cli {
                 .then(|| Duration::from_secs(self.stall_timeout)),
             scenario,
             restart_on_change: self.restart_on_change,
-        })
+            job: None,
+        };
+        match &self.job {
+            Some(file) => cfg.from_job_file(file),
+            None => Ok(cfg),
+        }
     }
 }
 

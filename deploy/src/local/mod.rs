@@ -21,14 +21,14 @@ mod workers;
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::{EpochLedger, JobStatus, JobTrace};
-use edl_shared::proto::{Consistency, OptimizerSpec, ShardId};
+use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec, ShardId};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_worker::data::{ImageSet, Split};
@@ -102,8 +102,11 @@ pub struct LocalConfig {
     pub layers: Vec<u32>,
     /// Seed for initialization and data order.
     pub seed: u64,
-    /// Where the Fashion-MNIST idx files are.
+    /// Where the Fashion-MNIST idx files are (for an MLP job without a job file's `[data]`).
     pub data_dir: PathBuf,
+    /// The job file the coordinator runs, instead of an MLP job from the fields above (which
+    /// then only label the report: [`LocalConfig::from_job_file`] fills them from the file).
+    pub job: Option<PathBuf>,
     /// Where to write the JSON report, if anywhere.
     pub report: Option<PathBuf>,
     /// Where to write the coordinator's raw trace as JSON, if anywhere.
@@ -122,6 +125,29 @@ pub struct LocalConfig {
     /// worker and starting the new number afresh (the classic baseline), instead of
     /// elastically.
     pub restart_on_change: bool,
+}
+
+impl LocalConfig {
+    /// Runs the job file `file` instead of an MLP job: the fields that describe the job
+    /// (epochs, consistency, optimizer, batch size, samples, lease, layers, seed) are taken
+    /// from it, so that the report says what ran.
+    pub fn from_job_file(mut self, file: &Path) -> anyhow::Result<LocalConfig> {
+        let job = edl_shared::jobfile::load(file)?;
+        self.epochs = job.epochs;
+        self.consistency = job.consistency;
+        self.optimizer = job.optimizer.clone();
+        self.batch_size = job.batch_size;
+        self.train_samples = job.train_samples;
+        self.lease_ms = job.lease_ms;
+        self.seed = job.seed;
+        self.layers = match &job.model {
+            ModelSpec::Mlp { layers } => layers.clone(),
+            _ => Vec::new(),
+        };
+        // The coordinator may run elsewhere than here: give it the file's absolute path.
+        self.job = Some(std::path::absolute(file).unwrap_or_else(|_| file.to_path_buf()));
+        Ok(self)
+    }
 }
 
 /// A checked scenario and the file it came from.
@@ -163,11 +189,19 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     // The cheap test split is enough to prove the files are there and readable; loading it
     // before anything starts turns a missing dataset into one clear message, not three worker
     // failures.
-    let data_dir = cfg.data_dir.clone();
-    tokio::task::spawn_blocking(move || ImageSet::load(&data_dir, Split::Test))
-        .await
-        .context("the Fashion-MNIST check did not finish")?
-        .context("checking the Fashion-MNIST data")?;
+    match &cfg.job {
+        // The job file names its data; checking it resolves `auto` counts from the data.
+        Some(file) => {
+            edl_shared::jobfile::load(file)?;
+        }
+        None => {
+            let data_dir = cfg.data_dir.clone();
+            tokio::task::spawn_blocking(move || ImageSet::load(&data_dir, Split::Test))
+                .await
+                .context("the Fashion-MNIST check did not finish")?
+                .context("checking the Fashion-MNIST data")?;
+        }
+    }
     let state_dir = match &cfg.state_dir {
         Some(dir) => {
             std::fs::create_dir_all(dir)
@@ -527,25 +561,31 @@ impl Launch<'_> {
             addr_file.clone().into_os_string(),
             "--shards".into(),
             cfg.shards.to_string().into(),
-            "--layers".into(),
-            layers.into(),
-            "--optimizer".into(),
-            cfg.optimizer.to_string().into(),
-            "--consistency".into(),
-            cfg.consistency.to_string().into(),
-            "--batch-size".into(),
-            cfg.batch_size.to_string().into(),
-            "--epochs".into(),
-            cfg.epochs.to_string().into(),
-            "--train-samples".into(),
-            cfg.train_samples.to_string().into(),
-            "--seed".into(),
-            cfg.seed.to_string().into(),
-            "--lease-ms".into(),
-            cfg.lease_ms.to_string().into(),
             "--state-dir".into(),
             self.state_dir.clone().into_os_string(),
         ]);
+        if let Some(job) = &cfg.job {
+            args.extend(["--job".into(), job.clone().into_os_string()]);
+        } else {
+            args.extend([
+                "--layers".into(),
+                layers.into(),
+                "--optimizer".into(),
+                cfg.optimizer.to_string().into(),
+                "--consistency".into(),
+                cfg.consistency.to_string().into(),
+                "--batch-size".into(),
+                cfg.batch_size.to_string().into(),
+                "--epochs".into(),
+                cfg.epochs.to_string().into(),
+                "--train-samples".into(),
+                cfg.train_samples.to_string().into(),
+                "--seed".into(),
+                cfg.seed.to_string().into(),
+                "--lease-ms".into(),
+                cfg.lease_ms.to_string().into(),
+            ]);
+        }
         let proc = self.coordinator.insert(Proc::spawn(Spawn {
             name: COORDINATOR_NAME.into(),
             program: self.bins.ps.clone(),

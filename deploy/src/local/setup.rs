@@ -149,6 +149,7 @@ mod tests {
             stall_timeout: None,
             scenario: None,
             restart_on_change: false,
+            job: None,
         };
         let launcher = issue_certificates(dir.path(), &cfg).expect("issue");
         assert_eq!(

@@ -35,6 +35,22 @@ enum Cmd {
     /// Manage the cluster CA in a state directory.
     #[command(subcommand)]
     Ca(CaCmd),
+    /// Work with job files.
+    #[command(subcommand)]
+    Job(JobCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum JobCmd {
+    /// Validate a job file and print the job it resolves to: the tensor table, the total
+    /// parameters, bytes and keys. Exits non-zero, naming the line and field, if invalid.
+    Check {
+        /// The job file (TOML; examples in deploy/jobs/).
+        file: PathBuf,
+        /// Print the resolved job as a job file instead (`auto` counts filled in).
+        #[arg(long)]
+        toml: bool,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -48,6 +64,14 @@ struct CoordinatorArgs {
     /// Number of shard servers; the shard map forms once they have all joined.
     #[arg(long, default_value_t = 1)]
     shards: u32,
+    /// The job file (TOML): the model's tensors, optimizer, consistency, batch size, epochs,
+    /// data. Examples in deploy/jobs/; `edl-ps job check FILE` shows what it resolves to.
+    /// Without it, the flags below describe an MLP job.
+    #[arg(long, value_name = "FILE", conflicts_with_all = [
+        "layers", "counter", "optimizer", "consistency", "batch_size", "epochs",
+        "partition_size", "train_samples", "chunk_size", "seed", "lease_ms",
+    ])]
+    job: Option<PathBuf>,
     /// MLP layer widths, input to classes.
     #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
     layers: Vec<u32>,
@@ -169,6 +193,15 @@ async fn main() -> anyhow::Result<()> {
     telemetry::init("info");
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Job(JobCmd::Check { file, toml }) => {
+            let job = edl_shared::jobfile::load(&file)?;
+            if toml {
+                print!("{}", edl_shared::jobfile::to_toml(&job));
+            } else {
+                println!("{}: valid", file.display());
+                print!("{}", edl_shared::jobfile::describe(&job));
+            }
+        }
         Cmd::Coordinator(a) => {
             let identity = a.identity.identity(Role::Coordinator, "coordinator")?;
             let (model, tensors, optimizer) = match a.counter {
@@ -189,19 +222,22 @@ async fn main() -> anyhow::Result<()> {
                     a.optimizer,
                 ),
             };
-            let job = JobConfig {
-                tensors,
-                model,
-                chunk_size: a.chunk_size,
-                optimizer,
-                consistency: a.consistency,
-                batch_size: a.batch_size,
-                epochs: a.epochs,
-                partition_size: a.partition_size,
-                train_samples: a.train_samples,
-                seed: a.seed,
-                lease_ms: a.lease_ms,
-                data: None,
+            let job = match &a.job {
+                Some(file) => edl_shared::jobfile::load(file)?,
+                None => JobConfig {
+                    tensors,
+                    model,
+                    chunk_size: a.chunk_size,
+                    optimizer,
+                    consistency: a.consistency,
+                    batch_size: a.batch_size,
+                    epochs: a.epochs,
+                    partition_size: a.partition_size,
+                    train_samples: a.train_samples,
+                    seed: a.seed,
+                    lease_ms: a.lease_ms,
+                    data: None,
+                },
             };
             let state_file =
                 (!a.no_persist).then(|| a.identity.state_dir.join("coordinator").join("state.bin"));

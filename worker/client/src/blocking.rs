@@ -129,7 +129,12 @@ impl Session {
     }
 
     /// Pulls some rows of one tensor (see [`crate::Session::pull_rows`]).
-    pub fn pull_rows(&self, tensor: &str, rows: &[u32], out: &mut [f32]) -> Result<(), ClientError> {
+    pub fn pull_rows(
+        &self,
+        tensor: &str,
+        rows: &[u32],
+        out: &mut [f32],
+    ) -> Result<(), ClientError> {
         self.rt.block_on(self.inner.pull_rows(tensor, rows, out))
     }
 

@@ -482,7 +482,11 @@ impl Job {
         chunks: &[(Key, Vec<f32>)],
     ) -> Result<(), ClientError> {
         for (k, v) in chunks {
-            if self.layout.span(*k).is_none_or(|s| s.len as usize != v.len()) {
+            if self
+                .layout
+                .span(*k)
+                .is_none_or(|s| s.len as usize != v.len())
+            {
                 return Err(self.inconsistent("client", format!("{k} does not fit the job")));
             }
             check_finite(v)?;

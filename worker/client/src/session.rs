@@ -222,7 +222,9 @@ impl Session {
                 if p == pushed {
                     Ok(())
                 } else if p {
-                    Err(ClientError::Batch("the batch's gradient was pushed already".into()))
+                    Err(ClientError::Batch(
+                        "the batch's gradient was pushed already".into(),
+                    ))
                 } else {
                     Err(ClientError::Batch(
                         "push the batch's gradient before committing it".into(),
@@ -342,10 +344,13 @@ impl Session {
                 let s = spec.span_at(pos);
                 let n = ((s.offset + u64::from(s.len)).min(end) - pos) as usize;
                 let at = (pos - s.offset) as usize;
-                let src = pulled.get(&s.key).and_then(|v| v.get(at..at + n)).ok_or_else(|| {
-                    self.job
-                        .inconsistent("shards", format!("{} came back short", s.key))
-                })?;
+                let src = pulled
+                    .get(&s.key)
+                    .and_then(|v| v.get(at..at + n))
+                    .ok_or_else(|| {
+                        self.job
+                            .inconsistent("shards", format!("{} came back short", s.key))
+                    })?;
                 dst[..n].copy_from_slice(src);
                 dst = &mut dst[n..];
                 pos += n as u64;

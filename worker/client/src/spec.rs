@@ -167,16 +167,12 @@ impl JobSpec {
     pub(crate) fn span_at(&self, at: u64) -> KeySpan {
         let spans = self.layout.spans();
         let i = spans.partition_point(|s| s.offset + u64::from(s.len) <= at);
-        spans
-            .get(i)
-            .or(spans.last())
-            .copied()
-            .unwrap_or(KeySpan {
-                key: Key(0),
-                tensor: 0,
-                offset: 0,
-                len: 0,
-            })
+        spans.get(i).or(spans.last()).copied().unwrap_or(KeySpan {
+            key: Key(0),
+            tensor: 0,
+            offset: 0,
+            len: 0,
+        })
     }
 }
 
@@ -199,7 +195,10 @@ mod tests {
     fn views_place_tensors_and_rows() {
         let s = spec();
         let emb = s.require("emb").expect("emb");
-        assert_eq!((emb.rows(), emb.row_len(), emb.offset, emb.len), (10, 3, 0, 30));
+        assert_eq!(
+            (emb.rows(), emb.row_len(), emb.offset, emb.len),
+            (10, 3, 0, 30)
+        );
         let bias = s.require("bias").expect("bias");
         assert_eq!((bias.rows(), bias.row_len(), bias.offset), (1, 1, 30));
         assert!(matches!(
@@ -222,7 +221,11 @@ mod tests {
         assert_eq!(s.keys_of_rows(bias, &[0]).expect("row 0"), vec![Key(4)]);
         assert!(matches!(
             s.keys_of_rows(emb, &[10]),
-            Err(ClientError::RowOutOfRange { row: 10, rows: 10, .. })
+            Err(ClientError::RowOutOfRange {
+                row: 10,
+                rows: 10,
+                ..
+            })
         ));
     }
 }

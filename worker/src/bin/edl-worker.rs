@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use edl_shared::cli::IdentityArgs;
+use edl_shared::proto::{DataFormat, ModelSpec};
+use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, shutdown, telemetry};
 use edl_worker::backend::{self, Device};
-use edl_shared::proto::{DataFormat, ModelSpec};
-use edl_shared::shutdown::CancellationToken;
 use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet, Split};
 use edl_worker::logreg::LogReg;
 use edl_worker::trainer::{self, TrainOptions, TrainSummary};
@@ -98,12 +98,19 @@ async fn main() -> anyhow::Result<()> {
         match &spec.data {
             Some(d) if d.format == format => {
                 let p = if cli.evaluate { &d.test } else { &d.train };
-                anyhow::ensure!(!p.is_empty(), "the job file names no test data; pass --data");
+                anyhow::ensure!(
+                    !p.is_empty(),
+                    "the job file names no test data; pass --data"
+                );
                 Ok(PathBuf::from(p))
             }
             Some(d) => anyhow::bail!("the job's data is {}, its model needs {format}", d.format),
             None if format == DataFormat::Idx => {
-                let split = if cli.evaluate { Split::Test } else { Split::Train };
+                let split = if cli.evaluate {
+                    Split::Test
+                } else {
+                    Split::Train
+                };
                 Ok(cli.data_dir.join(split.prefix()))
             }
             None => anyhow::bail!("the job names no {format} data: pass --data FILE"),

@@ -167,8 +167,15 @@ async fn sparse_logistic_regression_reaches_the_plain_bar() -> anyhow::Result<()
         "EDL {} against plain {plain}",
         stats.accuracy()
     );
-    assert!(stats.accuracy() >= 0.95, "test accuracy {}", stats.accuracy());
-    assert!(sent / steps.max(1) < dense, "pushes are not sparse: {sent} bytes");
+    assert!(
+        stats.accuracy() >= 0.95,
+        "test accuracy {}",
+        stats.accuracy()
+    );
+    assert!(
+        sent / steps.max(1) < dense,
+        "pushes are not sparse: {sent} bytes"
+    );
     Ok(())
 }
 
@@ -210,7 +217,11 @@ async fn rows_move_only_their_chunks_and_batches_are_used_in_turn() -> anyhow::R
     };
     s.push_rows(&batch, &[w]).await?;
     let sent = s.job().traffic().sent - before.sent;
-    assert_eq!(sent, 2 * 4, "rows 3 and 40 lie in two keys; nothing else travels");
+    assert_eq!(
+        sent,
+        2 * 4,
+        "rows 3 and 40 lie in two keys; nothing else travels"
+    );
     // A second push of the batch is refused.
     assert!(matches!(
         s.push_rows(&batch, &[w]).await,

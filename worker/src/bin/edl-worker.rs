@@ -34,9 +34,9 @@ struct Cli {
     #[arg(long, default_value = "worker")]
     name: String,
     /// Directory with the Fashion-MNIST idx files (gzip or not), for an MLP job whose job
-    /// file names no data.
-    #[arg(long, default_value = DEFAULT_DATA_DIR)]
-    data_dir: PathBuf,
+    /// file names no data [default: /usr/share/datasets/fashion-mnist].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
     /// The data to read instead of the job file's `[data]`: an idx prefix (e.g.
     /// `DIR/train` for `DIR/train-images-idx3-ubyte`) or a LIBSVM file. With --evaluate,
     /// the test data.
@@ -77,6 +77,23 @@ async fn main() -> anyhow::Result<()> {
             cli.device
         )
     })?;
+    // Data named on the command line is checked before anything else: a typo is one clear
+    // message, not a worker that waits for its coordinator first.
+    for (flag, path) in [("--data-dir", &cli.data_dir), ("--data", &cli.data)] {
+        if let Some(p) = path
+            && !p.exists()
+        {
+            anyhow::bail!(
+                "{flag} {} not found; for Fashion-MNIST install it with `apt-get install \
+                 dataset-fashion-mnist`",
+                p.display()
+            );
+        }
+    }
+    let data_dir = cli
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
     let cfg = ClientConfig {
         coordinator: cli.coordinator.clone(),
         identity,
@@ -111,7 +128,7 @@ async fn main() -> anyhow::Result<()> {
                 } else {
                     Split::Train
                 };
-                Ok(cli.data_dir.join(split.prefix()))
+                Ok(data_dir.join(split.prefix()))
             }
             None => anyhow::bail!("the job names no {format} data: pass --data FILE"),
         }

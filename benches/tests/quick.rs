@@ -11,7 +11,6 @@ use std::sync::Mutex;
 
 use anyhow::Context;
 
-use edl_worker::data::DEFAULT_DATA_DIR;
 use serde_json::Value;
 
 /// One benchmark at a time: each starts clusters and measures with them.
@@ -72,17 +71,6 @@ fn ps_bin_dir() -> anyhow::Result<PathBuf> {
         dir.display()
     );
     Ok(dir.to_path_buf())
-}
-
-fn have_data() -> anyhow::Result<bool> {
-    if Path::new(DEFAULT_DATA_DIR).exists() {
-        return Ok(true);
-    }
-    if std::env::var("EDL_REQUIRE_DATA").is_ok_and(|v| v == "1") {
-        anyhow::bail!("{DEFAULT_DATA_DIR} is missing and EDL_REQUIRE_DATA=1");
-    }
-    eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
-    Ok(false)
 }
 
 fn num(v: &Value, field: &str) -> f64 {
@@ -166,7 +154,7 @@ fn elastic_runs() -> anyhow::Result<()> {
 
 #[test]
 fn tta_runs() -> anyhow::Result<()> {
-    if have_data()? {
+    if edl_testkit::have_fashion_mnist() {
         check_tta(&bench(&["tta"])?);
     }
     Ok(())
@@ -234,7 +222,7 @@ fn transport_and_apply_run() -> anyhow::Result<()> {
 
 #[test]
 fn all_writes_the_report_and_plots() -> anyhow::Result<()> {
-    if !have_data()? {
+    if !edl_testkit::have_fashion_mnist() {
         return Ok(());
     }
     let out = tempfile::tempdir()?;

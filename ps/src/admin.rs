@@ -476,21 +476,7 @@ pub fn resolve_worker(members: &[WorkerInfo], which: &str) -> Result<WorkerId, S
     }
 }
 
-/// Human-readable byte counts.
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
+pub use edl_shared::units::human_bytes;
 
 #[cfg(test)]
 mod tests {

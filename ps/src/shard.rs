@@ -512,15 +512,16 @@ impl ShardState {
         // From the check of the keys to the last chunk, neither a checkpoint nor a range move
         // may cut this push in two.
         let _gate = read_lock(&self.gate);
+        let missing = |key: Key| {
+            let r = self.missing(key);
+            Refusal {
+                message: format!("push from {worker}: {}", r.message),
+                ..r
+            }
+        };
         let mut segments = BTreeSet::new();
         for c in chunks {
-            let Some(chunk) = self.chunks.get(&c.key) else {
-                let r = self.missing(c.key);
-                return Err(Refusal {
-                    message: format!("push from {worker}: {}", r.message),
-                    ..r
-                });
-            };
+            let chunk = self.chunks.get(&c.key).ok_or_else(|| missing(c.key))?;
             if chunk.params.len() != c.len as usize {
                 return Err(bad((
                     ErrorCode::ShapeMismatch,
@@ -558,28 +559,11 @@ impl ShardState {
                 "a push that covers further keys must carry a data span".into(),
             )));
         }
+        // A range past the job's keys stops at the first such key (`UnknownKey`).
         for r in covers {
-            // Bounded by the job's keys, whatever the ranges say.
-            let end = r.end.min(self.layout.num_keys());
-            for k in r.start.min(end)..end {
-                match self.chunks.get(&Key(k)) {
-                    Some(chunk) => {
-                        segments.insert(chunk.segment);
-                    }
-                    None => {
-                        let r = self.missing(Key(k));
-                        return Err(Refusal {
-                            message: format!("push from {worker}: {}", r.message),
-                            ..r
-                        });
-                    }
-                }
-            }
-            if r.end > self.layout.num_keys() {
-                return Err(bad((
-                    ErrorCode::UnknownKey,
-                    format!("covered key range ends at {}, past the job's keys", r.end),
-                )));
+            for k in r.start..r.end {
+                let chunk = self.chunks.get(&Key(k)).ok_or_else(|| missing(Key(k)))?;
+                segments.insert(chunk.segment);
             }
         }
         // Claim the span last: once it is recorded, the chunks below are updated.

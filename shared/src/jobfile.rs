@@ -32,26 +32,44 @@ use std::io;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use edl_proto::{
-    Consistency, DataFormat, DataSpec, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec,
-};
+use edl_proto::{DataFormat, DataSpec, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Unexpected, Visitor};
 use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
 use crate::libsvm;
+use crate::units::human_bytes;
 
-// The defaults of `edl-ps coordinator`'s flags.
-const DEFAULT_OPTIMIZER: &str = "adam";
-const DEFAULT_CONSISTENCY: Consistency = Consistency::Ssp { staleness: 2 };
-const DEFAULT_BATCH_SIZE: u32 = 64;
-const DEFAULT_EPOCHS: u32 = 3;
-const DEFAULT_SAMPLES: u32 = 60_000;
-const DEFAULT_PARTITION_SIZE: u32 = 1024;
-const DEFAULT_LEASE_MS: u32 = 3000;
-const DEFAULT_SEED: u64 = 1;
-const DEFAULT_CHUNK_SIZE: u32 = 16_384;
+/// The settings a job takes when its file (or `edl-ps coordinator`'s and `edl-local`'s flags,
+/// which use these as their defaults) leaves them out.
+pub mod defaults {
+    use edl_proto::{Consistency, OptimizerSpec};
+
+    /// Adam at learning rate 0.001 (`adam:0.001`).
+    pub const OPTIMIZER: OptimizerSpec = OptimizerSpec::Adam {
+        lr: 0.001,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    /// `ssp:2`.
+    pub const CONSISTENCY: Consistency = Consistency::Ssp { staleness: 2 };
+    /// Samples per mini-batch.
+    pub const BATCH_SIZE: u32 = 64;
+    /// Passes over the data.
+    pub const EPOCHS: u32 = 3;
+    /// Training samples per epoch.
+    pub const SAMPLES: u32 = 60_000;
+    /// Samples per leased partition.
+    pub const PARTITION_SIZE: u32 = 1024;
+    /// Worker heartbeat lease.
+    pub const LEASE_MS: u32 = 3000;
+    /// Seed for initialization and the data order.
+    pub const SEED: u64 = 1;
+    /// Floats per key.
+    pub const CHUNK_SIZE: u32 = 16_384;
+}
 
 /// A shorter lease would drop healthy workers between two heartbeats.
 const MIN_LEASE_MS: u32 = 100;
@@ -112,15 +130,15 @@ pub fn parse(text: &str, path: &Path) -> Result<JobConfig, JobFileError> {
     let mut job = JobConfig {
         model,
         tensors,
-        chunk_size: DEFAULT_CHUNK_SIZE,
+        chunk_size: defaults::CHUNK_SIZE,
         optimizer: cx.optimizer(raw.optimizer.as_ref())?,
-        consistency: DEFAULT_CONSISTENCY,
-        batch_size: DEFAULT_BATCH_SIZE,
-        epochs: DEFAULT_EPOCHS,
-        partition_size: DEFAULT_PARTITION_SIZE,
-        train_samples: DEFAULT_SAMPLES,
-        seed: DEFAULT_SEED,
-        lease_ms: DEFAULT_LEASE_MS,
+        consistency: defaults::CONSISTENCY,
+        batch_size: defaults::BATCH_SIZE,
+        epochs: defaults::EPOCHS,
+        partition_size: defaults::PARTITION_SIZE,
+        train_samples: defaults::SAMPLES,
+        seed: defaults::SEED,
+        lease_ms: defaults::LEASE_MS,
         data,
     };
     if let Some(t) = &raw.training {
@@ -727,9 +745,7 @@ impl Cx<'_> {
         raw: Option<&Spanned<RawOptimizer>>,
     ) -> Result<OptimizerSpec, JobFileError> {
         let Some(raw) = raw else {
-            return DEFAULT_OPTIMIZER
-                .parse()
-                .map_err(|m| self.err(0..0, "optimizer", m));
+            return Ok(defaults::OPTIMIZER);
         };
         let o = raw.get_ref();
         let kind = o.kind.get_ref().as_str();
@@ -1020,22 +1036,6 @@ fn optimizer_text(o: &OptimizerSpec) -> String {
     }
 }
 
-/// Bytes with a binary unit, e.g. `918.5 KiB`.
-fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = n as f64;
-    let mut unit = 0;
-    while x >= 1024.0 && unit + 1 < UNITS.len() {
-        x /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{x:.1} {}", UNITS[unit])
-    }
-}
-
 fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
     let partitions = job.train_samples.div_ceil(job.partition_size.max(1));
     let settings = [
@@ -1128,6 +1128,7 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use edl_proto::Consistency;
 
     const MLP: &str = r#"[model]
 kind = "mlp"

@@ -15,6 +15,7 @@ pub mod shutdown;
 pub mod telemetry;
 pub mod token;
 pub mod transport;
+pub mod units;
 
 pub use edl_proto as proto;
 pub use pki::{Identity, PkiError, Role};

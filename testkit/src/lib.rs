@@ -325,3 +325,21 @@ pub fn event_kinds(trace: &JobTrace, worker: WorkerId) -> Vec<EventKind> {
         .map(|e| e.kind)
         .collect()
 }
+
+/// True when Debian's `dataset-fashion-mnist` is installed. Without it a test says it was
+/// skipped (and returns), unless `EDL_REQUIRE_DATA=1` (set by CI) makes that a failure.
+///
+/// # Panics
+/// When the data is missing and `EDL_REQUIRE_DATA=1`.
+pub fn have_fashion_mnist() -> bool {
+    if Path::new(edl_worker::data::DEFAULT_DATA_DIR).exists() {
+        return true;
+    }
+    assert!(
+        std::env::var("EDL_REQUIRE_DATA").as_deref() != Ok("1"),
+        "{} is missing and EDL_REQUIRE_DATA=1",
+        edl_worker::data::DEFAULT_DATA_DIR
+    );
+    eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+    false
+}

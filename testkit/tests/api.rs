@@ -9,7 +9,7 @@ use edl_shared::jobfile;
 use edl_shared::libsvm::SparseData;
 use edl_shared::proto::JobConfig;
 use edl_shared::shutdown::CancellationToken;
-use edl_testkit::{TestCluster, assert_exactly_once};
+use edl_testkit::{TestCluster, assert_exactly_once, have_fashion_mnist};
 use edl_worker::client::{ClientError, RowGrads, blocking};
 use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet};
 use edl_worker::logreg::LogReg;
@@ -27,14 +27,10 @@ fn job_file(name: &str) -> PathBuf {
 }
 
 fn fashion() -> anyhow::Result<Option<(ImageSet, ImageSet)>> {
-    let dir = Path::new(DEFAULT_DATA_DIR);
-    if !dir.exists() {
-        if std::env::var("EDL_REQUIRE_DATA").is_ok_and(|v| v == "1") {
-            anyhow::bail!("{DEFAULT_DATA_DIR} is missing and EDL_REQUIRE_DATA=1");
-        }
-        eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+    if !have_fashion_mnist() {
         return Ok(None);
     }
+    let dir = Path::new(DEFAULT_DATA_DIR);
     Ok(Some((
         ImageSet::load_prefix(&dir.join("train"))?,
         ImageSet::load_prefix(&dir.join("t10k"))?,
@@ -58,7 +54,7 @@ async fn the_custom_model_example_trains_exactly_once() -> anyhow::Result<()> {
     let mut workers = tokio::task::JoinSet::new();
     for i in 0..2 {
         let (cfg, train) = (cluster.client_config(&format!("w{i}"))?, train.clone());
-        workers.spawn(async move { two_layer::train(&cfg, &train, None).await });
+        workers.spawn(async move { two_layer::train(&cfg, &train, |_| Ok(())).await });
     }
     let mut steps = 0;
     while let Some(r) = workers.join_next().await {
@@ -184,7 +180,6 @@ async fn sparse_logistic_regression_reaches_the_plain_bar() -> anyhow::Result<()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_move_only_their_chunks_and_batches_are_used_in_turn() -> anyhow::Result<()> {
     let job = jobfile::load(&job_file("agaricus-logreg.toml"))?;
-    let samples = job.train_samples;
     let chunk = job.chunk_size as usize;
     let cluster = TestCluster::start(job, 2).await?;
     let job = cluster.connect("w").await?;
@@ -240,7 +235,6 @@ async fn rows_move_only_their_chunks_and_batches_are_used_in_turn() -> anyhow::R
         Err(ClientError::Batch(_))
     ));
     s.leave().await?;
-    assert!(samples > 0);
     Ok(())
 }
 

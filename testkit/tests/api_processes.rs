@@ -13,9 +13,8 @@ use std::time::{Duration, Instant};
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::order::epoch_order;
-use edl_testkit::assert_exactly_once;
+use edl_testkit::{assert_exactly_once, have_fashion_mnist};
 use edl_worker::client::{ClientConfig, Job};
-use edl_worker::data::DEFAULT_DATA_DIR;
 use tokio::process::{Child, Command};
 
 const SAMPLES: u32 = 4_000;
@@ -77,12 +76,7 @@ fn batches(log: &Path) -> anyhow::Result<HashMap<(u32, u32, u32), Vec<u32>>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_custom_model_job_keeps_exactly_once_when_a_worker_is_killed() -> anyhow::Result<()> {
-    if !Path::new(DEFAULT_DATA_DIR).exists() {
-        anyhow::ensure!(
-            std::env::var("EDL_REQUIRE_DATA").as_deref() != Ok("1"),
-            "{DEFAULT_DATA_DIR} is missing and EDL_REQUIRE_DATA=1"
-        );
-        eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+    if !have_fashion_mnist() {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;

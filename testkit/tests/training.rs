@@ -9,21 +9,17 @@ use std::sync::Arc;
 
 use edl_shared::proto::{Consistency, OptimizerSpec};
 use edl_shared::shutdown::CancellationToken;
-use edl_testkit::{TestCluster, mlp_job};
+use edl_testkit::{TestCluster, have_fashion_mnist, mlp_job};
 use edl_worker::backend::{Backend, CpuBackend};
 use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet, Split};
 use edl_worker::trainer::{self, TrainOptions};
 use edl_worker::workload::MlpModel;
 
 fn datasets() -> anyhow::Result<Option<(ImageSet, ImageSet)>> {
-    let dir = Path::new(DEFAULT_DATA_DIR);
-    if !dir.exists() {
-        if std::env::var("EDL_REQUIRE_DATA").is_ok_and(|v| v == "1") {
-            anyhow::bail!("{DEFAULT_DATA_DIR} is missing and EDL_REQUIRE_DATA=1");
-        }
-        eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+    if !have_fashion_mnist() {
         return Ok(None);
     }
+    let dir = Path::new(DEFAULT_DATA_DIR);
     Ok(Some((
         ImageSet::load(dir, Split::Train)?,
         ImageSet::load(dir, Split::Test)?,

@@ -1,14 +1,13 @@
 //! Bring your own model: a two-layer network, defined here, trained on Fashion-MNIST with the
-//! client API. Start a job from `deploy/jobs/two-layer.toml`, then run workers of this:
+//! client API. The job (`deploy/jobs/two-layer.toml`) holds `fc1.weight` [784, H], `fc1.bias`
+//! [H], `fc2.weight` [H, 10] and `fc2.bias` [10], found by name. Start it, then run workers:
 //!
 //!     edl-ps coordinator --job deploy/jobs/two-layer.toml --shards 1 &
 //!     edl-ps shard --name s0 &
 //!     cargo run --release -p edl-worker --example two_layer -- w1
-//!
-//! The job holds the tensors `fc1.weight` [784, H], `fc1.bias` [H], `fc2.weight` [H, 10] and
-//! `fc2.bias` [10]; the model finds them by name, so their order and H are the job file's.
 
-use edl_worker::client::{ClientConfig, ClientError, Job, TensorView};
+use edl_shared::{Role, pki::PkiDir, proto::Clock};
+use edl_worker::client::{Batch, ClientConfig, ClientError, Job, TensorView};
 use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet};
 
 /// `y += a * x`, over the shorter of the two.
@@ -87,21 +86,21 @@ impl TwoLayer {
     }
 }
 
-/// Joins the job and trains until its data is done (or `max_steps`), then leaves; returns the
-/// steps taken.
+/// Joins the job and trains until its data is done or a drain, then leaves; returns the
+/// steps taken. `seen` sees each batch first (a test logs them).
 pub async fn train(
     cfg: &ClientConfig,
     data: &ImageSet,
-    max_steps: Option<u64>,
+    mut seen: impl FnMut(&Batch) -> anyhow::Result<()>,
 ) -> anyhow::Result<u64> {
     let job = Job::connect(cfg).await?;
     let model = TwoLayer::of(&job)?;
-    let n = job.spec().param_count();
-    let (mut params, mut grads) = (vec![0f32; n], vec![0f32; n]);
-    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let mut params = vec![0f32; job.spec().param_count()];
+    let (mut grads, mut x, mut y) = (params.clone(), Vec::new(), Vec::new());
     let mut session = job.join().await?; // stop-free: admitted once prepared
     let mut steps = 0;
     while let Some(batch) = session.next_batch().await? {
+        seen(&batch)?;
         session.pull(&mut params).await?;
         data.gather(batch.indices(), &mut x, &mut y)?;
         grads.iter_mut().for_each(|g| *g = 0.0);
@@ -109,7 +108,7 @@ pub async fn train(
         session.push(&batch, &grads).await?;
         session.commit(batch, loss).await?;
         steps += 1;
-        if session.drain_requested() || max_steps == Some(steps) {
+        if session.drain_requested() {
             break;
         }
     }
@@ -121,27 +120,29 @@ pub async fn train(
 pub async fn accuracy(cfg: &ClientConfig, test: &ImageSet) -> anyhow::Result<f64> {
     let job = Job::connect(cfg).await?;
     let mut params = vec![0f32; job.spec().param_count()];
-    job.pull_all(&mut params, edl_shared::proto::Clock(u64::MAX))
-        .await?;
+    job.pull_all(&mut params, Clock(u64::MAX)).await?;
     let (_, correct) = TwoLayer::of(&job)?.step(&params, test.images(), test.labels(), None);
     Ok(correct as f64 / test.len() as f64)
 }
 
-#[allow(dead_code)]
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let name = std::env::args().nth(1).unwrap_or_else(|| "w1".into());
     let coordinator = std::env::var("EDL_COORDINATOR").unwrap_or_else(|_| "127.0.0.1:7070".into());
     let state = std::env::var("EDL_STATE_DIR").unwrap_or_else(|_| "edl-state".into());
-    let identity =
-        edl_shared::pki::PkiDir::new(state.as_ref()).ensure(edl_shared::Role::Worker, &name)?;
+    let identity = PkiDir::new(state.as_ref()).ensure(Role::Worker, &name)?;
     let cfg = ClientConfig {
         coordinator,
         identity,
         settings: Default::default(),
     };
     let dir = std::path::Path::new(DEFAULT_DATA_DIR);
-    let steps = train(&cfg, &ImageSet::load_prefix(&dir.join("train"))?, None).await?;
+    let steps = train(
+        &cfg,
+        &ImageSet::load_prefix(&dir.join("train"))?,
+        |_| Ok(()),
+    )
+    .await?;
     let acc = accuracy(&cfg, &ImageSet::load_prefix(&dir.join("t10k"))?).await?;
     println!("{name}: {steps} steps; test accuracy of the job's parameters {acc:.4}");
     Ok(())

@@ -35,13 +35,10 @@ impl LogReg {
         self.features
     }
 
-    /// The probability of a positive label for a row, given a weight lookup and the bias.
-    fn prob(row: (&[u32], &[f32]), weight: impl Fn(u32) -> f32, bias: f32) -> f64 {
-        let z = row
-            .0
-            .iter()
-            .zip(row.1)
-            .map(|(&f, &x)| f64::from(weight(f)) * f64::from(x))
+    /// The probability of a positive label for a row given as (weight, value) pairs.
+    fn prob<'a>(terms: impl Iterator<Item = (f32, &'a f32)>, bias: f32) -> f64 {
+        let z = terms
+            .map(|(w, &x)| f64::from(w) * f64::from(x))
             .sum::<f64>()
             + f64::from(bias);
         sigmoid(z)
@@ -113,7 +110,6 @@ impl Model for LogReg {
         if pw.rows.len() != pw.values.len() || pb.values.len() != 1 {
             return Err(shape_err());
         }
-        let at = |f: u32| pw.rows.binary_search(&f).ok();
         let bias = pb.values[0];
         gw.rows.clone_from(&pw.rows);
         gw.values.clear();
@@ -122,23 +118,25 @@ impl Model for LogReg {
         let mut g_bias = 0f64;
         let n = batch.len() as f64;
         let mut stats = StepStats::default();
+        // Per row, where each of its features lies among the pulled rows (found once).
+        let mut at: Vec<usize> = Vec::new();
         for i in 0..batch.len() {
-            let row = batch.row(i);
-            if let Some(&f) = row.0.iter().find(|&&f| at(f).is_none()) {
-                return Err(BackendError::Device(format!(
-                    "feature {f} of the batch was not pulled"
-                )));
+            let (features, values) = batch.row(i);
+            at.clear();
+            for &f in features {
+                let k = pw.rows.binary_search(&f).map_err(|_| {
+                    BackendError::Device(format!("feature {f} of the batch was not pulled"))
+                })?;
+                at.push(k);
             }
-            let p = LogReg::prob(row, |f| at(f).map_or(0.0, |k| pw.values[k]), bias);
+            let p = LogReg::prob(at.iter().map(|&k| pw.values[k]).zip(values), bias);
             let positive = batch.positive[i];
             stats.loss_sum += log_loss(p, positive);
             stats.correct += usize::from((p >= 0.5) == positive);
             stats.samples += 1;
             let d = p - f64::from(u8::from(positive));
-            for (&f, &x) in row.0.iter().zip(row.1) {
-                if let Some(k) = at(f) {
-                    gw.values[k] += (d * f64::from(x) / n) as f32;
-                }
+            for (&k, &x) in at.iter().zip(values) {
+                gw.values[k] += (d * f64::from(x) / n) as f32;
             }
             g_bias += d / n;
         }
@@ -158,11 +156,11 @@ impl Model for LogReg {
         let mut stats = StepStats::default();
         let d = data.data();
         for i in 0..Dataset::len(data) {
-            let p = LogReg::prob(
-                d.row(i),
-                |k| weight.get(k as usize).copied().unwrap_or(0.0),
-                bias[0],
-            );
+            let (features, values) = d.row(i);
+            let w = features
+                .iter()
+                .map(|&k| weight.get(k as usize).copied().unwrap_or(0.0));
+            let p = LogReg::prob(w.zip(values), bias[0]);
             stats.loss_sum += log_loss(p, d.positive(i));
             stats.correct += usize::from((p >= 0.5) == d.positive(i));
             stats.samples += 1;

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use edl_deploy::local::RESTART_NOTE;
 use edl_deploy::{LocalConfig, Scenario, ScenarioFile};
+use edl_shared::jobfile::defaults;
 use edl_shared::proto::{Consistency, OptimizerSpec};
 use edl_shared::{shutdown, telemetry};
 use edl_worker::data::DEFAULT_DATA_DIR;
@@ -33,28 +34,28 @@ struct Cli {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     workers: u32,
     /// Passes over the training data.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = defaults::EPOCHS, value_parser = clap::value_parser!(u32).range(1..))]
     epochs: u32,
     /// Consistency model: asp, ssp:S (bounded staleness S) or bsp.
-    #[arg(long, default_value = "ssp:2")]
+    #[arg(long, default_value_t = defaults::CONSISTENCY)]
     consistency: Consistency,
     /// Server-side optimizer: sgd:LR, momentum:LR:M or adam:LR.
-    #[arg(long, default_value = "adam:0.001")]
+    #[arg(long, default_value_t = defaults::OPTIMIZER)]
     optimizer: OptimizerSpec,
     /// Samples per mini-batch.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = defaults::BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..))]
     batch_size: u32,
     /// Training samples used per epoch (the first N of the training set).
-    #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = defaults::SAMPLES, value_parser = clap::value_parser!(u32).range(1..))]
     train_samples: u32,
     /// Worker heartbeat lease in milliseconds; silent workers are dropped after it.
-    #[arg(long, default_value_t = 3000)]
+    #[arg(long, default_value_t = defaults::LEASE_MS)]
     lease_ms: u32,
     /// MLP layer widths, input to classes.
     #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
     layers: Vec<u32>,
     /// Seed for initialization and data order.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = defaults::SEED)]
     seed: u64,
     /// Directory with the Fashion-MNIST idx files (gzip or not).
     #[arg(long, default_value = DEFAULT_DATA_DIR)]

@@ -105,7 +105,8 @@ pub struct LocalConfig {
     /// Where the Fashion-MNIST idx files are (for an MLP job without a job file's `[data]`).
     pub data_dir: PathBuf,
     /// The job file the coordinator runs, instead of an MLP job from the fields above (which
-    /// then only label the report: [`LocalConfig::from_job_file`] fills them from the file).
+    /// then only label the report). Set it with [`LocalConfig::from_job_file`], which checks
+    /// the file and fills those fields from it.
     pub job: Option<PathBuf>,
     /// Where to write the JSON report, if anywhere.
     pub report: Option<PathBuf>,
@@ -189,18 +190,14 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     // The cheap test split is enough to prove the files are there and readable; loading it
     // before anything starts turns a missing dataset into one clear message, not three worker
     // failures.
-    match &cfg.job {
-        // The job file names its data; checking it resolves `auto` counts from the data.
-        Some(file) => {
-            edl_shared::jobfile::load(file)?;
-        }
-        None => {
-            let data_dir = cfg.data_dir.clone();
-            tokio::task::spawn_blocking(move || ImageSet::load(&data_dir, Split::Test))
-                .await
-                .context("the Fashion-MNIST check did not finish")?
-                .context("checking the Fashion-MNIST data")?;
-        }
+    // A job file was checked when it was read (`LocalConfig::from_job_file`), its data
+    // counted where it says `auto`.
+    if cfg.job.is_none() {
+        let data_dir = cfg.data_dir.clone();
+        tokio::task::spawn_blocking(move || ImageSet::load(&data_dir, Split::Test))
+            .await
+            .context("the Fashion-MNIST check did not finish")?
+            .context("checking the Fashion-MNIST data")?;
     }
     let state_dir = match &cfg.state_dir {
         Some(dir) => {

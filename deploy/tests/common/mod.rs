@@ -71,16 +71,7 @@ pub fn bin_dir() -> PathBuf {
     dir
 }
 
-/// True when Fashion-MNIST is installed. Without it the test says it was skipped, unless
-/// `EDL_REQUIRE_DATA=1` (set by CI) makes that a failure.
+/// True when Fashion-MNIST is installed (see [`edl_testkit::have_fashion_mnist`]).
 pub fn have_dataset() -> bool {
-    if Path::new(DEFAULT_DATA_DIR).exists() {
-        return true;
-    }
-    assert!(
-        std::env::var("EDL_REQUIRE_DATA").as_deref() != Ok("1"),
-        "{DEFAULT_DATA_DIR} is missing and EDL_REQUIRE_DATA=1"
-    );
-    eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
-    false
+    edl_testkit::have_fashion_mnist()
 }

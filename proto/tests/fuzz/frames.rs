@@ -142,6 +142,23 @@ fn check_decode<T: Message + Debug>(buf: &[u8], limits: &FrameLimits) -> Result<
     }
 }
 
+/// [`check_decode`] of `buf` as a request frame and as a response frame.
+fn check_decode_both(buf: &[u8], limits: &FrameLimits) -> Result<(), TestCaseError> {
+    check_decode::<Request>(buf, limits)?;
+    check_decode::<Response>(buf, limits)
+}
+
+/// [`check_refusal`] of `buf` decoded as a request frame and as a response frame.
+fn check_refusal_both(
+    buf: Vec<u8>,
+    limits: &FrameLimits,
+    expected: Option<&ProtoError>,
+) -> Result<(), TestCaseError> {
+    let buf = Bytes::from(buf);
+    check_refusal(Frame::<Request>::decode(buf.clone(), limits), expected)?;
+    check_refusal(Frame::<Response>::decode(buf, limits), expected)
+}
+
 /// Checks a decoding outcome against the error expected from the prefix alone: that error
 /// exactly, or, when none is expected, success or a refused header.
 fn check_refusal<T: Debug>(
@@ -394,8 +411,7 @@ proptest! {
         if let Err(e) = parse_prefix(&bytes, &limits) {
             check_error(&e)?;
         }
-        check_decode::<Request>(&bytes, &limits)?;
-        check_decode::<Response>(&bytes, &limits)?;
+        check_decode_both(&bytes, &limits)?;
     }
 
     /// The prefix decoder agrees with the format: magic, version 1, no flags, then lengths
@@ -452,8 +468,7 @@ proptest! {
         let mut buf = encode_prefix(header.len() as u32, payload.len() as u64).to_vec();
         buf.extend_from_slice(&header);
         buf.extend_from_slice(&payload);
-        check_decode::<Request>(&buf, &limits)?;
-        check_decode::<Response>(&buf, &limits)?;
+        check_decode_both(&buf, &limits)?;
         let expected = if header.len() as u64 > limits.max_header {
             Some(ProtoError::HeaderTooLarge { len: header.len() as u64, max: limits.max_header })
         } else if payload.len() as u64 > limits.max_payload {
@@ -461,10 +476,7 @@ proptest! {
         } else {
             None
         };
-        let request = Frame::<Request>::decode(Bytes::from(buf.clone()), &limits);
-        check_refusal(request, expected.as_ref())?;
-        let response = Frame::<Response>::decode(Bytes::from(buf), &limits);
-        check_refusal(response, expected.as_ref())?;
+        check_refusal_both(buf, &limits, expected.as_ref())?;
     }
 
     /// Any lengths in a valid prefix, however large, are refused by the limits or by the
@@ -486,44 +498,25 @@ proptest! {
         } else {
             length_error(h, p, have)
         };
-        check_decode::<Request>(&buf, &limits)?;
-        check_decode::<Response>(&buf, &limits)?;
-        let request = Frame::<Request>::decode(Bytes::from(buf.clone()), &limits);
-        check_refusal(request, expected.as_ref())?;
-        let response = Frame::<Response>::decode(Bytes::from(buf), &limits);
-        check_refusal(response, expected.as_ref())?;
+        check_decode_both(&buf, &limits)?;
+        check_refusal_both(buf, &limits, expected.as_ref())?;
     }
 
-    /// Valid request frames changed in a few places never panic the decoders.
+    /// Valid request and response frames changed in a few places never panic the decoders.
     #[test]
-    fn mutated_request_frames(
-        msg in request(),
+    fn mutated_frames(
+        req in request(),
+        resp in response(),
         payload in payload(),
         mutations in vec(mutation(), 1..5),
         limits in limits(),
     ) {
-        let (_, mut buf) = encoded(msg, payload)?;
-        for m in &mutations {
-            apply(&mut buf, m);
+        for mut buf in [encoded(req, payload.clone())?.1, encoded(resp, payload)?.1] {
+            for m in &mutations {
+                apply(&mut buf, m);
+            }
+            check_decode_both(&buf, &limits)?;
         }
-        check_decode::<Request>(&buf, &limits)?;
-        check_decode::<Response>(&buf, &limits)?;
-    }
-
-    /// Valid response frames changed in a few places never panic the decoders.
-    #[test]
-    fn mutated_response_frames(
-        msg in response(),
-        payload in payload(),
-        mutations in vec(mutation(), 1..5),
-        limits in limits(),
-    ) {
-        let (_, mut buf) = encoded(msg, payload)?;
-        for m in &mutations {
-            apply(&mut buf, m);
-        }
-        check_decode::<Response>(&buf, &limits)?;
-        check_decode::<Request>(&buf, &limits)?;
     }
 
     /// Arbitrary header bytes never panic `from_header`; what is accepted re-encodes.

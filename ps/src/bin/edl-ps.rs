@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use edl_ps::coordinator::{self, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
 use edl_shared::cli::{BudgetArgs, IdentityArgs};
+use edl_shared::jobfile::defaults;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
 use edl_shared::transport::TransportSettings;
@@ -80,31 +81,31 @@ struct CoordinatorArgs {
     #[arg(long, value_name = "FLOATS", conflicts_with_all = ["layers", "optimizer"])]
     counter: Option<u32>,
     /// Server-side optimizer: sgd:LR, momentum:LR:M or adam:LR.
-    #[arg(long, default_value = "adam:0.001")]
+    #[arg(long, default_value_t = defaults::OPTIMIZER)]
     optimizer: OptimizerSpec,
     /// Consistency model: asp, ssp:S (bounded staleness S) or bsp.
-    #[arg(long, default_value = "ssp:2")]
+    #[arg(long, default_value_t = defaults::CONSISTENCY)]
     consistency: Consistency,
     /// Samples per mini-batch.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = defaults::BATCH_SIZE)]
     batch_size: u32,
     /// Passes over the training data.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = defaults::EPOCHS)]
     epochs: u32,
     /// Samples per data partition leased to a worker.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = defaults::PARTITION_SIZE)]
     partition_size: u32,
     /// Training samples used per epoch (the first N of the training set).
-    #[arg(long, default_value_t = 60_000)]
+    #[arg(long, default_value_t = defaults::SAMPLES)]
     train_samples: u32,
     /// Floats per parameter key; tensors are cut into chunks of this size.
-    #[arg(long, default_value_t = 16_384)]
+    #[arg(long, default_value_t = defaults::CHUNK_SIZE)]
     chunk_size: u32,
     /// Seed for initialization and data order.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = defaults::SEED)]
     seed: u64,
     /// Worker heartbeat lease in milliseconds; silent workers are dropped after it.
-    #[arg(long, default_value_t = 3000)]
+    #[arg(long, default_value_t = defaults::LEASE_MS)]
     lease_ms: u32,
     /// Keep no durable state. By default the coordinator saves membership, the shard map, the
     /// job and the data progress to STATE_DIR/coordinator/state.bin (twice a second while it

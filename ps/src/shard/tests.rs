@@ -412,3 +412,55 @@ fn a_checkpoint_after_moves_restores_the_moved_keys_and_ledgers() {
     );
     assert!(ShardState::restore(ShardId(1), job, old, b.snapshot()).is_err());
 }
+
+#[test]
+fn a_covering_push_records_its_span_for_keys_it_does_not_carry() {
+    let st = state(Consistency::Asp);
+    let span = DataSpan {
+        epoch: 0,
+        partition: 0,
+        start: 0,
+        end: 1,
+    };
+    let key1 = [ChunkRef {
+        key: Key(1),
+        len: 2,
+    }];
+    let g = floats(&[-1.0; 2]);
+    let all = [KeyRange { start: 0, end: 2 }];
+    let push = |chunks: &[ChunkRef], payload: &[u8], covers: &[KeyRange], span| {
+        st.push_covering(
+            MapEpoch(1),
+            WorkerId(1),
+            Clock(0),
+            chunks,
+            payload,
+            span,
+            covers,
+        )
+    };
+    // Covering needs a span; a range past the job's keys is refused.
+    let no_span = push(&key1, &g, &all, None).expect_err("covers without a span");
+    assert_eq!(no_span.code, ErrorCode::InvalidRequest);
+    let past = push(
+        &key1,
+        &g,
+        &[KeyRange {
+            start: 0,
+            end: u64::MAX,
+        }],
+        Some(&span),
+    );
+    assert_eq!(past.expect_err("past the keys").code, ErrorCode::UnknownKey);
+    assert_eq!(st.ledger_report()[0].applied, 0, "refusals record nothing");
+    // No gradient travels at all, yet the span counts for the covered keys' ledger.
+    assert_eq!(push(&[], &[], &all, Some(&span)), Ok(Claim::Apply));
+    assert_eq!(read(&st, 0), vec![0.0; 6]);
+    assert_eq!(st.ledger_report()[0].applied, 1);
+    // A later push of the span, with a gradient, is skipped: the samples were applied.
+    assert_eq!(
+        push(&key1, &g, &all, Some(&span)),
+        Ok(Claim::AlreadyApplied)
+    );
+    assert_eq!(read(&st, 0), vec![0.0; 6]);
+}

@@ -1,7 +1,6 @@
-//! A test aid, not a product binary: a worker of the custom two-layer model of
-//! `worker/examples/two_layer.rs` that also logs every batch it is handed (epoch, span and
-//! sample indices, one line each, flushed), so that a test can kill it and compare the indices
-//! another process gets for the same span.
+//! A test aid, not a product binary: the worker of `worker/examples/two_layer.rs`, logging
+//! every batch it is handed (epoch, span and sample indices, one line each, flushed), so that
+//! a test can kill it and compare the indices another process gets for the same span.
 //!
 //! Usage: `edl-test-worker COORDINATOR STATE_DIR NAME LOG`
 
@@ -10,7 +9,7 @@ use std::io::Write;
 use anyhow::Context;
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
-use edl_worker::client::{ClientConfig, Job};
+use edl_worker::client::ClientConfig;
 use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet};
 
 #[path = "../../../worker/examples/two_layer.rs"]
@@ -31,13 +30,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let data = ImageSet::load_prefix(&std::path::Path::new(DEFAULT_DATA_DIR).join("train"))?;
     let mut log = std::fs::File::create(log).with_context(|| format!("creating {log}"))?;
-    let job = Job::connect(&cfg).await?;
-    let model = two_layer::TwoLayer::of(&job)?;
-    let n = job.spec().param_count();
-    let (mut params, mut grads) = (vec![0f32; n], vec![0f32; n]);
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    let mut session = job.join().await?;
-    while let Some(batch) = session.next_batch().await? {
+    two_layer::train(&cfg, &data, |batch| {
         let s = batch.span();
         let indices: Vec<String> = batch.indices().iter().map(u32::to_string).collect();
         writeln!(
@@ -48,14 +41,8 @@ async fn main() -> anyhow::Result<()> {
             s.end,
             indices.join(",")
         )?;
-        log.flush()?;
-        session.pull(&mut params).await?;
-        data.gather(batch.indices(), &mut x, &mut y)?;
-        grads.iter_mut().for_each(|g| *g = 0.0);
-        let (loss, _) = model.step(&params, &x, &y, Some(&mut grads));
-        session.push(&batch, &grads).await?;
-        session.commit(batch, loss).await?;
-    }
-    session.leave().await?;
+        Ok(log.flush()?)
+    })
+    .await?;
     Ok(())
 }

@@ -294,7 +294,7 @@ impl Job {
 
     /// Pulls the keys in `wanted` (`None`: all), one request per shard in parallel, and hands
     /// each chunk's bytes to `each` once checked against what was asked.
-    async fn pull(
+    pub(crate) async fn pull(
         &self,
         wanted: Option<Vec<KeyRange>>,
         apply_through: Clock,
@@ -421,65 +421,18 @@ impl Job {
         .await
     }
 
-    /// Pushes `(key, values)` pairs for step `clock` (a sparse write).
+    /// Pushes `(key, values)` pairs for step `clock`, each a whole chunk (a sparse write);
+    /// every other key's gradient is zero and does not travel. With a data span, every shard
+    /// is asked, covering all the keys it holds (`Request::Push::covers`) so that its ledger
+    /// records the span, and the push may be repeated after a connection failure (a shard
+    /// skips a span it applied); without one, only the shards holding the keys are asked.
+    /// Every chunk is checked (known key, its length, finite) before anything is sent.
     pub async fn push_keys(
         &self,
         (worker, token): (WorkerId, Token),
         clock: Clock,
         chunks: &[(Key, &[f32])],
-    ) -> Result<(), ClientError> {
-        for (k, v) in chunks {
-            if self.layout.span(*k).is_none() {
-                return Err(self.inconsistent("client", format!("{k} is not in the shard map")));
-            }
-            check_finite(v)?;
-        }
-        self.fan_out(
-            Some(KeyRange::runs(chunks.iter().map(|(k, _)| k.0))),
-            false,
-            |link, map| {
-                let mine: Vec<&(Key, &[f32])> = chunks
-                    .iter()
-                    .filter(|(k, _)| in_ranges(&link.ranges, *k))
-                    .collect();
-                let refs = mine
-                    .iter()
-                    .map(|(k, v)| ChunkRef {
-                        key: *k,
-                        len: v.len() as u32,
-                    })
-                    .collect();
-                let floats = mine.iter().map(|(_, v)| v.len()).sum::<usize>();
-                let mut payload = BytesMut::with_capacity(floats * 4);
-                for (_, v) in &mine {
-                    extend_f32s(&mut payload, v);
-                }
-                let req = Request::Push {
-                    epoch: map.epoch,
-                    worker,
-                    clock,
-                    chunks: refs,
-                    span: None,
-                    covers: Vec::new(),
-                    token,
-                };
-                Ok((req, payload.freeze()))
-            },
-            |_, _| Ok(()),
-        )
-        .await
-    }
-
-    /// Pushes a sparse gradient for step `clock`, computed from the samples of `span`: the
-    /// whole chunks in `chunks` travel (sorted by key, no repeats, each as long as its key);
-    /// every other key of the model gets a zero gradient, which does not travel but counts
-    /// the span, so that every shard's ledger records it.
-    pub(super) async fn push_sparse(
-        &self,
-        (worker, token): (WorkerId, Token),
-        clock: Clock,
-        span: DataSpan,
-        chunks: &[(Key, Vec<f32>)],
+        span: Option<DataSpan>,
     ) -> Result<(), ClientError> {
         for (k, v) in chunks {
             if self
@@ -491,11 +444,15 @@ impl Job {
             }
             check_finite(v)?;
         }
+        let wanted = match span {
+            Some(_) => None,
+            None => Some(KeyRange::runs(chunks.iter().map(|(k, _)| k.0))),
+        };
         self.fan_out(
-            None,
-            true,
+            wanted,
+            span.is_some(),
             |link, map| {
-                let mine: Vec<&(Key, Vec<f32>)> = chunks
+                let mine: Vec<&(Key, &[f32])> = chunks
                     .iter()
                     .filter(|(k, _)| in_ranges(&link.ranges, *k))
                     .collect();
@@ -515,8 +472,11 @@ impl Job {
                             len: v.len() as u32,
                         })
                         .collect(),
-                    span: Some(span),
-                    covers: link.ranges.clone(),
+                    span,
+                    covers: match span {
+                        Some(_) => link.ranges.clone(),
+                        None => Vec::new(),
+                    },
                     token,
                 };
                 Ok((req, payload.freeze()))

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
+use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::ids::{Clock, Key, Token, WorkerId};
-use edl_shared::proto::msg::{DataSpan, Partition};
+use edl_shared::proto::msg::{DataSpan, KeyRange, Partition};
 use edl_shared::proto::order::epoch_order;
 use edl_shared::proto::{ErrorCode, Request, Response};
 use edl_shared::shutdown::CancellationToken;
@@ -259,46 +260,38 @@ impl Session {
         self.check_batch(batch, false)?;
         self.check_lost()?;
         let spec = self.job.spec();
-        let layout = spec.layout();
         let mut chunks: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
         for g in grads {
             let t = spec.require(g.tensor)?;
-            let row_len = t.row_len();
-            if g.values.len() != g.rows.len() * row_len {
+            if g.values.len() != g.rows.len() * t.row_len() {
                 return Err(ClientError::RowShape {
                     what: format!(
                         "{} rows of tensor {:?} need {} values, {} given",
                         g.rows.len(),
                         g.tensor,
-                        g.rows.len() * row_len,
+                        g.rows.len() * t.row_len(),
                         g.values.len()
                     ),
                 });
             }
-            spec.keys_of_rows(t, g.rows)?;
-            for (i, &r) in g.rows.iter().enumerate() {
-                let mut pos = (t.offset + r as usize * row_len) as u64;
-                let end = pos + row_len as u64;
-                let mut src = &g.values[i * row_len..(i + 1) * row_len];
-                while pos < end {
-                    let s = spec.span_at(pos);
-                    let n = ((s.offset + u64::from(s.len)).min(end) - pos) as usize;
-                    let chunk = chunks
-                        .entry(s.key)
-                        .or_insert_with(|| vec![0.0; s.len as usize]);
-                    let at = (pos - s.offset) as usize;
-                    for (d, v) in chunk[at..at + n].iter_mut().zip(&src[..n]) {
-                        *d += v;
-                    }
-                    src = &src[n..];
-                    pos += n as u64;
+            for p in spec.pieces(t, g.rows)? {
+                let chunk = chunks
+                    .entry(p.key)
+                    .or_insert_with(|| vec![0.0; p.chunk_len]);
+                let src = &g.values[p.buf_at..p.buf_at + p.len];
+                for (d, v) in chunk[p.at..p.at + p.len].iter_mut().zip(src) {
+                    *d += v;
                 }
             }
         }
-        debug_assert!(chunks.keys().all(|k| layout.span(*k).is_some()));
-        let chunks: Vec<(Key, Vec<f32>)> = chunks.into_iter().collect();
+        let chunks: Vec<(Key, &[f32])> = chunks.iter().map(|(k, v)| (*k, v.as_slice())).collect();
         self.job
-            .push_sparse((self.worker, self.token), self.clock, batch.span, &chunks)
+            .push_keys(
+                (self.worker, self.token),
+                self.clock,
+                &chunks,
+                Some(batch.span),
+            )
             .await
             .map_err(|e| self.map_dropped(e))?;
         self.feed.outstanding = Some((batch.span, true));
@@ -307,7 +300,7 @@ impl Session {
 
     /// Pulls rows `rows` of tensor `tensor` into `out` (`rows.len()` rows of the tensor's row
     /// length, in the order of `rows`), with every BSP step this worker may see applied. Only
-    /// the keys (chunks) holding those rows travel.
+    /// the keys (chunks) holding those rows travel, and their floats go straight into `out`.
     pub async fn pull_rows(
         &self,
         tensor: &str,
@@ -317,46 +310,42 @@ impl Session {
         self.check_lost()?;
         let spec = self.job.spec();
         let t = spec.require(tensor)?;
-        let row_len = t.row_len();
-        if out.len() != rows.len() * row_len {
+        if out.len() != rows.len() * t.row_len() {
             return Err(ClientError::RowShape {
                 what: format!(
                     "{} rows of tensor {tensor:?} need {} floats of output, {} given",
                     rows.len(),
-                    rows.len() * row_len,
+                    rows.len() * t.row_len(),
                     out.len()
                 ),
             });
         }
-        let keys = spec.keys_of_rows(t, rows)?;
-        let pulled: BTreeMap<Key, Vec<f32>> = self
-            .job
-            .pull_keys(&keys, self.granted)
+        let mut pieces = spec.pieces(t, rows)?;
+        pieces.sort_unstable_by_key(|p| p.key);
+        let mut keys: Vec<Key> = pieces.iter().map(|p| p.key).collect();
+        keys.dedup();
+        let mut seen = vec![false; keys.len()];
+        let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
+        self.job
+            .pull(Some(wanted), self.granted, |key, bytes| {
+                let from = pieces.partition_point(|p| p.key < key);
+                for p in pieces[from..].iter().take_while(|p| p.key == key) {
+                    let src = bytes.get(p.at * 4..(p.at + p.len) * 4).unwrap_or_default();
+                    bytes_to_f32s(src, &mut out[p.buf_at..p.buf_at + p.len])?;
+                }
+                if let Ok(i) = keys.binary_search(&key) {
+                    seen[i] = true;
+                }
+                Ok(())
+            })
             .await
-            .map_err(|e| self.map_dropped(e))?
-            .into_iter()
-            .collect();
-        for (i, &r) in rows.iter().enumerate() {
-            let mut pos = (t.offset + r as usize * row_len) as u64;
-            let end = pos + row_len as u64;
-            let mut dst = &mut out[i * row_len..(i + 1) * row_len];
-            while pos < end {
-                let s = spec.span_at(pos);
-                let n = ((s.offset + u64::from(s.len)).min(end) - pos) as usize;
-                let at = (pos - s.offset) as usize;
-                let src = pulled
-                    .get(&s.key)
-                    .and_then(|v| v.get(at..at + n))
-                    .ok_or_else(|| {
-                        self.job
-                            .inconsistent("shards", format!("{} came back short", s.key))
-                    })?;
-                dst[..n].copy_from_slice(src);
-                dst = &mut dst[n..];
-                pos += n as u64;
-            }
+            .map_err(|e| self.map_dropped(e))?;
+        match seen.iter().position(|s| !s) {
+            Some(i) => Err(self
+                .job
+                .inconsistent("shards", format!("{} was not returned", keys[i]))),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Commits `batch`, whose gradient was pushed: its samples are done. Then waits until
@@ -399,7 +388,7 @@ impl Session {
     pub async fn push_keys(&self, chunks: &[(Key, &[f32])]) -> Result<(), ClientError> {
         self.check_lost()?;
         self.job
-            .push_keys((self.worker, self.token), self.clock, chunks)
+            .push_keys((self.worker, self.token), self.clock, chunks, None)
             .await
     }
 

@@ -139,9 +139,23 @@ impl JobSpec {
     /// The keys holding rows `rows` of `tensor`, sorted and without repeats; an error names
     /// the first row out of range.
     pub fn keys_of_rows(&self, tensor: &TensorView, rows: &[u32]) -> Result<Vec<Key>, ClientError> {
-        let row_len = tensor.row_len() as u64;
-        let mut keys = Vec::with_capacity(rows.len());
-        for &r in rows {
+        let mut keys: Vec<Key> = self.pieces(tensor, rows)?.iter().map(|p| p.key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        Ok(keys)
+    }
+
+    /// Where rows `rows` of `tensor` lie in the keys' chunks, in the order of `rows`: row `i`
+    /// is floats `i * row_len..(i + 1) * row_len` of the caller's buffer, in one piece per
+    /// chunk it spans. An error names the first row out of range.
+    pub(crate) fn pieces(
+        &self,
+        tensor: &TensorView,
+        rows: &[u32],
+    ) -> Result<Vec<Piece>, ClientError> {
+        let row_len = tensor.row_len();
+        let mut out = Vec::with_capacity(rows.len());
+        for (i, &r) in rows.iter().enumerate() {
             if r as usize >= tensor.rows() {
                 return Err(ClientError::RowOutOfRange {
                     tensor: tensor.name.clone(),
@@ -149,31 +163,50 @@ impl JobSpec {
                     rows: tensor.rows(),
                 });
             }
-            if row_len == 0 {
-                continue;
+            let mut pos = (tensor.offset + r as usize * row_len) as u64;
+            let end = pos + row_len as u64;
+            let mut buf_at = i * row_len;
+            while pos < end {
+                let s = self.span_at(pos).ok_or_else(|| ClientError::Inconsistent {
+                    from: "client".into(),
+                    what: format!("float {pos} of tensor {:?} has no key", tensor.name),
+                })?;
+                let len = ((s.offset + u64::from(s.len)).min(end) - pos) as usize;
+                out.push(Piece {
+                    key: s.key,
+                    chunk_len: s.len as usize,
+                    at: (pos - s.offset) as usize,
+                    len,
+                    buf_at,
+                });
+                pos += len as u64;
+                buf_at += len;
             }
-            let first = tensor.offset as u64 + u64::from(r) * row_len;
-            let last = first + row_len - 1;
-            let (a, b) = (self.span_at(first).key, self.span_at(last).key);
-            keys.extend((a.0..=b.0).map(Key));
         }
-        keys.sort_unstable();
-        keys.dedup();
-        Ok(keys)
+        Ok(out)
     }
 
-    /// The key span whose chunk holds float `at` of the flat vector (the last one for `at`
-    /// past the model; callers keep `at` inside).
-    pub(crate) fn span_at(&self, at: u64) -> KeySpan {
+    /// The key span whose chunk holds float `at` of the flat vector.
+    fn span_at(&self, at: u64) -> Option<KeySpan> {
         let spans = self.layout.spans();
         let i = spans.partition_point(|s| s.offset + u64::from(s.len) <= at);
-        spans.get(i).or(spans.last()).copied().unwrap_or(KeySpan {
-            key: Key(0),
-            tensor: 0,
-            offset: 0,
-            len: 0,
-        })
+        spans.get(i).filter(|s| s.offset <= at).copied()
     }
+}
+
+/// A run of one row's floats within one key's chunk (see [`JobSpec::pieces`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// The key.
+    pub(crate) key: Key,
+    /// Floats in the key's chunk.
+    pub(crate) chunk_len: usize,
+    /// Where the run starts within the chunk.
+    pub(crate) at: usize,
+    /// Floats in the run.
+    pub(crate) len: usize,
+    /// Where the run starts within the caller's rows buffer.
+    pub(crate) buf_at: usize,
 }
 
 #[cfg(test)]

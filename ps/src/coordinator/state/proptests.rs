@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use proptest::prelude::*;
 
 use super::*;
-use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec};
+use edl_shared::proto::Consistency;
 
 /// The certificate names requests come from.
 const IDENTITIES: [&str; 4] = ["w0", "w1", "w2", "w3"];
@@ -21,18 +21,11 @@ const LEASE_MS: u64 = 1000;
 
 fn job(consistency: Consistency) -> JobConfig {
     JobConfig {
-        model: ModelSpec::Custom,
-        tensors: ModelSpec::mlp_tensors(&[4, 3]),
-        chunk_size: 4,
-        optimizer: OptimizerSpec::Sgd { lr: 0.1 },
-        consistency,
-        batch_size: 2,
         epochs: EPOCHS,
         partition_size: PARTITION,
         train_samples: SAMPLES,
-        seed: 1,
         lease_ms: LEASE_MS as u32,
-        data: None,
+        ..super::tests::job(consistency)
     }
 }
 

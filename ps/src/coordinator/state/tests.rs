@@ -3,7 +3,8 @@
 use super::*;
 use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec};
 
-fn job(consistency: Consistency) -> JobConfig {
+/// A small job: 8 samples in partitions of 4, one epoch, a 1 s lease.
+pub(super) fn job(consistency: Consistency) -> JobConfig {
     JobConfig {
         model: ModelSpec::Custom,
         tensors: ModelSpec::mlp_tensors(&[4, 3]),

@@ -2,7 +2,8 @@
 //! "computes" for a fixed time (a sleep: a GPU busy with a step leaves the CPU free), pushes
 //! and reports its step, in a closed loop; dense workers pull and push the whole model, sparse
 //! ones an eighth of its keys, a different eighth each step. Throughput is counted over a
-//! fixed window after a warm-up, and scaling efficiency is throughput at `n` workers over `n`
+//! fixed window after a warm-up (held open, if need be, until a step ends in it), and scaling
+//! efficiency is throughput at `n` workers over `n`
 //! times that of one worker at the same shards and mode.
 //!
 //! The transport ceiling is measured in the same run: the same loop with no compute at all,
@@ -382,6 +383,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     })
 }
 
+/// The longest a measured window stays open waiting for its first step.
+const MAX_WINDOW: Duration = Duration::from_secs(60);
+
 /// Registers one worker per job, lets them step for the warm-up and the window, and counts the
 /// steps and bytes of the window; then they leave.
 async fn measure(
@@ -415,6 +419,13 @@ async fn measure(
         Instant::now(),
     );
     tokio::time::sleep(plan.window).await;
+    // A window in which no step ended measures nothing (on a machine busy with other work, a
+    // short window can fall inside one slow step): it stays open until a step ends, and the
+    // rate is over the time it was really open.
+    let until = t0 + MAX_WINDOW;
+    while steps.load(Ordering::Relaxed) == s0 && Instant::now() < until {
+        tokio::time::sleep(plan.window.min(Duration::from_millis(100))).await;
+    }
     let (s1, b1, wall) = (
         steps.load(Ordering::Relaxed),
         bytes.load(Ordering::Relaxed),

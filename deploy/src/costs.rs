@@ -60,6 +60,10 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::Drain => "drain",
         EventKind::Leave => "leave",
         EventKind::Dead => "dead",
+        EventKind::Straggler => "straggler",
+        EventKind::Recovered => "recovered",
+        EventKind::Preempt => "preempt",
+        EventKind::ReplaceRequested => "replace_requested",
     }
 }
 

@@ -5,16 +5,17 @@
 //! The pieces are split by concern: [`procs`] starts, watches and stops child processes,
 //! [`scenario`] reads the timed membership changes and shard events a run replays,
 //! [`progress`] shows how training is going, [`costs`] works out what each event and key-range
-//! move cost from the coordinator's trace, and [`report`] turns the outcome into a summary and
-//! a JSON report.
+//! move cost from the coordinator's trace, [`elastic`] what stragglers, preemptions and
+//! placements did, and [`report`] turns the outcome into a summary and a JSON report.
 
 pub mod costs;
+pub mod elastic;
 pub mod local;
 pub mod procs;
 pub mod progress;
 pub mod report;
 pub mod scenario;
 
-pub use local::{LocalConfig, ScenarioFile, run};
+pub use local::{ElasticConfig, LocalConfig, ScenarioFile, run};
 pub use report::Report;
 pub use scenario::Scenario;

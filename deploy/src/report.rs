@@ -145,7 +145,19 @@ pub struct SkippedEvent {
 pub struct WorkerProcess {
     /// Its name (certificate name and log file).
     pub name: String,
-    /// What the launcher did to it: `none`, `drained`, `termed`, `killed` or `restarted`.
+    /// The slot it ran in.
+    #[serde(default)]
+    pub slot: String,
+    /// The placement it was started for (a replacement, a migration or a resize the
+    /// coordinator asked for).
+    #[serde(default)]
+    pub placement: Option<u64>,
+    /// When the launcher saw it exit, in milliseconds since the coordinator started (to
+    /// within the launcher's status period).
+    #[serde(default)]
+    pub exited_ms: Option<u64>,
+    /// What the launcher did to it: `none`, `drained`, `termed`, `killed`, `restarted` or
+    /// `preempted`.
     pub fate: String,
     /// Its exit code, when it exited normally.
     pub exit_code: Option<i32>,
@@ -217,6 +229,9 @@ pub struct Report {
     pub state_dir: PathBuf,
     /// Problems seen while stopping the servers (empty when they all stopped cleanly).
     pub shutdown_problems: Vec<String>,
+    /// What stragglers, preemptions, migrations and other placements did.
+    #[serde(default)]
+    pub elastic: crate::elastic::ElasticReport,
 }
 
 /// The coordinator's raw trace as JSON (`--trace`), for a closer look than the report's
@@ -621,6 +636,9 @@ mod tests {
             }],
             worker_processes: vec![WorkerProcess {
                 name: "w0".into(),
+                slot: "slot0".into(),
+                placement: None,
+                exited_ms: Some(900),
                 fate: "restarted".into(),
                 exit_code: Some(0),
                 signal: None,
@@ -645,6 +663,7 @@ mod tests {
             ],
             state_dir: "/tmp/edl-local-1".into(),
             shutdown_problems: vec![],
+            elastic: Default::default(),
         };
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("r.json");

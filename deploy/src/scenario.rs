@@ -1,6 +1,7 @@
 //! Scenario files for `edl-local --scenario`: timed changes replayed against a running job,
-//! of the worker membership (add, drain, kill, term) and of the shard servers (shard_add,
-//! shard_remove, move, kill_shard, restart_shard).
+//! of the worker membership (add, drain, kill, term, preempt, migrate), of a worker's speed
+//! (slow, a test aid) and of the shard servers (shard_add, shard_remove, move, kill_shard,
+//! restart_shard).
 //!
 //! ```toml
 //! [[event]]
@@ -19,6 +20,20 @@
 //! action = "move"
 //! range = "3..6"      # move only: keys START..END (end excluded)
 //! to = "s2"           # move only: the shard that takes them
+//! [[event]]
+//! at_s = 9.5
+//! action = "slow"     # test aid: the worker's steps take `factor` times as long
+//! worker = "w1"
+//! factor = 3.0
+//! [[event]]
+//! at_s = 9.7
+//! action = "preempt"  # SIGUSR1: a spot notice (edl-local --preempt-notice long)
+//! worker = "w2"
+//! [[event]]
+//! at_s = 9.9
+//! action = "migrate"  # a new worker (in slot `to`, optional), then the old one drained
+//! worker = "w0"
+//! to = "slot5"
 //! [[event]]
 //! at_s = 10.0
 //! action = "kill_shard"
@@ -80,7 +95,7 @@ pub enum ScenarioError {
 }
 
 /// What an event does.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Action {
     /// Start new worker processes with these names.
     Add {
@@ -134,15 +149,40 @@ pub enum Action {
         /// The shard's process name.
         shard: String,
     },
+    /// A test aid: make this worker's steps `factor` times slower from now on (1 restores
+    /// its speed), as a slower or shared device would.
+    Slow {
+        /// The worker's name.
+        worker: String,
+        /// The slowdown factor.
+        factor: f64,
+    },
+    /// Send SIGUSR1 to this worker's process, as a cloud agent does on a spot-instance
+    /// warning: it leaves within `edl-local --preempt-notice`; under straggler policy
+    /// `replace` the coordinator asks for a substitute at once.
+    Preempt {
+        /// The worker's name.
+        worker: String,
+    },
+    /// Ask the coordinator to move this worker (`edlctl migrate`): a new worker starts (in
+    /// slot `to`, if given), is admitted, then the old one is drained. The name then stands
+    /// for the new worker.
+    Migrate {
+        /// The worker's name.
+        worker: String,
+        /// The slot to start the new worker in.
+        to: Option<String>,
+    },
 }
 
 impl Action {
     /// The worker an action removes, if it removes one.
     pub fn target(&self) -> Option<&str> {
         match self {
-            Action::Drain { worker } | Action::Kill { worker } | Action::Term { worker } => {
-                Some(worker)
-            }
+            Action::Drain { worker }
+            | Action::Kill { worker }
+            | Action::Term { worker }
+            | Action::Preempt { worker } => Some(worker),
             _ => None,
         }
     }
@@ -159,6 +199,15 @@ impl Action {
         )
     }
 
+    /// True for the events that use elasticity itself (slow, preempt, migrate): carried out
+    /// the same way with `--restart-on-change`.
+    pub fn is_elastic_event(&self) -> bool {
+        matches!(
+            self,
+            Action::Slow { .. } | Action::Preempt { .. } | Action::Migrate { .. }
+        )
+    }
+
     /// The action's name in a scenario file (`add`, `shard_remove`, ...).
     pub fn kind(&self) -> &'static str {
         match self {
@@ -171,6 +220,9 @@ impl Action {
             Action::Move { .. } => "move",
             Action::KillShard { .. } => "kill_shard",
             Action::RestartShard { .. } => "restart_shard",
+            Action::Slow { .. } => "slow",
+            Action::Preempt { .. } => "preempt",
+            Action::Migrate { .. } => "migrate",
         }
     }
 }
@@ -187,12 +239,19 @@ impl fmt::Display for Action {
             Action::Move { start, end, to } => write!(f, "move keys {start}..{end} to {to}"),
             Action::KillShard { shard } => write!(f, "kill -9 shard {shard}"),
             Action::RestartShard { shard } => write!(f, "restart shard {shard}"),
+            Action::Slow { worker, factor } => write!(f, "slow {worker} {factor}x"),
+            Action::Preempt { worker } => write!(f, "preempt {worker} (SIGUSR1)"),
+            Action::Migrate { worker, to: None } => write!(f, "migrate {worker}"),
+            Action::Migrate {
+                worker,
+                to: Some(slot),
+            } => write!(f, "migrate {worker} to {slot}"),
         }
     }
 }
 
 /// One timed event.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ScenarioEvent {
     /// When, after training started.
     pub at: Duration,
@@ -202,7 +261,7 @@ pub struct ScenarioEvent {
 
 /// A checked scenario: events in time order, every worker and shard name valid where it is
 /// used.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Scenario {
     /// The events, in time order.
     pub events: Vec<ScenarioEvent>,
@@ -226,18 +285,31 @@ struct RawEvent {
     shard: Option<String>,
     range: Option<String>,
     to: Option<String>,
+    factor: Option<f64>,
 }
 
 impl RawEvent {
     /// The optional fields that are set, by name.
-    fn fields(&self) -> [(&'static str, bool); 5] {
+    fn fields(&self) -> [(&'static str, bool); 6] {
         [
             ("count", self.count.is_some()),
             ("worker", self.worker.is_some()),
             ("shard", self.shard.is_some()),
             ("range", self.range.is_some()),
             ("to", self.to.is_some()),
+            ("factor", self.factor.is_some()),
         ]
+    }
+}
+
+/// Why `worker` is not among `running`, for an error message.
+fn why_not_running(worker: &str, running: &[String], gone: &[(String, String)]) -> String {
+    match gone.iter().find(|(w, _)| w == worker) {
+        Some((_, why)) => format!("{worker} {why}"),
+        None => format!(
+            "no worker is named {worker:?} at that point (running: {})",
+            running.join(", ")
+        ),
     }
 }
 
@@ -352,8 +424,8 @@ impl Scenario {
             let fields = e.fields();
             let action = e.action.ok_or_else(|| {
                 bad(
-                    "missing field `action` (add, drain, kill, term, shard_add, shard_remove, \
-                     move, kill_shard or restart_shard)"
+                    "missing field `action` (add, drain, kill, term, preempt, migrate, slow, \
+                     shard_add, shard_remove, move, kill_shard or restart_shard)"
                         .into(),
                 )
             })?;
@@ -392,7 +464,39 @@ impl Scenario {
                     running.extend(names.iter().cloned());
                     Action::Add { names }
                 }
-                "drain" | "kill" | "term" => {
+                "slow" | "migrate" => {
+                    if e.count.is_some() {
+                        return Err(bad(format!("`count` applies to add only, not {action}")));
+                    }
+                    only(if action == "slow" {
+                        &["worker", "factor"]
+                    } else {
+                        &["worker", "to"]
+                    })?;
+                    let worker = e.worker.ok_or_else(|| {
+                        bad(format!(
+                            "missing field `worker` ({action} needs a name, e.g. worker = \"w0\")"
+                        ))
+                    })?;
+                    if !running.contains(&worker) {
+                        return Err(bad(format!(
+                            "cannot {action} {worker}: {}",
+                            why_not_running(&worker, &running, &gone)
+                        )));
+                    }
+                    if action == "slow" {
+                        let factor = e.factor.ok_or_else(|| {
+                            bad("missing field `factor` (e.g. factor = 3.0; 1.0 restores)".into())
+                        })?;
+                        if !(factor.is_finite() && (1.0..=1000.0).contains(&factor)) {
+                            return Err(bad(format!("factor = {factor} must be 1 to 1000")));
+                        }
+                        Action::Slow { worker, factor }
+                    } else {
+                        Action::Migrate { worker, to: e.to }
+                    }
+                }
+                "drain" | "kill" | "term" | "preempt" => {
                     if e.count.is_some() {
                         return Err(bad(format!("`count` applies to add only, not {action}")));
                     }
@@ -403,13 +507,7 @@ impl Scenario {
                         ))
                     })?;
                     let Some(pos) = running.iter().position(|w| *w == worker) else {
-                        let why = match gone.iter().find(|(w, _)| *w == worker) {
-                            Some((_, why)) => format!("{worker} {why}"),
-                            None => format!(
-                                "no worker is named {worker:?} at that point (running: {})",
-                                running.join(", ")
-                            ),
-                        };
+                        let why = why_not_running(&worker, &running, &gone);
                         return Err(bad(format!("cannot {action} {worker}: {why}")));
                     };
                     running.remove(pos);
@@ -422,12 +520,14 @@ impl Scenario {
                     let done = match action.as_str() {
                         "drain" => "was drained",
                         "kill" => "was killed",
+                        "preempt" => "was preempted",
                         _ => "was sent SIGTERM",
                     };
                     gone.push((worker.clone(), format!("{done} by event {index}")));
                     match action.as_str() {
                         "drain" => Action::Drain { worker },
                         "kill" => Action::Kill { worker },
+                        "preempt" => Action::Preempt { worker },
                         _ => Action::Term { worker },
                     }
                 }
@@ -503,8 +603,9 @@ impl Scenario {
                 }
                 other => {
                     return Err(bad(format!(
-                        "unknown action {other:?}; expected add, drain, kill, term, shard_add, \
-                         shard_remove, move, kill_shard or restart_shard"
+                        "unknown action {other:?}; expected add, drain, kill, term, preempt, \
+                         migrate, slow, shard_add, shard_remove, move, kill_shard or \
+                         restart_shard"
                     )));
                 }
             };
@@ -552,7 +653,10 @@ impl Scenario {
     pub fn final_workers(&self, workers: u32) -> u32 {
         self.events.iter().fold(workers, |n, e| match &e.action {
             Action::Add { names } => n + names.len() as u32,
-            Action::Drain { .. } | Action::Kill { .. } | Action::Term { .. } => n.saturating_sub(1),
+            Action::Drain { .. }
+            | Action::Kill { .. }
+            | Action::Term { .. }
+            | Action::Preempt { .. } => n.saturating_sub(1),
             _ => n,
         })
     }

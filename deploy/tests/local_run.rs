@@ -42,6 +42,7 @@ async fn small_job_trains_evaluates_and_reports() {
         stall_timeout: Some(Duration::from_secs(60)),
         scenario: None,
         restart_on_change: false,
+        elastic: Default::default(),
         job: None,
     };
     let report = edl_deploy::run(&cfg, CancellationToken::new())

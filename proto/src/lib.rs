@@ -10,6 +10,7 @@ pub mod ids;
 pub mod job;
 pub mod msg;
 pub mod order;
+pub mod place;
 
 pub use error::{ErrorCode, ProtoError};
 pub use frame::{Frame, FrameLimits, Parts, Payload};
@@ -19,7 +20,8 @@ pub use job::{
     OptimizerSpec, ShardMap, TensorSpec,
 };
 pub use msg::{Request, Response};
+pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, StragglerSettings};
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;

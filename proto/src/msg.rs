@@ -133,6 +133,14 @@ pub enum EventKind {
     Leave,
     /// Declared dead after its lease expired.
     Dead,
+    /// Flagged as a straggler (its step time against the others' passed the factor).
+    Straggler,
+    /// No longer a straggler.
+    Recovered,
+    /// Given a preemption notice.
+    Preempt,
+    /// A replacement for it was requested from the placer.
+    ReplaceRequested,
 }
 
 /// One membership event.
@@ -277,6 +285,19 @@ pub struct WorkerInfo {
     pub steps_per_s: f64,
     /// Samples it committed.
     pub samples: u64,
+    /// Median busy time of its recent steps in milliseconds (from the grant of one step to
+    /// the report of the next: its own work, not the consistency wait); 0 before any.
+    pub step_ms: f64,
+    /// Its median step time over the median of the other workers' (0 while unknown).
+    pub straggler_score: f64,
+    /// Flagged as a straggler.
+    pub straggler: bool,
+    /// Steps behind the most advanced counting worker (what its gradients lag under ASP).
+    pub staleness: u64,
+    /// Milliseconds left of a preemption notice, if it got one.
+    pub notice_ms: Option<u64>,
+    /// The placement it was started for, if any.
+    pub placement: Option<u64>,
 }
 
 /// One shard's holdings and load, for operators.
@@ -346,6 +367,9 @@ pub enum Request {
     Register {
         /// A human-readable label.
         name: String,
+        /// The placement this worker was started for, if any (see [`crate::place`]): once
+        /// it is admitted the placement is done, and a worker it replaces is drained.
+        placement: Option<u64>,
     },
     /// Renews a worker's lease.
     Heartbeat {
@@ -386,6 +410,47 @@ pub enum Request {
     GetMap,
     /// Asks for the job configuration.
     GetJob,
+    /// Gives a worker a preemption notice: it finishes its step, commits and leaves before
+    /// `notice_ms` run out (abandoning the step if it cannot finish in time). An admin may
+    /// give any worker one; a worker may give itself one (a spot notice it received).
+    Preempt {
+        /// The worker.
+        worker: WorkerId,
+        /// Milliseconds until the worker must be gone.
+        notice_ms: u64,
+    },
+    /// An operator moves a worker: a placer starts a new one (in `slot`, if given), and once
+    /// it is admitted the old one is drained.
+    Migrate {
+        /// The worker to move.
+        worker: WorkerId,
+        /// Where the new worker should run, in the placer's slot names.
+        slot: Option<String>,
+    },
+    /// An operator resizes the job to `workers` active workers: placements for the missing
+    /// ones, drains (newest first) for the extra ones.
+    Scale {
+        /// The worker count wanted.
+        workers: u32,
+    },
+    /// Reads the placement requests (a placer polls them).
+    Placements,
+    /// A placer could not start a worker for a placement.
+    PlacementFailed {
+        /// The placement.
+        id: u64,
+        /// Why.
+        reason: String,
+    },
+    /// Reads the straggler settings, changing the fields given.
+    Stragglers {
+        /// A new policy.
+        policy: Option<crate::place::StragglerPolicy>,
+        /// A new factor.
+        factor: Option<f32>,
+        /// A new window.
+        window: Option<u32>,
+    },
     /// Reads parameters. The payload of the response holds the chunks in `Pulled` order.
     Pull {
         /// The shard-map epoch the client routed with.
@@ -508,6 +573,12 @@ impl Request {
             Self::Status => "Status",
             Self::GetMap => "GetMap",
             Self::GetJob => "GetJob",
+            Self::Preempt { .. } => "Preempt",
+            Self::Migrate { .. } => "Migrate",
+            Self::Scale { .. } => "Scale",
+            Self::Placements => "Placements",
+            Self::PlacementFailed { .. } => "PlacementFailed",
+            Self::Stragglers { .. } => "Stragglers",
             Self::Pull { .. } => "Pull",
             Self::Push { .. } => "Push",
             Self::Ledger => "Ledger",
@@ -541,6 +612,28 @@ pub enum Response {
     },
     /// Done, nothing to report.
     Ack,
+    /// A heartbeat's answer: whether the worker is asked to leave, and by when.
+    Beat {
+        /// Leave after the current step.
+        drain: bool,
+        /// A preemption notice: milliseconds left until the worker must be gone.
+        notice_ms: Option<u64>,
+    },
+    /// The placement requests, oldest first (pending ones and the latest finished ones).
+    Placements(Vec<crate::place::Placement>),
+    /// A placement made.
+    Placed(crate::place::Placement),
+    /// What a resize did.
+    Scaled {
+        /// Placements made for workers to add.
+        placed: Vec<u64>,
+        /// Workers asked to leave.
+        drained: Vec<WorkerId>,
+        /// Pending placements no longer wanted.
+        cancelled: Vec<u64>,
+    },
+    /// The straggler settings now in force.
+    Stragglers(crate::place::StragglerSettings),
     /// A shard's assignment.
     ShardAssigned {
         /// Its id.

@@ -6,7 +6,10 @@ use edl_shared::Identity;
 use edl_shared::proto::msg::{
     JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
 };
-use edl_shared::proto::{JobConfig, ModelSpec, Request, Response, ShardMap, WorkerId};
+use edl_shared::proto::{
+    JobConfig, ModelSpec, Placement, Request, Response, ShardMap, StragglerPolicy,
+    StragglerSettings, WorkerId,
+};
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use serde::Serialize;
 
@@ -80,6 +83,110 @@ impl Admin {
     /// Asks a worker to leave after its current step.
     pub async fn drain(&self, worker: WorkerId) -> Result<(), CallError> {
         self.ask(Request::Drain { worker }).await.map(|_| ())
+    }
+
+    /// Gives a worker a preemption notice; under policy `replace`, the placement made for
+    /// its substitute.
+    pub async fn preempt(
+        &self,
+        worker: WorkerId,
+        notice: std::time::Duration,
+    ) -> Result<Option<Placement>, CallError> {
+        let notice_ms = notice.as_millis().min(u128::from(u64::MAX)) as u64;
+        match self.ask(Request::Preempt { worker, notice_ms }).await? {
+            Response::Placed(p) => Ok(Some(p)),
+            Response::Ack => Ok(None),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Moves a worker: the placement made for the new one.
+    pub async fn migrate(
+        &self,
+        worker: WorkerId,
+        slot: Option<String>,
+    ) -> Result<Placement, CallError> {
+        match self.ask(Request::Migrate { worker, slot }).await? {
+            Response::Placed(p) => Ok(p),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Resizes the job to `workers`: (placements made, workers drained, placements cancelled).
+    pub async fn scale(
+        &self,
+        workers: u32,
+    ) -> Result<(Vec<u64>, Vec<WorkerId>, Vec<u64>), CallError> {
+        match self.ask(Request::Scale { workers }).await? {
+            Response::Scaled {
+                placed,
+                drained,
+                cancelled,
+            } => Ok((placed, drained, cancelled)),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// The placement requests: pending ones and the latest finished ones.
+    pub async fn placements(&self) -> Result<Vec<Placement>, CallError> {
+        match self.ask(Request::Placements).await? {
+            Response::Placements(p) => Ok(p),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Tells the coordinator that a placement could not be fulfilled.
+    pub async fn placement_failed(&self, id: u64, reason: &str) -> Result<(), CallError> {
+        self.ask(Request::PlacementFailed {
+            id,
+            reason: reason.to_string(),
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// The straggler settings, after changing the fields given.
+    pub async fn stragglers(
+        &self,
+        policy: Option<StragglerPolicy>,
+        factor: Option<f32>,
+        window: Option<u32>,
+    ) -> Result<StragglerSettings, CallError> {
+        match self
+            .ask(Request::Stragglers {
+                policy,
+                factor,
+                window,
+            })
+            .await?
+        {
+            Response::Stragglers(s) => Ok(s),
+            other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Waits (polling) until placement `id` is no longer pending, up to `limit`; its final
+    /// state, or `None` if it is still pending then.
+    pub async fn wait_placement(
+        &self,
+        id: u64,
+        limit: std::time::Duration,
+    ) -> Result<Option<Placement>, CallError> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if let Some(p) = self
+                .placements()
+                .await?
+                .into_iter()
+                .find(|p| p.id == id && !p.is_pending())
+            {
+                return Ok(Some(p));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
     }
 
     /// Asks every shard to write a checkpoint now; per shard the outcome.
@@ -371,6 +478,18 @@ pub struct WorkerRow {
     pub samples: u64,
     /// Milliseconds since its last heartbeat.
     pub last_heartbeat_ms: u64,
+    /// Median busy time of its recent steps (its own work, not consistency waits).
+    pub step_ms: f64,
+    /// Its median step time over the other workers' median (0 while unknown).
+    pub straggler_score: f64,
+    /// Flagged as a straggler.
+    pub straggler: bool,
+    /// Steps behind the most advanced worker (how stale its gradients are under ASP).
+    pub staleness: u64,
+    /// Milliseconds left of its preemption notice.
+    pub notice_ms: Option<u64>,
+    /// The placement it was started for.
+    pub placement: Option<u64>,
 }
 
 impl From<&WorkerInfo> for WorkerRow {
@@ -390,6 +509,48 @@ impl From<&WorkerInfo> for WorkerRow {
             steps_per_s: w.steps_per_s,
             samples: w.samples,
             last_heartbeat_ms: w.idle_ms,
+            step_ms: w.step_ms,
+            straggler_score: w.straggler_score,
+            straggler: w.straggler,
+            staleness: w.staleness,
+            notice_ms: w.notice_ms,
+            placement: w.placement,
+        }
+    }
+}
+
+/// One row of `edlctl placements`.
+#[derive(Debug, Serialize)]
+pub struct PlacementRow {
+    /// Placement id.
+    pub id: u64,
+    /// When it was made (milliseconds since the coordinator started).
+    pub t_ms: u64,
+    /// What it asks for: `add`, or `replace wN (reason)`.
+    pub what: String,
+    /// Where, if somewhere specific.
+    pub slot: Option<String>,
+    /// pending, `done: wN`, `failed: ...` or cancelled.
+    pub state: String,
+}
+
+impl From<&Placement> for PlacementRow {
+    fn from(p: &Placement) -> Self {
+        use edl_shared::proto::{PlacementKind, PlacementState};
+        PlacementRow {
+            id: p.id,
+            t_ms: p.t_ms,
+            what: match p.kind {
+                PlacementKind::Add => "add".into(),
+                PlacementKind::Replace { old, reason } => format!("replace {old} ({reason})"),
+            },
+            slot: p.slot.clone(),
+            state: match &p.state {
+                PlacementState::Pending => "pending".into(),
+                PlacementState::Done { worker } => format!("done: {worker}"),
+                PlacementState::Failed { reason } => format!("failed: {reason}"),
+                PlacementState::Cancelled => "cancelled".into(),
+            },
         }
     }
 }
@@ -494,6 +655,12 @@ mod tests {
             draining: false,
             steps_per_s: 0.0,
             samples: 0,
+            step_ms: 0.0,
+            straggler_score: 0.0,
+            straggler: false,
+            staleness: 0,
+            notice_ms: None,
+            placement: None,
         }
     }
 

@@ -9,4 +9,5 @@ pub mod checkpoint;
 pub mod coordinator;
 pub mod ledger;
 pub mod optimizer;
+pub mod profile;
 pub mod shard;

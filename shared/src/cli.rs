@@ -94,3 +94,35 @@ impl BudgetArgs {
         }
     }
 }
+
+/// How the coordinator finds stragglers and what it does about them.
+#[derive(Clone, Debug, clap::Args)]
+pub struct StragglerArgs {
+    /// What to do with a straggler: `ignore` (flag it only), `drop` (drain it) or `replace`
+    /// (ask the placer, e.g. edl-local, for a new worker, admit it, then drain the straggler;
+    /// preemption notices get a replacement too). Changeable at run time with `edlctl
+    /// stragglers`.
+    #[arg(long = "stragglers", default_value = "ignore", value_name = "POLICY")]
+    pub policy: edl_proto::StragglerPolicy,
+    /// A worker is a straggler when its median step time over the window is more than this
+    /// many times the median of the other workers'. A step's time is the worker's own work
+    /// (pull, compute, push), not its wait for slower workers.
+    #[arg(long, default_value_t = edl_proto::StragglerSettings::FACTOR, value_name = "X")]
+    pub straggler_factor: f32,
+    /// Steps in the window a worker is judged over.
+    #[arg(long, default_value_t = edl_proto::StragglerSettings::WINDOW, value_name = "STEPS")]
+    pub straggler_window: u32,
+}
+
+impl StragglerArgs {
+    /// The settings, checked.
+    pub fn settings(&self) -> Result<edl_proto::StragglerSettings, String> {
+        let s = edl_proto::StragglerSettings {
+            policy: self.policy,
+            factor: self.straggler_factor,
+            window: self.straggler_window,
+        };
+        s.check()?;
+        Ok(s)
+    }
+}

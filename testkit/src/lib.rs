@@ -87,6 +87,7 @@ impl TestCluster {
                 job,
                 shards,
                 state_file: None,
+                stragglers: Default::default(),
             },
             "127.0.0.1:0".parse()?,
             &id,

@@ -1,9 +1,12 @@
 //! The training loop over the client's batch API: for each leased mini-batch pull, compute,
 //! push, commit; leave gracefully on shutdown or drain. Also the evaluation pass.
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use edl_client::{ClientError, Job, RowGrads};
+use edl_client::{ClientError, Job, Notices, RowGrads};
 use edl_shared::proto::ids::Clock;
 use edl_shared::proto::{JobConfig, ModelSpec};
 use edl_shared::shutdown::CancellationToken;
@@ -39,7 +42,117 @@ pub enum TrainError {
 pub struct TrainOptions {
     /// Stop (and leave) after this many steps.
     pub max_steps: Option<u64>,
+    /// A test aid: makes every step this many times slower, as a slower device would.
+    pub slowdown: Slowdown,
+    /// Spot notices this process receives (e.g. on SIGUSR1), each with its length: the
+    /// worker tells the coordinator, finishes its step, commits and leaves in time.
+    pub spot: Option<tokio::sync::mpsc::UnboundedReceiver<Duration>>,
 }
+
+/// A test aid that makes a worker a straggler: after each step's own work (pull, compute,
+/// push) it sleeps `factor - 1` times that long before committing. The factor can change
+/// while the worker runs: through a clone of this handle ([`Slowdown::set`]), or through a
+/// file holding the number (re-read at most every 250 ms; see [`Slowdown::with_file`]).
+#[derive(Clone, Debug)]
+pub struct Slowdown {
+    factor: Arc<AtomicU64>,
+    file: Option<(PathBuf, Arc<std::sync::Mutex<Instant>>)>,
+}
+
+impl Default for Slowdown {
+    fn default() -> Self {
+        Slowdown::new(1.0)
+    }
+}
+
+impl Slowdown {
+    /// How often the file is looked at.
+    const FILE_EVERY: Duration = Duration::from_millis(250);
+
+    /// A fixed factor (1 = full speed).
+    pub fn new(factor: f64) -> Slowdown {
+        Slowdown {
+            factor: Arc::new(AtomicU64::new(factor.max(1.0).to_bits())),
+            file: None,
+        }
+    }
+
+    /// Also takes the factor from `path` whenever it holds a number (a missing file keeps
+    /// the current factor).
+    pub fn with_file(mut self, path: PathBuf) -> Slowdown {
+        let long_ago = Instant::now()
+            .checked_sub(Self::FILE_EVERY)
+            .unwrap_or_else(Instant::now);
+        self.file = Some((path, Arc::new(std::sync::Mutex::new(long_ago))));
+        self
+    }
+
+    /// Changes the factor (values below 1 mean 1).
+    pub fn set(&self, factor: f64) {
+        let f = if factor.is_finite() {
+            factor.max(1.0)
+        } else {
+            1.0
+        };
+        self.factor.store(f.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The factor now.
+    pub fn factor(&self) -> f64 {
+        if let Some((path, last)) = &self.file {
+            let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+            if last.elapsed() >= Self::FILE_EVERY {
+                *last = Instant::now();
+                if let Some(f) = std::fs::read_to_string(path)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<f64>().ok())
+                {
+                    if (f - f64::from_bits(self.factor.load(Ordering::Relaxed))).abs() > 1e-9 {
+                        tracing::info!(factor = f, "slowdown changed (test aid)");
+                    }
+                    self.set(f);
+                }
+            }
+        }
+        f64::from_bits(self.factor.load(Ordering::Relaxed))
+    }
+
+    /// Sleeps for the extra time a step that worked `work` takes at this factor.
+    async fn after(&self, work: Duration) {
+        let f = self.factor();
+        if f > 1.0 {
+            tokio::time::sleep(work.mul_f64(f - 1.0)).await;
+        }
+    }
+}
+
+/// The next spot notice; never if there is no source (or it is closed).
+async fn next_spot(spot: &mut Option<tokio::sync::mpsc::UnboundedReceiver<Duration>>) -> Duration {
+    if let Some(rx) = spot
+        && let Some(n) = rx.recv().await
+    {
+        return n;
+    }
+    *spot = None;
+    std::future::pending().await
+}
+
+/// Passes a spot notice on to the coordinator (in the background: the step goes on).
+fn pass_on(notices: &Notices, notice: Duration) {
+    tracing::warn!(
+        notice_s = notice.as_secs_f64(),
+        "preemption notice: finishing this step, then leaving"
+    );
+    let n = notices.clone();
+    tokio::spawn(async move {
+        if let Err(e) = n.preempt(notice).await {
+            tracing::warn!(error = %e, "could not tell the coordinator of the preemption; leaving anyway");
+        }
+    });
+}
+
+/// Time kept in hand before a preemption deadline, for leaving.
+const LEAVE_MARGIN: Duration = Duration::from_millis(500);
 
 /// What a worker did.
 #[derive(Clone, Debug, Default)]
@@ -52,6 +165,8 @@ pub struct TrainSummary {
     pub loss_sum: f64,
     /// Wall time.
     pub wall: Duration,
+    /// Steps abandoned unfinished at a preemption deadline (their data returns to the pool).
+    pub abandoned: u64,
 }
 
 /// Builds the MLP a job trains.
@@ -88,62 +203,95 @@ pub async fn train<M: Model>(
     // others keep training: the model's warm-up here, the shard connections in `join`.
     model.warm_up(&spec, data)?;
     let mut session = job.join().await?;
+    let notices = session.notices();
+    let mut spot = opts.spot;
     let started = Instant::now();
     let mut summary = TrainSummary::default();
     let mut params = Vec::new();
     let mut grads = Vec::new();
     let mut gathered = <M::Data as Dataset>::Batch::default();
     while !shutdown.is_cancelled() {
-        let next = tokio::select! {
-            r = session.next_batch() => r?,
-            _ = shutdown.cancelled() => break,
+        let next = loop {
+            tokio::select! {
+                r = session.next_batch() => break r?,
+                _ = shutdown.cancelled() => break None,
+                _ = notices.expired(LEAVE_MARGIN) => break None,
+                n = next_spot(&mut spot) => pass_on(&notices, n),
+            }
         };
         let Some(batch) = next else {
             break;
         };
-        data.gather(batch.indices(), &mut gathered)?;
-        let stats = match model.touched(&gathered) {
-            None => {
-                params.resize(spec.param_count(), 0.0);
-                grads.resize(spec.param_count(), 0.0);
-                tracing::trace!(clock = %session.clock(), "pull");
-                session.pull(&mut params).await?;
-                let stats =
-                    model.step(Params::Dense(&params), &gathered, Grads::Dense(&mut grads))?;
-                tracing::trace!(clock = %session.clock(), "push");
-                session.push(&batch, &grads).await?;
-                stats
-            }
-            Some(mut rows) => {
-                for r in &mut rows {
-                    let t = spec.require(&r.tensor)?;
-                    r.values.resize(r.rows.len() * t.row_len(), 0.0);
-                    session.pull_rows(&r.tensor, &r.rows, &mut r.values).await?;
+        let step = async {
+            let batch = batch;
+            let begun = Instant::now();
+            data.gather(batch.indices(), &mut gathered)?;
+            let stats = match model.touched(&gathered) {
+                None => {
+                    params.resize(spec.param_count(), 0.0);
+                    grads.resize(spec.param_count(), 0.0);
+                    tracing::trace!(clock = %session.clock(), "pull");
+                    session.pull(&mut params).await?;
+                    let stats =
+                        model.step(Params::Dense(&params), &gathered, Grads::Dense(&mut grads))?;
+                    tracing::trace!(clock = %session.clock(), "push");
+                    session.push(&batch, &grads).await?;
+                    stats
                 }
-                let mut g = rows.clone();
-                let stats = model.step(Params::Rows(&rows), &gathered, Grads::Rows(&mut g))?;
-                let out: Vec<RowGrads<'_>> = g
-                    .iter()
-                    .map(|r| RowGrads {
-                        tensor: &r.tensor,
-                        rows: &r.rows,
-                        values: &r.values,
-                    })
-                    .collect();
-                session.push_rows(&batch, &out).await?;
-                stats
+                Some(mut rows) => {
+                    for r in &mut rows {
+                        let t = spec.require(&r.tensor)?;
+                        r.values.resize(r.rows.len() * t.row_len(), 0.0);
+                        session.pull_rows(&r.tensor, &r.rows, &mut r.values).await?;
+                    }
+                    let mut g = rows.clone();
+                    let stats = model.step(Params::Rows(&rows), &gathered, Grads::Rows(&mut g))?;
+                    let out: Vec<RowGrads<'_>> = g
+                        .iter()
+                        .map(|r| RowGrads {
+                            tensor: &r.tensor,
+                            rows: &r.rows,
+                            values: &r.values,
+                        })
+                        .collect();
+                    session.push_rows(&batch, &out).await?;
+                    stats
+                }
+            };
+            opts.slowdown.after(begun.elapsed()).await;
+            Ok::<_, TrainError>((stats, batch, &mut session))
+        };
+        tokio::pin!(step);
+        // A preemption deadline that comes before the step ends abandons it: its data is
+        // not committed, so it returns to the pool when the worker leaves (shards that
+        // already applied the push skip it when it is re-issued).
+        let done = loop {
+            tokio::select! {
+                r = &mut step => break Some(r?),
+                _ = notices.expired(LEAVE_MARGIN) => break None,
+                n = next_spot(&mut spot) => pass_on(&notices, n),
             }
+        };
+        let Some((stats, batch, session)) = done else {
+            tracing::warn!("preemption deadline: abandoning the unfinished step and leaving");
+            summary.abandoned += 1;
+            break;
         };
         summary.steps += 1;
         summary.samples += stats.samples as u64;
         summary.loss_sum += stats.loss_sum;
         let span = batch.span();
         tracing::trace!(clock = %session.clock(), "commit");
-        // The step is pushed. A shutdown during the wait for the others commits it without
-        // waiting (a repeat of a commit that arrived is recognized) and leaves.
+        // The step is pushed. A shutdown or a preemption deadline during the wait for the
+        // others commits it without waiting (a repeat of a commit that arrived is
+        // recognized) and leaves.
         tokio::select! {
             r = session.commit(batch, stats.loss_sum) => { r?; }
             _ = shutdown.cancelled() => {
+                session.commit_last(span, stats.loss_sum).await?;
+                break;
+            }
+            _ = notices.expired(LEAVE_MARGIN) => {
                 session.commit_last(span, stats.loss_sum).await?;
                 break;
             }

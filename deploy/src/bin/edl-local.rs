@@ -8,7 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use edl_deploy::local::RESTART_NOTE;
-use edl_deploy::{LocalConfig, Scenario, ScenarioFile};
+use edl_deploy::{ElasticConfig, LocalConfig, Scenario, ScenarioFile};
+use edl_shared::cli::StragglerArgs;
 use edl_shared::jobfile::defaults;
 use edl_shared::proto::{Consistency, OptimizerSpec};
 use edl_shared::{shutdown, telemetry};
@@ -84,7 +85,8 @@ struct Cli {
     #[arg(long)]
     no_progress: bool,
     /// Replay the timed events of this TOML file while the job trains: worker membership
-    /// changes (add, drain, kill, term) and shard events (shard_add, shard_remove, move,
+    /// changes (add, drain, kill, term, preempt, migrate), a worker's speed (slow, a test
+    /// aid) and shard events (shard_add, shard_remove, move,
     /// kill_shard, restart_shard); see deploy/scenarios/. Times count from the first admitted
     /// worker; worker names are w0.. for the initial workers and shard names s0.. for the
     /// initial shards, and both continue for added ones. The file is checked before anything
@@ -100,6 +102,19 @@ struct Cli {
          events' stalls include the whole restart."
     ))]
     restart_on_change: bool,
+    #[command(flatten)]
+    stragglers: StragglerArgs,
+    /// Worker slots on this machine, slot0 to slot{N-1} [default: twice the most workers the
+    /// run starts, at least 4]. Every worker runs in one; workers the coordinator asks for
+    /// (replacements of stragglers and preempted workers, `edlctl migrate --to SLOT`,
+    /// `edlctl scale`, `edlctl profile`) start only in free ones. On one machine a slot is a
+    /// CPU stand-in for a GPU: a label, nothing is pinned.
+    #[arg(long, value_name = "N")]
+    slots: Option<u32>,
+    /// The notice a worker gets from SIGUSR1 (the scenario's `preempt`, or `kill -USR1` by
+    /// hand): it leaves within it, abandoning its step if it cannot finish in time.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    preempt_notice: Duration,
 }
 
 impl Cli {
@@ -134,6 +149,11 @@ impl Cli {
             scenario,
             restart_on_change: self.restart_on_change,
             job: None,
+            elastic: ElasticConfig {
+                stragglers: self.stragglers.settings().map_err(anyhow::Error::msg)?,
+                slots: self.slots.unwrap_or(0),
+                preempt_notice: self.preempt_notice,
+            },
         };
         match &self.job {
             Some(file) => cfg.from_job_file(file),

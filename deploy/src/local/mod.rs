@@ -13,6 +13,7 @@
 //! the final shard layout, so the report says what every event and key-range move cost and
 //! whether each sample was applied exactly once.
 
+mod place;
 mod play;
 mod setup;
 mod shards;
@@ -126,6 +127,32 @@ pub struct LocalConfig {
     /// worker and starting the new number afresh (the classic baseline), instead of
     /// elastically.
     pub restart_on_change: bool,
+    /// Stragglers, preemption notices and slots.
+    pub elastic: ElasticConfig,
+}
+
+/// What the launcher does for the coordinator's elastic decisions.
+#[derive(Clone, Debug)]
+pub struct ElasticConfig {
+    /// How the coordinator finds and handles stragglers.
+    pub stragglers: edl_shared::proto::StragglerSettings,
+    /// Worker slots on this machine (`slot0`..): each worker process runs in one, and
+    /// placements (replacements, migrations, resizes) start workers only in free ones. 0
+    /// means twice the most workers the run starts, at least 4. On one machine a slot is a
+    /// CPU stand-in for a GPU: a label, nothing is pinned.
+    pub slots: u32,
+    /// The notice a worker gets with SIGUSR1 (the scenario's `preempt`).
+    pub preempt_notice: Duration,
+}
+
+impl Default for ElasticConfig {
+    fn default() -> Self {
+        ElasticConfig {
+            stragglers: Default::default(),
+            slots: 0,
+            preempt_notice: Duration::from_secs(30),
+        }
+    }
 }
 
 impl LocalConfig {
@@ -226,6 +253,8 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         poller: None,
         admin: None,
         shard_actions: Vec::new(),
+        clock: None,
+        placer: place::Placer::new(cfg),
     };
     run.progress.println(&format!(
         "edl-local: state and logs in {}",
@@ -262,7 +291,15 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     ));
     events.sort_by_key(|e| e.t_ms);
     let train_wall_s = trained.train_wall.as_secs_f64();
+    let elastic = crate::elastic::ElasticReport::of(
+        &trained.trace,
+        &trained.worker_processes,
+        trained.actions,
+        trained.placements,
+        cfg.batch_size,
+    );
     let report = Report {
+        elastic,
         test_accuracy: trained.evaluation.test_accuracy,
         test_loss: trained.evaluation.test_loss,
         test_samples: trained.evaluation.test_samples,
@@ -329,6 +366,8 @@ struct Trained {
     shard_layout: Vec<ShardLayout>,
     shard_names: BTreeMap<ShardId, String>,
     shard_actions: Vec<ShardAction>,
+    actions: Vec<crate::elastic::LauncherAction>,
+    placements: Vec<edl_shared::proto::Placement>,
 }
 
 /// What the status poller tells the launcher.
@@ -357,6 +396,11 @@ struct Launch<'a> {
     admin: Option<Admin>,
     /// The shard events carried out so far.
     shard_actions: Vec<ShardAction>,
+    /// The coordinator's clock (milliseconds since it started) as of the latest status, and
+    /// when that status arrived.
+    clock: Option<(u64, Instant)>,
+    /// Slots, placements fulfilled and the elastic actions carried out.
+    placer: place::Placer,
 }
 
 impl Launch<'_> {
@@ -422,6 +466,7 @@ impl Launch<'_> {
                         job = Some(j);
                     }
                     Some(Polled::Status(st, at)) => {
+                        self.clock = Some((st.t_ms, at));
                         if first_active.is_none() && active_workers(&st) > 0 {
                             first_active = Some(at);
                         }
@@ -445,9 +490,13 @@ impl Launch<'_> {
                 },
                 _ = tick.tick() => {
                     self.check_servers()?;
+                    if let Some(now) = self.coordinator_now() {
+                        self.workers.note_exits(now)?;
+                    }
                     if let Some(at) = self.workers.check()? {
                         break at;
                     }
+                    self.place_due().await?;
                     if let (Some(p), Some(zero), Some(j)) = (player.as_mut(), first_active, &job) {
                         self.play_due(p, zero, j).await?;
                     }
@@ -514,6 +563,13 @@ impl Launch<'_> {
         .context("asking the shards for their data ledgers")?;
         let (shard_layout, shard_names) = self.shard_layout().await?;
         let shard_actions = std::mem::take(&mut self.shard_actions);
+        let placements = match &self.admin {
+            Some(a) => tokio::time::timeout(FINAL_STATUS_TIMEOUT, a.placements())
+                .await
+                .context("the placements request timed out")?
+                .context("asking the coordinator for its placements")?,
+            None => Vec::new(),
+        };
         self.progress.finish(&status);
         self.progress
             .println("edl-local: training done; evaluating on the test set");
@@ -530,6 +586,8 @@ impl Launch<'_> {
             shard_layout,
             shard_names,
             shard_actions,
+            actions: std::mem::take(&mut self.placer.actions),
+            placements,
         })
     }
 
@@ -560,6 +618,12 @@ impl Launch<'_> {
             cfg.shards.to_string().into(),
             "--state-dir".into(),
             self.state_dir.clone().into_os_string(),
+            "--stragglers".into(),
+            cfg.elastic.stragglers.policy.to_string().into(),
+            "--straggler-factor".into(),
+            cfg.elastic.stragglers.factor.to_string().into(),
+            "--straggler-window".into(),
+            cfg.elastic.stragglers.window.to_string().into(),
         ]);
         if let Some(job) = &cfg.job {
             args.extend(["--job".into(), job.clone().into_os_string()]);
@@ -601,30 +665,65 @@ impl Launch<'_> {
     fn start_workers(&mut self) -> anyhow::Result<()> {
         for i in 0..self.cfg.workers {
             let name = worker_name(i);
-            self.spawn_worker(&name, &name)?;
+            self.spawn_worker(&name, &name, None)?;
         }
         Ok(())
     }
 
-    /// Starts a worker process named `name` that stands for the scenario's worker `slot`,
-    /// issuing its certificate first if it has none yet.
-    fn spawn_worker(&mut self, name: &str, slot: &str) -> anyhow::Result<()> {
+    /// The coordinator's clock now, as far as the latest status tells.
+    fn coordinator_now(&self) -> Option<u64> {
+        self.clock
+            .map(|(t_ms, at)| t_ms + at.elapsed().as_millis() as u64)
+    }
+
+    /// Starts a worker process named `name` that stands for the scenario's worker
+    /// `stands_for`, in a free slot (the one `placement` asks for, if it names one),
+    /// issuing its certificate first if it has none yet. A worker started for a placement
+    /// names it when it registers.
+    fn spawn_worker(
+        &mut self,
+        name: &str,
+        stands_for: &str,
+        placement: Option<(u64, Option<&str>)>,
+    ) -> anyhow::Result<()> {
         let coordinator = self
             .coordinator_addr
             .context("workers cannot start before the coordinator")?;
+        let busy = self.workers.busy_slots()?;
+        let slot = self
+            .placer
+            .free_slot(&busy, placement.and_then(|(_, s)| s))
+            .map_err(anyhow::Error::msg)?;
         self.pki
             .ensure(Role::Worker, name)
             .with_context(|| format!("issuing the certificate of worker/{name}"))?;
+        let mut args = self.worker_args(&coordinator, name, false);
+        args.extend([
+            "--preempt-notice".into(),
+            humantime::format_duration(self.cfg.elastic.preempt_notice)
+                .to_string()
+                .into(),
+            "--slowdown-file".into(),
+            self.placer
+                .slowdown_file(&self.state_dir, name)
+                .into_os_string(),
+        ]);
+        if let Some((id, _)) = placement {
+            args.extend(["--placement".into(), id.to_string().into()]);
+        }
         let proc = Proc::spawn(Spawn {
             log: self.logs.join(format!("{name}.log")),
-            args: self.worker_args(&coordinator, name, false),
+            args,
             name: name.to_string(),
             program: self.bins.worker.clone(),
             capture_stdout: false,
         })?;
         self.workers.push(WorkerProc {
             proc,
-            slot: slot.to_string(),
+            stands_for: stands_for.to_string(),
+            slot,
+            placement: placement.map(|(id, _)| id),
+            exited_ms: None,
             fate: Fate::Trains,
         });
         Ok(())

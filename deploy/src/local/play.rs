@@ -24,7 +24,7 @@ use crate::scenario::{Action, Scenario, ScenarioEvent};
 /// the shard to serve again.
 const ADMISSION_WAIT: Duration = Duration::from_secs(120);
 /// How long one admin request to the coordinator may take.
-const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+pub(super) const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the old workers of a restart get to leave after SIGTERM.
 const RESTART_STOP: Duration = Duration::from_secs(60);
 /// How long the new workers of a restart get to take their first step.
@@ -108,9 +108,16 @@ impl Launch<'_> {
                 break;
             }
             // Shard events are carried out the same way in both modes (`apply` hands them on).
+            // Preempt and migrate need an admitted worker too (a SIGUSR1 before the worker
+            // listens for it would end the process).
             let leaves = matches!(
                 ev.action,
-                Action::Drain { .. } | Action::Kill { .. } | Action::Term { .. }
+                Action::Drain { .. }
+                    | Action::Kill { .. }
+                    | Action::Term { .. }
+                    | Action::Preempt { .. }
+                    | Action::Migrate { .. }
+                    | Action::Slow { .. }
             );
             let outcome = if !player.restart && leaves && !player.unadmitted.is_empty() {
                 let st = tokio::time::timeout(ADMIN_TIMEOUT, job.status())
@@ -128,7 +135,8 @@ impl Launch<'_> {
                         player.unadmitted.join(", ")
                     ))
                 }
-            } else if player.restart && !ev.action.is_shard_event() {
+            } else if player.restart && !ev.action.is_shard_event() && !ev.action.is_elastic_event()
+            {
                 self.restart(player, &ev, job).await?
             } else {
                 self.apply(&ev, job).await?
@@ -174,7 +182,7 @@ impl Launch<'_> {
         match &ev.action {
             Action::Add { names } => {
                 for name in names {
-                    self.spawn_worker(name, name)?;
+                    self.spawn_worker(name, name, None)?;
                 }
                 self.progress
                     .println(&format!("edl-local: {at:.1} s: {}", ev.action));
@@ -238,6 +246,9 @@ impl Launch<'_> {
                     .println(&format!("edl-local: {at:.1} s: {}", ev.action));
                 Ok(Outcome::Done)
             }
+            Action::Slow { .. } | Action::Preempt { .. } | Action::Migrate { .. } => {
+                self.apply_elastic(ev).await
+            }
             _ => self.apply_shard(ev).await,
         }
     }
@@ -250,7 +261,7 @@ impl Launch<'_> {
         ev: &ScenarioEvent,
         job: &Job,
     ) -> anyhow::Result<Outcome> {
-        let before = self.workers.current_slots();
+        let before = self.workers.current_names();
         let mut after = before.clone();
         match &ev.action {
             Action::Add { names } => after.extend(names.iter().cloned()),
@@ -310,9 +321,9 @@ impl Launch<'_> {
         let stop_ms = ms(stopping.elapsed());
 
         let starting = Instant::now();
-        let names: Vec<String> = after.iter().map(|slot| format!("{slot}-r{n}")).collect();
-        for (slot, name) in after.iter().zip(&names) {
-            self.spawn_worker(name, slot)?;
+        let names: Vec<String> = after.iter().map(|w| format!("{w}-r{n}")).collect();
+        for (w, name) in after.iter().zip(&names) {
+            self.spawn_worker(name, w, None)?;
         }
         self.wait_first_steps(job, &names, n).await?;
         let start_ms = ms(starting.elapsed());

@@ -149,6 +149,7 @@ mod tests {
             stall_timeout: None,
             scenario: None,
             restart_on_change: false,
+            elastic: Default::default(),
             job: None,
         };
         let launcher = issue_certificates(dir.path(), &cfg).expect("issue");

@@ -1,4 +1,4 @@
-//! The launcher's worker processes: which scenario slot each one stands for, what the launcher
+//! The launcher's worker processes: which scenario worker each one stands for, the slot it runs in, what the launcher
 //! did to it (and so how it may exit), and the check that notices a worker failing or every
 //! worker being done.
 
@@ -24,6 +24,8 @@ pub(super) enum Fate {
     Killed,
     /// It was sent SIGTERM to be replaced in a restart: it leaves and exits 0.
     Restarted,
+    /// It was sent SIGUSR1, a spot preemption notice: it leaves in time and exits 0.
+    Preempted,
 }
 
 impl Fate {
@@ -34,6 +36,7 @@ impl Fate {
             Fate::Termed => "termed",
             Fate::Killed => "killed",
             Fate::Restarted => "restarted",
+            Fate::Preempted => "preempted",
         }
     }
 
@@ -44,6 +47,7 @@ impl Fate {
             Fate::Drained => "failed after it was drained",
             Fate::Termed => "failed after SIGTERM",
             Fate::Restarted => "failed when it was stopped for a restart",
+            Fate::Preempted => "failed after a preemption notice",
         }
     }
 }
@@ -55,7 +59,14 @@ pub(super) struct WorkerProc {
     pub proc: Proc,
     /// The scenario's name for the worker it stands for. The same as the process name, except
     /// after a restart of `--restart-on-change`, where `w1-r2` stands for `w1`.
+    pub stands_for: String,
+    /// The slot it runs in (see [`super::slots`]).
     pub slot: String,
+    /// The placement it was started for, if the coordinator asked for it.
+    pub placement: Option<u64>,
+    /// When the launcher saw it exit, in the coordinator's clock (see
+    /// [`Workers::note_exits`]).
+    pub exited_ms: Option<u64>,
     /// What the launcher did to it.
     pub fate: Fate,
 }
@@ -71,21 +82,37 @@ impl Workers {
         self.list.push(w);
     }
 
-    /// The worker process standing for `slot` that the launcher has left alone so far.
-    pub fn current(&mut self, slot: &str) -> Option<&mut WorkerProc> {
+    /// The worker process standing for `name` that the launcher has left alone so far.
+    pub fn current(&mut self, name: &str) -> Option<&mut WorkerProc> {
         self.list
             .iter_mut()
             .rev()
-            .find(|w| w.slot == slot && w.fate == Fate::Trains)
+            .find(|w| w.stands_for == name && w.fate == Fate::Trains)
     }
 
-    /// The slots of the workers the launcher has left alone, in start order.
-    pub fn current_slots(&self) -> Vec<String> {
+    /// The scenario names of the workers the launcher has left alone, in start order.
+    pub fn current_names(&self) -> Vec<String> {
         self.list
             .iter()
             .filter(|w| w.fate == Fate::Trains)
-            .map(|w| w.slot.clone())
+            .map(|w| w.stands_for.clone())
             .collect()
+    }
+
+    /// The slots taken by worker processes that still run.
+    pub fn busy_slots(&mut self) -> anyhow::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for w in &mut self.list {
+            if w.proc.try_exit()?.is_none() {
+                out.push(w.slot.clone());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether a process was already started for placement `id`.
+    pub fn has_placement(&self, id: u64) -> bool {
+        self.list.iter().any(|w| w.placement == Some(id))
     }
 
     /// The processes the launcher has left alone and that still run.
@@ -102,6 +129,17 @@ impl Workers {
     /// The process named `name`.
     pub fn by_name(&mut self, name: &str) -> Option<&mut WorkerProc> {
         self.list.iter_mut().find(|w| w.proc.name() == name)
+    }
+
+    /// Records, for each worker seen to have exited since the last call, the time in the
+    /// coordinator's clock: `now_ms` is the coordinator's clock now.
+    pub fn note_exits(&mut self, now_ms: u64) -> anyhow::Result<()> {
+        for w in &mut self.list {
+            if w.exited_ms.is_none() && w.proc.try_exit()?.is_some() {
+                w.exited_ms = Some(now_ms);
+            }
+        }
+        Ok(())
     }
 
     /// Fails if a worker has exited in a way its fate does not allow; returns the time of the
@@ -138,6 +176,9 @@ impl Workers {
                 let status = w.proc.try_exit().ok().flatten();
                 WorkerProcess {
                     name: w.proc.name().to_string(),
+                    slot: w.slot.clone(),
+                    placement: w.placement,
+                    exited_ms: w.exited_ms,
                     fate: w.fate.name().to_string(),
                     exit_code: status.and_then(|s| s.code()),
                     signal: status.and_then(|s| s.signal()),

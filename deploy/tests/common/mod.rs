@@ -45,6 +45,7 @@ pub async fn run_scenario(dir: &Path, text: &str, seed: u64, restart_on_change: 
             path,
         }),
         restart_on_change,
+        elastic: Default::default(),
         job: None,
     };
     edl_deploy::run(&cfg, CancellationToken::new())

@@ -10,6 +10,9 @@ use edl_proto::msg::{
     KeyLoad, KeyRange, MoveReport, Partition, ShardEntry, ShardRole, ShardStats, StepRecord,
     WorkerInfo, WorkerState, WorkerStatus,
 };
+use edl_proto::place::{
+    Placement, PlacementKind, PlacementState, ReplaceReason, StragglerPolicy, StragglerSettings,
+};
 use edl_proto::{
     Clock, Consistency, Init, JobConfig, Key, MapEpoch, ModelSpec, OptimizerSpec, Request,
     Response, ShardId, ShardMap, TensorSpec, Token, WorkerId,
@@ -249,6 +252,10 @@ fn event_record() -> BoxedStrategy<EventRecord> {
         Just(EventKind::Drain),
         Just(EventKind::Leave),
         Just(EventKind::Dead),
+        Just(EventKind::Straggler),
+        Just(EventKind::Recovered),
+        Just(EventKind::Preempt),
+        Just(EventKind::ReplaceRequested),
     ];
     (edgy_u64(), edgy_u64(), kind, worker_id(), text())
         .prop_map(|(t_ms, requested_ms, kind, worker, name)| EventRecord {
@@ -301,9 +308,17 @@ fn worker_info() -> BoxedStrategy<WorkerInfo> {
         any::<bool>(),
         f64_no_nan(),
         edgy_u64(),
+        (
+            f64_no_nan(),
+            f64_no_nan(),
+            any::<bool>(),
+            edgy_u64(),
+            proptest::option::of(edgy_u64()),
+            proptest::option::of(edgy_u64()),
+        ),
     )
         .prop_map(
-            |(id, name, addr, state, clock, idle_ms, draining, steps_per_s, samples)| WorkerInfo {
+            |(
                 id,
                 name,
                 addr,
@@ -313,6 +328,23 @@ fn worker_info() -> BoxedStrategy<WorkerInfo> {
                 draining,
                 steps_per_s,
                 samples,
+                (step_ms, straggler_score, straggler, staleness, notice_ms, placement),
+            )| WorkerInfo {
+                id,
+                name,
+                addr,
+                state,
+                clock,
+                idle_ms,
+                draining,
+                steps_per_s,
+                samples,
+                step_ms,
+                straggler_score,
+                straggler,
+                staleness,
+                notice_ms,
+                placement,
             },
         )
         .boxed()
@@ -402,7 +434,8 @@ pub fn request() -> BoxedStrategy<Request> {
     prop_oneof![
         (any::<u32>(), text()).prop_map(|(version, name)| Request::Hello { version, name }),
         text().prop_map(|addr| Request::ShardJoin { addr }),
-        text().prop_map(|name| Request::Register { name }),
+        (text(), proptest::option::of(edgy_u64()))
+            .prop_map(|(name, placement)| Request::Register { name, placement }),
         worker_id().prop_map(|worker| Request::Heartbeat { worker }),
         worker_id().prop_map(|worker| Request::Leave { worker }),
         worker_id().prop_map(|worker| Request::NextPartition { worker }),
@@ -428,6 +461,23 @@ pub fn request() -> BoxedStrategy<Request> {
         Just(Request::Status),
         Just(Request::GetMap),
         Just(Request::GetJob),
+        (worker_id(), edgy_u64())
+            .prop_map(|(worker, notice_ms)| Request::Preempt { worker, notice_ms }),
+        (worker_id(), proptest::option::of(text()))
+            .prop_map(|(worker, slot)| Request::Migrate { worker, slot }),
+        any::<u32>().prop_map(|workers| Request::Scale { workers }),
+        Just(Request::Placements),
+        (edgy_u64(), text()).prop_map(|(id, reason)| Request::PlacementFailed { id, reason }),
+        (
+            proptest::option::of(straggler_policy()),
+            proptest::option::of(any::<f32>()),
+            proptest::option::of(any::<u32>()),
+        )
+            .prop_map(|(policy, factor, window)| Request::Stragglers {
+                policy,
+                factor,
+                window,
+            }),
         (map_epoch(), vec(key_range(), 0..8), clock()).prop_map(
             |(epoch, ranges, apply_through)| Request::Pull {
                 epoch,
@@ -519,6 +569,27 @@ pub fn response() -> BoxedStrategy<Response> {
     prop_oneof![
         (any::<u32>(), text()).prop_map(|(version, role)| Response::Hello { version, role }),
         Just(Response::Ack),
+        (any::<bool>(), proptest::option::of(edgy_u64()))
+            .prop_map(|(drain, notice_ms)| Response::Beat { drain, notice_ms }),
+        vec(placement(), 0..4).prop_map(Response::Placements),
+        placement().prop_map(Response::Placed),
+        (
+            vec(edgy_u64(), 0..4),
+            vec(worker_id(), 0..4),
+            vec(edgy_u64(), 0..4)
+        )
+            .prop_map(|(placed, drained, cancelled)| Response::Scaled {
+                placed,
+                drained,
+                cancelled,
+            }),
+        (straggler_policy(), any::<f32>(), any::<u32>()).prop_map(|(policy, factor, window)| {
+            Response::Stragglers(StragglerSettings {
+                policy,
+                factor,
+                window,
+            })
+        }),
         (shard_id(), job_config(), any_shard_map(), token()).prop_map(
             |(shard, job, map, token_key)| Response::ShardAssigned {
                 shard,
@@ -573,4 +644,46 @@ pub fn payload() -> BoxedStrategy<Vec<u8>> {
         3 => vec(any::<u8>(), 0..300),
     ]
     .boxed()
+}
+
+fn straggler_policy() -> BoxedStrategy<StragglerPolicy> {
+    prop_oneof![
+        Just(StragglerPolicy::Ignore),
+        Just(StragglerPolicy::Drop),
+        Just(StragglerPolicy::Replace),
+    ]
+    .boxed()
+}
+
+fn placement() -> BoxedStrategy<Placement> {
+    let reason = prop_oneof![
+        Just(ReplaceReason::Straggler),
+        Just(ReplaceReason::Preempt),
+        Just(ReplaceReason::Migrate),
+    ];
+    let kind = prop_oneof![
+        Just(PlacementKind::Add),
+        (worker_id(), reason).prop_map(|(old, reason)| PlacementKind::Replace { old, reason }),
+    ];
+    let state = prop_oneof![
+        Just(PlacementState::Pending),
+        worker_id().prop_map(|worker| PlacementState::Done { worker }),
+        text().prop_map(|reason| PlacementState::Failed { reason }),
+        Just(PlacementState::Cancelled),
+    ];
+    (
+        edgy_u64(),
+        kind,
+        proptest::option::of(text()),
+        state,
+        edgy_u64(),
+    )
+        .prop_map(|(id, kind, slot, state, t_ms)| Placement {
+            id,
+            kind,
+            slot,
+            state,
+            t_ms,
+        })
+        .boxed()
 }

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use edl_ps::coordinator::{self, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
-use edl_shared::cli::{BudgetArgs, IdentityArgs};
+use edl_shared::cli::{BudgetArgs, IdentityArgs, StragglerArgs};
 use edl_shared::jobfile::defaults;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
@@ -112,6 +112,8 @@ struct CoordinatorArgs {
     /// changes, and at shutdown) and restores them on start.
     #[arg(long)]
     no_persist: bool,
+    #[command(flatten)]
+    stragglers: StragglerArgs,
     #[command(flatten)]
     identity: IdentityArgs,
     #[command(flatten)]
@@ -246,6 +248,7 @@ async fn main() -> anyhow::Result<()> {
                 job,
                 shards: a.shards,
                 state_file,
+                stragglers: a.stragglers.settings().map_err(anyhow::Error::msg)?,
             };
             let settings = TransportSettings {
                 budgets: a.budgets.budgets(),

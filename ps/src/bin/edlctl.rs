@@ -45,6 +45,76 @@ enum Cmd {
     },
     /// Make every shard write a checkpoint now (parameters, optimizer state, data ledger).
     Checkpoint,
+    /// Show or change how stragglers are found and handled (flags left out keep their value).
+    Stragglers {
+        /// ignore (flag only), drop (drain the straggler) or replace (start a replacement
+        /// through the placer, then drain the straggler).
+        #[arg(long)]
+        policy: Option<edl_shared::proto::StragglerPolicy>,
+        /// A worker is a straggler past this many times the others' median step time.
+        #[arg(long)]
+        factor: Option<f32>,
+        /// Steps a worker is judged over.
+        #[arg(long)]
+        window: Option<u32>,
+    },
+    /// Give a worker a preemption notice (as a spot instance gets): it finishes its step,
+    /// commits and leaves before the notice runs out, abandoning the step if it cannot
+    /// finish in time. Under policy `replace` a substitute is started at once.
+    Preempt {
+        /// Worker id or name.
+        worker: String,
+        /// Time until the worker must be gone, e.g. 30s, 500ms, 2m.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        notice: std::time::Duration,
+    },
+    /// Move a worker: a new one is started (through the placer, e.g. edl-local) and admitted,
+    /// then the old one drained; the job never runs below its worker count.
+    Migrate {
+        /// Worker id or name.
+        worker: String,
+        /// Where to start the new worker, in the placer's slot names (edl-local: slot0,
+        /// slot1, ...).
+        #[arg(long)]
+        to: Option<String>,
+        /// How long to wait for the new worker to be admitted.
+        #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+        wait: std::time::Duration,
+    },
+    /// Grow or shrink the job to N workers, stop-free: placements for new workers (a placer
+    /// such as edl-local starts them), drains (newest first) for extra ones.
+    Scale {
+        /// The worker count wanted.
+        workers: u32,
+    },
+    /// The placement requests (workers the coordinator asked a placer to start) and their
+    /// outcome.
+    Placements,
+    /// Measure the job's scaling curve: resize it stop-free through the given worker counts,
+    /// measure steady-state samples/s at each after a warm-up, print the curve and the
+    /// suggested size (the knee), and resize back. Needs a placer (e.g. edl-local) and enough
+    /// data left to train through every size.
+    Profile {
+        /// The worker counts to visit, in order.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        workers: Vec<u32>,
+        /// Seconds measured at each size.
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Seconds of warm-up at each size before measuring.
+        #[arg(long, default_value_t = 5.0)]
+        warmup: f64,
+        /// The knee: the last size before one where each added worker buys less than this
+        /// fraction of a worker's share at the size before.
+        #[arg(long, default_value_t = 0.5)]
+        min_gain: f64,
+        /// Write the curve as JSON here.
+        #[arg(long, value_name = "FILE")]
+        out: Option<std::path::PathBuf>,
+        /// Draw the curve as a PNG here.
+        #[arg(long, value_name = "FILE")]
+        png: Option<std::path::PathBuf>,
+    },
     /// Add or remove a shard server while the job runs.
     Shard {
         #[command(subcommand)]
@@ -122,6 +192,19 @@ fn table(header: &[&str]) -> Table {
     t
 }
 
+/// The worker a command names: a numeric id, or the name of one active worker.
+async fn resolve(admin: &Admin, which: &str) -> anyhow::Result<edl_shared::proto::WorkerId> {
+    let members = admin.members().await?;
+    admin::resolve_worker(&members, which).map_err(anyhow::Error::msg)
+}
+
+fn secs(v: f64, flag: &str) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("{flag} {v} is not a positive number of seconds"))
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     telemetry::init("warn");
@@ -189,17 +272,31 @@ async fn main() -> anyhow::Result<()> {
                 "state",
                 "clock",
                 "steps/s",
+                "step",
+                "straggler",
+                "stale",
                 "samples",
                 "last heartbeat",
             ]);
             for r in &rows {
+                let mut state = r.state.clone();
+                if let Some(n) = r.notice_ms {
+                    state.push_str(&format!(" (preempted, {:.1} s left)", n as f64 / 1000.0));
+                }
                 t.add_row(vec![
                     r.id.to_string(),
                     r.name.clone(),
                     r.addr.clone(),
-                    r.state.clone(),
+                    state,
                     r.clock.to_string(),
                     format!("{:.1}", r.steps_per_s),
+                    format!("{:.1} ms", r.step_ms),
+                    match (r.straggler, r.straggler_score) {
+                        (true, s) => format!("YES {s:.2}x"),
+                        (false, s) if s > 0.0 => format!("{s:.2}x"),
+                        _ => "-".into(),
+                    },
+                    r.staleness.to_string(),
                     r.samples.to_string(),
                     format!("{:.1} s ago", r.last_heartbeat_ms as f64 / 1000.0),
                 ]);
@@ -323,9 +420,178 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("moving keys {start}..{end} to {to}"))?;
             print_reshard(&v, cli.json)?;
         }
+        Cmd::Stragglers {
+            policy,
+            factor,
+            window,
+        } => {
+            let s = admin
+                .stragglers(policy, factor, window)
+                .await
+                .context("changing the straggler settings")?;
+            if cli.json {
+                return print_json(&serde_json::json!({
+                    "policy": s.policy.to_string(),
+                    "factor": s.factor,
+                    "window": s.window,
+                }));
+            }
+            println!(
+                "stragglers: policy {}, flagged past {}x the others' median step time over {} \
+                 steps",
+                s.policy, s.factor, s.window
+            );
+        }
+        Cmd::Preempt { worker, notice } => {
+            let id = resolve(&admin, &worker).await?;
+            let placed = admin
+                .preempt(id, notice)
+                .await
+                .with_context(|| format!("preempting worker {}", id.0))?;
+            if cli.json {
+                return print_json(&serde_json::json!({
+                    "worker": id.0,
+                    "notice_ms": notice.as_millis() as u64,
+                    "placement": placed.as_ref().map(|p| p.id),
+                }));
+            }
+            println!(
+                "worker {} ({worker}) will leave within {}{}",
+                id.0,
+                humantime::format_duration(notice),
+                match &placed {
+                    Some(p) => format!("; placement {} asks for its substitute", p.id),
+                    None => "; no substitute (the straggler policy is not replace)".into(),
+                }
+            );
+        }
+        Cmd::Migrate { worker, to, wait } => {
+            let id = resolve(&admin, &worker).await?;
+            let started = std::time::Instant::now();
+            let p = admin
+                .migrate(id, to.clone())
+                .await
+                .with_context(|| format!("migrating worker {}", id.0))?;
+            let done = admin.wait_placement(p.id, wait).await?;
+            let took = started.elapsed().as_secs_f64();
+            let out = admin::PlacementRow::from(done.as_ref().unwrap_or(&p));
+            if cli.json {
+                print_json(&out)?;
+            } else {
+                println!(
+                    "migrating worker {} ({worker}){}: placement {} {} after {took:.1} s",
+                    id.0,
+                    to.map(|s| format!(" to {s}")).unwrap_or_default(),
+                    p.id,
+                    out.state
+                );
+            }
+            match done.map(|p| p.state) {
+                Some(edl_shared::proto::PlacementState::Done { .. }) => {}
+                Some(_) => anyhow::bail!("the migration did not happen: {}", out.state),
+                None => anyhow::bail!(
+                    "no worker was admitted for placement {} within {} (is a placer such as \
+                     edl-local running the job?)",
+                    p.id,
+                    humantime::format_duration(wait)
+                ),
+            }
+        }
+        Cmd::Scale { workers } => {
+            let (placed, drained, cancelled) = admin
+                .scale(workers)
+                .await
+                .with_context(|| format!("resizing to {workers} workers"))?;
+            if cli.json {
+                return print_json(&serde_json::json!({
+                    "placed": placed,
+                    "drained": drained.iter().map(|w| w.0).collect::<Vec<_>>(),
+                    "cancelled": cancelled,
+                }));
+            }
+            println!(
+                "scaling to {workers} workers: {} to start (placements {:?}), {} to drain {:?}, \
+                 {} pending starts cancelled",
+                placed.len(),
+                placed,
+                drained.len(),
+                drained.iter().map(|w| w.0).collect::<Vec<_>>(),
+                cancelled.len()
+            );
+        }
+        Cmd::Placements => {
+            let rows: Vec<admin::PlacementRow> = admin
+                .placements()
+                .await?
+                .iter()
+                .map(admin::PlacementRow::from)
+                .collect();
+            if cli.json {
+                return print_json(&rows);
+            }
+            let mut t = table(&["id", "at", "what", "slot", "state"]);
+            for r in &rows {
+                t.add_row(vec![
+                    r.id.to_string(),
+                    format!("{:.1} s", r.t_ms as f64 / 1000.0),
+                    r.what.clone(),
+                    r.slot.clone().unwrap_or_else(|| "-".into()),
+                    r.state.clone(),
+                ]);
+            }
+            println!("{t}");
+        }
+        Cmd::Profile {
+            workers,
+            seconds,
+            warmup,
+            min_gain,
+            out,
+            png,
+        } => {
+            let opts = edl_ps::profile::ProfileOptions {
+                sizes: workers,
+                warmup: secs(warmup, "--warmup")?,
+                measure: secs(seconds, "--seconds")?,
+                min_gain,
+                ..Default::default()
+            };
+            let json = cli.json;
+            let p = edl_ps::profile::profile(&admin, &opts, |line| {
+                if !json {
+                    eprintln!("edlctl profile: {line}");
+                }
+            })
+            .await?;
+            if let Some(path) = &out {
+                std::fs::write(path, serde_json::to_string_pretty(&p)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if let Some(path) = &png {
+                edl_ps::profile::plot(&p, path)
+                    .with_context(|| format!("drawing {}", path.display()))?;
+            }
+            if json {
+                return print_json(&p);
+            }
+            let mut t = table(&["workers", "samples/s", "per worker", "gain of added"]);
+            for pt in &p.points {
+                t.add_row(vec![
+                    pt.workers.to_string(),
+                    format!("{:.0}", pt.samples_per_s),
+                    format!("{:.0}", pt.samples_per_s / f64::from(pt.workers)),
+                    pt.gain.map_or("-".into(), |g| format!("{g:.2}")),
+                ]);
+            }
+            println!("{t}");
+            println!(
+                "suggested size: {} workers (past it an added worker buys less than {} of a \
+                 worker's share); resized back to {}",
+                p.knee, p.min_gain, p.restored_to
+            );
+        }
         Cmd::Drain { worker } => {
-            let members = admin.members().await?;
-            let id = admin::resolve_worker(&members, &worker).map_err(anyhow::Error::msg)?;
+            let id = resolve(&admin, &worker).await?;
             admin
                 .drain(id)
                 .await

@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use edl_shared::proto::{ErrorCode, Frame, JobConfig, Parts, Request, Response, WorkerId};
+use edl_shared::proto::{
+    ErrorCode, Frame, JobConfig, Parts, Request, Response, StragglerSettings, WorkerId,
+};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::token::Signer;
 use edl_shared::transport::{TransportSettings, server_endpoint};
@@ -37,6 +39,9 @@ pub struct CoordinatorConfig {
     pub shards: u32,
     /// Where the coordinator keeps its durable state; restored from on start if present.
     pub state_file: Option<PathBuf>,
+    /// How stragglers are found and handled (changeable at run time; a restart goes back to
+    /// these).
+    pub stragglers: StragglerSettings,
 }
 
 /// Magic bytes of the coordinator's state file.
@@ -66,11 +71,12 @@ pub struct Coordinator {
 
 impl Coordinator {
     /// A coordinator for `config`.
-    pub fn new(config: CoordinatorConfig) -> Self {
-        Self::with_state(
-            CoordinatorState::new(config.job, config.shards),
-            config.state_file,
-        )
+    pub fn new(config: CoordinatorConfig) -> anyhow::Result<Self> {
+        let mut state = CoordinatorState::new(config.job, config.shards);
+        state
+            .set_stragglers(config.stragglers)
+            .map_err(|(_, e)| anyhow::anyhow!(e))?;
+        Ok(Self::with_state(state, config.state_file))
     }
 
     fn with_state(state: CoordinatorState, state_file: Option<PathBuf>) -> Self {
@@ -88,13 +94,16 @@ impl Coordinator {
     /// A coordinator for `config`, restored from its state file when there is one.
     pub fn open(config: CoordinatorConfig) -> anyhow::Result<Self> {
         let Some(path) = config.state_file.as_deref().filter(|p| p.exists()) else {
-            return Ok(Self::new(config));
+            return Self::new(config);
         };
         let body = checkpoint::read_blob(path, STATE_MAGIC)?;
         let snap = rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&body)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let state = CoordinatorState::restore(snap, &config.job, config.shards, Instant::now())
+        let mut state = CoordinatorState::restore(snap, &config.job, config.shards, Instant::now())
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        state
+            .set_stragglers(config.stragglers)
+            .map_err(|(_, e)| anyhow::anyhow!(e))?;
         info!(path = %path.display(), "coordinator state restored");
         Ok(Self::with_state(state, config.state_file.clone()))
     }
@@ -229,6 +238,7 @@ impl Service for Coordinator {
     fn allowed(&self, role: Role, req: &Request) -> bool {
         match req {
             Request::ShardJoin { .. } => role == Role::Shard,
+            Request::Preempt { .. } => role == Role::Admin || role == Role::Worker,
             Request::Register { .. }
             | Request::Heartbeat { .. }
             | Request::Leave { .. }
@@ -238,13 +248,39 @@ impl Service for Coordinator {
             | Request::ShardAdd { .. }
             | Request::ShardRemove { .. }
             | Request::Reshard { .. }
-            | Request::MoveRange { .. } => role == Role::Admin,
+            | Request::MoveRange { .. }
+            | Request::Migrate { .. }
+            | Request::Scale { .. }
+            | Request::Placements
+            | Request::PlacementFailed { .. }
+            | Request::Stragglers { .. } => role == Role::Admin,
             _ => true,
         }
     }
 
-    async fn handle(&self, peer: &Peer, req: Request, _payload: Bytes) -> Frame<Response, Parts> {
+    async fn handle(&self, peer: &Peer, req: Request, payload: Bytes) -> Frame<Response, Parts> {
+        let answer = self.answer(peer, req, payload).await;
+        let news = self.lock().take_news();
+        if !news.is_empty() {
+            for line in news {
+                info!("{line}");
+            }
+            self.bump();
+        }
+        answer
+    }
+}
+
+impl Coordinator {
+    async fn answer(&self, peer: &Peer, req: Request, _payload: Bytes) -> Frame<Response, Parts> {
         let now = Instant::now;
+        // A worker may give itself a preemption notice, no other.
+        if let Request::Preempt { worker, .. } = &req
+            && peer.role == Role::Worker
+            && let Some(refused) = self.not_owner(*worker, peer)
+        {
+            return Frame::new(refused);
+        }
         if let Request::Heartbeat { worker }
         | Request::Leave { worker }
         | Request::NextPartition { worker }
@@ -255,13 +291,22 @@ impl Service for Coordinator {
         }
         let resp = match req {
             Request::ShardJoin { addr } => self.shard_join(peer, &addr).await,
-            Request::Register { name: label } => {
+            Request::Register {
+                name: label,
+                placement,
+            } => {
                 // The worker is registered under the name in its certificate, never under
                 // one it claims.
                 let requested = now();
                 let name = &peer.name;
                 match self
-                    .wait_for(|st| st.register(name, &peer.addr.to_string(), requested, now()))
+                    .wait_for(|st| {
+                        let r = st.register(name, &peer.addr.to_string(), requested, now());
+                        if let (Poll::Ready((worker, ..)), Some(p)) = (&r, placement) {
+                            st.placed(*worker, p);
+                        }
+                        r
+                    })
                     .await
                 {
                     Ok((worker, job, map, clock)) => {
@@ -279,10 +324,77 @@ impl Service for Coordinator {
                     Err(e) => e,
                 }
             }
-            Request::Heartbeat { worker } => match self.lock().heartbeat(worker, now()) {
-                Ok(()) => Response::Ack,
+            Request::Heartbeat { worker } => match self.lock().beat(worker, now()) {
+                Ok((drain, notice_ms)) => Response::Beat { drain, notice_ms },
                 Err((code, msg)) => Response::error(code, msg),
             },
+            Request::Preempt { worker, notice_ms } => {
+                let notice = Duration::from_millis(notice_ms);
+                let r = self.lock().preempt(worker, notice, now());
+                match r {
+                    Ok(placement) => {
+                        info!(%worker, notice_ms, by = %peer.name, "preemption notice");
+                        self.bump();
+                        match placement {
+                            Some(p) => Response::Placed(p),
+                            None => Response::Ack,
+                        }
+                    }
+                    Err((code, msg)) => Response::error(code, msg),
+                }
+            }
+            Request::Migrate { worker, slot } => {
+                let r = self.lock().migrate(worker, slot, now());
+                match r {
+                    Ok(p) => {
+                        self.bump();
+                        Response::Placed(p)
+                    }
+                    Err((code, msg)) => Response::error(code, msg),
+                }
+            }
+            Request::Scale { workers } => {
+                let r = self.lock().scale(workers, now());
+                match r {
+                    Ok((placed, drained, cancelled)) => {
+                        self.bump();
+                        Response::Scaled {
+                            placed,
+                            drained,
+                            cancelled,
+                        }
+                    }
+                    Err((code, msg)) => Response::error(code, msg),
+                }
+            }
+            Request::Placements => Response::Placements(self.lock().placements()),
+            Request::PlacementFailed { id, reason } => {
+                let r = self.lock().placement_failed(id, &reason);
+                match r {
+                    Ok(()) => Response::Ack,
+                    Err((code, msg)) => Response::error(code, msg),
+                }
+            }
+            Request::Stragglers {
+                policy,
+                factor,
+                window,
+            } => {
+                let mut st = self.lock();
+                let mut s = st.stragglers();
+                s.policy = policy.unwrap_or(s.policy);
+                s.factor = factor.unwrap_or(s.factor);
+                s.window = window.unwrap_or(s.window);
+                let changed = s != st.stragglers();
+                match st.set_stragglers(s) {
+                    Ok(()) if changed => {
+                        info!(policy = %s.policy, factor = s.factor, window = s.window, by = %peer.name, "straggler settings changed");
+                        Response::Stragglers(s)
+                    }
+                    Ok(()) => Response::Stragglers(s),
+                    Err((code, msg)) => Response::error(code, msg),
+                }
+            }
             Request::Leave { worker } => {
                 let r = self.lock().leave(worker);
                 match r {
@@ -330,6 +442,7 @@ impl Service for Coordinator {
                         tracing::trace!(%worker, %clock, "clock: waiting");
                         match self.wait_for(|st| st.may_proceed(worker)).await {
                             Ok((min_clock, drain)) => {
+                                self.lock().granted(worker, now());
                                 tracing::trace!(%worker, %clock, %min_clock, "clock: granted");
                                 Response::ClockGranted { min_clock, drain }
                             }

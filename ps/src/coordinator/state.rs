@@ -11,9 +11,11 @@ use edl_shared::proto::msg::{
     DataSpan, EpochStats, EventKind, EventRecord, JobStatus, JobTrace, MoveReport, Partition,
     StepRecord, WorkerInfo, WorkerState, WorkerStatus,
 };
+use edl_shared::proto::place::{Placement, StragglerSettings};
 use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
 
 use super::data::DataPlan;
+use elastic::Pace;
 
 /// The outcome of one step of a long-polling request.
 #[derive(Debug)]
@@ -58,6 +60,8 @@ pub struct CoordinatorSnap {
     epochs: Vec<EpochStats>,
     samples_done: u64,
     token_key: Token,
+    placements: Vec<Placement>,
+    next_placement: u64,
 }
 
 /// An error answer: a stable code and a message.
@@ -80,6 +84,8 @@ struct Worker {
     /// Restored after a coordinator restart and not heard from since: its clock and committed
     /// positions may lag what it did before the crash, so its next report may jump ahead.
     restored: bool,
+    /// Its recent step times, straggler flag, preemption notice and placement.
+    pace: Pace,
 }
 
 /// A partition leased to a worker, with the position up to which its samples are committed
@@ -130,6 +136,13 @@ pub struct CoordinatorState {
     moves: VecDeque<MoveReport>,
     /// Trace records dropped by the caps: events, steps, moves.
     dropped: (u64, u64, u64),
+    /// How stragglers are found and handled.
+    stragglers: StragglerSettings,
+    /// Requests for a placer to start workers: pending ones and the latest finished ones.
+    placements: VecDeque<Placement>,
+    next_placement: u64,
+    /// What the state machine decided on its own since the service layer last looked.
+    news: Vec<String>,
 }
 
 /// Step records kept for the trace; older ones are dropped.
@@ -190,6 +203,10 @@ impl CoordinatorState {
             steps: VecDeque::new(),
             moves: VecDeque::new(),
             dropped: (0, 0, 0),
+            stragglers: StragglerSettings::default(),
+            placements: VecDeque::new(),
+            next_placement: 1,
+            news: Vec::new(),
         }
     }
 
@@ -242,6 +259,8 @@ impl CoordinatorState {
             epochs: self.epochs.clone(),
             samples_done: self.samples_done,
             token_key: self.token_key,
+            placements: self.placements.iter().cloned().collect(),
+            next_placement: self.next_placement,
         }
     }
 
@@ -278,6 +297,8 @@ impl CoordinatorState {
         st.epochs = snap.epochs;
         st.samples_done = snap.samples_done;
         st.token_key = snap.token_key;
+        st.placements = snap.placements.into();
+        st.next_placement = snap.next_placement;
         for w in snap.workers {
             st.workers.insert(
                 w.id,
@@ -296,6 +317,7 @@ impl CoordinatorState {
                     idle: false,
                     draining: w.draining,
                     restored: true,
+                    pace: Pace::default(),
                 },
             );
         }
@@ -467,6 +489,10 @@ impl CoordinatorState {
                 idle: false,
                 draining: false,
                 restored: false,
+                pace: Pace {
+                    busy_since: Some(now),
+                    ..Pace::default()
+                },
             },
         );
         self.event(EventKind::Join, id, requested);
@@ -587,6 +613,8 @@ impl CoordinatorState {
                 w.idle = false;
                 w.clock = w.clock.max(min.unwrap_or(self.floor));
             }
+            // Waiting for data is not work.
+            w.pace.busy_since = Some(now);
             return Poll::Ready((Some(p), w.clock));
         }
         if finished {
@@ -709,6 +737,7 @@ impl CoordinatorState {
         stats.samples += u64::from(samples);
         stats.loss_sum += loss_sum;
         self.samples_done += u64::from(samples);
+        self.paced(worker, now);
         Ok(())
     }
 
@@ -768,6 +797,15 @@ impl CoordinatorState {
                     draining: w.draining,
                     steps_per_s: recent as f64 / span_s,
                     samples: w.samples,
+                    step_ms: f64::from(w.pace.median),
+                    straggler_score: w.pace.score,
+                    straggler: w.pace.flagged,
+                    staleness: if w.counts() { self.staleness(*id) } else { 0 },
+                    notice_ms: w
+                        .pace
+                        .notice
+                        .map(|d| d.saturating_duration_since(now).as_millis() as u64),
+                    placement: w.pace.placement,
                 }
             })
             .collect()
@@ -801,6 +839,7 @@ impl CoordinatorState {
     }
 }
 
+mod elastic;
 pub mod shards;
 
 #[cfg(test)]

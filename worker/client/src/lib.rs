@@ -51,10 +51,12 @@ use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint}
 use thiserror::Error;
 
 pub mod blocking;
+mod notice;
 mod routing;
 mod session;
 mod spec;
 
+pub use notice::Notices;
 use routing::Routing;
 pub use session::{Batch, RowGrads, Session};
 pub use spec::{JobSpec, TensorView};
@@ -191,6 +193,8 @@ pub struct Job {
     layout: KeyLayout,
     spec: Arc<JobSpec>,
     traffic: Arc<Traffic>,
+    /// The placement this worker was started for, named when it registers.
+    placement: Option<u64>,
 }
 
 /// The connection to the coordinator, replaced when the coordinator restarts.
@@ -467,9 +471,18 @@ impl Job {
             job,
             layout,
             traffic: Arc::new(Traffic::default()),
+            placement: None,
         };
         job.adopt(map).await?;
         Ok(job)
+    }
+
+    /// Names the placement this worker was started for (a placer such as `edl-local` passes
+    /// it): once admitted, the coordinator counts the placement done and drains the worker
+    /// it replaces, if any.
+    pub fn for_placement(mut self, placement: Option<u64>) -> Job {
+        self.placement = placement;
+        self
     }
 
     /// The job configuration.
@@ -594,6 +607,7 @@ impl Job {
             self.coordinator.call(
                 Request::Register {
                     name: name.to_string(),
+                    placement: self.placement,
                 },
                 Bytes::new(),
             )
@@ -610,6 +624,7 @@ impl Job {
         };
         let stop = CancellationToken::new();
         let lost = Arc::new(AtomicBool::new(false));
+        let notice = Arc::new(notice::NoticeState::default());
         let period =
             Duration::from_millis(u64::from(self.job.lease_ms) / 4).max(Duration::from_millis(10));
         tokio::spawn(heartbeat(
@@ -618,6 +633,7 @@ impl Job {
             period,
             stop.clone(),
             lost.clone(),
+            notice.clone(),
         ));
         Ok(Session {
             job: self,
@@ -627,7 +643,7 @@ impl Job {
             granted: clock,
             stop,
             lost,
-            drain: false,
+            notice,
             feed: session::Feed::default(),
         })
     }
@@ -729,6 +745,7 @@ async fn heartbeat(
     period: Duration,
     stop: CancellationToken,
     lost: Arc<AtomicBool>,
+    notice: Arc<notice::NoticeState>,
 ) {
     let mut tick = tokio::time::interval(period);
     loop {
@@ -737,6 +754,10 @@ async fn heartbeat(
             _ = tick.tick() => {}
         }
         match conn.call(Request::Heartbeat { worker }, Bytes::new()).await {
+            Ok(Frame {
+                msg: Response::Beat { drain, notice_ms },
+                ..
+            }) => notice.tell(drain, notice_ms.map(Duration::from_millis)),
             Ok(_) => {}
             Err(e) if e.code() == Some(ErrorCode::UnknownWorker) => {
                 tracing::warn!(%worker, "coordinator dropped this worker");

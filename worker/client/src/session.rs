@@ -95,7 +95,7 @@ pub struct Session {
     pub(super) granted: Clock,
     pub(super) stop: CancellationToken,
     pub(super) lost: Arc<AtomicBool>,
-    pub(super) drain: bool,
+    pub(super) notice: Arc<crate::notice::NoticeState>,
     pub(super) feed: Feed,
 }
 
@@ -127,9 +127,21 @@ impl Session {
         self.clock
     }
 
-    /// True once an operator asked this worker to leave (seen on a clock grant).
+    /// True once this worker is asked to leave after its current step: an operator drained
+    /// it, a replacement took its place, or it got a preemption notice (seen on a clock
+    /// grant or a heartbeat answer).
     pub fn drain_requested(&self) -> bool {
-        self.drain
+        self.notice.drain()
+    }
+
+    /// A handle on this worker's leave notices that borrows nothing from the session: to
+    /// watch for a preemption deadline during a step, or to pass on a spot notice.
+    pub fn notices(&self) -> crate::Notices {
+        crate::Notices {
+            state: self.notice.clone(),
+            coordinator: self.job.coordinator.clone(),
+            worker: self.worker,
+        }
     }
 
     /// Stops heartbeating, as a worker that hangs would (tests use this to simulate a failure).
@@ -461,7 +473,7 @@ impl Session {
             Response::ClockGranted { min_clock, drain } => {
                 self.clock = next;
                 self.granted = min_clock;
-                self.drain |= drain;
+                self.notice.tell(drain, None);
                 Ok(min_clock)
             }
             other => Err(CallError::unexpected(&other).into()),

@@ -14,7 +14,7 @@ use edl_shared::{Role, shutdown, telemetry};
 use edl_worker::backend::{self, Device};
 use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet, Split};
 use edl_worker::logreg::LogReg;
-use edl_worker::trainer::{self, TrainOptions, TrainSummary};
+use edl_worker::trainer::{self, Slowdown, TrainOptions, TrainSummary};
 use edl_worker::workload::{MlpModel, Model, SparseSet};
 use edl_worker::{ClientConfig, Job};
 
@@ -59,6 +59,23 @@ struct Cli {
     /// coordinator drops it.
     #[arg(long, value_name = "SECS")]
     give_up_after: Option<u64>,
+    /// The notice a SIGUSR1 gives (as a cloud agent sends on a spot-instance warning): the
+    /// worker tells the coordinator, finishes its step, commits and leaves within it,
+    /// abandoning the step if it cannot finish in time.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    preempt_notice: std::time::Duration,
+    /// The placement this worker was started for (placers such as edl-local pass it): once
+    /// admitted, the worker it replaces, if any, is drained.
+    #[arg(long, value_name = "ID")]
+    placement: Option<u64>,
+    /// Test aid: make every step FACTOR times slower (the worker sleeps FACTOR-1 times each
+    /// step's work before committing), to play a straggler.
+    #[arg(long, default_value_t = 1.0, value_name = "FACTOR")]
+    slowdown: f64,
+    /// Test aid: re-read the slowdown factor from this file (at most every 250 ms) while
+    /// training; edl-local's scenario event `slow` writes it.
+    #[arg(long, value_name = "FILE")]
+    slowdown_file: Option<PathBuf>,
     #[command(flatten)]
     identity: IdentityArgs,
 }
@@ -103,7 +120,7 @@ async fn main() -> anyhow::Result<()> {
         },
     };
     let job = tokio::select! {
-        r = Job::connect(&cfg) => r.context("connecting to the job")?,
+        r = Job::connect(&cfg) => r.context("connecting to the job")?.for_placement(cli.placement),
         // Not admitted yet: nothing to hand back, so a signal simply ends the process.
         _ = shutdown.cancelled() => return Ok(()),
     };
@@ -138,6 +155,11 @@ async fn main() -> anyhow::Result<()> {
         evaluate: cli.evaluate,
         opts: TrainOptions {
             max_steps: cli.max_steps,
+            slowdown: match &cli.slowdown_file {
+                Some(f) => Slowdown::new(cli.slowdown).with_file(f.clone()),
+                None => Slowdown::new(cli.slowdown),
+            },
+            spot: Some(spot_notices(cli.preempt_notice)?),
         },
         shutdown,
         backend: backend.name(),
@@ -160,6 +182,23 @@ async fn main() -> anyhow::Result<()> {
              trains the built-in models (mlp, logreg); run the application's own worker"
         ),
     }
+}
+
+/// Spot notices: each SIGUSR1 is one, of length `notice`.
+fn spot_notices(
+    notice: std::time::Duration,
+) -> anyhow::Result<tokio::sync::mpsc::UnboundedReceiver<std::time::Duration>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut usr1 = signal(SignalKind::user_defined1()).context("listening for SIGUSR1")?;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while usr1.recv().await.is_some() {
+            if tx.send(notice).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(rx)
 }
 
 /// A worker's run, once the job and the data are known.
@@ -191,6 +230,7 @@ impl Run {
             samples = s.samples,
             mean_loss = s.loss_sum / s.samples.max(1) as f64,
             wall_s = s.wall.as_secs_f64(),
+            abandoned = s.abandoned,
             "worker done"
         );
         Ok(())

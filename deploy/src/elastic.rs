@@ -1,0 +1,338 @@
+//! What the elastic features did in a run, from the coordinator's trace and placements and the
+//! launcher's own actions: per straggler the time to detection and to recovery with the
+//! throughput before, during and after; per preemption the time from the notice to the exit;
+//! per placement when its worker was admitted and the one it replaced left; and the number of
+//! active workers over time.
+
+use std::collections::BTreeMap;
+
+use edl_shared::proto::ids::WorkerId;
+use edl_shared::proto::msg::{EventKind, JobTrace};
+use edl_shared::proto::{Placement, PlacementKind, PlacementState};
+use serde::{Deserialize, Serialize};
+
+use crate::report::WorkerProcess;
+
+/// Length of the throughput windows before and after a straggler episode.
+const WINDOW_MS: u64 = 8_000;
+/// Time left after a recovery before the "after" window starts (the replacement's first
+/// steps, the straggler's exit).
+const SETTLE_MS: u64 = 1_000;
+
+/// A scenario event the launcher carried out for the elastic features.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LauncherAction {
+    /// When, in milliseconds since the coordinator started (`None` before the first status).
+    pub t_ms: Option<u64>,
+    /// `slow`, `preempt` or `migrate`.
+    pub action: String,
+    /// The worker process it acted on.
+    pub worker: String,
+    /// The factor, the notice, or the placement made.
+    pub detail: String,
+}
+
+/// A placement and what became of it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlacementReport {
+    /// Its id.
+    pub id: u64,
+    /// `add`, or `replace NAME (reason)`.
+    pub what: String,
+    /// The slot asked for.
+    pub slot: Option<String>,
+    /// pending, done, failed or cancelled.
+    pub state: String,
+    /// When the coordinator made it.
+    pub requested_ms: u64,
+    /// The worker admitted for it.
+    pub worker: Option<String>,
+    /// When that worker was admitted.
+    pub joined_ms: Option<u64>,
+    /// For a replacement: when the replaced worker left (or was declared dead).
+    pub old_left_ms: Option<u64>,
+    /// For a replacement: the fewest active workers between the request and the old
+    /// worker's departure, and the number active at the request.
+    pub active_min_and_before: Option<(u32, u32)>,
+}
+
+/// One straggler episode.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StragglerReport {
+    /// The worker flagged.
+    pub worker: String,
+    /// When the launcher slowed it (scenario `slow`), if it did.
+    pub slowed_ms: Option<u64>,
+    /// When the coordinator flagged it.
+    pub flagged_ms: u64,
+    /// Seconds from the slowdown to the flag.
+    pub detect_s: Option<f64>,
+    /// The worker that replaced it, if one did.
+    pub replaced_by: Option<String>,
+    /// When the straggler left (drained after its replacement was admitted, or dropped).
+    pub left_ms: Option<u64>,
+    /// Seconds from the slowdown to the straggler's departure (the job back at full speed).
+    pub recover_s: Option<f64>,
+    /// Job samples/s over the window before the slowdown.
+    pub before_samples_per_s: Option<f64>,
+    /// Job samples/s from the slowdown (or flag) to the straggler's departure (or the flag
+    /// plus the window, if it stayed).
+    pub during_samples_per_s: Option<f64>,
+    /// Job samples/s over the window after that (with the straggler still there if it
+    /// stayed).
+    pub after_samples_per_s: Option<f64>,
+}
+
+/// One preemption notice sent as SIGUSR1.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PreemptionReport {
+    /// The worker.
+    pub worker: String,
+    /// When the launcher sent SIGUSR1.
+    pub signalled_ms: Option<u64>,
+    /// When the coordinator heard of it from the worker.
+    pub noticed_ms: Option<u64>,
+    /// When the worker left the job.
+    pub left_ms: Option<u64>,
+    /// When its process exited.
+    pub exited_ms: Option<u64>,
+    /// Seconds from SIGUSR1 to the process's exit.
+    pub exit_s: Option<f64>,
+    /// The substitute admitted for it, if any.
+    pub replaced_by: Option<String>,
+    /// When the substitute was admitted.
+    pub replacement_joined_ms: Option<u64>,
+}
+
+/// The elastic part of a run's report.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ElasticReport {
+    /// What the launcher did (scenario slow, preempt, migrate).
+    pub actions: Vec<LauncherAction>,
+    /// Every placement the coordinator made.
+    pub placements: Vec<PlacementReport>,
+    /// Every straggler episode.
+    pub stragglers: Vec<StragglerReport>,
+    /// Every preemption by signal.
+    pub preemptions: Vec<PreemptionReport>,
+    /// Active workers after each membership change: (milliseconds, count).
+    pub active: Vec<(u64, u32)>,
+}
+
+/// `add`, or `replace wN (reason)`.
+pub fn placement_label(p: &Placement) -> String {
+    match p.kind {
+        PlacementKind::Add => "add".into(),
+        PlacementKind::Replace { old, reason } => format!("replace {old} ({reason})"),
+    }
+}
+
+struct Trace<'a> {
+    trace: &'a JobTrace,
+    names: BTreeMap<WorkerId, String>,
+    batch: u32,
+}
+
+impl Trace<'_> {
+    fn name(&self, w: WorkerId) -> String {
+        self.names.get(&w).cloned().unwrap_or_else(|| w.to_string())
+    }
+
+    fn id_of(&self, name: &str) -> Option<WorkerId> {
+        self.names
+            .iter()
+            .rev()
+            .find(|(_, n)| *n == name)
+            .map(|(id, _)| *id)
+    }
+
+    fn first(&self, kinds: &[EventKind], w: WorkerId) -> Option<u64> {
+        self.trace
+            .events
+            .iter()
+            .find(|e| e.worker == w && kinds.contains(&e.kind))
+            .map(|e| e.t_ms)
+    }
+
+    fn left(&self, w: WorkerId) -> Option<u64> {
+        self.first(&[EventKind::Leave, EventKind::Dead], w)
+    }
+
+    /// Samples per second over `[from, to)`, counting a batch per step; `None` for a window
+    /// shorter than a second or past the last step.
+    fn rate(&self, from: u64, to: u64) -> Option<f64> {
+        let last = self.trace.steps.iter().map(|s| s.t_ms).max()?;
+        let to = to.min(last);
+        if to < from + 1000 {
+            return None;
+        }
+        let steps = self
+            .trace
+            .steps
+            .iter()
+            .filter(|s| s.t_ms >= from && s.t_ms < to)
+            .count();
+        Some(steps as f64 * f64::from(self.batch) * 1000.0 / (to - from) as f64)
+    }
+
+    /// Active workers after each join, leave or death.
+    fn active(&self) -> Vec<(u64, u32)> {
+        let mut n: i64 = 0;
+        let mut out = Vec::new();
+        for e in &self.trace.events {
+            match e.kind {
+                EventKind::Join => n += 1,
+                EventKind::Leave | EventKind::Dead => n -= 1,
+                _ => continue,
+            }
+            out.push((e.t_ms, n.max(0) as u32));
+        }
+        out
+    }
+}
+
+fn secs(from: Option<u64>, to: Option<u64>) -> Option<f64> {
+    Some(to?.checked_sub(from?)? as f64 / 1000.0)
+}
+
+impl ElasticReport {
+    /// The report of a run: `processes` for exit times, `actions` the launcher's,
+    /// `placements` the coordinator's, `batch` to turn steps into samples.
+    pub fn of(
+        trace: &JobTrace,
+        processes: &[WorkerProcess],
+        actions: Vec<LauncherAction>,
+        placements: Vec<Placement>,
+        batch: u32,
+    ) -> ElasticReport {
+        let t = Trace {
+            trace,
+            names: trace
+                .events
+                .iter()
+                .filter(|e| e.kind == EventKind::Join)
+                .map(|e| (e.worker, e.name.clone()))
+                .collect(),
+            batch,
+        };
+        let active = t.active();
+        let active_at = |ms: u64| {
+            active
+                .iter()
+                .take_while(|(at, _)| *at <= ms)
+                .last()
+                .map_or(0, |(_, n)| *n)
+        };
+        let placed: Vec<PlacementReport> = placements
+            .iter()
+            .map(|p| {
+                let new = match p.state {
+                    PlacementState::Done { worker } => Some(worker),
+                    _ => None,
+                };
+                let old = match p.kind {
+                    PlacementKind::Replace { old, .. } => Some(old),
+                    PlacementKind::Add => None,
+                };
+                let old_left = old.and_then(|o| t.left(o));
+                let window = old_left.map(|left| {
+                    let min = active
+                        .iter()
+                        .filter(|(at, _)| *at >= p.t_ms && *at <= left)
+                        .map(|(_, n)| *n)
+                        .min()
+                        .unwrap_or(u32::MAX);
+                    let before = active_at(p.t_ms);
+                    (min.min(before), before)
+                });
+                PlacementReport {
+                    id: p.id,
+                    what: match p.kind {
+                        PlacementKind::Add => "add".into(),
+                        PlacementKind::Replace { old, reason } => {
+                            format!("replace {} ({reason})", t.name(old))
+                        }
+                    },
+                    slot: p.slot.clone(),
+                    state: match &p.state {
+                        PlacementState::Pending => "pending".into(),
+                        PlacementState::Done { .. } => "done".into(),
+                        PlacementState::Failed { reason } => format!("failed: {reason}"),
+                        PlacementState::Cancelled => "cancelled".into(),
+                    },
+                    requested_ms: p.t_ms,
+                    worker: new.map(|w| t.name(w)),
+                    joined_ms: new.and_then(|w| t.first(&[EventKind::Join], w)),
+                    old_left_ms: old_left,
+                    active_min_and_before: window,
+                }
+            })
+            .collect();
+        let replacement_of = |old: WorkerId| {
+            placed.iter().zip(&placements).find_map(|(r, p)| {
+                matches!(p.kind, PlacementKind::Replace { old: o, .. } if o == old)
+                    .then_some(r)
+                    .filter(|r| r.worker.is_some())
+            })
+        };
+        let stragglers = trace
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::Straggler)
+            .map(|e| {
+                let slowed = actions
+                    .iter()
+                    .filter(|a| a.action == "slow" && a.worker == e.name)
+                    .filter_map(|a| a.t_ms)
+                    .filter(|&ms| ms <= e.t_ms)
+                    .max();
+                let left = t.left(e.worker);
+                let start = slowed.unwrap_or(e.t_ms);
+                let during_end = left.unwrap_or(e.t_ms + WINDOW_MS);
+                let after_start = left.unwrap_or(e.t_ms) + SETTLE_MS;
+                StragglerReport {
+                    worker: e.name.clone(),
+                    slowed_ms: slowed,
+                    flagged_ms: e.t_ms,
+                    detect_s: secs(slowed, Some(e.t_ms)),
+                    replaced_by: replacement_of(e.worker).and_then(|r| r.worker.clone()),
+                    left_ms: left,
+                    recover_s: secs(slowed, left),
+                    before_samples_per_s: slowed
+                        .and_then(|s| t.rate(s.saturating_sub(WINDOW_MS), s)),
+                    during_samples_per_s: t.rate(start, during_end),
+                    after_samples_per_s: t.rate(after_start, after_start + WINDOW_MS),
+                }
+            })
+            .collect();
+        let preemptions = actions
+            .iter()
+            .filter(|a| a.action == "preempt")
+            .map(|a| {
+                let id = t.id_of(&a.worker);
+                let exited = processes
+                    .iter()
+                    .find(|p| p.name == a.worker)
+                    .and_then(|p| p.exited_ms);
+                let replacement = id.and_then(replacement_of);
+                PreemptionReport {
+                    worker: a.worker.clone(),
+                    signalled_ms: a.t_ms,
+                    noticed_ms: id.and_then(|w| t.first(&[EventKind::Preempt], w)),
+                    left_ms: id.and_then(|w| t.left(w)),
+                    exited_ms: exited,
+                    exit_s: secs(a.t_ms, exited),
+                    replaced_by: replacement.and_then(|r| r.worker.clone()),
+                    replacement_joined_ms: replacement.and_then(|r| r.joined_ms),
+                }
+            })
+            .collect();
+        ElasticReport {
+            actions,
+            placements: placed,
+            stragglers,
+            preemptions,
+            active,
+        }
+    }
+}

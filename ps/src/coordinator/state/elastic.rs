@@ -1,0 +1,356 @@
+//! What elasticity buys a running job, as state-machine steps: straggler scores from each
+//! worker's busy time per step, and what the policy does about a flagged one; preemption
+//! notices; placements (requests for a placer to start a worker) for replacements,
+//! migrations and resizes, fulfilled when a worker naming one registers.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use edl_shared::proto::ErrorCode;
+use edl_shared::proto::ids::WorkerId;
+use edl_shared::proto::msg::{EventKind, WorkerState};
+use edl_shared::proto::place::{
+    Placement, PlacementKind, PlacementState, ReplaceReason, StragglerPolicy, StragglerSettings,
+};
+
+use super::{CoordinatorState, Refusal};
+
+/// Finished placements kept for `edlctl` and placers; older ones are forgotten.
+const MAX_FINISHED_PLACEMENTS: usize = 1_000;
+
+/// A worker's recent steps, for its straggler score.
+#[derive(Debug, Default)]
+pub(super) struct Pace {
+    /// When its current step began: the grant of the previous one, its admission, or the
+    /// lease of a partition after waiting for data. Consistency waits are not work.
+    pub busy_since: Option<Instant>,
+    /// Busy milliseconds of its last steps, up to the window.
+    pub recent: VecDeque<f32>,
+    /// The median of `recent`.
+    pub median: f32,
+    /// Its median over the others' (0 while unknown).
+    pub score: f64,
+    /// Flagged as a straggler.
+    pub flagged: bool,
+    /// The deadline of a preemption notice.
+    pub notice: Option<Instant>,
+    /// The placement it was started for.
+    pub placement: Option<u64>,
+}
+
+/// The median of a few values (the upper one of an even count).
+fn median(values: impl Iterator<Item = f32>) -> Option<f32> {
+    let mut v: Vec<f32> = values.collect();
+    if v.is_empty() {
+        return None;
+    }
+    let mid = v.len() / 2;
+    let (_, m, _) = v.select_nth_unstable_by(mid, f32::total_cmp);
+    Some(*m)
+}
+
+impl CoordinatorState {
+    /// Sets how stragglers are found and handled.
+    pub fn set_stragglers(&mut self, s: StragglerSettings) -> Result<(), Refusal> {
+        s.check().map_err(|e| (ErrorCode::InvalidRequest, e))?;
+        self.stragglers = s;
+        // Windows change length: judge everyone afresh.
+        for w in self.workers.values_mut() {
+            w.pace.recent.clear();
+            w.pace.score = 0.0;
+        }
+        Ok(())
+    }
+
+    /// The straggler settings in force.
+    pub fn stragglers(&self) -> StragglerSettings {
+        self.stragglers
+    }
+
+    /// Log lines of what the state machine decided on its own (flags, drains, placements)
+    /// since the last call, for the service layer to log.
+    pub fn take_news(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.news)
+    }
+
+    /// The worker may start its next step now: its busy time runs from here.
+    pub fn granted(&mut self, worker: WorkerId, now: Instant) {
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.pace.busy_since = Some(now);
+        }
+    }
+
+    /// Records a step's busy time and judges the worker; called by `advance`.
+    pub(super) fn paced(&mut self, worker: WorkerId, now: Instant) {
+        let window = self.stragglers.window as usize;
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        let Some(since) = w.pace.busy_since.take() else {
+            return;
+        };
+        let busy = now.saturating_duration_since(since).as_secs_f32() * 1000.0;
+        w.pace.recent.push_back(busy);
+        while w.pace.recent.len() > window {
+            w.pace.recent.pop_front();
+        }
+        w.pace.median = median(w.pace.recent.iter().copied()).unwrap_or(0.0);
+        if w.pace.recent.len() < window {
+            return;
+        }
+        let mine = w.pace.median;
+        // Judged against the workers that train now and have a full window of their own.
+        let reference = median(
+            self.workers
+                .iter()
+                .filter(|(id, o)| {
+                    **id != worker && o.counts() && !o.draining && o.pace.recent.len() >= window
+                })
+                .map(|(_, o)| o.pace.median),
+        );
+        let Some(reference) = reference.filter(|r| *r > 0.0) else {
+            return;
+        };
+        let score = f64::from(mine) / f64::from(reference);
+        let factor = f64::from(self.stragglers.factor);
+        let w = self.workers.get_mut(&worker).expect("judged above");
+        w.pace.score = score;
+        if !w.pace.flagged && score > factor && !w.draining {
+            w.pace.flagged = true;
+            let name = w.name.clone();
+            self.event(EventKind::Straggler, worker, now);
+            self.news.push(format!(
+                "straggler: {worker} ({name}) takes {mine:.1} ms per step, {score:.2}x the \
+                 others' {reference:.1} ms over {window} steps; policy {}",
+                self.stragglers.policy
+            ));
+            match self.stragglers.policy {
+                StragglerPolicy::Ignore => {}
+                StragglerPolicy::Drop => {
+                    let _ = self.drain(worker);
+                    self.news
+                        .push(format!("straggler {worker} drained (policy drop)"));
+                }
+                StragglerPolicy::Replace => {
+                    self.replace(worker, ReplaceReason::Straggler, None, now);
+                }
+            }
+        } else if w.pace.flagged && score <= factor {
+            w.pace.flagged = false;
+            self.event(EventKind::Recovered, worker, now);
+            self.news.push(format!(
+                "{worker} is no longer a straggler ({score:.2}x the others)"
+            ));
+        }
+    }
+
+    /// Asks the placer for a worker to replace `old` (unless one is already pending).
+    fn replace(
+        &mut self,
+        old: WorkerId,
+        reason: ReplaceReason,
+        slot: Option<String>,
+        now: Instant,
+    ) -> Placement {
+        if let Some(p) = self.placements.iter().find(|p| {
+            p.is_pending() && matches!(p.kind, PlacementKind::Replace { old: o, .. } if o == old)
+        }) {
+            return p.clone();
+        }
+        let p = self.place(PlacementKind::Replace { old, reason }, slot, now);
+        self.event(EventKind::ReplaceRequested, old, now);
+        self.news.push(format!(
+            "placement {}: a replacement for {old} ({reason}) requested",
+            p.id
+        ));
+        p
+    }
+
+    fn place(&mut self, kind: PlacementKind, slot: Option<String>, now: Instant) -> Placement {
+        let p = Placement {
+            id: self.next_placement,
+            kind,
+            slot,
+            state: PlacementState::Pending,
+            t_ms: self.ms(now),
+        };
+        self.next_placement += 1;
+        self.placements.push_back(p.clone());
+        let finished = self.placements.iter().filter(|p| !p.is_pending()).count();
+        if finished > MAX_FINISHED_PLACEMENTS
+            && let Some(i) = self.placements.iter().position(|p| !p.is_pending())
+        {
+            self.placements.remove(i);
+        }
+        p
+    }
+
+    fn placement_mut(&mut self, id: u64) -> Option<&mut Placement> {
+        self.placements.iter_mut().find(|p| p.id == id)
+    }
+
+    /// A worker admitted for placement `id`: the placement is done, and the worker it
+    /// replaces (if still training) is drained. A placement that is not pending (unknown,
+    /// cancelled, already done) changes nothing but the log.
+    pub fn placed(&mut self, worker: WorkerId, id: u64) {
+        let Some(p) = self.placement_mut(id).filter(|p| p.is_pending()) else {
+            self.news.push(format!(
+                "{worker} was started for placement {id}, which is not pending: admitted as \
+                 an extra worker"
+            ));
+            return;
+        };
+        p.state = PlacementState::Done { worker };
+        let kind = p.kind;
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.pace.placement = Some(id);
+        }
+        if let PlacementKind::Replace { old, reason } = kind {
+            let draining = self.workers.get(&old).is_none_or(|o| o.draining);
+            if !draining && self.drain(old).is_ok() {
+                self.news
+                    .push(format!("{worker} replaces {old} ({reason}): {old} drained"));
+            }
+        }
+    }
+
+    /// A placer could not start a worker for placement `id`.
+    pub fn placement_failed(&mut self, id: u64, reason: &str) -> Result<(), Refusal> {
+        let p = self.placement_mut(id).filter(|p| p.is_pending()).ok_or((
+            ErrorCode::InvalidRequest,
+            format!("placement {id} is not pending"),
+        ))?;
+        p.state = PlacementState::Failed {
+            reason: reason.to_string(),
+        };
+        self.news
+            .push(format!("placement {id} failed in the placer: {reason}"));
+        Ok(())
+    }
+
+    /// The pending placements and the latest finished ones, oldest first.
+    pub fn placements(&self) -> Vec<Placement> {
+        self.placements.iter().cloned().collect()
+    }
+
+    /// Gives `worker` a preemption notice: it is drained, must be gone by `now + notice`,
+    /// and under policy `replace` a substitute is requested at once.
+    pub fn preempt(
+        &mut self,
+        worker: WorkerId,
+        notice: Duration,
+        now: Instant,
+    ) -> Result<Option<Placement>, Refusal> {
+        let w = self.active(worker)?;
+        let deadline = now + notice;
+        w.pace.notice = Some(w.pace.notice.map_or(deadline, |d| d.min(deadline)));
+        w.draining = true;
+        self.event(EventKind::Preempt, worker, now);
+        Ok((self.stragglers.policy == StragglerPolicy::Replace)
+            .then(|| self.replace(worker, ReplaceReason::Preempt, None, now)))
+    }
+
+    /// What a heartbeat answers: whether the worker is asked to leave, and the milliseconds
+    /// left of its preemption notice.
+    pub fn beat(&mut self, worker: WorkerId, now: Instant) -> Result<(bool, Option<u64>), Refusal> {
+        let w = self.active(worker)?;
+        w.last_seen = now;
+        let left = w
+            .pace
+            .notice
+            .map(|d| d.saturating_duration_since(now).as_millis() as u64);
+        Ok((w.draining, left))
+    }
+
+    /// An operator moves `worker`: a placement for its replacement, in `slot` if given.
+    pub fn migrate(
+        &mut self,
+        worker: WorkerId,
+        slot: Option<String>,
+        now: Instant,
+    ) -> Result<Placement, Refusal> {
+        if self.active(worker)?.draining {
+            return Err((
+                ErrorCode::Conflict,
+                format!("{worker} is already leaving; there is nothing to move"),
+            ));
+        }
+        Ok(self.replace(worker, ReplaceReason::Migrate, slot, now))
+    }
+
+    /// Resizes the job to `target` workers that train and are not leaving: placements for
+    /// the missing ones (pending additions count as coming), or, for the extra ones, pending
+    /// additions cancelled first and then the newest workers drained.
+    pub fn scale(
+        &mut self,
+        target: u32,
+        now: Instant,
+    ) -> Result<(Vec<u64>, Vec<WorkerId>, Vec<u64>), Refusal> {
+        if target == 0 {
+            return Err((
+                ErrorCode::InvalidRequest,
+                "a job needs at least one worker; drain them one by one to stop it".into(),
+            ));
+        }
+        let staying: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.state == WorkerState::Active && !w.draining)
+            .map(|(id, _)| *id)
+            .collect();
+        let coming: Vec<u64> = self
+            .placements
+            .iter()
+            .filter(|p| p.is_pending() && p.kind == PlacementKind::Add)
+            .map(|p| p.id)
+            .collect();
+        let target = target as usize;
+        let have = staying.len() + coming.len();
+        let (mut placed, mut drained, mut cancelled) = (Vec::new(), Vec::new(), Vec::new());
+        if target > have {
+            for _ in have..target {
+                placed.push(self.place(PlacementKind::Add, None, now).id);
+            }
+        } else {
+            let mut extra = have - target;
+            for id in coming.iter().rev() {
+                if extra == 0 {
+                    break;
+                }
+                if let Some(p) = self.placement_mut(*id) {
+                    p.state = PlacementState::Cancelled;
+                }
+                cancelled.push(*id);
+                extra -= 1;
+            }
+            for id in staying.iter().rev().take(extra) {
+                self.drain(*id)?;
+                drained.push(*id);
+            }
+        }
+        self.news.push(format!(
+            "scale to {target}: {} placements, {} drained, {} cancelled",
+            placed.len(),
+            drained.len(),
+            cancelled.len()
+        ));
+        Ok((placed, drained, cancelled))
+    }
+
+    /// Steps behind the most advanced counting worker.
+    pub(super) fn staleness(&self, worker: WorkerId) -> u64 {
+        let max = self
+            .workers
+            .values()
+            .filter(|w| w.counts())
+            .map(|w| w.clock.0)
+            .max()
+            .unwrap_or(0);
+        self.workers
+            .get(&worker)
+            .map_or(0, |w| max.saturating_sub(w.clock.0))
+    }
+}
+
+#[cfg(test)]
+mod tests;

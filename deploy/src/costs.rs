@@ -158,6 +158,13 @@ pub fn event_costs(trace: &JobTrace) -> Vec<EventReport> {
     trace
         .events
         .iter()
+        // Flags, notices and requests are not membership changes (see `crate::elastic`).
+        .filter(|e| {
+            matches!(
+                e.kind,
+                EventKind::Join | EventKind::Drain | EventKind::Leave | EventKind::Dead
+            )
+        })
         .map(|e| {
             let (step_ms, stall_ms) = line.cost_at(e.t_ms, Some(e.worker));
             let join_latency_ms = (e.kind == EventKind::Join)

@@ -119,14 +119,6 @@ pub struct ElasticReport {
     pub active: Vec<(u64, u32)>,
 }
 
-/// `add`, or `replace wN (reason)`.
-pub fn placement_label(p: &Placement) -> String {
-    match p.kind {
-        PlacementKind::Add => "add".into(),
-        PlacementKind::Replace { old, reason } => format!("replace {old} ({reason})"),
-    }
-}
-
 struct Trace<'a> {
     trace: &'a JobTrace,
     names: BTreeMap<WorkerId, String>,
@@ -288,6 +280,15 @@ impl ElasticReport {
                     .max();
                 let left = t.left(e.worker);
                 let start = slowed.unwrap_or(e.t_ms);
+                // The window before starts once the membership before the slowdown had
+                // settled (not during the first joins).
+                let settled = trace
+                    .events
+                    .iter()
+                    .filter(|j| j.kind == EventKind::Join && j.t_ms <= start)
+                    .map(|j| j.t_ms + SETTLE_MS)
+                    .max()
+                    .unwrap_or(0);
                 let during_end = left.unwrap_or(e.t_ms + WINDOW_MS);
                 let after_start = left.unwrap_or(e.t_ms) + SETTLE_MS;
                 StragglerReport {
@@ -299,7 +300,7 @@ impl ElasticReport {
                     left_ms: left,
                     recover_s: secs(slowed, left),
                     before_samples_per_s: slowed
-                        .and_then(|s| t.rate(s.saturating_sub(WINDOW_MS), s)),
+                        .and_then(|s| t.rate(s.saturating_sub(WINDOW_MS).max(settled), s)),
                     during_samples_per_s: t.rate(start, during_end),
                     after_samples_per_s: t.rate(after_start, after_start + WINDOW_MS),
                 }
@@ -334,5 +335,77 @@ impl ElasticReport {
             preemptions,
             active,
         }
+    }
+}
+
+fn at(ms: Option<u64>) -> String {
+    ms.map_or("?".into(), |m| format!("{:.1} s", m as f64 / 1000.0))
+}
+
+fn rate(r: Option<f64>) -> String {
+    r.map_or("-".into(), |r| format!("{r:.0}"))
+}
+
+impl std::fmt::Display for ElasticReport {
+    /// Indented lines for the run's summary; nothing when no elastic feature acted.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for s in &self.stragglers {
+            write!(
+                f,
+                "  straggler {}: flagged at {}",
+                s.worker,
+                at(Some(s.flagged_ms))
+            )?;
+            if let Some(d) = s.detect_s {
+                write!(f, ", {d:.1} s after it was slowed")?;
+            }
+            match (&s.replaced_by, s.recover_s) {
+                (Some(by), Some(r)) => write!(f, "; replaced by {by}, gone {r:.1} s after the slowdown")?,
+                (None, Some(r)) => write!(f, "; gone {r:.1} s after the slowdown")?,
+                _ => write!(f, "; stayed")?,
+            }
+            writeln!(
+                f,
+                "; samples/s before {}, during {}, after {}",
+                rate(s.before_samples_per_s),
+                rate(s.during_samples_per_s),
+                rate(s.after_samples_per_s)
+            )?;
+        }
+        for p in &self.preemptions {
+            write!(
+                f,
+                "  preempted {} (SIGUSR1 at {}): exited",
+                p.worker,
+                at(p.signalled_ms)
+            )?;
+            match p.exit_s {
+                Some(s) => write!(f, " {s:.1} s later")?,
+                None => write!(f, " at {}", at(p.exited_ms))?,
+            }
+            match (&p.replaced_by, p.replacement_joined_ms) {
+                (Some(by), Some(j)) => writeln!(f, "; {by} admitted in its place at {}", at(Some(j)))?,
+                _ => writeln!(f, "; no substitute")?,
+            }
+        }
+        for p in &self.placements {
+            write!(f, "  placement {} ({}", p.id, p.what)?;
+            if let Some(slot) = &p.slot {
+                write!(f, ", to {slot}")?;
+            }
+            write!(f, "): {}", p.state)?;
+            if let (Some(w), Some(j)) = (&p.worker, p.joined_ms) {
+                write!(
+                    f,
+                    ", {w} admitted {:.1} s after the request",
+                    j.saturating_sub(p.requested_ms) as f64 / 1000.0
+                )?;
+            }
+            if let Some((min, before)) = p.active_min_and_before {
+                write!(f, "; active workers never below {min} (were {before})")?;
+            }
+            writeln!(f)?;
+        }
+        Ok(())
     }
 }

@@ -496,6 +496,7 @@ impl fmt::Display for Report {
                 r.workers_after
             )?;
         }
+        write!(f, "{}", self.elastic)?;
         for s in &self.scenario_skipped {
             writeln!(
                 f,

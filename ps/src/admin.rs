@@ -534,20 +534,29 @@ pub struct PlacementRow {
     pub state: String,
 }
 
-impl From<&Placement> for PlacementRow {
-    fn from(p: &Placement) -> Self {
+impl PlacementRow {
+    /// The row of `p`, naming workers as `members` knows them.
+    pub fn new(p: &Placement, members: &[WorkerInfo]) -> Self {
         use edl_shared::proto::{PlacementKind, PlacementState};
+        let name = |w: WorkerId| {
+            members
+                .iter()
+                .find(|m| m.id == w)
+                .map_or_else(|| w.to_string(), |m| format!("{} ({})", m.name, w.0))
+        };
         PlacementRow {
             id: p.id,
             t_ms: p.t_ms,
             what: match p.kind {
                 PlacementKind::Add => "add".into(),
-                PlacementKind::Replace { old, reason } => format!("replace {old} ({reason})"),
+                PlacementKind::Replace { old, reason } => {
+                    format!("replace {} ({reason})", name(old))
+                }
             },
             slot: p.slot.clone(),
             state: match &p.state {
                 PlacementState::Pending => "pending".into(),
-                PlacementState::Done { worker } => format!("done: {worker}"),
+                PlacementState::Done { worker } => format!("done: {}", name(*worker)),
                 PlacementState::Failed { reason } => format!("failed: {reason}"),
                 PlacementState::Cancelled => "cancelled".into(),
             },

@@ -251,6 +251,9 @@ pub fn plot(profile: &Profile, path: &Path) -> anyhow::Result<()> {
         .configure_mesh()
         .x_desc("workers")
         .y_desc("samples/s")
+        .x_labels(max_n as usize + 2)
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| format!("{v:.0}"))
         .draw()?;
     let linear = [(0.0, 0.0), (f64::from(max_n), per * f64::from(max_n))];
     chart

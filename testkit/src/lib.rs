@@ -24,6 +24,8 @@ use edl_shared::{Identity, Role};
 use edl_worker::{ClientConfig, Job, Session};
 use tokio::task::JoinSet;
 
+pub mod synthetic;
+
 /// A running in-process cluster. Dropping it stops every server.
 pub struct TestCluster {
     /// The coordinator, for inspecting its state directly.

@@ -141,7 +141,8 @@ async fn next_spot(spot: &mut Option<tokio::sync::mpsc::UnboundedReceiver<Durati
 fn pass_on(notices: &Notices, notice: Duration) {
     tracing::warn!(
         notice_s = notice.as_secs_f64(),
-        "preemption notice: finishing this step, then leaving"
+        "preemption notice: leaving once a substitute is admitted, or after this step if none \
+         is coming, and before the notice runs out"
     );
     let n = notices.clone();
     tokio::spawn(async move {

@@ -20,11 +20,23 @@ pub const TRAIN_SAMPLES: u32 = 30_000;
 /// epochs of small batches, so that there are many steps, a small MLP (784-64-10, 7 keys), a
 /// 1 s lease. Panics if the run fails.
 pub async fn run_scenario(dir: &Path, text: &str, seed: u64, restart_on_change: bool) -> Report {
+    run(&scenario_config(dir, text, seed, restart_on_change, 2)).await
+}
+
+/// The configuration [`run_scenario`] runs, with `workers` workers, for tests that change
+/// some of it.
+pub fn scenario_config(
+    dir: &Path,
+    text: &str,
+    seed: u64,
+    restart_on_change: bool,
+    workers: u32,
+) -> LocalConfig {
     let path = dir.join("scenario.toml");
     std::fs::write(&path, text).expect("write the scenario");
-    let cfg = LocalConfig {
+    LocalConfig {
         shards: 2,
-        workers: 2,
+        workers,
         epochs: 2,
         consistency: "ssp:2".parse::<Consistency>().expect("consistency"),
         optimizer: "adam:0.001".parse().expect("optimizer"),
@@ -41,14 +53,18 @@ pub async fn run_scenario(dir: &Path, text: &str, seed: u64, restart_on_change: 
         progress_bar: false,
         stall_timeout: Some(Duration::from_secs(60)),
         scenario: Some(ScenarioFile {
-            scenario: Scenario::parse(text, 2, 2).expect("scenario"),
+            scenario: Scenario::parse(text, workers, 2).expect("scenario"),
             path,
         }),
         restart_on_change,
         elastic: Default::default(),
         job: None,
-    };
-    edl_deploy::run(&cfg, CancellationToken::new())
+    }
+}
+
+/// Runs `cfg`; panics if the run fails.
+pub async fn run(cfg: &LocalConfig) -> Report {
+    edl_deploy::run(cfg, CancellationToken::new())
         .await
         .expect("the run succeeds")
 }

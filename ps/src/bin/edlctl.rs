@@ -292,6 +292,7 @@ async fn main() -> anyhow::Result<()> {
                     format!("{:.1}", r.steps_per_s),
                     format!("{:.1} ms", r.step_ms),
                     match (r.straggler, r.straggler_score) {
+                        _ if r.state == "left" || r.state == "dead" => "-".into(),
                         (true, s) => format!("YES {s:.2}x"),
                         (false, s) if s > 0.0 => format!("{s:.2}x"),
                         _ => "-".into(),
@@ -474,7 +475,8 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("migrating worker {}", id.0))?;
             let done = admin.wait_placement(p.id, wait).await?;
             let took = started.elapsed().as_secs_f64();
-            let out = admin::PlacementRow::from(done.as_ref().unwrap_or(&p));
+            let members = admin.members().await?;
+            let out = admin::PlacementRow::new(done.as_ref().unwrap_or(&p), &members);
             if cli.json {
                 print_json(&out)?;
             } else {
@@ -520,11 +522,12 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         Cmd::Placements => {
+            let members = admin.members().await?;
             let rows: Vec<admin::PlacementRow> = admin
                 .placements()
                 .await?
                 .iter()
-                .map(admin::PlacementRow::from)
+                .map(|p| admin::PlacementRow::new(p, &members))
                 .collect();
             if cli.json {
                 return print_json(&rows);

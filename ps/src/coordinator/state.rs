@@ -804,6 +804,7 @@ impl CoordinatorState {
                     notice_ms: w
                         .pace
                         .notice
+                        .filter(|_| w.state == WorkerState::Active)
                         .map(|d| d.saturating_duration_since(now).as_millis() as u64),
                     placement: w.pace.placement,
                 }

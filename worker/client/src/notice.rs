@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use edl_shared::proto::Request;
+use edl_shared::proto::{Frame, Request, Response};
 use edl_shared::proto::ids::WorkerId;
 use tokio::sync::Notify;
 
@@ -84,13 +84,15 @@ impl Notices {
     }
 
     /// A preemption notice this worker received itself (a spot instance's warning): the
-    /// worker leaves before `notice` runs out, and the coordinator is told, so that it can
-    /// ask for a replacement at once. The local deadline holds even if the coordinator
-    /// cannot be reached.
+    /// worker must be gone before `notice` runs out, and the coordinator is told, so that it
+    /// can ask for a substitute at once. When one is coming the worker trains on until the
+    /// coordinator drains it (the substitute was admitted) or the deadline nears; otherwise,
+    /// or if the coordinator cannot be reached, it leaves after its current step.
     pub async fn preempt(&self, notice: Duration) -> Result<(), ClientError> {
-        self.state.tell(true, Some(notice));
+        self.state.tell(false, Some(notice));
         let notice_ms = notice.as_millis().min(u128::from(u64::MAX)) as u64;
-        self.coordinator
+        let r = self
+            .coordinator
             .call(
                 Request::Preempt {
                     worker: self.worker,
@@ -98,7 +100,20 @@ impl Notices {
                 },
                 Bytes::new(),
             )
-            .await?;
-        Ok(())
+            .await;
+        match r {
+            Ok(Frame {
+                msg: Response::Placed(_),
+                ..
+            }) => Ok(()),
+            Ok(_) => {
+                self.state.tell(true, None);
+                Ok(())
+            }
+            Err(e) => {
+                self.state.tell(true, None);
+                Err(e.into())
+            }
+        }
     }
 }

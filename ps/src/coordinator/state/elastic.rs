@@ -233,21 +233,27 @@ impl CoordinatorState {
         self.placements.iter().cloned().collect()
     }
 
-    /// Gives `worker` a preemption notice: it is drained, must be gone by `now + notice`,
-    /// and under policy `replace` a substitute is requested at once.
+    /// Gives `worker` a preemption notice: it must be gone by `now + notice`. Under policy
+    /// `replace` a substitute is requested at once and the worker trains on until the
+    /// substitute is admitted (then it is drained) or its deadline comes, so that the job
+    /// does not run short while the substitute starts; otherwise it is drained now.
     pub fn preempt(
         &mut self,
         worker: WorkerId,
         notice: Duration,
         now: Instant,
     ) -> Result<Option<Placement>, Refusal> {
+        let replace = self.stragglers.policy == StragglerPolicy::Replace;
         let w = self.active(worker)?;
         let deadline = now + notice;
         w.pace.notice = Some(w.pace.notice.map_or(deadline, |d| d.min(deadline)));
-        w.draining = true;
+        let leaving = w.draining;
         self.event(EventKind::Preempt, worker, now);
-        Ok((self.stragglers.policy == StragglerPolicy::Replace)
-            .then(|| self.replace(worker, ReplaceReason::Preempt, None, now)))
+        if replace && !leaving {
+            return Ok(Some(self.replace(worker, ReplaceReason::Preempt, None, now)));
+        }
+        self.drain(worker)?;
+        Ok(None)
     }
 
     /// What a heartbeat answers: whether the worker is asked to leave, and the milliseconds

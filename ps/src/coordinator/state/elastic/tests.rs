@@ -177,7 +177,7 @@ fn consistency_waits_are_not_counted_as_work() {
 }
 
 #[test]
-fn a_preemption_notice_drains_with_a_deadline_and_asks_for_a_substitute() {
+fn a_preempted_worker_trains_on_until_its_substitute_arrives() {
     let (mut st, ids, t) = cluster(2, StragglerPolicy::Replace);
     let p = st
         .preempt(ids[0], Duration::from_secs(5), t)
@@ -190,26 +190,35 @@ fn a_preemption_notice_drains_with_a_deadline_and_asks_for_a_substitute() {
             reason: ReplaceReason::Preempt
         }
     );
+    // It knows its deadline, and is not asked to leave before its substitute is admitted.
     let (drain, left) = st.beat(ids[0], t + Duration::from_secs(1)).expect("beat");
-    assert!(drain);
+    assert!(!drain);
     let left = left.expect("a deadline");
     assert!((3900..=4000).contains(&left), "{left}");
     assert_eq!(st.beat(ids[1], t).expect("beat"), (false, None));
     assert_eq!(events(&st, EventKind::Preempt), vec![ids[0]]);
-    // The worker leaves before its substitute arrives; the placement stays pending until one
-    // is admitted.
+    let (new, ..) = ready(st.register("p1", "x", t, t));
+    st.placed(new, p.id);
+    assert_eq!(st.placements()[0].state, PlacementState::Done { worker: new });
+    assert!(st.beat(ids[0], t).expect("beat").0, "drained once replaced");
+
+    // A worker that leaves at its deadline before the substitute arrives: the placement
+    // stays pending until one is admitted.
+    let (mut st, ids, t) = cluster(2, StragglerPolicy::Replace);
+    let p = st
+        .preempt(ids[0], Duration::from_secs(5), t)
+        .expect("preempt")
+        .expect("placement");
     st.leave(ids[0]).expect("leave");
     assert!(st.placements()[0].is_pending());
     let (new, ..) = ready(st.register("p1", "x", t, t));
     st.placed(new, p.id);
-    assert_eq!(
-        st.placements()[0].state,
-        PlacementState::Done { worker: new }
-    );
+    assert_eq!(st.placements()[0].state, PlacementState::Done { worker: new });
 
-    // Without policy replace, no substitute.
+    // Without policy replace, no substitute: drained at once.
     let (mut st, ids, t) = cluster(2, StragglerPolicy::Ignore);
     assert_eq!(st.preempt(ids[0], Duration::from_secs(5), t), Ok(None));
+    assert!(st.beat(ids[0], t).expect("beat").0);
     assert!(st.preempt(WorkerId(99), Duration::from_secs(5), t).is_err());
 }
 

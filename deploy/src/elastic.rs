@@ -360,7 +360,9 @@ impl std::fmt::Display for ElasticReport {
                 write!(f, ", {d:.1} s after it was slowed")?;
             }
             match (&s.replaced_by, s.recover_s) {
-                (Some(by), Some(r)) => write!(f, "; replaced by {by}, gone {r:.1} s after the slowdown")?,
+                (Some(by), Some(r)) => {
+                    write!(f, "; replaced by {by}, gone {r:.1} s after the slowdown")?
+                }
                 (None, Some(r)) => write!(f, "; gone {r:.1} s after the slowdown")?,
                 _ => write!(f, "; stayed")?,
             }
@@ -384,7 +386,9 @@ impl std::fmt::Display for ElasticReport {
                 None => write!(f, " at {}", at(p.exited_ms))?,
             }
             match (&p.replaced_by, p.replacement_joined_ms) {
-                (Some(by), Some(j)) => writeln!(f, "; {by} admitted in its place at {}", at(Some(j)))?,
+                (Some(by), Some(j)) => {
+                    writeln!(f, "; {by} admitted in its place at {}", at(Some(j)))?
+                }
                 _ => writeln!(f, "; no substitute")?,
             }
         }

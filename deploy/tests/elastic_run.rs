@@ -77,9 +77,16 @@ async fn stragglers_preemption_and_migration_on_a_live_job() {
         .unwrap_or_else(|| panic!("w0 preempted: {el:?}"));
     let exit = p.exit_s.expect("w0 exited");
     assert!(exit < 5.0, "w0 took {exit} s to leave: {p:?}");
-    assert!(p.noticed_ms.is_some(), "the worker told the coordinator: {p:?}");
+    assert!(
+        p.noticed_ms.is_some(),
+        "the worker told the coordinator: {p:?}"
+    );
     assert!(p.replacement_joined_ms.is_some(), "{p:?}");
-    let w0 = r.worker_processes.iter().find(|w| w.name == "w0").expect("w0");
+    let w0 = r
+        .worker_processes
+        .iter()
+        .find(|w| w.name == "w0")
+        .expect("w0");
     assert_eq!(w0.fate, "preempted");
     let sub = el
         .placements

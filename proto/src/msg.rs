@@ -624,14 +624,7 @@ pub enum Response {
     /// A placement made.
     Placed(crate::place::Placement),
     /// What a resize did.
-    Scaled {
-        /// Placements made for workers to add.
-        placed: Vec<u64>,
-        /// Workers asked to leave.
-        drained: Vec<WorkerId>,
-        /// Pending placements no longer wanted.
-        cancelled: Vec<u64>,
-    },
+    Scaled(crate::place::Resize),
     /// The straggler settings now in force.
     Stragglers(crate::place::StragglerSettings),
     /// A shard's assignment.

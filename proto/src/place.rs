@@ -170,6 +170,19 @@ impl Placement {
     }
 }
 
+/// What a resize did.
+#[derive(
+    Clone, Debug, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+pub struct Resize {
+    /// Placements made for workers to add.
+    pub placed: Vec<u64>,
+    /// Workers asked to leave.
+    pub drained: Vec<WorkerId>,
+    /// Pending placements no longer wanted.
+    pub cancelled: Vec<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use edl_shared::proto::msg::{
 };
 use edl_shared::proto::{
     JobConfig, ModelSpec, Placement, Request, Response, ShardMap, StragglerPolicy,
-    StragglerSettings, WorkerId,
+    StragglerSettings, WorkerId, place::Resize,
 };
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use serde::Serialize;
@@ -112,17 +112,11 @@ impl Admin {
         }
     }
 
-    /// Resizes the job to `workers`: (placements made, workers drained, placements cancelled).
-    pub async fn scale(
-        &self,
-        workers: u32,
-    ) -> Result<(Vec<u64>, Vec<WorkerId>, Vec<u64>), CallError> {
+    /// Resizes the job to `workers`: the placements made, workers drained and placements
+    /// cancelled.
+    pub async fn scale(&self, workers: u32) -> Result<Resize, CallError> {
         match self.ask(Request::Scale { workers }).await? {
-            Response::Scaled {
-                placed,
-                drained,
-                cancelled,
-            } => Ok((placed, drained, cancelled)),
+            Response::Scaled(r) => Ok(r),
             other => Err(CallError::unexpected(&other)),
         }
     }

@@ -85,20 +85,20 @@ async fn staying(admin: &Admin) -> anyhow::Result<u32> {
 
 /// Resizes to `n` and waits until exactly `n` workers train and no addition is pending.
 async fn resize(admin: &Admin, n: u32, settle: Duration) -> anyhow::Result<()> {
-    let (placed, ..) = admin
+    let placed = admin
         .scale(n)
         .await
-        .with_context(|| format!("resizing to {n}"))?;
+        .with_context(|| format!("resizing to {n}"))?
+        .placed;
     let deadline = Instant::now() + settle;
     loop {
         let placements = admin.placements().await?;
-        if let Some(p) = placements.iter().find(|p| placed.contains(&p.id)) {
-            if let PlacementState::Failed { reason } = &p.state {
-                bail!(
-                    "the placer could not start a worker for placement {}: {reason}",
-                    p.id
-                );
-            }
+        if let Some((id, PlacementState::Failed { reason })) = placements
+            .iter()
+            .find(|p| placed.contains(&p.id))
+            .map(|p| (p.id, &p.state))
+        {
+            bail!("the placer could not start a worker for placement {id}: {reason}");
         }
         let pending = placements
             .iter()
@@ -314,8 +314,8 @@ mod tests {
         let mut p = pts(&[(1, 100.0), (2, 200.0), (3, 300.0), (4, 305.0), (6, 310.0)]);
         assert_eq!(knee(&mut p, 0.5), 3);
         assert_eq!(p[0].gain, None);
-        assert!((p[1].gain.unwrap() - 1.0).abs() < 1e-9);
-        assert!(p[3].gain.unwrap() < 0.1);
+        assert!((p[1].gain.expect("gain") - 1.0).abs() < 1e-9);
+        assert!(p[3].gain.expect("gain") < 0.1);
         // Linear all the way: the largest size.
         let mut p = pts(&[(1, 100.0), (2, 200.0), (4, 400.0)]);
         assert_eq!(knee(&mut p, 0.5), 4);
@@ -332,7 +332,7 @@ mod tests {
     fn a_curve_draws() {
         let mut points = pts(&[(1, 100.0), (2, 190.0), (4, 200.0)]);
         let knee = knee(&mut points, 0.5);
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("curve.png");
         plot(
             &Profile {
@@ -343,7 +343,7 @@ mod tests {
             },
             &path,
         )
-        .unwrap();
-        assert!(std::fs::metadata(&path).unwrap().len() > 1000);
+        .expect("drawn");
+        assert!(std::fs::metadata(&path).expect("written").len() > 1000);
     }
 }

@@ -11,7 +11,8 @@ use edl_proto::msg::{
     WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_proto::place::{
-    Placement, PlacementKind, PlacementState, ReplaceReason, StragglerPolicy, StragglerSettings,
+    Placement, PlacementKind, PlacementState, ReplaceReason, Resize, StragglerPolicy,
+    StragglerSettings,
 };
 use edl_proto::{
     Clock, Consistency, Init, JobConfig, Key, MapEpoch, ModelSpec, OptimizerSpec, Request,
@@ -578,11 +579,11 @@ pub fn response() -> BoxedStrategy<Response> {
             vec(worker_id(), 0..4),
             vec(edgy_u64(), 0..4)
         )
-            .prop_map(|(placed, drained, cancelled)| Response::Scaled {
+            .prop_map(|(placed, drained, cancelled)| Response::Scaled(Resize {
                 placed,
                 drained,
                 cancelled,
-            }),
+            })),
         (straggler_policy(), any::<f32>(), any::<u32>()).prop_map(|(policy, factor, window)| {
             Response::Stragglers(StragglerSettings {
                 policy,

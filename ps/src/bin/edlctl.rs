@@ -500,7 +500,11 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Cmd::Scale { workers } => {
-            let (placed, drained, cancelled) = admin
+            let edl_shared::proto::place::Resize {
+                placed,
+                drained,
+                cancelled,
+            } = admin
                 .scale(workers)
                 .await
                 .with_context(|| format!("resizing to {workers} workers"))?;

@@ -356,13 +356,9 @@ impl Coordinator {
             Request::Scale { workers } => {
                 let r = self.lock().scale(workers, now());
                 match r {
-                    Ok((placed, drained, cancelled)) => {
+                    Ok(r) => {
                         self.bump();
-                        Response::Scaled {
-                            placed,
-                            drained,
-                            cancelled,
-                        }
+                        Response::Scaled(r)
                     }
                     Err((code, msg)) => Response::error(code, msg),
                 }

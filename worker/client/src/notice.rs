@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use edl_shared::proto::{Frame, Request, Response};
 use edl_shared::proto::ids::WorkerId;
+use edl_shared::proto::{Frame, Request, Response};
 use tokio::sync::Notify;
 
 use crate::{ClientError, CoordLink};

@@ -10,7 +10,8 @@ use edl_shared::proto::ErrorCode;
 use edl_shared::proto::ids::WorkerId;
 use edl_shared::proto::msg::{EventKind, WorkerState};
 use edl_shared::proto::place::{
-    Placement, PlacementKind, PlacementState, ReplaceReason, StragglerPolicy, StragglerSettings,
+    Placement, PlacementKind, PlacementState, ReplaceReason, Resize, StragglerPolicy,
+    StragglerSettings,
 };
 
 use super::{CoordinatorState, Refusal};
@@ -250,7 +251,12 @@ impl CoordinatorState {
         let leaving = w.draining;
         self.event(EventKind::Preempt, worker, now);
         if replace && !leaving {
-            return Ok(Some(self.replace(worker, ReplaceReason::Preempt, None, now)));
+            return Ok(Some(self.replace(
+                worker,
+                ReplaceReason::Preempt,
+                None,
+                now,
+            )));
         }
         self.drain(worker)?;
         Ok(None)
@@ -287,11 +293,7 @@ impl CoordinatorState {
     /// Resizes the job to `target` workers that train and are not leaving: placements for
     /// the missing ones (pending additions count as coming), or, for the extra ones, pending
     /// additions cancelled first and then the newest workers drained.
-    pub fn scale(
-        &mut self,
-        target: u32,
-        now: Instant,
-    ) -> Result<(Vec<u64>, Vec<WorkerId>, Vec<u64>), Refusal> {
+    pub fn scale(&mut self, target: u32, now: Instant) -> Result<Resize, Refusal> {
         if target == 0 {
             return Err((
                 ErrorCode::InvalidRequest,
@@ -312,10 +314,10 @@ impl CoordinatorState {
             .collect();
         let target = target as usize;
         let have = staying.len() + coming.len();
-        let (mut placed, mut drained, mut cancelled) = (Vec::new(), Vec::new(), Vec::new());
+        let mut r = Resize::default();
         if target > have {
             for _ in have..target {
-                placed.push(self.place(PlacementKind::Add, None, now).id);
+                r.placed.push(self.place(PlacementKind::Add, None, now).id);
             }
         } else {
             let mut extra = have - target;
@@ -326,21 +328,21 @@ impl CoordinatorState {
                 if let Some(p) = self.placement_mut(*id) {
                     p.state = PlacementState::Cancelled;
                 }
-                cancelled.push(*id);
+                r.cancelled.push(*id);
                 extra -= 1;
             }
             for id in staying.iter().rev().take(extra) {
                 self.drain(*id)?;
-                drained.push(*id);
+                r.drained.push(*id);
             }
         }
         self.news.push(format!(
             "scale to {target}: {} placements, {} drained, {} cancelled",
-            placed.len(),
-            drained.len(),
-            cancelled.len()
+            r.placed.len(),
+            r.drained.len(),
+            r.cancelled.len()
         ));
-        Ok((placed, drained, cancelled))
+        Ok(r)
     }
 
     /// Steps behind the most advanced counting worker.

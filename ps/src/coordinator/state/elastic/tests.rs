@@ -199,7 +199,10 @@ fn a_preempted_worker_trains_on_until_its_substitute_arrives() {
     assert_eq!(events(&st, EventKind::Preempt), vec![ids[0]]);
     let (new, ..) = ready(st.register("p1", "x", t, t));
     st.placed(new, p.id);
-    assert_eq!(st.placements()[0].state, PlacementState::Done { worker: new });
+    assert_eq!(
+        st.placements()[0].state,
+        PlacementState::Done { worker: new }
+    );
     assert!(st.beat(ids[0], t).expect("beat").0, "drained once replaced");
 
     // A worker that leaves at its deadline before the substitute arrives: the placement
@@ -213,7 +216,10 @@ fn a_preempted_worker_trains_on_until_its_substitute_arrives() {
     assert!(st.placements()[0].is_pending());
     let (new, ..) = ready(st.register("p1", "x", t, t));
     st.placed(new, p.id);
-    assert_eq!(st.placements()[0].state, PlacementState::Done { worker: new });
+    assert_eq!(
+        st.placements()[0].state,
+        PlacementState::Done { worker: new }
+    );
 
     // Without policy replace, no substitute: drained at once.
     let (mut st, ids, t) = cluster(2, StragglerPolicy::Ignore);
@@ -239,11 +245,11 @@ fn migration_and_resizes_make_placements() {
 
     // Grow 1 -> 3: two placements; shrink to 2 before they are placed: one cancelled.
     let (mut st, ids, t) = cluster(1, StragglerPolicy::Ignore);
-    let (placed, drained, cancelled) = st.scale(3, t).expect("grow");
-    assert_eq!((placed.len(), drained.len(), cancelled.len()), (2, 0, 0));
-    let (placed2, _, cancelled) = st.scale(2, t).expect("shrink");
-    assert!(placed2.is_empty());
-    assert_eq!(cancelled, vec![placed[1]]);
+    let placed = st.scale(3, t).expect("grow").placed;
+    assert_eq!(placed.len(), 2);
+    let r = st.scale(2, t).expect("shrink");
+    assert!(r.placed.is_empty() && r.drained.is_empty());
+    assert_eq!(r.cancelled, vec![placed[1]]);
     // Both placed workers arrive (one for a cancelled placement: admitted as an extra).
     let (a, ..) = ready(st.register("p1", "x", t, t));
     st.placed(a, placed[0]);
@@ -257,12 +263,12 @@ fn migration_and_resizes_make_placements() {
         Some(PlacementState::Cancelled)
     );
     // Shrink to 1: the newest two are drained, the first stays.
-    let (_, drained, _) = st.scale(1, t).expect("shrink");
-    assert_eq!(drained, vec![b, a]);
+    let r = st.scale(1, t).expect("shrink");
+    assert_eq!(r.drained, vec![b, a]);
     assert!(!st.members(t).iter().any(|m| m.id == ids[0] && m.draining));
     assert!(st.scale(0, t).is_err());
     // A placer's failure is recorded; a second one is refused.
-    let (placed, ..) = st.scale(2, t).expect("grow");
+    let placed = st.scale(2, t).expect("grow").placed;
     st.placement_failed(placed[0], "no slot").expect("failed");
     assert!(st.placement_failed(placed[0], "again").is_err());
 }

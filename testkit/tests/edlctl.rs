@@ -199,3 +199,84 @@ async fn resharding_commands_reshape_a_live_cluster() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elastic_commands_steer_a_live_job() -> anyhow::Result<()> {
+    if !edlctl().exists() {
+        anyhow::bail!(
+            "{} is missing: run the tests with cargo test --workspace",
+            edlctl().display()
+        );
+    }
+    let cluster = TestCluster::start(counter_job(256, 64, Consistency::Asp), 2).await?;
+    let w = cluster.connect("w0").await?.register("w0").await?;
+    let text = |out: &Output| String::from_utf8_lossy(&out.stdout).to_string();
+    let err = |out: &Output| String::from_utf8_lossy(&out.stderr).to_string();
+
+    let s = json(&run(&cluster, &["--json", "stragglers"]).await);
+    assert_eq!(
+        (s["policy"].as_str(), s["window"].as_u64()),
+        (Some("ignore"), Some(20))
+    );
+    let s = json(
+        &run(
+            &cluster,
+            &[
+                "--json",
+                "stragglers",
+                "--policy",
+                "replace",
+                "--factor",
+                "2",
+            ],
+        )
+        .await,
+    );
+    assert_eq!(
+        (s["policy"].as_str(), s["factor"].as_f64()),
+        (Some("replace"), Some(2.0))
+    );
+
+    // Growing by two makes two placements, pending until a placer starts workers.
+    let grown = json(&run(&cluster, &["--json", "scale", "3"]).await);
+    assert_eq!(grown["placed"].as_array().map(Vec::len), Some(2), "{grown}");
+    let listed = run(&cluster, &["placements"]).await;
+    assert!(
+        text(&listed).matches("pending").count() == 2,
+        "{}",
+        text(&listed)
+    );
+
+    // A preemption notice under `replace`: a substitute is asked for, and the worker is told
+    // its deadline (it trains on until the substitute arrives).
+    let p = json(&run(&cluster, &["--json", "preempt", "w0", "--notice", "10s"]).await);
+    assert_eq!(p["notice_ms"], 10_000);
+    assert!(p["placement"].is_u64(), "{p}");
+    let rows = json(&run(&cluster, &["--json", "workers"]).await);
+    let left = rows[0]["notice_ms"].as_u64().expect("a notice");
+    assert!((8_000..=10_000).contains(&left), "{rows}");
+    assert!(text(&run(&cluster, &["workers"]).await).contains("preempted"));
+    assert!(!w.drain_requested());
+
+    // Without a placer nothing is admitted: the migration says so and fails.
+    let m = run(&cluster, &["migrate", "w0", "--wait", "1s"]).await;
+    assert!(!m.status.success());
+    assert!(err(&m).contains("placer"), "{}", err(&m));
+
+    // Errors: clear message, non-zero exit.
+    for (args, says) in [
+        (&["stragglers", "--factor", "0.5"][..], "above 1"),
+        (
+            &["stragglers", "--policy", "evict"][..],
+            "unknown straggler policy",
+        ),
+        (&["scale", "0"][..], "at least one worker"),
+        (&["preempt", "nobody"][..], "no active worker named"),
+        (&["preempt", "w0", "--notice", "soon"][..], "soon"),
+    ] {
+        let out = run(&cluster, args).await;
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err(&out).contains(says), "{args:?}: {}", err(&out));
+    }
+    Ok(())
+}

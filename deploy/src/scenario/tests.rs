@@ -131,6 +131,9 @@ fn the_shipped_scenarios_are_valid_for_their_worker_counts() {
         (include_str!("../../scenarios/kill.toml"), 3, 2),
         (include_str!("../../scenarios/churn.toml"), 2, 3),
         (include_str!("../../scenarios/reshard.toml"), 2, 2),
+        (include_str!("../../scenarios/straggler.toml"), 4, 4),
+        // The preempted worker counts as gone: its substitute depends on the policy.
+        (include_str!("../../scenarios/spot.toml"), 3, 2),
     ] {
         let s = Scenario::parse(text, workers, 2).expect("valid");
         assert_eq!(s.final_workers(workers), end, "{text}");
@@ -282,6 +285,73 @@ fn shard_names_and_states_are_checked_at_each_point() {
         2,
     )
     .expect("valid");
+}
+
+#[test]
+fn elastic_events_parse_and_are_checked() {
+    let s = Scenario::parse(
+        r#"
+        [[event]]
+        at_s = 1
+        action = "slow"
+        worker = "w1"
+        factor = 3.0
+        [[event]]
+        at_s = 2
+        action = "migrate"
+        worker = "w1"
+        to = "slot4"
+        [[event]]
+        at_s = 3
+        action = "migrate"
+        worker = "w1"
+        [[event]]
+        at_s = 4
+        action = "preempt"
+        worker = "w0"
+        "#,
+        2,
+        2,
+    )
+    .expect("valid");
+    let actions: Vec<String> = s.events.iter().map(|e| e.action.to_string()).collect();
+    assert_eq!(
+        actions,
+        [
+            "slow w1 3x",
+            "migrate w1 to slot4",
+            "migrate w1",
+            "preempt w0 (SIGUSR1)"
+        ]
+    );
+    assert!(s.events.iter().all(|e| e.action.is_elastic_event()));
+    // A migrated worker keeps its name (it stands for the new one); a preempted one is gone.
+    assert_eq!(s.final_workers(2), 1);
+    let slow = |factor: &str| {
+        format!("[[event]]\nat_s = 1\naction = \"slow\"\nworker = \"w0\"\nfactor = {factor}\n")
+    };
+    assert!(err(&slow("0.5"), 2).contains("must be 1 to 1000"));
+    assert!(err(&slow("nan"), 2).contains("must be 1 to 1000"));
+    let e = err(
+        "[[event]]\nat_s = 1\naction = \"slow\"\nworker = \"w0\"\n",
+        2,
+    );
+    assert!(e.contains("missing field `factor`"), "{e}");
+    let e = err(
+        "[[event]]\nat_s = 1\naction = \"preempt\"\nworker = \"w0\"\nto = \"slot1\"\n",
+        2,
+    );
+    assert!(e.contains("`to` does not apply to preempt"), "{e}");
+    let e = err(
+        "[[event]]\nat_s = 1\naction = \"migrate\"\nworker = \"w7\"\n",
+        2,
+    );
+    assert!(e.contains("cannot migrate w7"), "{e}");
+    let e = err(
+        "[[event]]\nat_s = 1\naction = \"preempt\"\nworker = \"w0\"\n",
+        1,
+    );
+    assert!(e.contains("no worker running"), "{e}");
 }
 
 #[test]

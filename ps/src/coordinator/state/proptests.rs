@@ -8,6 +8,7 @@ use proptest::prelude::*;
 
 use super::*;
 use edl_shared::proto::Consistency;
+use edl_shared::proto::place::{PlacementKind, PlacementState, StragglerPolicy};
 
 /// The certificate names requests come from.
 const IDENTITIES: [&str; 4] = ["w0", "w1", "w2", "w3"];
@@ -124,6 +125,25 @@ enum Op {
     Drain {
         who: Who,
     },
+    /// Straggler settings: a short window, so that random step times flag workers.
+    Policy {
+        policy: StragglerPolicy,
+    },
+    Preempt {
+        who: Who,
+        notice_ms: u64,
+    },
+    Migrate {
+        who: Who,
+    },
+    Scale {
+        workers: u32,
+    },
+    /// A worker registers for the `nth` placement (pending or not).
+    RegisterPlaced {
+        ident: usize,
+        nth: usize,
+    },
     MayProceed {
         who: Who,
     },
@@ -220,6 +240,17 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(who, caller, idle)| Op::NextPartition { who, caller, idle }),
         20 => advance,
         1 => who().prop_map(|who| Op::Drain { who }),
+        1 => prop_oneof![
+            Just(StragglerPolicy::Ignore),
+            Just(StragglerPolicy::Drop),
+            Just(StragglerPolicy::Replace)
+        ]
+        .prop_map(|policy| Op::Policy { policy }),
+        1 => (who(), 0u64..3000).prop_map(|(who, notice_ms)| Op::Preempt { who, notice_ms }),
+        1 => who().prop_map(|who| Op::Migrate { who }),
+        1 => (0u32..5).prop_map(|workers| Op::Scale { workers }),
+        1 => (0..IDENTITIES.len(), 0usize..6)
+            .prop_map(|(ident, nth)| Op::RegisterPlaced { ident, nth }),
         2 => who().prop_map(|who| Op::MayProceed { who }),
         3 => prop_oneof![4 => 0u64..300, 1 => 300u64..1500].prop_map(|ms| Op::Tick { ms }),
         2 => Just(Op::Expire),
@@ -482,6 +513,110 @@ impl Harness {
                     (poll, w) => panic!("may_proceed answered {poll:?} for {w:?}"),
                 }
                 assert_eq!(self.st.snapshot(), before);
+            }
+            Op::Policy { policy } => {
+                let s = StragglerSettings {
+                    policy: *policy,
+                    factor: 1.5,
+                    window: 3,
+                };
+                self.st.set_stragglers(s).expect("valid settings");
+            }
+            Op::Preempt { who, notice_ms } => {
+                let id = self.id(who);
+                let before = self.st.snapshot();
+                match self
+                    .st
+                    .preempt(id, Duration::from_millis(*notice_ms), self.now)
+                {
+                    Ok(placement) => {
+                        assert!(Self::active(&before, id));
+                        let (drain, left) = self.st.beat(id, self.now).expect("active");
+                        assert!(left.is_some_and(|l| l <= *notice_ms));
+                        match placement {
+                            Some(p) => {
+                                assert!(p.is_pending());
+                                assert!(
+                                    matches!(p.kind, PlacementKind::Replace { old, .. } if old == id)
+                                );
+                            }
+                            None => assert!(drain),
+                        }
+                    }
+                    Err((code, _)) => {
+                        assert_eq!(code, ErrorCode::UnknownWorker);
+                        assert!(!Self::active(&before, id));
+                        self.unchanged(&before, "preempt");
+                    }
+                }
+            }
+            Op::Migrate { who } => {
+                let id = self.id(who);
+                let before = self.st.snapshot();
+                match self.st.migrate(id, None, self.now) {
+                    Ok(p) => {
+                        assert!(p.is_pending());
+                        assert!(matches!(p.kind, PlacementKind::Replace { old, .. } if old == id));
+                        assert!(Self::worker_snap(&before, id).is_some_and(|w| !w.draining));
+                    }
+                    Err((code, _)) => {
+                        assert!(
+                            [ErrorCode::UnknownWorker, ErrorCode::Conflict].contains(&code),
+                            "{code:?}"
+                        );
+                        self.unchanged(&before, "migrate");
+                    }
+                }
+            }
+            Op::Scale { workers } => {
+                let before = self.st.snapshot();
+                match self.st.scale(*workers, self.now) {
+                    Ok(_) => {
+                        let after = self.st.snapshot();
+                        let staying = after
+                            .workers
+                            .iter()
+                            .filter(|w| w.state == WorkerState::Active && !w.draining)
+                            .count();
+                        let coming = self
+                            .st
+                            .placements()
+                            .iter()
+                            .filter(|p| p.is_pending() && p.kind == PlacementKind::Add)
+                            .count();
+                        assert_eq!(staying + coming, *workers as usize);
+                    }
+                    Err((code, _)) => {
+                        assert_eq!((code, *workers), (ErrorCode::InvalidRequest, 0));
+                        self.unchanged(&before, "scale");
+                    }
+                }
+            }
+            Op::RegisterPlaced { ident, nth } => {
+                let placements = self.st.placements();
+                let Some(p) = placements.get(nth % placements.len().max(1)).cloned() else {
+                    return;
+                };
+                let before = self.st.snapshot();
+                self.apply(&Op::Register { ident: *ident });
+                let id = *self.ids.last().expect("registered");
+                self.st.placed(id, p.id);
+                let now = self.st.placements();
+                let after = now.iter().find(|q| q.id == p.id).expect("kept");
+                if p.is_pending() {
+                    assert_eq!(after.state, PlacementState::Done { worker: id });
+                    if let PlacementKind::Replace { old, .. } = p.kind
+                        && Self::active(&before, old)
+                    {
+                        let snap = self.st.snapshot();
+                        assert!(
+                            Self::worker_snap(&snap, old).is_some_and(|w| w.draining),
+                            "the replaced worker is drained"
+                        );
+                    }
+                } else {
+                    assert_eq!(after.state, p.state, "a finished placement does not change");
+                }
             }
             Op::Tick { ms } => self.now += Duration::from_millis(*ms),
             Op::Expire => {

@@ -278,7 +278,12 @@ impl ElasticReport {
                     .filter_map(|a| a.t_ms)
                     .filter(|&ms| ms <= e.t_ms)
                     .max();
-                let left = t.left(e.worker);
+                // It counts as gone only if it was made to leave (drained by policy drop or
+                // for its replacement); one that trained on to the end stayed.
+                let drained = t.trace.events.iter().any(|d| {
+                    d.kind == EventKind::Drain && d.worker == e.worker && d.t_ms >= e.t_ms
+                });
+                let left = t.left(e.worker).filter(|_| drained);
                 let start = slowed.unwrap_or(e.t_ms);
                 // The window before starts once the membership before the slowdown had
                 // settled (not during the first joins).
@@ -411,5 +416,184 @@ impl std::fmt::Display for ElasticReport {
             writeln!(f)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_shared::proto::ids::Clock;
+    use edl_shared::proto::msg::{EventRecord, StepRecord};
+    use edl_shared::proto::place::ReplaceReason;
+
+    fn ev(t_ms: u64, kind: EventKind, worker: u64, name: &str) -> EventRecord {
+        EventRecord {
+            t_ms,
+            requested_ms: t_ms,
+            kind,
+            worker: WorkerId(worker),
+            name: name.into(),
+        }
+    }
+
+    /// Steps of `workers` every `every` ms over `[from, to)`.
+    fn steps(workers: &[u64], from: u64, to: u64, every: u64) -> Vec<StepRecord> {
+        let mut out = Vec::new();
+        let mut t = from;
+        while t < to {
+            for &w in workers {
+                out.push(StepRecord {
+                    t_ms: t,
+                    worker: WorkerId(w),
+                    clock: Clock(t),
+                });
+            }
+            t += every;
+        }
+        out
+    }
+
+    fn trace(events: Vec<EventRecord>, steps: Vec<StepRecord>) -> JobTrace {
+        JobTrace {
+            events,
+            steps,
+            moves: Vec::new(),
+            first_step: 0,
+            next_step: 0,
+            more: false,
+            dropped: (0, 0, 0),
+        }
+    }
+
+    fn slow(t_ms: u64, worker: &str) -> LauncherAction {
+        LauncherAction {
+            t_ms: Some(t_ms),
+            action: "slow".into(),
+            worker: worker.into(),
+            detail: "3x".into(),
+        }
+    }
+
+    #[test]
+    fn a_replaced_straggler_recovers_and_an_ignored_one_stays() {
+        // Two workers step every 100 ms (10 steps/s each, batch 10: 200 samples/s); w1 is
+        // slowed at 10 s, flagged at 11 s; the job then runs at a third of the speed until
+        // p1 joins at 12 s and w1 leaves at 12.5 s.
+        let mut st = steps(&[1, 2], 0, 10_000, 100);
+        st.extend(steps(&[1, 2], 10_000, 12_500, 300));
+        st.extend(steps(&[2, 3], 12_500, 30_000, 100));
+        let events = vec![
+            ev(0, EventKind::Join, 1, "w0"),
+            ev(0, EventKind::Join, 2, "w1"),
+            ev(11_000, EventKind::Straggler, 2, "w1"),
+            ev(11_000, EventKind::ReplaceRequested, 2, "w1"),
+            ev(12_000, EventKind::Join, 3, "p1"),
+            ev(12_000, EventKind::Drain, 2, "w1"),
+            ev(12_500, EventKind::Leave, 2, "w1"),
+        ];
+        let placements = vec![Placement {
+            id: 1,
+            kind: PlacementKind::Replace {
+                old: WorkerId(2),
+                reason: ReplaceReason::Straggler,
+            },
+            slot: None,
+            state: PlacementState::Done {
+                worker: WorkerId(3),
+            },
+            t_ms: 11_000,
+        }];
+        let r = ElasticReport::of(
+            &trace(events.clone(), st.clone()),
+            &[],
+            vec![slow(10_000, "w1")],
+            placements,
+            10,
+        );
+        let s = &r.stragglers[0];
+        assert_eq!(s.detect_s, Some(1.0));
+        assert_eq!(s.recover_s, Some(2.5));
+        assert_eq!(s.replaced_by.as_deref(), Some("p1"));
+        let near = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1.0);
+        assert!(near(s.before_samples_per_s, 200.0), "{s:?}");
+        assert!(s.during_samples_per_s.is_some_and(|d| d < 100.0), "{s:?}");
+        assert!(near(s.after_samples_per_s, 200.0), "{s:?}");
+        let p = &r.placements[0];
+        assert_eq!((p.joined_ms, p.old_left_ms), (Some(12_000), Some(12_500)));
+        assert_eq!(p.active_min_and_before, Some((2, 2)));
+        assert_eq!(p.what, "replace w1 (straggler)");
+        assert!(r.to_string().contains("replaced by p1"), "{r}");
+
+        // Ignored: w1 trains on to the end (it leaves only when the data runs out).
+        let mut st = steps(&[1, 2], 0, 10_000, 100);
+        st.extend(steps(&[1, 2], 10_000, 30_000, 300));
+        let events = vec![
+            ev(0, EventKind::Join, 1, "w0"),
+            ev(0, EventKind::Join, 2, "w1"),
+            ev(11_000, EventKind::Straggler, 2, "w1"),
+            ev(30_000, EventKind::Leave, 1, "w0"),
+            ev(30_000, EventKind::Leave, 2, "w1"),
+        ];
+        let r = ElasticReport::of(
+            &trace(events, st),
+            &[],
+            vec![slow(10_000, "w1")],
+            vec![],
+            10,
+        );
+        let s = &r.stragglers[0];
+        assert_eq!(
+            (s.left_ms, s.recover_s, s.replaced_by.as_ref()),
+            (None, None, None)
+        );
+        assert!(s.after_samples_per_s.is_some_and(|a| a < 100.0), "{s:?}");
+        assert!(r.to_string().contains("stayed"), "{r}");
+        assert_eq!(r.active.last(), Some(&(30_000, 0)));
+    }
+
+    #[test]
+    fn a_preemption_reports_its_exit_and_substitute() {
+        let events = vec![
+            ev(0, EventKind::Join, 1, "w0"),
+            ev(5_000, EventKind::Preempt, 1, "w0"),
+            ev(6_000, EventKind::Join, 2, "p1"),
+            ev(6_000, EventKind::Drain, 1, "w0"),
+            ev(6_100, EventKind::Leave, 1, "w0"),
+        ];
+        let placements = vec![Placement {
+            id: 1,
+            kind: PlacementKind::Replace {
+                old: WorkerId(1),
+                reason: ReplaceReason::Preempt,
+            },
+            slot: None,
+            state: PlacementState::Done {
+                worker: WorkerId(2),
+            },
+            t_ms: 5_000,
+        }];
+        let procs = [WorkerProcess {
+            name: "w0".into(),
+            slot: "slot0".into(),
+            placement: None,
+            exited_ms: Some(6_200),
+            fate: "preempted".into(),
+            exit_code: Some(0),
+            signal: None,
+        }];
+        let action = LauncherAction {
+            t_ms: Some(4_990),
+            action: "preempt".into(),
+            worker: "w0".into(),
+            detail: "SIGUSR1".into(),
+        };
+        let r = ElasticReport::of(&trace(events, vec![]), &procs, vec![action], placements, 8);
+        let p = &r.preemptions[0];
+        assert_eq!(p.noticed_ms, Some(5_000));
+        assert_eq!(p.left_ms, Some(6_100));
+        assert!(p.exit_s.is_some_and(|s| (s - 1.21).abs() < 1e-9), "{p:?}");
+        assert_eq!(p.replaced_by.as_deref(), Some("p1"));
+        assert_eq!(p.replacement_joined_ms, Some(6_000));
+        assert_eq!(r.placements[0].active_min_and_before, Some((1, 1)));
     }
 }

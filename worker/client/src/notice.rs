@@ -32,8 +32,8 @@ impl NoticeState {
         if drain {
             self.drain.store(true, Ordering::SeqCst);
         }
-        if let Some(n) = notice {
-            let d = Instant::now() + n;
+        // A notice too long for the clock is no deadline at all.
+        if let Some(d) = notice.and_then(|n| Instant::now().checked_add(n)) {
             let mut g = self.deadline.lock().unwrap_or_else(|p| p.into_inner());
             *g = Some(g.map_or(d, |old| old.min(d)));
         }

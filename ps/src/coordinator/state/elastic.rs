@@ -18,6 +18,12 @@ use super::{CoordinatorState, Refusal};
 
 /// Finished placements kept for `edlctl` and placers; older ones are forgotten.
 const MAX_FINISHED_PLACEMENTS: usize = 1_000;
+/// The most workers a resize may ask for (each is a placement held until it is placed).
+pub const MAX_SCALE: u32 = 4_096;
+/// The longest preemption notice (clouds give two minutes at most).
+pub const MAX_NOTICE: Duration = Duration::from_secs(24 * 3600);
+/// The longest slot name and placer's failure reason kept.
+const MAX_TEXT: usize = 256;
 
 /// A worker's recent steps, for its straggler score.
 #[derive(Debug, Default)]
@@ -221,8 +227,16 @@ impl CoordinatorState {
             ErrorCode::InvalidRequest,
             format!("placement {id} is not pending"),
         ))?;
+        let mut reason = reason.to_string();
+        if reason.len() > MAX_TEXT {
+            let mut cut = MAX_TEXT;
+            while !reason.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            reason.truncate(cut);
+        }
         p.state = PlacementState::Failed {
-            reason: reason.to_string(),
+            reason: reason.clone(),
         };
         self.news
             .push(format!("placement {id} failed in the placer: {reason}"));
@@ -244,9 +258,19 @@ impl CoordinatorState {
         notice: Duration,
         now: Instant,
     ) -> Result<Option<Placement>, Refusal> {
+        if notice > MAX_NOTICE {
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!(
+                    "a preemption notice of {} s is longer than the {} s allowed",
+                    notice.as_secs(),
+                    MAX_NOTICE.as_secs()
+                ),
+            ));
+        }
         let replace = self.stragglers.policy == StragglerPolicy::Replace;
         let w = self.active(worker)?;
-        let deadline = now + notice;
+        let deadline = now.checked_add(notice).unwrap_or(now);
         w.pace.notice = Some(w.pace.notice.map_or(deadline, |d| d.min(deadline)));
         let leaving = w.draining;
         self.event(EventKind::Preempt, worker, now);
@@ -281,6 +305,12 @@ impl CoordinatorState {
         slot: Option<String>,
         now: Instant,
     ) -> Result<Placement, Refusal> {
+        if slot.as_ref().is_some_and(|s| s.len() > MAX_TEXT) {
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!("a slot name is at most {MAX_TEXT} bytes"),
+            ));
+        }
         if self.active(worker)?.draining {
             return Err((
                 ErrorCode::Conflict,
@@ -298,6 +328,12 @@ impl CoordinatorState {
             return Err((
                 ErrorCode::InvalidRequest,
                 "a job needs at least one worker; drain them one by one to stop it".into(),
+            ));
+        }
+        if target > MAX_SCALE {
+            return Err((
+                ErrorCode::InvalidRequest,
+                format!("{target} workers is more than the {MAX_SCALE} a job may ask for"),
             ));
         }
         let staying: Vec<WorkerId> = self

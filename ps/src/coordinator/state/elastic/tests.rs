@@ -226,6 +226,13 @@ fn a_preempted_worker_trains_on_until_its_substitute_arrives() {
     assert_eq!(st.preempt(ids[0], Duration::from_secs(5), t), Ok(None));
     assert!(st.beat(ids[0], t).expect("beat").0);
     assert!(st.preempt(WorkerId(99), Duration::from_secs(5), t).is_err());
+    // A notice past any cloud's (or one that would overflow the clock) is refused, unchanged.
+    assert_eq!(
+        st.preempt(ids[1], Duration::from_millis(u64::MAX), t)
+            .map_err(|e| e.0),
+        Err(ErrorCode::InvalidRequest)
+    );
+    assert_eq!(st.beat(ids[1], t).expect("beat"), (false, None));
 }
 
 #[test]
@@ -267,6 +274,10 @@ fn migration_and_resizes_make_placements() {
     assert_eq!(r.drained, vec![b, a]);
     assert!(!st.members(t).iter().any(|m| m.id == ids[0] && m.draining));
     assert!(st.scale(0, t).is_err());
+    assert_eq!(
+        st.scale(u32::MAX, t).map_err(|e| e.0),
+        Err(ErrorCode::InvalidRequest)
+    );
     // A placer's failure is recorded; a second one is refused.
     let placed = st.scale(2, t).expect("grow").placed;
     st.placement_failed(placed[0], "no slot").expect("failed");

@@ -144,7 +144,8 @@ pub enum PlacementState {
         /// Why, in the placer's words.
         reason: String,
     },
-    /// No longer wanted (the job shrank before it was placed, or its old worker left).
+    /// No longer wanted: the job shrank before it was placed (an addition, or the
+    /// replacement of a worker the resize drained).
     Cancelled,
 }
 

@@ -187,7 +187,7 @@ async fn measure_all(
             bail!("the job went from {n} to {now} workers while it was measured");
         }
         let seconds = t1.duration_since(t0).as_secs_f64();
-        let samples = s1 - s0;
+        let samples = s1.saturating_sub(s0);
         let rate = samples as f64 / seconds;
         say(&format!("{n} workers: {rate:.0} samples/s"));
         points.push(ProfilePoint {

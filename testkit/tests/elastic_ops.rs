@@ -18,6 +18,9 @@ use edl_worker::trainer::{Slowdown, TrainSummary};
 
 type Worker = std::thread::JoinHandle<anyhow::Result<TrainSummary>>;
 
+/// These tests measure time: one at a time, so that they do not load each other's cores.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Waits for every worker thread (off the runtime, which the servers need meanwhile).
 async fn join_all(handles: Vec<Worker>) -> anyhow::Result<Vec<TrainSummary>> {
     let mut out = Vec::new();
@@ -41,10 +44,20 @@ fn rate(trace: &JobTrace, batch: u32, from: u64, to: u64) -> f64 {
 }
 
 fn first_event(trace: &JobTrace, kind: EventKind, worker: WorkerId) -> Option<u64> {
+    first_event_since(trace, kind, worker, 0)
+}
+
+/// The time of the first `kind` event of `worker` at or after `since`.
+fn first_event_since(
+    trace: &JobTrace,
+    kind: EventKind,
+    worker: WorkerId,
+    since: u64,
+) -> Option<u64> {
     trace
         .events
         .iter()
-        .find(|e| e.kind == kind && e.worker == worker)
+        .find(|e| e.kind == kind && e.worker == worker && e.t_ms >= since)
         .map(|e| e.t_ms)
 }
 
@@ -155,10 +168,10 @@ async fn straggler_run(policy: StragglerPolicy) -> anyhow::Result<StragglerRun> 
     }
     let recovered = left.unwrap_or(flagged);
     Ok(StragglerRun {
-        before: rate(&trace, batch, slowed - 3_000, slowed),
+        before: rate(&trace, batch, slowed.saturating_sub(3_000), slowed),
         after: rate(&trace, batch, recovered + 1_000, recovered + 5_000),
-        detect_ms: flagged - slowed,
-        recover_ms: left.map(|l| l - slowed),
+        detect_ms: flagged.saturating_sub(slowed),
+        recover_ms: left.map(|l| l.saturating_sub(slowed)),
         fewest_active: u32::try_from(fewest.min(i64::from(u32::MAX))).unwrap_or(0),
     })
 }
@@ -182,10 +195,11 @@ async fn run(
     slow.set(3.0);
     let slowed = observer.status().await?.t_ms;
     let flagged = until(Duration::from_secs(20), || async {
-        Ok(first_event(
+        Ok(first_event_since(
             &observer.trace().await?,
             EventKind::Straggler,
             straggler,
+            slowed,
         ))
     })
     .await?;
@@ -206,6 +220,7 @@ async fn run(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_straggler_under_bsp_costs_throughput_until_it_is_replaced() -> anyhow::Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
     let ignored = straggler_run(StragglerPolicy::Ignore).await?;
     let replaced = straggler_run(StragglerPolicy::Replace).await?;
     println!("ignore:  {ignored:?}\nreplace: {replaced:?}");
@@ -232,6 +247,7 @@ async fn a_straggler_under_bsp_costs_throughput_until_it_is_replaced() -> anyhow
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn profiling_finds_a_known_scaling_limit() -> anyhow::Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
     // Three compute units: more than three workers only queue for them.
     const LIMIT: usize = 3;
     let samples = 1_000_000u32;
@@ -300,8 +316,13 @@ async fn profiling_finds_a_known_scaling_limit() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_notice_shorter_than_a_step_abandons_it_and_loses_nothing() -> anyhow::Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
     let samples = 2_048u32;
-    let cluster = TestCluster::start(synthetic_job(samples, 1, Consistency::Asp), 2).await?;
+    // A worker learns of an operator's notice from its next heartbeat: a quarter of the
+    // lease, here 250 ms.
+    let mut job = synthetic_job(samples, 1, Consistency::Asp);
+    job.lease_ms = 1_000;
+    let cluster = TestCluster::start(job, 2).await?;
     let admin = cluster.admin().await?;
     admin
         .stragglers(Some(StragglerPolicy::Replace), None, None)
@@ -329,7 +350,7 @@ async fn a_notice_shorter_than_a_step_abandons_it_and_loses_nothing() -> anyhow:
             })
             .await?;
             tokio::time::sleep(Duration::from_millis(500)).await;
-            let notice = Duration::from_millis(1_500);
+            let notice = Duration::from_millis(2_000);
             let sent = std::time::Instant::now();
             let at = observer.status().await?.t_ms;
             let placement = admin.preempt(w0, notice).await?.expect("policy replace");
@@ -342,7 +363,7 @@ async fn a_notice_shorter_than_a_step_abandons_it_and_loses_nothing() -> anyhow:
             anyhow::ensure!(
                 took < notice,
                 "w0 left {took:?} after a {notice:?} notice (coordinator: {} ms)",
-                gone - at
+                gone.saturating_sub(at)
             );
             let done = admin
                 .wait_placement(placement.id, Duration::from_secs(30))

@@ -69,12 +69,17 @@ impl Slowdown {
     /// How often the file is looked at.
     const FILE_EVERY: Duration = Duration::from_millis(250);
 
-    /// A fixed factor (1 = full speed).
+    /// The largest factor (a longer sleep is no longer a straggler but a hang).
+    pub const MAX: f64 = 1000.0;
+
+    /// A fixed factor (1 = full speed; see [`Slowdown::set`]).
     pub fn new(factor: f64) -> Slowdown {
-        Slowdown {
-            factor: Arc::new(AtomicU64::new(factor.max(1.0).to_bits())),
+        let s = Slowdown {
+            factor: Arc::new(AtomicU64::new(1f64.to_bits())),
             file: None,
-        }
+        };
+        s.set(factor);
+        s
     }
 
     /// Also takes the factor from `path` whenever it holds a number (a missing file keeps
@@ -124,17 +129,6 @@ impl Slowdown {
             tokio::time::sleep(work.mul_f64(f - 1.0)).await;
         }
     }
-}
-
-/// The next spot notice; never if there is no source (or it is closed).
-async fn next_spot(spot: &mut Option<tokio::sync::mpsc::UnboundedReceiver<Duration>>) -> Duration {
-    if let Some(rx) = spot
-        && let Some(n) = rx.recv().await
-    {
-        return n;
-    }
-    *spot = None;
-    std::future::pending().await
 }
 
 /// Passes a spot notice on to the coordinator (in the background: the step goes on).
@@ -205,20 +199,27 @@ pub async fn train<M: Model>(
     model.warm_up(&spec, data)?;
     let mut session = job.join().await?;
     let notices = session.notices();
-    let mut spot = opts.spot;
+    // Spot notices are passed on from a task of their own, so that one never interrupts a
+    // request in flight (a partition leased by an abandoned request would stay leased).
+    let forward = opts.spot.map(|mut rx| {
+        let n = notices.clone();
+        tokio::spawn(async move {
+            while let Some(notice) = rx.recv().await {
+                pass_on(&n, notice);
+            }
+        })
+    });
     let started = Instant::now();
     let mut summary = TrainSummary::default();
     let mut params = Vec::new();
     let mut grads = Vec::new();
     let mut gathered = <M::Data as Dataset>::Batch::default();
     while !shutdown.is_cancelled() {
-        let next = loop {
-            tokio::select! {
-                r = session.next_batch() => break r?,
-                _ = shutdown.cancelled() => break None,
-                _ = notices.expired(LEAVE_MARGIN) => break None,
-                n = next_spot(&mut spot) => pass_on(&notices, n),
-            }
+        // Leaving at once is safe mid-request: leaving returns every lease to the pool.
+        let next = tokio::select! {
+            r = session.next_batch() => r?,
+            _ = shutdown.cancelled() => None,
+            _ = notices.expired(LEAVE_MARGIN) => None,
         };
         let Some(batch) = next else {
             break;
@@ -266,12 +267,9 @@ pub async fn train<M: Model>(
         // A preemption deadline that comes before the step ends abandons it: its data is
         // not committed, so it returns to the pool when the worker leaves (shards that
         // already applied the push skip it when it is re-issued).
-        let done = loop {
-            tokio::select! {
-                r = &mut step => break Some(r?),
-                _ = notices.expired(LEAVE_MARGIN) => break None,
-                n = next_spot(&mut spot) => pass_on(&notices, n),
-            }
+        let done = tokio::select! {
+            r = &mut step => Some(r?),
+            _ = notices.expired(LEAVE_MARGIN) => None,
         };
         let Some((stats, batch, session)) = done else {
             tracing::warn!("preemption deadline: abandoning the unfinished step and leaving");
@@ -303,6 +301,9 @@ pub async fn train<M: Model>(
         }
     }
     summary.wall = started.elapsed();
+    if let Some(f) = forward {
+        f.abort();
+    }
     session.leave().await?;
     Ok(summary)
 }

@@ -381,14 +381,16 @@ impl Coordinator {
                 s.policy = policy.unwrap_or(s.policy);
                 s.factor = factor.unwrap_or(s.factor);
                 s.window = window.unwrap_or(s.window);
-                let changed = s != st.stragglers();
-                match st.set_stragglers(s) {
-                    Ok(()) if changed => {
-                        info!(policy = %s.policy, factor = s.factor, window = s.window, by = %peer.name, "straggler settings changed");
-                        Response::Stragglers(s)
+                if s == st.stragglers() {
+                    Response::Stragglers(s)
+                } else {
+                    match st.set_stragglers(s) {
+                        Ok(()) => {
+                            info!(policy = %s.policy, factor = s.factor, window = s.window, by = %peer.name, "straggler settings changed");
+                            Response::Stragglers(s)
+                        }
+                        Err((code, msg)) => Response::error(code, msg),
                     }
-                    Ok(()) => Response::Stragglers(s),
-                    Err((code, msg)) => Response::error(code, msg),
                 }
             }
             Request::Leave { worker } => {

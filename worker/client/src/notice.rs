@@ -68,18 +68,22 @@ impl Notices {
     }
 
     /// Resolves once a preemption deadline, less `margin` (the time leaving takes), has
-    /// passed; never without a notice.
+    /// passed; never without a notice. An earlier deadline told meanwhile is kept.
     pub async fn expired(&self, margin: Duration) {
         loop {
             let changed = self.state.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some(d) = self.state.deadline() {
-                let at = d.checked_sub(margin).unwrap_or(d);
-                tokio::time::sleep_until(at.into()).await;
-                return;
+            match self.state.deadline() {
+                Some(d) => {
+                    let at = d.checked_sub(margin).unwrap_or(d);
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at.into()) => return,
+                        _ = changed => {}
+                    }
+                }
+                None => changed.await,
             }
-            changed.await;
         }
     }
 

@@ -85,6 +85,8 @@ async fn main() -> anyhow::Result<()> {
     telemetry::init("info");
     let cli = Cli::parse();
     let shutdown = shutdown::on_signals();
+    // Listening for spot notices from the start: an early SIGUSR1 must not end the process.
+    let spot = spot_notices(cli.preempt_notice)?;
     let identity = cli.identity.identity(Role::Worker, &cli.name)?;
     // Slow preparation first: backend (for a GPU: context, kernels) and data are ready before
     // the worker asks to join.
@@ -159,7 +161,7 @@ async fn main() -> anyhow::Result<()> {
                 Some(f) => Slowdown::new(cli.slowdown).with_file(f.clone()),
                 None => Slowdown::new(cli.slowdown),
             },
-            spot: Some(spot_notices(cli.preempt_notice)?),
+            spot: Some(spot),
         },
         shutdown,
         backend: backend.name(),

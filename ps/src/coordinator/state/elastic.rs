@@ -60,11 +60,16 @@ impl CoordinatorState {
     /// Sets how stragglers are found and handled.
     pub fn set_stragglers(&mut self, s: StragglerSettings) -> Result<(), Refusal> {
         s.check().map_err(|e| (ErrorCode::InvalidRequest, e))?;
+        let window_changed = s.window != self.stragglers.window;
         self.stragglers = s;
-        // Windows change length: judge everyone afresh.
-        for w in self.workers.values_mut() {
-            w.pace.recent.clear();
-            w.pace.score = 0.0;
+        if window_changed {
+            // Windows change length: judge everyone afresh.
+            for w in self.workers.values_mut() {
+                w.pace.recent.clear();
+                w.pace.median = 0.0;
+                w.pace.score = 0.0;
+                w.pace.flagged = false;
+            }
         }
         Ok(())
     }
@@ -183,7 +188,11 @@ impl CoordinatorState {
         };
         self.next_placement += 1;
         self.placements.push_back(p.clone());
-        let finished = self.placements.iter().filter(|p| !p.is_pending()).count();
+        let finished = if self.placements.len() > MAX_FINISHED_PLACEMENTS {
+            self.placements.iter().filter(|p| !p.is_pending()).count()
+        } else {
+            0
+        };
         if finished > MAX_FINISHED_PLACEMENTS
             && let Some(i) = self.placements.iter().position(|p| !p.is_pending())
         {
@@ -238,6 +247,15 @@ impl CoordinatorState {
         p.state = PlacementState::Failed {
             reason: reason.clone(),
         };
+        // A preempted worker was waiting for its substitute: none is coming, so it leaves
+        // after its step.
+        if let PlacementKind::Replace {
+            old,
+            reason: ReplaceReason::Preempt,
+        } = p.kind
+        {
+            let _ = self.drain(old);
+        }
         self.news
             .push(format!("placement {id} failed in the placer: {reason}"));
         Ok(())
@@ -370,6 +388,14 @@ impl CoordinatorState {
             for id in staying.iter().rev().take(extra) {
                 self.drain(*id)?;
                 r.drained.push(*id);
+                // The job shrinks: a replacement asked for this worker is no longer wanted.
+                for p in self.placements.iter_mut().filter(|p| {
+                    p.is_pending()
+                        && matches!(p.kind, PlacementKind::Replace { old, .. } if old == *id)
+                }) {
+                    p.state = PlacementState::Cancelled;
+                    r.cancelled.push(p.id);
+                }
             }
         }
         self.news.push(format!(

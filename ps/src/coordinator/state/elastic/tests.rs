@@ -221,6 +221,20 @@ fn a_preempted_worker_trains_on_until_its_substitute_arrives() {
         PlacementState::Done { worker: new }
     );
 
+    // A substitute the placer cannot start: the worker no longer waits for it.
+    let (mut st, ids, t) = cluster(2, StragglerPolicy::Replace);
+    let p = st
+        .preempt(ids[0], Duration::from_secs(5), t)
+        .expect("preempt")
+        .expect("placement");
+    st.placement_failed(p.id, &"x".repeat(10_000))
+        .expect("failed");
+    assert!(st.beat(ids[0], t).expect("beat").0);
+    match &st.placements()[0].state {
+        PlacementState::Failed { reason } => assert_eq!(reason.len(), 256),
+        other => panic!("{other:?}"),
+    }
+
     // Without policy replace, no substitute: drained at once.
     let (mut st, ids, t) = cluster(2, StragglerPolicy::Ignore);
     assert_eq!(st.preempt(ids[0], Duration::from_secs(5), t), Ok(None));
@@ -278,10 +292,42 @@ fn migration_and_resizes_make_placements() {
         st.scale(u32::MAX, t).map_err(|e| e.0),
         Err(ErrorCode::InvalidRequest)
     );
+    // Shrinking drains a worker whose replacement is pending: the replacement is cancelled.
+    let m = st.migrate(a, None, t);
+    assert!(m.is_err(), "a is draining");
+    let keep = st.migrate(ids[0], None, t).expect("migrate").id;
+    let (c, ..) = ready(st.register("p3", "x", t, t));
+    let m = st.migrate(c, None, t).expect("migrate").id;
+    let r = st.scale(1, t).expect("shrink");
+    assert_eq!(r.drained, vec![c]);
+    assert_eq!(r.cancelled, vec![m]);
+    assert!(
+        st.placements()
+            .iter()
+            .any(|p| p.id == keep && p.is_pending())
+    );
     // A placer's failure is recorded; a second one is refused.
     let placed = st.scale(2, t).expect("grow").placed;
     st.placement_failed(placed[0], "no slot").expect("failed");
     assert!(st.placement_failed(placed[0], "again").is_err());
+}
+
+#[test]
+fn changing_the_window_judges_afresh_and_other_settings_do_not() {
+    let (mut st, ids, mut t) = cluster(3, StragglerPolicy::Ignore);
+    for _ in 0..5 {
+        t = round(&mut st, &ids, &[10, 10, 40], t);
+    }
+    let flagged = |st: &CoordinatorState| st.members(t).iter().filter(|m| m.straggler).count();
+    assert_eq!(flagged(&st), 1);
+    let mut s = st.stragglers();
+    s.policy = StragglerPolicy::Drop;
+    st.set_stragglers(s).expect("policy");
+    assert_eq!(flagged(&st), 1, "a policy change keeps the windows");
+    s.window = 4;
+    st.set_stragglers(s).expect("window");
+    assert_eq!(flagged(&st), 0, "a new window starts afresh");
+    assert!(st.members(t).iter().all(|m| m.step_ms == 0.0));
 }
 
 #[test]

@@ -1,0 +1,219 @@
+//! `edl-sim`: replays a job trace against the scheduling policies and compares them: mean and
+//! p99 job completion time, makespan, mean queueing delay and GPU utilization, as a table,
+//! JSON and PNG plots.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Parser;
+use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use edl_sched::policy;
+use edl_sched::sim::{SimConfig, Summary, simulate};
+use edl_sched::speed::Speedup;
+use edl_sched::trace::{self, Columns};
+
+/// Replay a job trace (CSV: submission time, GPU count, duration per job) on a cluster of
+/// GPU slots under each scheduling policy.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Cli {
+    /// The trace, e.g. ps/sched/traces/elasticflow/cluster01.csv (the other ElasticFlow
+    /// clusters are in elasticflow-traces.tar.gz beside it).
+    #[arg(long)]
+    trace: PathBuf,
+    /// The column with the submission time in seconds.
+    #[arg(long, default_value = "submission_time")]
+    submit_col: String,
+    /// The column with the GPU count.
+    #[arg(long, default_value = "num_gpu")]
+    gpus_col: String,
+    /// The column with the duration in seconds (with the GPUs asked for).
+    #[arg(long, default_value = "duration")]
+    duration_col: String,
+    /// GPU slots in the cluster.
+    #[arg(long, default_value_t = 64)]
+    gpus: u32,
+    /// Only the first N jobs of the trace.
+    #[arg(long)]
+    jobs: Option<usize>,
+    /// Policies to compare: fifo, tiresias, elastic, goodput; elastic+restart and
+    /// goodput+restart are the same policies resizing by restart instead of stop-free.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "fifo,tiresias,elastic,elastic+restart,goodput"
+    )]
+    policies: Vec<String>,
+    /// Scaling model: `linear`, `amdahl:S` (serial fraction S), or a curve from `edlctl
+    /// profile --out FILE` given as `curve:FILE`.
+    #[arg(long, default_value = "amdahl:0.05")]
+    speedup: String,
+    /// Seconds a running job loses to a stop-free resize. Default: the largest stall a join
+    /// or leave cost in EDL's elasticity benchmark (BENCHMARKS.md, 14 ms).
+    #[arg(long, default_value_t = 0.014)]
+    resize_cost: f64,
+    /// Seconds a job loses to a restart (checkpoint, stop, start, restore): resuming after a
+    /// preemption, and every resize of a `+restart` policy. Default: 30 s, an assumption for
+    /// a real cluster (process start, CUDA and data loading); EDL's local restart baseline
+    /// measured 0.4-0.7 s as a lower bound.
+    #[arg(long, default_value_t = 30.0)]
+    restart_cost: f64,
+    /// An elastic job may use up to this many times the GPUs it asked for.
+    #[arg(long, default_value_t = 2)]
+    max_factor: u32,
+    /// The most of a job's time its resizes may cost: a job is resized at most once per
+    /// cost/overhead seconds.
+    #[arg(long, default_value_t = 0.05)]
+    overhead: f64,
+    /// Tiresias: GPU-seconds after which a job drops to the second queue.
+    #[arg(long, default_value_t = 3600.0)]
+    las_threshold: f64,
+    /// Write the table and every job's outcome as JSON here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Draw `jct.png` (mean and p99 per policy) and `cdf.png` here.
+    #[arg(long, value_name = "DIR")]
+    plots: Option<PathBuf>,
+}
+
+fn speedup(s: &str) -> anyhow::Result<Speedup> {
+    match s.split_once(':') {
+        None if s == "linear" => Ok(Speedup::Linear),
+        Some(("amdahl", f)) => {
+            let serial: f64 = f
+                .parse()
+                .with_context(|| format!("amdahl:{f}: not a number"))?;
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&serial),
+                "amdahl:{f}: the serial fraction is 0 to 1"
+            );
+            Ok(Speedup::Amdahl { serial })
+        }
+        Some(("curve", file)) => {
+            let text = std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?;
+            Speedup::from_profile(&text).with_context(|| file.to_string())
+        }
+        _ => anyhow::bail!("--speedup {s}: use linear, amdahl:S or curve:FILE"),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let cols = Columns {
+        submit: cli.submit_col.clone(),
+        gpus: cli.gpus_col.clone(),
+        duration: cli.duration_col.clone(),
+    };
+    let mut jobs = trace::read(&cli.trace, &cols)?;
+    if let Some(n) = cli.jobs {
+        jobs.truncate(n);
+    }
+    anyhow::ensure!(!jobs.is_empty(), "{} has no jobs", cli.trace.display());
+    let base = SimConfig {
+        gpus: cli.gpus,
+        speed: speedup(&cli.speedup)?,
+        resize_cost: cli.resize_cost,
+        restart_cost: cli.restart_cost,
+        resize_by_restart: false,
+        max_factor: cli.max_factor.max(1),
+        overhead: cli.overhead,
+    };
+    let mut rows: Vec<Summary> = Vec::new();
+    let mut runs = Vec::new();
+    for name in &cli.policies {
+        let (pname, restart) = match name.strip_suffix("+restart") {
+            Some(p) => (p, true),
+            None => (name.as_str(), false),
+        };
+        let mut p: Box<dyn policy::Policy> = match pname {
+            "tiresias" => Box::new(policy::Tiresias {
+                threshold: cli.las_threshold,
+            }),
+            other => policy::by_name(other).with_context(|| {
+                format!("unknown policy {other:?}: use fifo, tiresias, elastic, goodput (+restart)")
+            })?,
+        };
+        let cfg = SimConfig {
+            resize_by_restart: restart,
+            ..base.clone()
+        };
+        let t = Instant::now();
+        let (summary, outcomes) = simulate(&jobs, p.as_mut(), &cfg)?;
+        eprintln!(
+            "edl-sim: {} in {:.2} s",
+            summary.policy,
+            t.elapsed().as_secs_f64()
+        );
+        runs.push((summary.policy.clone(), outcomes));
+        rows.push(summary);
+    }
+    let base_of = |name: &str| rows.iter().find(|r| r.policy == name).map(|r| r.mean_jct);
+    let mut t = Table::new();
+    t.load_preset(UTF8_BORDERS_ONLY).set_header(vec![
+        "policy",
+        "jobs",
+        "mean JCT h",
+        "p99 JCT h",
+        "makespan h",
+        "mean queue h",
+        "GPU util",
+        "resizes",
+        "restarts",
+        "JCT vs fifo",
+        "JCT vs tiresias",
+    ]);
+    for r in &rows {
+        let ratio = |b: Option<f64>| b.map_or("-".into(), |b| format!("{:.2}", r.mean_jct / b));
+        t.add_row(vec![
+            r.policy.clone(),
+            r.jobs.to_string(),
+            format!("{:.2}", r.mean_jct / 3600.0),
+            format!("{:.2}", r.p99_jct / 3600.0),
+            format!("{:.1}", r.makespan / 3600.0),
+            format!("{:.2}", r.mean_queue / 3600.0),
+            format!("{:.1}%", r.utilization * 100.0),
+            r.resizes.to_string(),
+            r.restarts.to_string(),
+            ratio(base_of("fifo")),
+            ratio(base_of("tiresias")),
+        ]);
+    }
+    println!(
+        "{} jobs of {} on {} GPUs, speedup {}, resize {} s stop-free / {} s by restart:",
+        jobs.len(),
+        cli.trace.display(),
+        cli.gpus,
+        cli.speedup,
+        cli.resize_cost,
+        cli.restart_cost
+    );
+    println!("{t}");
+    if let Some(path) = &cli.json {
+        let out = serde_json::json!({
+            "trace": cli.trace,
+            "gpus": cli.gpus,
+            "speedup": cli.speedup,
+            "resize_cost": cli.resize_cost,
+            "restart_cost": cli.restart_cost,
+            "summary": rows,
+            "jobs": runs.iter().map(|(n, o)| (n.clone(), o)).collect::<std::collections::BTreeMap<_, _>>(),
+        });
+        std::fs::write(path, serde_json::to_string(&out)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(dir) = &cli.plots {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let title = format!(
+            "{} on {} GPUs",
+            cli.trace
+                .file_name()
+                .map(|f| f.to_string_lossy().to_string())
+                .unwrap_or_default(),
+            cli.gpus
+        );
+        edl_sched::plot::jct_bars(&rows, &title, &dir.join("jct.png"))?;
+        edl_sched::plot::jct_cdf(&runs, &dir.join("cdf.png"))?;
+    }
+    Ok(())
+}

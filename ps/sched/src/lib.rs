@@ -1,0 +1,11 @@
+//! EDL cluster scheduling: policies that share a pool of GPU slots among elastic jobs
+//! ([`policy`]), the scaling models they plan with ([`speed`]), job traces ([`trace`]) and
+//! the trace-driven simulator that compares them ([`sim`], the `edl-sim` binary). The
+//! policies are written against [`policy::JobView`] only, so that the scheduler service
+//! (next) runs the same code on real jobs.
+
+pub mod plot;
+pub mod policy;
+pub mod sim;
+pub mod speed;
+pub mod trace;

@@ -1,0 +1,448 @@
+//! The trace-driven simulator: jobs arrive as the trace says, a policy decides at every
+//! arrival and completion (and when a rate-limited job may be resized again) how many GPUs
+//! each holds, and each job progresses at the speed its GPU count gives it
+//! ([`Speedup`]). A job needs `duration x speed(GPUs it asked for)` of work, so that with
+//! exactly the GPUs it asked for it takes the trace's duration.
+//!
+//! Costs: a running job that is resized stops progressing for the resize's cost (EDL's
+//! stop-free cost, or a restart's for the restart-based variant); a preempted job pays a
+//! restart when it resumes; a first start is free. A running job is resized at most once per
+//! `cost / overhead` seconds (so resizes take at most that fraction of its time). Nothing is
+//! random: the same trace, policy and settings give the same schedule.
+
+use serde::Serialize;
+
+use crate::policy::{JobView, Policy};
+use crate::speed::Speedup;
+use crate::trace::TraceJob;
+
+/// What a simulation runs on.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// GPU slots in the cluster.
+    pub gpus: u32,
+    /// Speed by GPU count.
+    pub speed: Speedup,
+    /// Seconds a running job loses to a stop-free resize.
+    pub resize_cost: f64,
+    /// Seconds a job loses to a restart (resuming after preemption, or every resize of the
+    /// restart-based variant).
+    pub restart_cost: f64,
+    /// Resize by restarting (checkpoint, stop, start) instead of stop-free.
+    pub resize_by_restart: bool,
+    /// An elastic job may use up to this many times the GPUs it asked for.
+    pub max_factor: u32,
+    /// The most of a job's time its resizes may cost (the rate limit).
+    pub overhead: f64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            gpus: 64,
+            speed: Speedup::Amdahl { serial: 0.05 },
+            resize_cost: 0.014,
+            restart_cost: 30.0,
+            resize_by_restart: false,
+            max_factor: 2,
+            overhead: 0.05,
+        }
+    }
+}
+
+/// One job's outcome.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct JobOutcome {
+    /// Submission time.
+    pub submit: f64,
+    /// First start.
+    pub start: f64,
+    /// Completion.
+    pub finish: f64,
+    /// GPUs asked for.
+    pub requested: u32,
+    /// Resizes while running.
+    pub resizes: u32,
+    /// Resumptions after a preemption.
+    pub restarts: u32,
+}
+
+/// A policy's figures on a trace.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Summary {
+    /// The policy (and `+restart` for the restart-based variant).
+    pub policy: String,
+    /// Jobs completed.
+    pub jobs: usize,
+    /// Mean job completion time, seconds.
+    pub mean_jct: f64,
+    /// 99th percentile of the job completion time, seconds.
+    pub p99_jct: f64,
+    /// From the first submission to the last completion, seconds.
+    pub makespan: f64,
+    /// Mean time from submission to first start, seconds.
+    pub mean_queue: f64,
+    /// GPU-seconds spent training over GPU-seconds available during the makespan.
+    pub utilization: f64,
+    /// Resizes of running jobs.
+    pub resizes: u64,
+    /// Resumptions after preemption.
+    pub restarts: u64,
+}
+
+#[derive(Clone, Debug)]
+struct State {
+    work: f64,
+    left: f64,
+    alloc: u32,
+    pause_until: f64,
+    attained: f64,
+    start: Option<f64>,
+    finish: Option<f64>,
+    resize_after: f64,
+    ran: bool,
+    resizes: u32,
+    restarts: u32,
+}
+
+/// Relative precision of completion.
+const EPS: f64 = 1e-9;
+
+/// Replays `jobs` (in submission order) under `policy`.
+pub fn simulate(
+    jobs: &[TraceJob],
+    policy: &mut dyn Policy,
+    cfg: &SimConfig,
+) -> anyhow::Result<(Summary, Vec<JobOutcome>)> {
+    anyhow::ensure!(cfg.gpus > 0, "a cluster needs at least one GPU");
+    anyhow::ensure!(
+        cfg.overhead > 0.0 && cfg.overhead <= 1.0,
+        "the resize overhead must be above 0 and at most 1"
+    );
+    let gpus = cfg.gpus;
+    let mut st: Vec<State> = jobs
+        .iter()
+        .map(|j| {
+            let work = j.duration * cfg.speed.at(j.gpus.min(gpus));
+            State {
+                work,
+                left: work,
+                alloc: 0,
+                pause_until: 0.0,
+                attained: 0.0,
+                start: None,
+                finish: None,
+                resize_after: 0.0,
+                ran: false,
+                resizes: 0,
+                restarts: 0,
+            }
+        })
+        .collect();
+    let resize_cost = if cfg.resize_by_restart {
+        cfg.restart_cost
+    } else {
+        cfg.resize_cost
+    };
+    let view = |i: usize, s: &State| JobView {
+        submit: jobs[i].submit,
+        requested: jobs[i].gpus.min(gpus),
+        min: 1,
+        max: (jobs[i].gpus.saturating_mul(cfg.max_factor)).clamp(1, gpus),
+        alloc: s.alloc,
+        attained: s.attained,
+        resize_after: s.resize_after,
+    };
+    let mut active: Vec<usize> = Vec::new();
+    let mut next = 0usize;
+    let mut t = jobs.first().map_or(0.0, |j| j.submit);
+    let mut busy = 0.0f64;
+    loop {
+        // Arrivals due, then the policy's decision.
+        while next < jobs.len() && jobs[next].submit <= t {
+            active.push(next);
+            next += 1;
+        }
+        if !active.is_empty() {
+            let views: Vec<JobView> = active.iter().map(|&i| view(i, &st[i])).collect();
+            let want = policy.allocate(t, gpus, &views, &cfg.speed);
+            anyhow::ensure!(want.len() == active.len(), "the policy skipped jobs");
+            let total: u64 = want.iter().map(|&w| u64::from(w)).sum();
+            anyhow::ensure!(
+                total <= u64::from(gpus),
+                "{} allocated {total} of {gpus} GPUs at {t} s",
+                policy.name()
+            );
+            for (&i, &w) in active.iter().zip(&want) {
+                let s = &mut st[i];
+                let old = s.alloc;
+                if w == old {
+                    continue;
+                }
+                if old == 0 {
+                    // A start, or a resumption after a preemption.
+                    let cost = if s.ran { cfg.restart_cost } else { 0.0 };
+                    if s.ran {
+                        s.restarts += 1;
+                    }
+                    s.pause_until = t + cost;
+                    s.ran = true;
+                    s.start.get_or_insert(t);
+                } else if w > 0 {
+                    s.resizes += 1;
+                    s.pause_until = t.max(s.pause_until) + resize_cost;
+                    s.resize_after = t + resize_cost / cfg.overhead;
+                }
+                s.alloc = w;
+            }
+        }
+        // The next event: an arrival, a completion, a rate limit running out, or a time the
+        // policy asks to decide again.
+        let mut until = jobs.get(next).map_or(f64::INFINITY, |j| j.submit);
+        let now_views: Vec<JobView> = active.iter().map(|&i| view(i, &st[i])).collect();
+        if let Some(w) = policy.wake_after(t, &now_views).filter(|w| *w > t) {
+            until = until.min(w);
+        }
+        for &i in &active {
+            let s = &st[i];
+            if s.alloc > 0 {
+                let done = t.max(s.pause_until) + s.left / cfg.speed.at(s.alloc);
+                until = until.min(done);
+                if policy.elastic() && s.resize_after > t {
+                    until = until.min(s.resize_after);
+                }
+            }
+        }
+        if !until.is_finite() {
+            anyhow::ensure!(
+                active.is_empty(),
+                "{} left {} jobs waiting with nothing running",
+                policy.name(),
+                active.len()
+            );
+            break;
+        }
+        for &i in &active {
+            let s = &mut st[i];
+            if s.alloc == 0 {
+                continue;
+            }
+            let from = t.max(s.pause_until).min(until);
+            let eff = until - from;
+            s.left -= eff * cfg.speed.at(s.alloc);
+            s.attained += f64::from(s.alloc) * (until - t);
+            busy += f64::from(s.alloc) * eff;
+        }
+        t = until;
+        active.retain(|&i| {
+            let s = &mut st[i];
+            if s.alloc > 0 && s.left <= EPS * s.work.max(1.0) {
+                s.left = 0.0;
+                s.finish = Some(t);
+                s.alloc = 0;
+                false
+            } else {
+                true
+            }
+        });
+    }
+    let outcomes: Vec<JobOutcome> = jobs
+        .iter()
+        .zip(&st)
+        .map(|(j, s)| JobOutcome {
+            submit: j.submit,
+            start: s.start.unwrap_or(j.submit),
+            finish: s.finish.unwrap_or(j.submit),
+            requested: j.gpus,
+            resizes: s.resizes,
+            restarts: s.restarts,
+        })
+        .collect();
+    let summary = summarize(
+        &format!(
+            "{}{}",
+            policy.name(),
+            if cfg.resize_by_restart && policy.elastic() {
+                "+restart"
+            } else {
+                ""
+            }
+        ),
+        &outcomes,
+        busy,
+        gpus,
+    );
+    Ok((summary, outcomes))
+}
+
+fn summarize(policy: &str, out: &[JobOutcome], busy: f64, gpus: u32) -> Summary {
+    let n = out.len();
+    let mut jct: Vec<f64> = out.iter().map(|o| o.finish - o.submit).collect();
+    jct.sort_by(f64::total_cmp);
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    let p99 = if n == 0 {
+        0.0
+    } else {
+        jct[((n as f64 * 0.99).ceil() as usize).clamp(1, n) - 1]
+    };
+    let first = out.iter().map(|o| o.submit).fold(f64::INFINITY, f64::min);
+    let last = out
+        .iter()
+        .map(|o| o.finish)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let makespan = if n == 0 { 0.0 } else { last - first };
+    let queue: Vec<f64> = out.iter().map(|o| o.start - o.submit).collect();
+    Summary {
+        policy: policy.to_string(),
+        jobs: n,
+        mean_jct: mean(&jct),
+        p99_jct: p99,
+        makespan,
+        mean_queue: mean(&queue),
+        utilization: if makespan > 0.0 {
+            busy / (f64::from(gpus) * makespan)
+        } else {
+            0.0
+        },
+        resizes: out.iter().map(|o| u64::from(o.resizes)).sum(),
+        restarts: out.iter().map(|o| u64::from(o.restarts)).sum(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{Elastic, Fifo, Goodput, Tiresias};
+
+    fn j(submit: f64, gpus: u32, duration: f64) -> TraceJob {
+        TraceJob {
+            submit,
+            gpus,
+            duration,
+        }
+    }
+
+    fn cfg(gpus: u32) -> SimConfig {
+        SimConfig {
+            gpus,
+            speed: Speedup::Linear,
+            resize_cost: 0.0,
+            restart_cost: 0.0,
+            resize_by_restart: false,
+            max_factor: 2,
+            overhead: 1.0,
+        }
+    }
+
+    fn finishes(out: &[JobOutcome]) -> Vec<f64> {
+        out.iter().map(|o| o.finish).collect()
+    }
+
+    // Three jobs on 4 GPUs, linear speed, free resizes:
+    //   A at 0 s, 2 GPUs for 100 s (200 GPU-s); B at 10 s, 4 GPUs for 50 s (200 GPU-s);
+    //   C at 20 s, 1 GPU for 40 s (40 GPU-s).
+    fn tiny() -> Vec<TraceJob> {
+        vec![j(0.0, 2, 100.0), j(10.0, 4, 50.0), j(20.0, 1, 40.0)]
+    }
+
+    #[test]
+    fn fifo_by_hand() {
+        // A runs 0-100 on 2 GPUs; B (4 GPUs) waits for A: 100-150; C waits behind B (strict
+        // FIFO): 150-190.
+        let (s, out) = simulate(&tiny(), &mut Fifo, &cfg(4)).expect("sim");
+        assert_eq!(finishes(&out), vec![100.0, 150.0, 190.0]);
+        assert_eq!(s.mean_jct, (100.0 + 140.0 + 170.0) / 3.0);
+        assert_eq!(s.makespan, 190.0);
+        assert_eq!(s.mean_queue, (0.0 + 90.0 + 130.0) / 3.0);
+        assert!((s.utilization - 440.0 / (4.0 * 190.0)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn tiresias_by_hand() {
+        // Threshold 100 GPU-s; a job runs with all its GPUs or not at all.
+        //  0 s: A runs (2).  10 s: B (4) does not fit beside A.  20 s: C runs beside A.
+        // 50 s: A crosses 100 GPU-s, drops to the second queue. First queue by arrival: B
+        //       takes all 4; C and A are preempted (C did 30 of 40 s, A 50 of 100 s).
+        // 75 s: B crosses 100 GPU-s (25 s x 4). First queue: C resumes (1); second queue
+        //       by arrival: A resumes (2); B (4) does not fit and is preempted (100 of 200).
+        // 85 s: C done.  125 s: A done (50 s more); B resumes: 100 GPU-s on 4 = 25 s: 150 s.
+        let mut p = Tiresias { threshold: 100.0 };
+        let (s, out) = simulate(&tiny(), &mut p, &cfg(4)).expect("sim");
+        assert_eq!(finishes(&out), vec![125.0, 150.0, 85.0]);
+        assert_eq!(s.restarts, 3);
+        assert_eq!(s.resizes, 0);
+    }
+
+    #[test]
+    fn elastic_by_hand() {
+        // A alone grows to 4 GPUs (max 2x2): 40 GPU-s done by 10 s (10 s x 4). B arrives: both
+        // get their minimum (1), then up to what they asked for round robin: A 2, B 2 (4 in
+        // all). At 20 s C arrives: minimums A 1, B 1, C 1, then A 2 (asked 2), B... one slot
+        // left goes to A first (arrival order): A 2, B 1, C 1.
+        // A: 40 + 2*10 = 60 by 20 s; left 140 at 2 GPU/s -> would end at 90.
+        // B: 20 by 20 s; left 180 at 1/s.  C: 40 at 1/s -> ends at 60.
+        // At 60: C done; A has 60+80=140, left 60; B 20+40=60, left 140. Slots: A 1,B 1, then
+        // requested caps A 2, B 2: A 2, B 2. A ends at 90; B has 60+60=120 left 80.
+        // At 90: B alone, grows to 4 (max 8 capped at 4): 80/4 = 20 s -> 110.
+        let (s, out) = simulate(&tiny(), &mut Elastic, &cfg(4)).expect("sim");
+        assert_eq!(finishes(&out), vec![90.0, 110.0, 60.0]);
+        assert!(s.resizes > 0);
+        assert_eq!(s.utilization, 1.0);
+    }
+
+    #[test]
+    fn goodput_by_hand_under_linear_speed_spreads_like_elastic_in_capacity() {
+        // With linear speed every slot buys the same; goodput keeps the cluster full too.
+        let (s, out) = simulate(&tiny(), &mut Goodput, &cfg(4)).expect("sim");
+        assert_eq!(s.utilization, 1.0);
+        assert!(out.iter().all(|o| o.finish > o.submit));
+        // Total work 440 GPU-s on 4 GPUs from 0 with no idle slot: done at 110.
+        assert_eq!(s.makespan, 110.0);
+    }
+
+    #[test]
+    fn costs_and_the_rate_limit_slow_elastic_down() {
+        let mut c = cfg(4);
+        c.restart_cost = 5.0;
+        c.resize_by_restart = true;
+        c.overhead = 0.05;
+        let (restart, _) = simulate(&tiny(), &mut Elastic, &c).expect("sim");
+        let (free, _) = simulate(&tiny(), &mut Elastic, &cfg(4)).expect("sim");
+        assert!(restart.mean_jct > free.mean_jct, "{restart:?} {free:?}");
+        assert_eq!(restart.policy, "elastic+restart");
+    }
+
+    #[test]
+    fn the_same_inputs_give_the_same_schedule() {
+        let trace: Vec<TraceJob> = (0..200)
+            .map(|i| {
+                j(
+                    f64::from(i * 37 % 500),
+                    1 + (i % 7),
+                    30.0 + f64::from(i % 13) * 17.0,
+                )
+            })
+            .collect();
+        let mut sorted = trace.clone();
+        sorted.sort_by(|a, b| a.submit.total_cmp(&b.submit));
+        let c = SimConfig {
+            gpus: 16,
+            ..SimConfig::default()
+        };
+        for name in ["fifo", "tiresias", "elastic", "goodput"] {
+            let mut p = crate::policy::by_name(name).expect("policy");
+            let a = simulate(&sorted, p.as_mut(), &c).expect("sim");
+            let mut p = crate::policy::by_name(name).expect("policy");
+            let b = simulate(&sorted, p.as_mut(), &c).expect("sim");
+            assert_eq!(a, b, "{name}");
+            assert_eq!(a.0.jobs, 200);
+            assert!(a.0.utilization <= 1.0 + 1e-9, "{name}: {:?}", a.0);
+        }
+    }
+}

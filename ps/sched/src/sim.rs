@@ -4,6 +4,9 @@
 //! ([`Speedup`]). A job needs `duration x speed(GPUs it asked for)` of work, so that with
 //! exactly the GPUs it asked for it takes the trace's duration.
 //!
+//! An elastic job runs with between `min_share` of the GPUs it asked for (at least one) and
+//! `max_factor` times them.
+//!
 //! Costs: a running job that is resized stops progressing for the resize's cost (EDL's
 //! stop-free cost, or a restart's for the restart-based variant); a preempted job pays a
 //! restart when it resumes; a first start is free. A running job is resized at most once per
@@ -32,6 +35,9 @@ pub struct SimConfig {
     pub resize_by_restart: bool,
     /// An elastic job may use up to this many times the GPUs it asked for.
     pub max_factor: u32,
+    /// An elastic job needs at least this share of the GPUs it asked for (rounded up, at
+    /// least one).
+    pub min_share: f64,
     /// The most of a job's time its resizes may cost (the rate limit).
     pub overhead: f64,
 }
@@ -45,6 +51,7 @@ impl Default for SimConfig {
             restart_cost: 30.0,
             resize_by_restart: false,
             max_factor: 2,
+            min_share: 0.25,
             overhead: 0.05,
         }
     }
@@ -119,6 +126,10 @@ pub fn simulate(
         cfg.overhead > 0.0 && cfg.overhead <= 1.0,
         "the resize overhead must be above 0 and at most 1"
     );
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&cfg.min_share),
+        "the minimum share must be 0 to 1"
+    );
     let gpus = cfg.gpus;
     let mut st: Vec<State> = jobs
         .iter()
@@ -147,7 +158,7 @@ pub fn simulate(
     let view = |i: usize, s: &State| JobView {
         submit: jobs[i].submit,
         requested: jobs[i].gpus.min(gpus),
-        min: 1,
+        min: ((f64::from(jobs[i].gpus.min(gpus)) * cfg.min_share).ceil() as u32).clamp(1, gpus),
         max: (jobs[i].gpus.saturating_mul(cfg.max_factor)).clamp(1, gpus),
         alloc: s.alloc,
         attained: s.attained,
@@ -336,6 +347,7 @@ mod tests {
             restart_cost: 0.0,
             resize_by_restart: false,
             max_factor: 2,
+            min_share: 0.0,
             overhead: 1.0,
         }
     }

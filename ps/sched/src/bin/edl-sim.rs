@@ -62,6 +62,10 @@ struct Cli {
     /// An elastic job may use up to this many times the GPUs it asked for.
     #[arg(long, default_value_t = 2)]
     max_factor: u32,
+    /// An elastic job needs at least this share of the GPUs it asked for (rounded up, at
+    /// least one): 0 lets every job shrink to one GPU, 1 never below what it asked for.
+    #[arg(long, default_value_t = 0.25)]
+    min_share: f64,
     /// The most of a job's time its resizes may cost: a job is resized at most once per
     /// cost/overhead seconds.
     #[arg(long, default_value_t = 0.05)]
@@ -117,6 +121,7 @@ fn main() -> anyhow::Result<()> {
         restart_cost: cli.restart_cost,
         resize_by_restart: false,
         max_factor: cli.max_factor.max(1),
+        min_share: cli.min_share,
         overhead: cli.overhead,
     };
     let mut rows: Vec<Summary> = Vec::new();

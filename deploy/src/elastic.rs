@@ -239,12 +239,7 @@ impl ElasticReport {
                 });
                 PlacementReport {
                     id: p.id,
-                    what: match p.kind {
-                        PlacementKind::Add => "add".into(),
-                        PlacementKind::Replace { old, reason } => {
-                            format!("replace {} ({reason})", t.name(old))
-                        }
-                    },
+                    what: p.kind.describe(|w| t.name(w)),
                     slot: p.slot.clone(),
                     state: match &p.state {
                         PlacementState::Pending => "pending".into(),

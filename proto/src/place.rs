@@ -129,6 +129,16 @@ pub enum PlacementKind {
     },
 }
 
+impl PlacementKind {
+    /// `add`, or `replace OLD (reason)` with the old worker named by `name`.
+    pub fn describe(&self, name: impl Fn(WorkerId) -> String) -> String {
+        match *self {
+            PlacementKind::Add => "add".into(),
+            PlacementKind::Replace { old, reason } => format!("replace {} ({reason})", name(old)),
+        }
+    }
+}
+
 /// Where a placement stands.
 #[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum PlacementState {

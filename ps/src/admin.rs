@@ -531,7 +531,7 @@ pub struct PlacementRow {
 impl PlacementRow {
     /// The row of `p`, naming workers as `members` knows them.
     pub fn new(p: &Placement, members: &[WorkerInfo]) -> Self {
-        use edl_shared::proto::{PlacementKind, PlacementState};
+        use edl_shared::proto::PlacementState;
         let name = |w: WorkerId| {
             members
                 .iter()
@@ -541,12 +541,7 @@ impl PlacementRow {
         PlacementRow {
             id: p.id,
             t_ms: p.t_ms,
-            what: match p.kind {
-                PlacementKind::Add => "add".into(),
-                PlacementKind::Replace { old, reason } => {
-                    format!("replace {} ({reason})", name(old))
-                }
-            },
+            what: p.kind.describe(name),
             slot: p.slot.clone(),
             state: match &p.state {
                 PlacementState::Pending => "pending".into(),

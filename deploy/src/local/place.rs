@@ -135,16 +135,12 @@ impl Launch<'_> {
                 PlacementKind::Add => None,
             }
             .unwrap_or_else(|| name.clone());
-            let what = match p.kind {
-                PlacementKind::Replace { old, reason } => {
-                    let old = members
-                        .iter()
-                        .find(|m| m.id == old)
-                        .map_or_else(|| old.to_string(), |m| m.name.clone());
-                    format!("replaces {old}, {reason}")
-                }
-                PlacementKind::Add => "the job grows".into(),
-            };
+            let what = p.kind.describe(|old| {
+                members
+                    .iter()
+                    .find(|m| m.id == old)
+                    .map_or_else(|| old.to_string(), |m| m.name.clone())
+            });
             match self.spawn_worker(&name, &stands_for, Some((p.id, p.slot.as_deref()))) {
                 Ok(()) => {
                     let slot = self

@@ -648,12 +648,7 @@ pub fn payload() -> BoxedStrategy<Vec<u8>> {
 }
 
 fn straggler_policy() -> BoxedStrategy<StragglerPolicy> {
-    prop_oneof![
-        Just(StragglerPolicy::Ignore),
-        Just(StragglerPolicy::Drop),
-        Just(StragglerPolicy::Replace),
-    ]
-    .boxed()
+    proptest::sample::select(StragglerPolicy::ALL.to_vec()).boxed()
 }
 
 fn placement() -> BoxedStrategy<Placement> {

@@ -508,8 +508,7 @@ impl CoordinatorState {
 
     /// Renews a worker's lease.
     pub fn heartbeat(&mut self, worker: WorkerId, now: Instant) -> Result<(), Refusal> {
-        self.active(worker)?.last_seen = now;
-        Ok(())
+        self.beat(worker, now).map(|_| ())
     }
 
     /// Forgets the oldest departed workers past [`MAX_DEPARTED`]: they hold no data and no

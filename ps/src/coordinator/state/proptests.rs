@@ -240,12 +240,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(who, caller, idle)| Op::NextPartition { who, caller, idle }),
         20 => advance,
         1 => who().prop_map(|who| Op::Drain { who }),
-        1 => prop_oneof![
-            Just(StragglerPolicy::Ignore),
-            Just(StragglerPolicy::Drop),
-            Just(StragglerPolicy::Replace)
-        ]
-        .prop_map(|policy| Op::Policy { policy }),
+        1 => prop::sample::select(StragglerPolicy::ALL.to_vec())
+            .prop_map(|policy| Op::Policy { policy }),
         1 => (who(), 0u64..3000).prop_map(|(who, notice_ms)| Op::Preempt { who, notice_ms }),
         1 => who().prop_map(|who| Op::Migrate { who }),
         1 => (0u32..5).prop_map(|workers| Op::Scale { workers }),

@@ -59,13 +59,24 @@ async fn stragglers_preemption_and_migration_on_a_live_job() {
         assert_eq!(p.exit_code, Some(0), "{p:?}");
     }
     let el = &r.elastic;
+    // The process each scenario event acted on. A scenario name stands for the latest worker
+    // in its place: on a busy machine another worker may be flagged (and replaced) first.
+    let acted_on = |action: &str| {
+        el.actions
+            .iter()
+            .find(|a| a.action == action)
+            .map(|a| a.worker.clone())
+            .unwrap_or_else(|| panic!("no {action} carried out: {el:?}"))
+    };
+    let (slowed, preempted, migrated) =
+        (acted_on("slow"), acted_on("preempt"), acted_on("migrate"));
 
     // The slowed worker is flagged and replaced by a worker the launcher started for it.
     let s = el
         .stragglers
         .iter()
-        .find(|s| s.worker == "w1")
-        .unwrap_or_else(|| panic!("w1 flagged: {el:?}"));
+        .find(|s| s.worker == slowed && s.slowed_ms.is_some())
+        .unwrap_or_else(|| panic!("{slowed} flagged: {el:?}"));
     assert!(s.replaced_by.is_some() && s.left_ms.is_some(), "{s:?}");
 
     // The preempted worker exits within its 5 s notice, and a substitute is admitted; the
@@ -73,10 +84,10 @@ async fn stragglers_preemption_and_migration_on_a_live_job() {
     let p = el
         .preemptions
         .iter()
-        .find(|p| p.worker == "w0")
-        .unwrap_or_else(|| panic!("w0 preempted: {el:?}"));
-    let exit = p.exit_s.expect("w0 exited");
-    assert!(exit < 5.0, "w0 took {exit} s to leave: {p:?}");
+        .find(|p| p.worker == preempted)
+        .unwrap_or_else(|| panic!("{preempted} preempted: {el:?}"));
+    let exit = p.exit_s.expect("the preempted worker exited");
+    assert!(exit < 5.0, "{preempted} took {exit} s to leave: {p:?}");
     assert!(
         p.noticed_ms.is_some(),
         "the worker told the coordinator: {p:?}"
@@ -85,16 +96,18 @@ async fn stragglers_preemption_and_migration_on_a_live_job() {
     let w0 = r
         .worker_processes
         .iter()
-        .find(|w| w.name == "w0")
-        .expect("w0");
+        .find(|w| w.name == preempted)
+        .expect("the preempted process");
     assert_eq!(w0.fate, "preempted");
     let sub = el
         .placements
         .iter()
-        .find(|m| m.what.contains("w0") && m.what.contains("preempt"))
-        .expect("w0's substitute");
+        .find(|m| m.what.contains(&preempted) && m.what.contains("preempt"))
+        .expect("the preempted worker's substitute");
     assert!(p.replacement_joined_ms <= p.left_ms, "{p:?} {sub:?}");
-    let (fewest, before) = sub.active_min_and_before.expect("w0 left");
+    let (fewest, before) = sub
+        .active_min_and_before
+        .expect("the preempted worker left");
     assert!(fewest >= before, "{sub:?}");
 
     // The migration started its worker in slot7, which was admitted before w2 left: the job
@@ -102,11 +115,11 @@ async fn stragglers_preemption_and_migration_on_a_live_job() {
     let m = el
         .placements
         .iter()
-        .find(|p| p.what.contains("w2") && p.what.contains("migrate"))
-        .unwrap_or_else(|| panic!("a migration of w2: {el:?}"));
+        .find(|p| p.what.contains(&migrated) && p.what.contains("migrate"))
+        .unwrap_or_else(|| panic!("a migration of {migrated}: {el:?}"));
     assert_eq!(m.state, "done", "{m:?}");
     assert_eq!(m.slot.as_deref(), Some("slot7"));
-    let (fewest, before) = m.active_min_and_before.expect("w2 left");
+    let (fewest, before) = m.active_min_and_before.expect("the migrated worker left");
     assert!(fewest >= before, "{m:?}");
     let new = m.worker.as_deref().expect("the new worker");
     let proc = r

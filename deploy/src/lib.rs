@@ -2,7 +2,9 @@
 //! (coordinator, shards, workers, then an evaluator) and reports how it went; it is the library
 //! behind the `edl-local` binary.
 //!
-//! The pieces are split by concern: [`procs`] starts, watches and stops child processes,
+//! The pieces are split by concern: [`launch`] finds the binaries and builds each process's
+//! command line (the cluster scheduler starts jobs with it too), [`procs`] starts, watches and
+//! stops child processes,
 //! [`scenario`] reads the timed membership changes and shard events a run replays,
 //! [`progress`] shows how training is going, [`costs`] works out what each event and key-range
 //! move cost from the coordinator's trace, [`elastic`] what stragglers, preemptions and
@@ -10,6 +12,7 @@
 
 pub mod costs;
 pub mod elastic;
+pub mod launch;
 pub mod local;
 pub mod procs;
 pub mod progress;

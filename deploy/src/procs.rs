@@ -100,6 +100,19 @@ impl Proc {
         &self.name
     }
 
+    /// The child's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// Lets the child run on after this handle (and the launcher) is gone: it is not killed
+    /// on drop. Whoever takes it back watches it by its pid.
+    pub fn detach(self) {
+        // Forgetting the handle skips tokio's kill-on-drop; the child is reparented to init
+        // when the launcher exits, which reaps it.
+        std::mem::forget(self.child);
+    }
+
     /// The child's log file.
     pub fn log(&self) -> &Path {
         &self.log

@@ -11,6 +11,7 @@ pub mod job;
 pub mod msg;
 pub mod order;
 pub mod place;
+pub mod sched;
 
 pub use error::{ErrorCode, ProtoError};
 pub use frame::{Frame, FrameLimits, Parts, Payload};
@@ -24,4 +25,4 @@ pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, Strag
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;

@@ -428,7 +428,8 @@ pub enum Request {
         slot: Option<String>,
     },
     /// An operator resizes the job to `workers` active workers: placements for the missing
-    /// ones, drains (newest first) for the extra ones.
+    /// ones, drains (newest first) for the extra ones; 0 suspends the job (every worker
+    /// drains, the servers keep its state).
     Scale {
         /// The worker count wanted.
         workers: u32,
@@ -557,6 +558,8 @@ pub enum Request {
         /// The receiving shard's name (as given with `--name`), or its address.
         to: String,
     },
+    /// A request to the cluster scheduler (`edl-sched`); job servers refuse it.
+    Sched(crate::sched::SchedRequest),
 }
 
 impl Request {
@@ -596,6 +599,7 @@ impl Request {
             Self::ShardRemove { .. } => "ShardRemove",
             Self::Reshard { .. } => "Reshard",
             Self::MoveRange { .. } => "MoveRange",
+            Self::Sched(_) => "Sched",
         }
     }
 }
@@ -709,6 +713,8 @@ pub enum Response {
     KeyLoads(Vec<KeyLoad>),
     /// Every shard server the coordinator knows.
     ShardList(Vec<ShardEntry>),
+    /// The cluster scheduler's answer.
+    Sched(crate::sched::SchedResponse),
     /// A failure, with a stable code.
     Error {
         /// An [`crate::ErrorCode`] number.

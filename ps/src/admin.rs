@@ -38,7 +38,7 @@ impl Admin {
         })
     }
 
-    async fn ask(&self, req: Request) -> Result<Response, CallError> {
+    pub(crate) async fn ask(&self, req: Request) -> Result<Response, CallError> {
         Ok(self.coordinator.call(req, Bytes::new()).await?.msg)
     }
 

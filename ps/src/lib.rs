@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod checkpoint;
+pub mod cluster;
 pub mod coordinator;
 pub mod ledger;
 pub mod optimizer;

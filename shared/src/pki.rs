@@ -208,6 +208,27 @@ impl PkiDir {
         job: &str,
         hosts: &[String],
     ) -> Result<(), PkiError> {
+        self.issue_to(
+            role,
+            name,
+            job,
+            hosts,
+            &self.node_cert(role, name),
+            &self.node_key(role, name),
+        )
+    }
+
+    /// Like [`PkiDir::issue`], but writes the certificate and key to `cert` and `key` (for
+    /// nodes of many jobs signed by one CA, each job's files in a directory of its own).
+    pub fn issue_to(
+        &self,
+        role: Role,
+        name: &str,
+        job: &str,
+        hosts: &[String],
+        cert: &Path,
+        key: &Path,
+    ) -> Result<(), PkiError> {
         check_label("name", name)?;
         check_label("job", job)?;
         let ca_pem = read_string(&self.ca_cert()).map_err(|e| match e {
@@ -235,10 +256,15 @@ impl PkiDir {
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
-        let key = KeyPair::generate()?;
-        let cert = params.signed_by(&key, &issuer)?;
-        write_private(&self.node_key(role, name), key.serialize_pem().as_bytes())?;
-        write_atomic(&self.node_cert(role, name), cert.pem().as_bytes())?;
+        let pair = KeyPair::generate()?;
+        let signed = params.signed_by(&pair, &issuer)?;
+        for file in [cert, key] {
+            if let Some(dir) = file.parent() {
+                fs::create_dir_all(dir).map_err(io_err(dir))?;
+            }
+        }
+        write_private(key, pair.serialize_pem().as_bytes())?;
+        write_atomic(cert, signed.pem().as_bytes())?;
         Ok(())
     }
 
@@ -301,7 +327,7 @@ pub struct Subject {
 }
 
 /// Names and jobs go into certificate subjects, file names and logs: keep them plain.
-fn check_label(what: &str, s: &str) -> Result<(), PkiError> {
+pub fn check_label(what: &str, s: &str) -> Result<(), PkiError> {
     let ok = !s.is_empty()
         && s.len() <= 64
         && s.chars()

@@ -270,7 +270,6 @@ async fn elastic_commands_steer_a_live_job() -> anyhow::Result<()> {
             &["stragglers", "--policy", "evict"][..],
             "unknown straggler policy",
         ),
-        (&["scale", "0"][..], "at least one worker"),
         (&["preempt", "nobody"][..], "no active worker named"),
         (&["preempt", "w0", "--notice", "soon"][..], "soon"),
     ] {

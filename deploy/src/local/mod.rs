@@ -52,8 +52,9 @@ use play::Player;
 use shards::Shards;
 use workers::{Fate, WorkerProc, Workers};
 
+use crate::launch::{self as launch, Binaries};
 pub use setup::fresh_state_dir;
-use setup::{Binaries, issue_certificates};
+use setup::issue_certificates;
 
 /// The coordinator's certificate name; `edl-ps coordinator` always uses it.
 const COORDINATOR_NAME: &str = "coordinator";
@@ -610,21 +611,13 @@ impl Launch<'_> {
             .map(u32::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        let mut args = args(&["coordinator", "--listen", "127.0.0.1:0"]);
-        args.extend([
-            "--addr-file".into(),
-            addr_file.clone().into_os_string(),
-            "--shards".into(),
-            cfg.shards.to_string().into(),
-            "--state-dir".into(),
-            self.state_dir.clone().into_os_string(),
-            "--stragglers".into(),
-            cfg.elastic.stragglers.policy.to_string().into(),
-            "--straggler-factor".into(),
-            cfg.elastic.stragglers.factor.to_string().into(),
-            "--straggler-window".into(),
-            cfg.elastic.stragglers.window.to_string().into(),
-        ]);
+        let mut args = launch::coordinator_args(
+            &self.state_dir,
+            &addr_file,
+            cfg.shards,
+            &cfg.elastic.stragglers,
+            None,
+        );
         if let Some(job) = &cfg.job {
             args.extend(["--job".into(), job.clone().into_os_string()]);
         } else {
@@ -730,21 +723,14 @@ impl Launch<'_> {
     }
 
     fn worker_args(&self, coordinator: &SocketAddr, name: &str, evaluate: bool) -> Vec<OsString> {
-        let mut args = Vec::new();
-        if evaluate {
-            args.push("--evaluate".into());
-        }
-        args.extend([
-            "--coordinator".into(),
-            coordinator.to_string().into(),
-            "--name".into(),
-            name.into(),
-            "--data-dir".into(),
-            self.cfg.data_dir.clone().into_os_string(),
-            "--state-dir".into(),
-            self.state_dir.clone().into_os_string(),
-        ]);
-        args
+        launch::worker_args(
+            coordinator,
+            name,
+            &self.cfg.data_dir,
+            &self.state_dir,
+            None,
+            evaluate,
+        )
     }
 
     /// Fails if the coordinator or a shard has exited, unless it was a shard the launcher
@@ -827,10 +813,6 @@ async fn stop_server(p: &mut Proc, grace: Duration) -> Option<String> {
         )),
         Err(e) => Some(format!("{e:#}")),
     }
-}
-
-fn args(list: &[&str]) -> Vec<OsString> {
-    list.iter().map(OsString::from).collect()
 }
 
 /// Connects to the job as the launcher and sends a status snapshot every [`STATUS_PERIOD`]

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, bail};
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
 
@@ -63,47 +63,10 @@ pub(super) fn issue_certificates(
         .context("issuing the launcher's certificate")
 }
 
-/// The programs the launcher starts.
-#[derive(Clone, Debug)]
-pub(super) struct Binaries {
-    pub ps: PathBuf,
-    pub worker: PathBuf,
-}
-
-impl Binaries {
-    /// Finds `edl-ps` and `edl-worker` in `dir`, or next to the running executable.
-    pub fn locate(dir: Option<&Path>) -> anyhow::Result<Binaries> {
-        let dir = match dir {
-            Some(d) => d.to_path_buf(),
-            None => {
-                let exe = std::env::current_exe().context("cannot find the running executable")?;
-                exe.parent()
-                    .map(Path::to_path_buf)
-                    .with_context(|| format!("{} has no parent directory", exe.display()))?
-            }
-        };
-        let find = |name: &str| {
-            let path = dir.join(name);
-            if path.is_file() {
-                Ok(path)
-            } else {
-                Err(anyhow!(
-                    "{name} not found in {}: build it with `cargo build --release -p edl-ps \
-                     -p edl-worker` or pass --bin-dir",
-                    dir.display()
-                ))
-            }
-        };
-        Ok(Binaries {
-            ps: find("edl-ps")?,
-            worker: find("edl-worker")?,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::launch::Binaries;
     use edl_shared::proto::Consistency;
 
     #[test]

@@ -19,8 +19,8 @@ use edl_shared::proto::ShardId;
 use edl_shared::proto::msg::ShardEntry;
 use nix::sys::signal::Signal;
 
+use super::Launch;
 use super::play::{KILL_WAIT, Outcome, coordinator_ms, ms};
-use super::{Launch, args};
 use crate::costs::ShardAction;
 use crate::procs::{Proc, Spawn};
 use crate::report::ShardLayout;
@@ -159,17 +159,14 @@ impl Launch<'_> {
             0 => format!("{name}.log"),
             n => format!("{name}-restart{n}.log"),
         };
-        let mut args = args(&["shard", "--listen", listen]);
-        args.extend([
-            "--coordinator".into(),
-            coordinator.to_string().into(),
-            "--name".into(),
-            name.into(),
-            "--state-dir".into(),
-            self.state_dir.clone().into_os_string(),
-            "--addr-file".into(),
-            addr_file.into_os_string(),
-        ]);
+        let args = crate::launch::shard_args(
+            &coordinator,
+            name,
+            listen,
+            &self.state_dir,
+            &addr_file,
+            None,
+        );
         let proc = Proc::spawn(Spawn {
             log: self.logs.join(log),
             name: name.to_string(),

@@ -2,8 +2,9 @@
 //! ([`policy`]), the scaling models they plan with ([`speed`]), job traces ([`trace`]) and
 //! the trace-driven simulator that compares them ([`sim`], the `edl-sim` binary). The
 //! policies are written against [`policy::JobView`] only, so that the scheduler service
-//! (next) runs the same code on real jobs.
+//! ([`cluster`], the `edl-sched` binary) runs the same code on real jobs.
 
+pub mod cluster;
 pub mod plot;
 pub mod policy;
 pub mod sim;

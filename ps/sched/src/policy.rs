@@ -37,6 +37,8 @@ pub struct JobView {
     pub attained: f64,
     /// Until when a running job may not be resized (rate limit); it keeps `alloc` before.
     pub resize_after: f64,
+    /// Higher goes first wherever a policy goes by arrival (0 in traces).
+    pub priority: i32,
 }
 
 impl JobView {
@@ -61,10 +63,16 @@ pub trait Policy {
     }
 }
 
-/// Indices of `jobs` by arrival (ties by index).
+/// Indices of `jobs` by priority (highest first), then arrival, then index.
 fn by_arrival(jobs: &[JobView]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..jobs.len()).collect();
-    order.sort_by(|&a, &b| jobs[a].submit.total_cmp(&jobs[b].submit).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        jobs[b]
+            .priority
+            .cmp(&jobs[a].priority)
+            .then(jobs[a].submit.total_cmp(&jobs[b].submit))
+            .then(a.cmp(&b))
+    });
     order
 }
 
@@ -295,6 +303,7 @@ mod tests {
             alloc,
             attained: 0.0,
             resize_after: 0.0,
+            priority: 0,
         }
     }
 

@@ -163,6 +163,7 @@ pub fn simulate(
         alloc: s.alloc,
         attained: s.attained,
         resize_after: s.resize_after,
+        priority: 0,
     };
     let mut active: Vec<usize> = Vec::new();
     let mut next = 0usize;

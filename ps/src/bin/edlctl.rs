@@ -5,6 +5,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use edl_ps::admin::{self, Admin, ShardRow, StatusView, WorkerRow};
+use edl_ps::cluster::{JobRow, SlotRow};
 use edl_shared::cli::IdentityArgs;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, telemetry};
@@ -17,6 +18,9 @@ struct Cli {
     /// The coordinator's address.
     #[arg(long, env = "EDL_COORDINATOR", default_value = "127.0.0.1:7070")]
     coordinator: String,
+    /// The cluster scheduler's address (`edl-sched`), for `job` and `slots`.
+    #[arg(long, env = "EDL_SCHEDULER", default_value = "127.0.0.1:7080")]
+    scheduler: String,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -82,7 +86,8 @@ enum Cmd {
         wait: std::time::Duration,
     },
     /// Grow or shrink the job to N workers, stop-free: placements for new workers (a placer
-    /// such as edl-local starts them), drains (newest first) for extra ones.
+    /// such as edl-local starts them), drains (newest first) for extra ones. 0 suspends the
+    /// job: every worker drains and the servers keep its state until it is scaled up.
     Scale {
         /// The worker count wanted.
         workers: u32,
@@ -126,6 +131,14 @@ enum Cmd {
         #[arg(long, default_value = "size", value_parser = ["size", "load"])]
         by: String,
     },
+    /// Jobs on the cluster scheduler (`edl-sched`, at --scheduler): submit, list, show,
+    /// cancel.
+    Job {
+        #[command(subcommand)]
+        cmd: JobCmd,
+    },
+    /// The cluster scheduler's worker slots and who holds each.
+    Slots,
     /// Move a key range to a shard while the job runs.
     Move {
         /// Keys `START..END` (end excluded).
@@ -134,6 +147,46 @@ enum Cmd {
         /// address. A standby shard may take them.
         #[arg(long)]
         to: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum JobCmd {
+    /// Submit a job file (as `edl-ps coordinator --job` reads it). The scheduler starts its
+    /// coordinator, shards and workers when the policy gives it slots, and resizes it
+    /// stop-free. You own it: your certificate's name is its owner.
+    Submit {
+        /// The job file (TOML). It is checked here first; relative data paths resolve against
+        /// its directory.
+        file: std::path::PathBuf,
+        /// The job's name (default: the scheduler names it jN).
+        #[arg(long = "job")]
+        job: Option<String>,
+        /// Workers asked for: what a non-elastic policy gives it.
+        #[arg(long, default_value_t = 2)]
+        workers: u32,
+        /// Fewest workers (elastic policies shrink it no further); default a quarter of
+        /// --workers, at least 1.
+        #[arg(long)]
+        min: Option<u32>,
+        /// Most workers (elastic policies grow it no further); default twice --workers.
+        #[arg(long)]
+        max: Option<u32>,
+        /// Higher runs first; ties go by arrival.
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+        priority: i32,
+    },
+    /// Every job: state, slots, progress, queueing time and completion time.
+    List,
+    /// One job in detail, with how to reach its coordinator.
+    Show {
+        /// The job's name.
+        job: String,
+    },
+    /// Cancel a job (yours, or any as an operator): its processes are stopped.
+    Cancel {
+        /// The job's name.
+        job: String,
     },
 }
 
@@ -210,6 +263,11 @@ async fn main() -> anyhow::Result<()> {
     telemetry::init("warn");
     let cli = Cli::parse();
     let identity = cli.identity.identity(Role::Admin, &cli.name)?;
+    match cli.cmd {
+        Cmd::Job { cmd } => return job_cmd(&cli.scheduler, &identity, cmd, cli.json).await,
+        Cmd::Slots => return slots_cmd(&cli.scheduler, &identity, cli.json).await,
+        _ => {}
+    }
     let admin = Admin::connect(&cli.coordinator, &identity, TransportSettings::default())
         .await
         .with_context(|| format!("connecting to the coordinator at {}", cli.coordinator))?;
@@ -413,6 +471,7 @@ async fn main() -> anyhow::Result<()> {
                 .context("rebalancing the shards")?;
             print_reshard(&v, cli.json)?;
         }
+        Cmd::Job { .. } | Cmd::Slots => unreachable!("answered by the scheduler above"),
         Cmd::Move { range, to } => {
             let (start, end) = admin::parse_range(&range).map_err(anyhow::Error::msg)?;
             let v = admin
@@ -612,5 +671,165 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+async fn scheduler(addr: &str, identity: &edl_shared::Identity) -> anyhow::Result<Admin> {
+    Admin::connect(addr, identity, TransportSettings::default())
+        .await
+        .with_context(|| format!("connecting to the scheduler at {addr} (--scheduler)"))
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn opt_s(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |s| format!("{s:.1} s"))
+}
+
+async fn job_cmd(
+    addr: &str,
+    identity: &edl_shared::Identity,
+    cmd: JobCmd,
+    json: bool,
+) -> anyhow::Result<()> {
+    let sched = scheduler(addr, identity).await?;
+    let record = match cmd {
+        JobCmd::Submit {
+            file,
+            job,
+            workers,
+            min,
+            max,
+            priority,
+        } => {
+            // Checked here, so that a mistake is reported with its line before anything is
+            // queued; the scheduler checks it again.
+            edl_shared::jobfile::load(&file)?;
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let abs = std::path::absolute(&file).unwrap_or_else(|_| file.clone());
+            let dir = abs
+                .parent()
+                .map(|d| d.display().to_string())
+                .unwrap_or_default();
+            sched
+                .submit_job(edl_shared::proto::sched::Submission {
+                    name: job.unwrap_or_default(),
+                    job_file: text,
+                    file_dir: dir,
+                    workers,
+                    min_workers: min.unwrap_or(workers.div_ceil(4).max(1)),
+                    max_workers: max.unwrap_or(workers.saturating_mul(2)),
+                    priority,
+                })
+                .await?
+        }
+        JobCmd::Show { job } => sched.show_job(&job).await?,
+        JobCmd::Cancel { job } => sched.cancel_job(&job).await?,
+        JobCmd::List => {
+            let rows: Vec<JobRow> = sched
+                .jobs()
+                .await?
+                .iter()
+                .map(|j| JobRow::new(j, now_ms()))
+                .collect();
+            if json {
+                return print_json(&rows);
+            }
+            let mut t = table(&[
+                "job", "owner", "state", "workers", "slots", "samples", "queued", "jct",
+            ]);
+            for r in &rows {
+                t.add_row(vec![
+                    r.name.clone(),
+                    r.owner.clone(),
+                    r.state.clone(),
+                    format!("{} ({}..{})", r.workers, r.min_workers, r.max_workers),
+                    format!("{} ({} running)", r.alloc, r.running),
+                    format!("{}/{}", r.samples, r.samples_total),
+                    opt_s(r.queued_s),
+                    opt_s(r.jct_s),
+                ]);
+            }
+            println!("{t}");
+            return Ok(());
+        }
+    };
+    let row = JobRow::new(&record, now_ms());
+    if json {
+        return print_json(&row);
+    }
+    let mut t = table(&["", ""]);
+    t.add_row(vec!["job".into(), row.name.clone()]);
+    t.add_row(vec!["owner".into(), row.owner.clone()]);
+    t.add_row(vec!["state".into(), row.state.clone()]);
+    t.add_row(vec![
+        "workers (min..max)".into(),
+        format!("{} ({}..{})", row.workers, row.min_workers, row.max_workers),
+    ]);
+    t.add_row(vec!["priority".into(), row.priority.to_string()]);
+    t.add_row(vec![
+        "slots".into(),
+        format!(
+            "{} ({} workers running, {} resizes)",
+            row.alloc, row.running, row.resizes
+        ),
+    ]);
+    t.add_row(vec![
+        "samples".into(),
+        format!("{}/{}", row.samples, row.samples_total),
+    ]);
+    t.add_row(vec!["queued".into(), opt_s(row.queued_s)]);
+    t.add_row(vec!["completion time".into(), opt_s(row.jct_s)]);
+    t.add_row(vec![
+        "slot-seconds".into(),
+        format!("{:.1}", row.attained_s),
+    ]);
+    if let Some(l) = &row.ledger {
+        t.add_row(vec![
+            "ledger".into(),
+            format!(
+                "{} applied, {} duplicates, {} missing",
+                l.applied, l.duplicates, l.missing
+            ),
+        ]);
+    }
+    if !row.message.is_empty() {
+        t.add_row(vec!["message".into(), row.message.clone()]);
+    }
+    t.add_row(vec!["directory".into(), row.dir.clone()]);
+    println!("{t}");
+    if let Some(c) = &row.coordinator {
+        let pki = std::path::Path::new(&row.dir).join("pki");
+        println!(
+            "reach its coordinator with your certificate for this job:\n  edlctl --coordinator {c} \\\n    --ca {} --cert {} --key {} status",
+            pki.join("ca.pem").display(),
+            pki.join(format!("admin-{}.pem", row.owner)).display(),
+            pki.join(format!("admin-{}.key", row.owner)).display(),
+        );
+    }
+    Ok(())
+}
+
+async fn slots_cmd(addr: &str, identity: &edl_shared::Identity, json: bool) -> anyhow::Result<()> {
+    let sched = scheduler(addr, identity).await?;
+    let rows: Vec<SlotRow> = sched.slots().await?.iter().map(SlotRow::from).collect();
+    if json {
+        return print_json(&rows);
+    }
+    let mut t = table(&["slot", "host", "job", "worker"]);
+    for r in &rows {
+        t.add_row(vec![
+            r.slot.clone(),
+            r.host.clone(),
+            r.job.clone().unwrap_or_else(|| "-".into()),
+            r.worker.clone().unwrap_or_else(|| "-".into()),
+        ]);
+    }
+    println!("{t}");
     Ok(())
 }

@@ -340,14 +340,10 @@ impl CoordinatorState {
 
     /// Resizes the job to `target` workers that train and are not leaving: placements for
     /// the missing ones (pending additions count as coming), or, for the extra ones, pending
-    /// additions cancelled first and then the newest workers drained.
+    /// additions cancelled first and then the newest workers drained. 0 suspends the job
+    /// (a cluster scheduler taking its slots away): every worker drains, and the servers keep
+    /// the parameters and the data progress until the job is scaled up again.
     pub fn scale(&mut self, target: u32, now: Instant) -> Result<Resize, Refusal> {
-        if target == 0 {
-            return Err((
-                ErrorCode::InvalidRequest,
-                "a job needs at least one worker; drain them one by one to stop it".into(),
-            ));
-        }
         if target > MAX_SCALE {
             return Err((
                 ErrorCode::InvalidRequest,

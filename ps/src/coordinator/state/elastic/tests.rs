@@ -287,7 +287,6 @@ fn migration_and_resizes_make_placements() {
     let r = st.scale(1, t).expect("shrink");
     assert_eq!(r.drained, vec![b, a]);
     assert!(!st.members(t).iter().any(|m| m.id == ids[0] && m.draining));
-    assert!(st.scale(0, t).is_err());
     assert_eq!(
         st.scale(u32::MAX, t).map_err(|e| e.0),
         Err(ErrorCode::InvalidRequest)
@@ -342,4 +341,18 @@ fn bad_settings_are_refused() {
         Err(ErrorCode::InvalidRequest)
     );
     assert_eq!(st.stragglers(), StragglerSettings::default());
+}
+
+#[test]
+fn scaling_to_zero_suspends_the_job() {
+    let (mut st, ids, t) = cluster(2, StragglerPolicy::Ignore);
+    let placed = st.scale(3, t).expect("grow").placed;
+    let r = st.scale(0, t).expect("suspend");
+    assert_eq!(r.cancelled, placed);
+    let mut drained = r.drained.clone();
+    drained.sort();
+    assert_eq!(drained, ids);
+    assert!(st.members(t).iter().all(|m| m.draining));
+    // Scaling up again asks for workers afresh.
+    assert_eq!(st.scale(2, t).expect("resume").placed.len(), 2);
 }

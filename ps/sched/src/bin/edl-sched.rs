@@ -1,0 +1,88 @@
+//! `edl-sched`: the cluster scheduler. It shares a pool of worker slots among many EDL jobs,
+//! resizing them stop-free under a policy; `edlctl job` and `edlctl slots` talk to it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use edl_deploy::launch::Binaries;
+use edl_sched::cluster::server::SchedService;
+use edl_sched::cluster::{Cluster, LocalPlacer, Scheduler};
+use edl_shared::cli::{BudgetArgs, IdentityArgs};
+use edl_shared::transport::{TransportSettings, server_endpoint};
+use edl_shared::{Role, telemetry};
+
+/// Run the cluster scheduler: jobs submitted with `edlctl job submit` share the cluster
+/// file's slots; the policy decides each job's size and the scheduler resizes running jobs
+/// stop-free. Its state (the cluster CA, jobs, the event log, each job's directory) lives in
+/// --state-dir; stopped and started again with the same directory, it takes back the jobs
+/// still running.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Cli {
+    /// The cluster file (TOML): slots, policy, shards per job; see the README.
+    #[arg(long)]
+    cluster: PathBuf,
+    /// Address to listen on (UDP, QUIC) for edlctl.
+    #[arg(long, env = "EDL_SCHEDULER_LISTEN", default_value = "127.0.0.1:7080")]
+    listen: SocketAddr,
+    /// Write the bound address to this file once listening.
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
+    /// Where edl-ps and edl-worker are [default: next to this program].
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// Stop every running job when the scheduler stops (they are cancelled). By default they
+    /// keep running and a restarted scheduler takes them back.
+    #[arg(long)]
+    stop_jobs_on_exit: bool,
+    #[command(flatten)]
+    identity: IdentityArgs,
+    #[command(flatten)]
+    budgets: BudgetArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    telemetry::init("info");
+    let cli = Cli::parse();
+    let cluster = Cluster::load(&cli.cluster)?;
+    let bins = Binaries::locate(cli.bin_dir.as_deref())?;
+    let identity = cli.identity.identity(Role::Coordinator, "scheduler")?;
+    let settings = TransportSettings {
+        budgets: cli.budgets.budgets(),
+        ..TransportSettings::default()
+    };
+    let placer = LocalPlacer::new(bins, cluster.data_dir.clone(), cluster.worker_args.clone());
+    let slots = cluster.slots.len();
+    let policy = cluster.policy.clone();
+    let scheduler = Scheduler::new(cluster, &cli.identity.state_dir, placer).await?;
+    let endpoint = server_endpoint(cli.listen, &identity, &settings)
+        .with_context(|| format!("listening on {}", cli.listen))?;
+    let addr = endpoint.local_addr()?;
+    if let Some(f) = &cli.addr_file {
+        edl_shared::pki::write_atomic(f, addr.to_string().as_bytes())?;
+    }
+    tracing::info!(%addr, slots, policy, state_dir = %cli.identity.state_dir.display(), "edl-sched serving");
+    let shutdown = edl_shared::shutdown::on_signals();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let server = tokio::spawn({
+        let shutdown = shutdown.clone();
+        let job = identity.job.clone();
+        async move {
+            edl_shared::serve(
+                endpoint,
+                Arc::new(SchedService::new(tx)),
+                &job,
+                &settings,
+                shutdown,
+            )
+            .await;
+        }
+    });
+    scheduler.run(rx, shutdown, cli.stop_jobs_on_exit).await;
+    let _ = server.await;
+    Ok(())
+}

@@ -1,0 +1,403 @@
+//! The seam between the scheduler and where processes run. The scheduler decides which job
+//! gets how many slots, issues the certificates and resizes jobs through their coordinators
+//! (stop-free: `Scale` makes placements, drains the extra workers); a [`Placer`] starts and
+//! stops the processes. [`LocalPlacer`] runs them on this machine with the launcher pieces
+//! `edl-local` uses ([`edl_deploy::launch`], [`edl_deploy::procs`]).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use edl_deploy::launch::{self, Binaries, Creds};
+use edl_deploy::procs::{Proc, Spawn, Stopped};
+use edl_shared::Role;
+use edl_shared::proto::StragglerSettings;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use super::config::Slot;
+use super::state::ProcRecord;
+
+/// How long a coordinator may take to write its address.
+const COORDINATOR_START: Duration = Duration::from_secs(30);
+/// How often the address file is looked for.
+const ADDR_CHECK: Duration = Duration::from_millis(5);
+/// How long a process gets after SIGTERM before it is killed.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// What a placer needs to know of a job.
+#[derive(Clone, Debug)]
+pub struct JobLaunch {
+    /// The job's name (its certificates' job).
+    pub name: String,
+    /// Its directory: state, logs, certificates (`pki/`), the job file.
+    pub dir: PathBuf,
+    /// Shard servers.
+    pub shards: u32,
+}
+
+impl JobLaunch {
+    /// The job file the coordinator reads.
+    pub fn job_file(&self) -> PathBuf {
+        self.dir.join("job.toml")
+    }
+
+    /// The job's certificate directory.
+    pub fn pki(&self) -> PathBuf {
+        self.dir.join("pki")
+    }
+
+    /// The credential files of `role/name` in the job's certificate directory.
+    pub fn creds(&self, role: Role, name: &str) -> Creds {
+        let pki = self.pki();
+        Creds {
+            ca: pki.join("ca.pem"),
+            cert: pki.join(format!("{role}-{name}.pem")),
+            key: pki.join(format!("{role}-{name}.key")),
+        }
+    }
+
+    /// The log directory.
+    pub fn logs(&self) -> PathBuf {
+        self.dir.join("logs")
+    }
+}
+
+/// A process that ended.
+#[derive(Clone, Debug)]
+pub struct Exit {
+    /// Its job.
+    pub job: String,
+    /// Its name in the job.
+    pub name: String,
+    /// Whether it exited with success.
+    pub ok: bool,
+    /// What happened, with its log's tail when it failed.
+    pub what: String,
+}
+
+/// Starts and stops a job's processes.
+pub trait Placer: Send {
+    /// Starts the coordinator and the shard servers of `job`; returns the coordinator's
+    /// address and the processes started.
+    fn start_servers(
+        &mut self,
+        job: &JobLaunch,
+    ) -> impl Future<Output = anyhow::Result<(SocketAddr, Vec<ProcRecord>)>> + Send;
+
+    /// Starts worker `name` of `job` (at `coordinator`) in `slot` for placement `placement`.
+    fn start_worker(
+        &mut self,
+        job: &JobLaunch,
+        coordinator: &SocketAddr,
+        name: &str,
+        slot: &Slot,
+        placement: u64,
+    ) -> anyhow::Result<ProcRecord>;
+
+    /// Asks worker `name` of `job` to leave (SIGTERM: it finishes its step, or, not admitted
+    /// yet, simply ends); it is reported by [`Placer::exited`] once gone.
+    fn stop_worker(&mut self, job: &str, name: &str);
+
+    /// The processes that ended since the last call.
+    fn exited(&mut self) -> Vec<Exit>;
+
+    /// Stops every process of `job` (SIGTERM, then SIGKILL after a grace period).
+    fn stop_job(&mut self, job: &str) -> impl Future<Output = ()> + Send;
+
+    /// Takes back the processes of `job` that an earlier scheduler started; returns the
+    /// names of those no longer running.
+    fn adopt(&mut self, job: &str, procs: &[ProcRecord]) -> Vec<String>;
+
+    /// Lets every process run on after the scheduler exits.
+    fn detach_all(&mut self);
+}
+
+/// A process of a local job: started by this scheduler, or by an earlier one.
+#[derive(Debug)]
+enum Handle {
+    Child(Box<Proc>),
+    Adopted { pid: i32 },
+}
+
+#[derive(Debug)]
+struct Local {
+    job: String,
+    name: String,
+    handle: Handle,
+}
+
+/// Whether `pid` still runs an EDL program (a pid reused by another program does not count).
+fn alive(pid: i32) -> bool {
+    if kill(Pid::from_raw(pid), None).is_err() {
+        return false;
+    }
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| String::from_utf8_lossy(&c).contains("edl-"))
+        .unwrap_or(false)
+}
+
+/// Runs jobs as processes on this machine.
+#[derive(Debug)]
+pub struct LocalPlacer {
+    bins: Binaries,
+    data_dir: PathBuf,
+    worker_args: Vec<String>,
+    stragglers: StragglerSettings,
+    procs: Vec<Local>,
+}
+
+impl LocalPlacer {
+    /// A placer starting `bins`; workers read `data_dir` unless their job names its data, and
+    /// get `worker_args` on top.
+    pub fn new(bins: Binaries, data_dir: PathBuf, worker_args: Vec<String>) -> LocalPlacer {
+        LocalPlacer {
+            bins,
+            data_dir,
+            worker_args,
+            // Stragglers are the scheduler's concern only through slots: flag, never act.
+            stragglers: StragglerSettings::default(),
+            procs: Vec::new(),
+        }
+    }
+
+    fn spawn(&mut self, job: &JobLaunch, name: &str, spawn: Spawn) -> anyhow::Result<u32> {
+        let proc = Proc::spawn(spawn)?;
+        let pid = proc
+            .pid()
+            .with_context(|| format!("{name} exited at once"))?;
+        self.procs.push(Local {
+            job: job.name.clone(),
+            name: name.to_string(),
+            handle: Handle::Child(Box::new(proc)),
+        });
+        Ok(pid)
+    }
+}
+
+fn log_of(job: &JobLaunch, name: &str) -> PathBuf {
+    job.logs().join(format!("{name}.log"))
+}
+
+fn remove_stale(file: &Path) -> anyhow::Result<()> {
+    match std::fs::remove_file(file) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("cannot remove {}", file.display())),
+    }
+}
+
+impl Placer for LocalPlacer {
+    async fn start_servers(
+        &mut self,
+        job: &JobLaunch,
+    ) -> anyhow::Result<(SocketAddr, Vec<ProcRecord>)> {
+        std::fs::create_dir_all(job.logs())
+            .with_context(|| format!("creating {}", job.logs().display()))?;
+        let addr_file = job.dir.join("coordinator.addr");
+        remove_stale(&addr_file)?;
+        let mut args = launch::coordinator_args(
+            &job.dir,
+            &addr_file,
+            job.shards,
+            &self.stragglers,
+            Some(&job.creds(Role::Coordinator, "coordinator")),
+        );
+        args.extend(["--job".into(), job.job_file().into_os_string()]);
+        let pid = self.spawn(
+            job,
+            "coordinator",
+            Spawn {
+                name: format!("{}/coordinator", job.name),
+                program: self.bins.ps.clone(),
+                args,
+                log: log_of(job, "coordinator"),
+                capture_stdout: false,
+            },
+        )?;
+        let mut records = vec![ProcRecord {
+            name: "coordinator".into(),
+            pid,
+            slot: None,
+        }];
+        let Some(Local {
+            handle: Handle::Child(proc),
+            ..
+        }) = self.procs.last_mut()
+        else {
+            anyhow::bail!("the coordinator's handle is gone");
+        };
+        let addr = proc
+            .wait_for_addr(&addr_file, COORDINATOR_START, ADDR_CHECK)
+            .await?;
+        for i in 0..job.shards {
+            let name = format!("s{i}");
+            let addr_file = job.dir.join(format!("{name}.addr"));
+            remove_stale(&addr_file)?;
+            let args = launch::shard_args(
+                &addr,
+                &name,
+                "127.0.0.1:0",
+                &job.dir,
+                &addr_file,
+                Some(&job.creds(Role::Shard, &name)),
+            );
+            let pid = self.spawn(
+                job,
+                &name,
+                Spawn {
+                    name: format!("{}/{name}", job.name),
+                    program: self.bins.ps.clone(),
+                    args,
+                    log: log_of(job, &name),
+                    capture_stdout: false,
+                },
+            )?;
+            records.push(ProcRecord {
+                name,
+                pid,
+                slot: None,
+            });
+        }
+        Ok((addr, records))
+    }
+
+    fn start_worker(
+        &mut self,
+        job: &JobLaunch,
+        coordinator: &SocketAddr,
+        name: &str,
+        slot: &Slot,
+        placement: u64,
+    ) -> anyhow::Result<ProcRecord> {
+        let mut args = launch::worker_args(
+            coordinator,
+            name,
+            &self.data_dir,
+            &job.dir,
+            Some(&job.creds(Role::Worker, name)),
+            false,
+        );
+        args.extend(["--placement".into(), placement.to_string().into()]);
+        args.extend(self.worker_args.iter().map(Into::into));
+        let pid = self.spawn(
+            job,
+            name,
+            Spawn {
+                name: format!("{}/{name}", job.name),
+                program: self.bins.worker.clone(),
+                args,
+                log: log_of(job, name),
+                capture_stdout: false,
+            },
+        )?;
+        Ok(ProcRecord {
+            name: name.to_string(),
+            pid,
+            slot: Some(slot.name.clone()),
+        })
+    }
+
+    fn stop_worker(&mut self, job: &str, name: &str) {
+        let Some(p) = self
+            .procs
+            .iter_mut()
+            .find(|p| p.job == job && p.name == name)
+        else {
+            return;
+        };
+        let sent = match &mut p.handle {
+            Handle::Child(proc) => proc.signal(Signal::SIGTERM).map_err(|e| format!("{e:#}")),
+            Handle::Adopted { pid } => kill(Pid::from_raw(*pid), Signal::SIGTERM)
+                .map(|()| true)
+                .map_err(|e| e.to_string()),
+        };
+        if let Err(e) = sent {
+            tracing::warn!(job, name, error = %e, "cannot stop a worker");
+        }
+    }
+
+    fn exited(&mut self) -> Vec<Exit> {
+        let mut out = Vec::new();
+        self.procs.retain_mut(|p| {
+            let ended = match &mut p.handle {
+                Handle::Child(proc) => match proc.try_exit() {
+                    Ok(Some(status)) if status.success() => Some((true, "exited".to_string())),
+                    Ok(Some(status)) => Some((false, proc.failure("exited", status))),
+                    Ok(None) => None,
+                    Err(e) => Some((false, format!("{e:#}"))),
+                },
+                Handle::Adopted { pid } => {
+                    (!alive(*pid)).then(|| (true, "exited (status unknown: adopted)".into()))
+                }
+            };
+            match ended {
+                Some((ok, what)) => {
+                    out.push(Exit {
+                        job: p.job.clone(),
+                        name: p.name.clone(),
+                        ok,
+                        what,
+                    });
+                    false
+                }
+                None => true,
+            }
+        });
+        out
+    }
+
+    async fn stop_job(&mut self, job: &str) {
+        let (mine, rest): (Vec<Local>, Vec<Local>) = std::mem::take(&mut self.procs)
+            .into_iter()
+            .partition(|p| p.job == job);
+        self.procs = rest;
+        // Workers first, then shards, then the coordinator: the reverse of starting.
+        for mut p in mine.into_iter().rev() {
+            match &mut p.handle {
+                Handle::Child(proc) => match proc.terminate(STOP_GRACE).await {
+                    Ok(Stopped::Killed) => {
+                        tracing::warn!(job, name = %p.name, "did not stop on SIGTERM; killed")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(job, name = %p.name, error = %e, "cannot stop"),
+                },
+                Handle::Adopted { pid } => {
+                    let pid = *pid;
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+                    let deadline = tokio::time::Instant::now() + STOP_GRACE;
+                    while alive(pid) && tokio::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    if alive(pid) {
+                        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                    }
+                }
+            }
+        }
+    }
+
+    fn adopt(&mut self, job: &str, procs: &[ProcRecord]) -> Vec<String> {
+        let mut gone = Vec::new();
+        for p in procs {
+            match i32::try_from(p.pid) {
+                Ok(pid) if alive(pid) => self.procs.push(Local {
+                    job: job.to_string(),
+                    name: p.name.clone(),
+                    handle: Handle::Adopted { pid },
+                }),
+                _ => gone.push(p.name.clone()),
+            }
+        }
+        gone
+    }
+
+    fn detach_all(&mut self) {
+        for p in self.procs.drain(..) {
+            if let Handle::Child(proc) = p.handle {
+                (*proc).detach();
+            }
+        }
+    }
+}

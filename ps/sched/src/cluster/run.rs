@@ -1,0 +1,766 @@
+//! The scheduler's loop: it answers requests, watches every job's processes and progress,
+//! asks the policy how many slots each job should hold, resizes jobs stop-free through their
+//! coordinators (`Scale`), and starts a worker in a free slot for every placement a
+//! coordinator publishes. It saves its state after every change.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use edl_ps::admin::Admin;
+use edl_shared::Role;
+use edl_shared::pki::PkiDir;
+use edl_shared::proto::sched::{SchedRequest, SchedResponse, SlotRecord, Submission};
+use edl_shared::proto::{ErrorCode, PlacementState};
+use edl_shared::shutdown::CancellationToken;
+use edl_shared::transport::TransportSettings;
+use tokio::sync::mpsc;
+
+use super::config::{Cluster, Slot};
+use super::placer::{JobLaunch, Placer};
+use super::server::Ask;
+use super::state::{Event, EventLog, Job, ProcRecord, Saved, State};
+use crate::policy::{JobView, Policy, Tiresias};
+use crate::speed::Speedup;
+
+/// How often the loop looks at jobs and processes.
+const TICK: Duration = Duration::from_millis(250);
+/// How long one call to a job's coordinator may take.
+const CALL: Duration = Duration::from_secs(5);
+/// How long a job's shards may take to join its coordinator.
+const SHARDS_JOIN: Duration = Duration::from_secs(60);
+/// The scheduler's certificate name in each job.
+pub const SCHED_NAME: &str = "sched";
+/// The largest job file accepted.
+const MAX_JOB_FILE: usize = 1 << 20;
+/// The most workers a job may ask for.
+const MAX_WORKERS: u32 = 4096;
+/// The most jobs kept (finished ones count).
+const MAX_JOBS: usize = 100_000;
+
+/// Unix milliseconds now.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+type Answer = Result<SchedResponse, (ErrorCode, String)>;
+
+fn bad(msg: impl Into<String>) -> (ErrorCode, String) {
+    (ErrorCode::InvalidRequest, msg.into())
+}
+
+/// The scheduler.
+pub struct Scheduler<P: Placer> {
+    cluster: Cluster,
+    dir: PathBuf,
+    pki: PkiDir,
+    saved: Saved,
+    events: EventLog,
+    placer: P,
+    policy: Box<dyn Policy + Send>,
+    /// Admin connections to running jobs' coordinators.
+    admins: HashMap<String, Admin>,
+    /// Jobs whose size must be asked for again (a worker failed to start).
+    rescale: Vec<String>,
+    /// Workers asked to leave because their placement was cancelled (asked once: a second
+    /// SIGTERM would end a worker at once).
+    stopping: std::collections::HashSet<(String, String)>,
+    /// Exits seen while starting a job, for the next [`Scheduler::reap`].
+    exits: Vec<super::placer::Exit>,
+    last_tick: Instant,
+}
+
+impl<P: Placer> Scheduler<P> {
+    /// A scheduler keeping its state in `dir`: the cluster CA (`pki/`), `sched.json`,
+    /// `events.jsonl` and a directory per job (`jobs/NAME`). Jobs an earlier scheduler left
+    /// running are taken back.
+    pub async fn new(cluster: Cluster, dir: &Path, placer: P) -> anyhow::Result<Scheduler<P>> {
+        std::fs::create_dir_all(dir.join("jobs"))
+            .with_context(|| format!("creating {}", dir.display()))?;
+        // Job directories are handed to processes and shown to users: make them absolute.
+        let dir = &std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+        let pki = PkiDir::new(dir);
+        pki.init_ca()
+            .with_context(|| format!("creating the cluster CA in {}", dir.display()))?;
+        let policy: Box<dyn Policy + Send> = match cluster.policy.as_str() {
+            "fifo" => Box::new(crate::policy::Fifo),
+            "tiresias" => Box::new(Tiresias {
+                threshold: cluster.tiresias_threshold.as_secs_f64(),
+            }),
+            "elastic" => Box::new(crate::policy::Elastic),
+            "goodput" => Box::new(crate::policy::Goodput),
+            other => anyhow::bail!("unknown policy {other:?}"),
+        };
+        let saved = Saved::load(&dir.join("sched.json"))?;
+        let mut s = Scheduler {
+            cluster,
+            dir: dir.to_path_buf(),
+            pki,
+            saved,
+            events: EventLog::new(dir.join("events.jsonl")),
+            placer,
+            policy,
+            admins: HashMap::new(),
+            rescale: Vec::new(),
+            stopping: Default::default(),
+            exits: Vec::new(),
+            last_tick: Instant::now(),
+        };
+        s.adopt().await;
+        s.save();
+        Ok(s)
+    }
+
+    fn job_dir(&self, name: &str) -> PathBuf {
+        self.dir.join("jobs").join(name)
+    }
+
+    fn launch(&self, name: &str) -> JobLaunch {
+        JobLaunch {
+            name: name.to_string(),
+            dir: self.job_dir(name),
+            shards: self.cluster.shards,
+        }
+    }
+
+    fn save(&self) {
+        if let Err(e) = self.saved.save(&self.dir.join("sched.json")) {
+            tracing::error!(error = %format!("{e:#}"), "cannot save the scheduler's state");
+        }
+    }
+
+    fn log(
+        &self,
+        job: &str,
+        event: &str,
+        slot: Option<&str>,
+        worker: Option<&str>,
+        alloc: Option<u32>,
+    ) {
+        let e = Event {
+            t_ms: now_ms(),
+            job: job.to_string(),
+            event: event.to_string(),
+            slot: slot.map(str::to_string),
+            worker: worker.map(str::to_string),
+            alloc,
+        };
+        if let Err(err) = self.events.append(&e) {
+            tracing::error!(error = %format!("{err:#}"), "cannot write the event log");
+        }
+    }
+
+    /// Takes back the running jobs of an earlier scheduler: their processes (by pid) and an
+    /// admin connection. A job whose servers are gone has failed.
+    async fn adopt(&mut self) {
+        let running: Vec<String> = self
+            .saved
+            .jobs
+            .iter()
+            .filter(|j| j.state == State::Running)
+            .map(|j| j.name.clone())
+            .collect();
+        for name in running {
+            let procs = self
+                .saved
+                .job(&name)
+                .map(|j| j.procs.clone())
+                .unwrap_or_default();
+            let gone = self.placer.adopt(&name, &procs);
+            for p in procs.iter().filter(|p| gone.contains(&p.name)) {
+                self.forget_proc(&name, &p.name);
+            }
+            let servers_gone = procs
+                .iter()
+                .any(|p| p.slot.is_none() && gone.contains(&p.name));
+            let admin = match self.saved.job(&name).and_then(|j| j.coordinator.clone()) {
+                Some(c) if !servers_gone => self.connect(&name, &c).await.ok(),
+                _ => None,
+            };
+            match admin {
+                Some(a) => {
+                    self.admins.insert(name.clone(), a);
+                    self.log(&name, "adopt", None, None, None);
+                    tracing::info!(job = %name, "took back a running job");
+                }
+                None => {
+                    self.end_job(
+                        &name,
+                        State::Failed,
+                        "its servers were gone when the scheduler restarted".into(),
+                    )
+                    .await;
+                }
+            }
+        }
+    }
+
+    /// An admin connection to `job`'s coordinator at `addr`, with the scheduler's certificate
+    /// for that job.
+    async fn connect(&self, job: &str, addr: &str) -> anyhow::Result<Admin> {
+        let l = self.launch(job);
+        let c = l.creds(Role::Admin, SCHED_NAME);
+        let id = edl_shared::pki::load_identity(&c.ca, &c.cert, &c.key)?;
+        Ok(tokio::time::timeout(
+            CALL,
+            Admin::connect(addr, &id, TransportSettings::default()),
+        )
+        .await
+        .context("connecting to the coordinator timed out")??)
+    }
+
+    /// Runs until `shutdown`; requests arrive on `rx`. On the way out, jobs keep running
+    /// (a restarted scheduler takes them back) unless `stop_jobs` is set.
+    pub async fn run(
+        mut self,
+        mut rx: mpsc::Receiver<Ask>,
+        shutdown: CancellationToken,
+        stop_jobs: bool,
+    ) {
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                Some(ask) = rx.recv() => {
+                    let answer = self.answer(ask.req, &ask.who).await;
+                    let _ = ask.reply.send(answer);
+                    self.save();
+                }
+                _ = tick.tick() => {
+                    self.tick().await;
+                    self.save();
+                }
+            }
+        }
+        if stop_jobs {
+            let live: Vec<String> = self
+                .saved
+                .jobs
+                .iter()
+                .filter(|j| j.state == State::Running)
+                .map(|j| j.name.clone())
+                .collect();
+            for name in live {
+                self.end_job(&name, State::Cancelled, "the scheduler stopped".into())
+                    .await;
+            }
+        } else {
+            let n = self
+                .saved
+                .jobs
+                .iter()
+                .filter(|j| j.state == State::Running)
+                .count();
+            if n > 0 {
+                tracing::info!(
+                    "leaving {n} running job(s) running; start edl-sched again with the same \
+                     --state-dir to take them back"
+                );
+            }
+            self.placer.detach_all();
+        }
+        self.save();
+    }
+
+    async fn answer(&mut self, req: SchedRequest, who: &str) -> Answer {
+        match req {
+            SchedRequest::Submit(s) => self.submit(s, who),
+            SchedRequest::List => Ok(SchedResponse::Jobs(
+                self.saved
+                    .jobs
+                    .iter()
+                    .map(|j| j.record(&self.job_dir(&j.name)))
+                    .collect(),
+            )),
+            SchedRequest::Show { job } => {
+                let j = self
+                    .saved
+                    .job(&job)
+                    .ok_or((ErrorCode::InvalidRequest, format!("no job {job:?}")))?;
+                Ok(SchedResponse::Job(Box::new(j.record(&self.job_dir(&job)))))
+            }
+            SchedRequest::Cancel { job } => {
+                let j = self
+                    .saved
+                    .job(&job)
+                    .ok_or((ErrorCode::InvalidRequest, format!("no job {job:?}")))?;
+                if j.owner != who && !self.cluster.operators.iter().any(|o| o == who) {
+                    return Err((
+                        ErrorCode::Forbidden,
+                        format!(
+                            "job {job} belongs to {}; only its owner or an operator may cancel it",
+                            j.owner
+                        ),
+                    ));
+                }
+                if j.state.is_over() {
+                    return Err((
+                        ErrorCode::Conflict,
+                        format!("job {job} is already over ({:?})", j.state),
+                    ));
+                }
+                self.end_job(&job, State::Cancelled, format!("cancelled by {who}"))
+                    .await;
+                let j = self.saved.job(&job).ok_or(bad("gone"))?;
+                Ok(SchedResponse::Job(Box::new(j.record(&self.job_dir(&job)))))
+            }
+            SchedRequest::Slots => Ok(SchedResponse::Slots(self.slot_records())),
+        }
+    }
+
+    fn slot_records(&self) -> Vec<SlotRecord> {
+        self.cluster
+            .slots
+            .iter()
+            .map(|s| SlotRecord {
+                name: s.name.clone(),
+                host: s.host.clone(),
+                holder: self.holder(&s.name),
+            })
+            .collect()
+    }
+
+    fn holder(&self, slot: &str) -> Option<(String, String)> {
+        self.saved.jobs.iter().find_map(|j| {
+            j.procs
+                .iter()
+                .find(|p| p.slot.as_deref() == Some(slot))
+                .map(|p| (j.name.clone(), p.name.clone()))
+        })
+    }
+
+    fn submit(&mut self, s: Submission, who: &str) -> Answer {
+        if self.saved.jobs.len() >= MAX_JOBS {
+            return Err((
+                ErrorCode::Busy,
+                format!("the scheduler holds {MAX_JOBS} jobs"),
+            ));
+        }
+        if s.job_file.len() > MAX_JOB_FILE {
+            return Err(bad(format!("the job file is over {MAX_JOB_FILE} bytes")));
+        }
+        if s.workers == 0 || s.workers > MAX_WORKERS {
+            return Err(bad(format!(
+                "workers {} is not in 1..={MAX_WORKERS}",
+                s.workers
+            )));
+        }
+        if s.min_workers == 0 || s.min_workers > s.workers || s.workers > s.max_workers {
+            return Err(bad(format!(
+                "need 1 <= min ({}) <= workers ({}) <= max ({})",
+                s.min_workers, s.workers, s.max_workers
+            )));
+        }
+        let slots = self.cluster.slots.len() as u32;
+        if s.min_workers > slots {
+            return Err(bad(format!(
+                "the job needs at least {} workers; the cluster has {slots} slots",
+                s.min_workers
+            )));
+        }
+        let name = if s.name.is_empty() {
+            loop {
+                self.saved.next_job += 1;
+                let n = format!("j{}", self.saved.next_job);
+                if self.saved.job(&n).is_none() {
+                    break n;
+                }
+            }
+        } else {
+            s.name.clone()
+        };
+        edl_shared::pki::check_label("job name", &name).map_err(|e| bad(e.to_string()))?;
+        if name.starts_with('.') || name == edl_shared::pki::DEFAULT_JOB {
+            return Err(bad(format!("job name {name:?} is reserved")));
+        }
+        if self.saved.job(&name).is_some() {
+            return Err((ErrorCode::Conflict, format!("a job named {name} exists")));
+        }
+        // Relative data paths resolve against the submitter's directory; the file the
+        // coordinator reads has them absolute.
+        let anchor = Path::new(&s.file_dir).join("job.toml");
+        let job = edl_shared::jobfile::parse(&s.job_file, &anchor)
+            .map_err(|e| bad(format!("the job file: {e}")))?;
+        let dir = self.job_dir(&name);
+        let written = std::fs::create_dir_all(&dir).and_then(|()| {
+            std::fs::write(dir.join("job.toml"), edl_shared::jobfile::to_toml(&job))
+        });
+        if let Err(e) = written {
+            return Err((
+                ErrorCode::Internal,
+                format!("cannot write {}: {e}", dir.display()),
+            ));
+        }
+        let job = Job::new(name.clone(), who.to_string(), s, now_ms());
+        let record = job.record(&dir);
+        self.saved.jobs.push(job);
+        self.log(&name, "submit", None, None, None);
+        tracing::info!(job = %name, owner = who, "submitted");
+        Ok(SchedResponse::Job(Box::new(record)))
+    }
+
+    /// One round: exits, progress, the policy's sizes, placements.
+    async fn tick(&mut self) {
+        let dt = self.last_tick.elapsed().as_secs_f64();
+        self.last_tick = Instant::now();
+        for j in &mut self.saved.jobs {
+            j.attained_s += f64::from(j.running_workers()) * dt;
+        }
+        self.reap().await;
+        self.progress().await;
+        self.allocate().await;
+        self.place().await;
+    }
+
+    fn forget_proc(&mut self, job: &str, name: &str) {
+        let Some(j) = self.saved.job_mut(job) else {
+            return;
+        };
+        let Some(i) = j.procs.iter().position(|p| p.name == name) else {
+            return;
+        };
+        let p = j.procs.remove(i);
+        self.stopping.remove(&(job.to_string(), name.to_string()));
+        if let Some(slot) = p.slot {
+            self.log(job, "release", Some(&slot), Some(name), None);
+        }
+    }
+
+    /// Frees the slots of workers that exited; a job whose server exited has failed.
+    async fn reap(&mut self) {
+        let mut exits = std::mem::take(&mut self.exits);
+        exits.extend(self.placer.exited());
+        for e in exits {
+            let Some(j) = self.saved.job(&e.job) else {
+                continue;
+            };
+            let is_worker = j.procs.iter().any(|p| p.name == e.name && p.slot.is_some());
+            let running = j.state == State::Running;
+            self.forget_proc(&e.job, &e.name);
+            if !running {
+                continue;
+            }
+            if is_worker {
+                if !e.ok {
+                    tracing::warn!(job = %e.job, worker = %e.name, "{}", e.what);
+                    if let Some(id) = e.name.strip_prefix('p').and_then(|n| n.parse().ok())
+                        && let Some(a) = self.admins.get(&e.job)
+                    {
+                        let _ = tokio::time::timeout(CALL, a.placement_failed(id, &e.what)).await;
+                    }
+                    self.rescale.push(e.job.clone());
+                }
+            } else {
+                self.end_job(&e.job, State::Failed, format!("{} {}", e.name, e.what))
+                    .await;
+            }
+        }
+    }
+
+    /// Reads each running job's progress; a finished job's ledger is read and its processes
+    /// stopped.
+    async fn progress(&mut self) {
+        let names: Vec<String> = self.admins.keys().cloned().collect();
+        for name in names {
+            let Some(a) = self.admins.get(&name) else {
+                continue;
+            };
+            let Ok(Ok(st)) = tokio::time::timeout(CALL, a.status()).await else {
+                continue;
+            };
+            if let Some(j) = self.saved.job_mut(&name) {
+                j.samples = (st.samples_done, st.samples_total);
+            }
+            if st.finished {
+                let ledger = self.ledger(&name).await;
+                if let Some(j) = self.saved.job_mut(&name) {
+                    j.ledger = ledger.as_ref().ok().copied();
+                }
+                let msg = match ledger {
+                    Ok(_) => String::new(),
+                    Err(e) => format!("trained, but its ledger could not be read: {e:#}"),
+                };
+                self.end_job(&name, State::Finished, msg).await;
+            }
+        }
+    }
+
+    /// The finished job's ledger summed over epochs: (applied, duplicates, missing).
+    async fn ledger(&self, name: &str) -> anyhow::Result<(u64, u64, u64)> {
+        let l = self.launch(name);
+        let c = l.creds(Role::Admin, SCHED_NAME);
+        let identity = edl_shared::pki::load_identity(&c.ca, &c.cert, &c.key)?;
+        let coordinator = self
+            .saved
+            .job(name)
+            .and_then(|j| j.coordinator.clone())
+            .context("no coordinator")?;
+        let cfg = edl_client::ClientConfig {
+            coordinator,
+            identity,
+            settings: TransportSettings::default(),
+        };
+        let (status, ledgers, samples) = tokio::time::timeout(CALL * 4, async {
+            let job = edl_client::Job::connect(&cfg).await?;
+            let samples = job.config().train_samples;
+            anyhow::Ok((job.status().await?, job.ledgers().await?, samples))
+        })
+        .await
+        .context("timed out")??;
+        let epochs = edl_deploy::costs::epoch_reports(&status, &ledgers, samples);
+        Ok(epochs.iter().fold((0, 0, 0), |(a, d, m), e| {
+            (a + e.samples, d + e.duplicates, m + e.missing)
+        }))
+    }
+
+    /// Ends a job: stops its processes, frees its slots, records why.
+    async fn end_job(&mut self, name: &str, state: State, message: String) {
+        self.admins.remove(name);
+        self.placer.stop_job(name).await;
+        let procs = self
+            .saved
+            .job(name)
+            .map(|j| j.procs.clone())
+            .unwrap_or_default();
+        for p in procs {
+            self.forget_proc(name, &p.name);
+        }
+        let Some(j) = self.saved.job_mut(name) else {
+            return;
+        };
+        j.state = state;
+        j.alloc = 0;
+        j.end_ms = Some(now_ms());
+        j.coordinator = None;
+        j.message = message.clone();
+        let event = match state {
+            State::Finished => "finish",
+            State::Failed => "fail",
+            _ => "cancel",
+        };
+        self.log(name, event, None, None, None);
+        if message.is_empty() {
+            tracing::info!(job = name, "{event}");
+        } else {
+            tracing::info!(job = name, "{event}: {message}");
+        }
+    }
+
+    /// Asks the policy for every job's size and carries out the changes.
+    async fn allocate(&mut self) {
+        let now = now_ms();
+        let live: Vec<usize> = (0..self.saved.jobs.len())
+            .filter(|&i| !self.saved.jobs[i].state.is_over())
+            .collect();
+        if live.is_empty() {
+            return;
+        }
+        let views: Vec<JobView> = live
+            .iter()
+            .map(|&i| {
+                let j = &self.saved.jobs[i];
+                JobView {
+                    submit: j.submit_ms as f64 / 1000.0,
+                    requested: j.workers,
+                    min: j.min_workers,
+                    max: j.max_workers,
+                    alloc: j.alloc,
+                    attained: j.attained_s,
+                    resize_after: j.resize_after_ms as f64 / 1000.0,
+                    priority: j.priority,
+                }
+            })
+            .collect();
+        let sizes = self.policy.allocate(
+            now as f64 / 1000.0,
+            self.cluster.slots.len() as u32,
+            &views,
+            &Speedup::Linear,
+        );
+        let rescale = std::mem::take(&mut self.rescale);
+        for (k, &i) in live.iter().enumerate() {
+            let name = self.saved.jobs[i].name.clone();
+            let (old, state) = (self.saved.jobs[i].alloc, self.saved.jobs[i].state);
+            let new = sizes[k];
+            if new == old && !(rescale.contains(&name) && state == State::Running) {
+                continue;
+            }
+            if state == State::Queued {
+                if new == 0 {
+                    continue;
+                }
+                if let Err(e) = self.start_job(&name).await {
+                    self.end_job(&name, State::Failed, format!("cannot start: {e:#}"))
+                        .await;
+                    continue;
+                }
+            }
+            let Some(admin) = self.admins.get(&name) else {
+                continue;
+            };
+            match tokio::time::timeout(CALL, admin.scale(new)).await {
+                Ok(Ok(_)) => {
+                    let interval = self.cluster.resize_interval.as_millis() as u64;
+                    let j = &mut self.saved.jobs[i];
+                    if state == State::Running && new != old {
+                        j.resizes += 1;
+                    }
+                    j.alloc = new;
+                    j.resize_after_ms = now_ms() + interval;
+                    let event = if state == State::Queued {
+                        "start"
+                    } else {
+                        "resize"
+                    };
+                    self.log(&name, event, None, None, Some(new));
+                    tracing::info!(job = %name, from = old, to = new, "{event}");
+                }
+                Ok(Err(e)) => tracing::warn!(job = %name, error = %e, "cannot resize"),
+                Err(_) => tracing::warn!(job = %name, "the resize request timed out"),
+            }
+        }
+    }
+
+    /// Issues the job's certificates and starts its servers; connects to its coordinator.
+    async fn start_job(&mut self, name: &str) -> anyhow::Result<()> {
+        let l = self.launch(name);
+        let pki = l.pki();
+        std::fs::create_dir_all(&pki).with_context(|| format!("creating {}", pki.display()))?;
+        std::fs::copy(self.pki.ca_cert(), pki.join("ca.pem"))
+            .with_context(|| format!("copying the CA certificate into {}", pki.display()))?;
+        let owner = self
+            .saved
+            .job(name)
+            .map(|j| j.owner.clone())
+            .unwrap_or_default();
+        let mut nodes = vec![
+            (Role::Coordinator, "coordinator".to_string()),
+            (Role::Admin, SCHED_NAME.to_string()),
+            (Role::Admin, owner),
+        ];
+        nodes.extend((0..l.shards).map(|i| (Role::Shard, format!("s{i}"))));
+        for (role, n) in nodes {
+            let c = l.creds(role, &n);
+            self.pki
+                .issue_to(role, &n, name, &[], &c.cert, &c.key)
+                .with_context(|| format!("issuing {role}/{n} of job {name}"))?;
+        }
+        let (addr, procs) = self.placer.start_servers(&l).await?;
+        if let Some(j) = self.saved.job_mut(name) {
+            j.state = State::Running;
+            j.start_ms = Some(now_ms());
+            j.coordinator = Some(addr.to_string());
+            j.procs = procs;
+        }
+        let admin = self.connect(name, &addr.to_string()).await?;
+        let deadline = Instant::now() + SHARDS_JOIN;
+        loop {
+            let st = tokio::time::timeout(CALL, admin.status()).await;
+            if let Ok(Ok(st)) = st
+                && st.shards_joined >= st.shards_expected
+            {
+                break;
+            }
+            self.exits.extend(self.placer.exited());
+            if let Some(e) = self.exits.iter().find(|e| e.job == name) {
+                anyhow::bail!("{} {}", e.name, e.what);
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the shards did not join within {} s; see {}",
+                SHARDS_JOIN.as_secs(),
+                l.logs().display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.admins.insert(name.to_string(), admin);
+        Ok(())
+    }
+
+    /// Starts a worker in a free slot for every pending placement of every running job.
+    async fn place(&mut self) {
+        let names: Vec<String> = self.admins.keys().cloned().collect();
+        for name in names {
+            let Some(a) = self.admins.get(&name) else {
+                continue;
+            };
+            let Ok(Ok(placements)) = tokio::time::timeout(CALL, a.placements()).await else {
+                continue;
+            };
+            for p in placements {
+                let worker = format!("p{}", p.id);
+                let started = self
+                    .saved
+                    .job(&name)
+                    .is_some_and(|j| j.procs.iter().any(|q| q.name == worker));
+                if p.state == PlacementState::Cancelled && started {
+                    // Shrunk before its worker registered: the worker is not wanted.
+                    if self.stopping.insert((name.clone(), worker.clone())) {
+                        tracing::info!(job = %name, worker, "placement cancelled; stopping");
+                        self.placer.stop_worker(&name, &worker);
+                    }
+                    continue;
+                }
+                if p.state != PlacementState::Pending || started {
+                    continue;
+                }
+                let Some(slot) = self.free_slot(p.slot.as_deref()) else {
+                    continue;
+                };
+                if let Err(e) = self.start_worker(&name, &worker, &slot, p.id) {
+                    tracing::warn!(job = %name, worker, error = %format!("{e:#}"), "cannot start");
+                    if let Some(a) = self.admins.get(&name) {
+                        let _ =
+                            tokio::time::timeout(CALL, a.placement_failed(p.id, &format!("{e:#}")))
+                                .await;
+                    }
+                }
+            }
+        }
+    }
+
+    fn free_slot(&self, want: Option<&str>) -> Option<Slot> {
+        self.cluster
+            .slots
+            .iter()
+            .filter(|s| want.is_none_or(|w| w == s.name))
+            .find(|s| self.holder(&s.name).is_none())
+            .cloned()
+    }
+
+    fn start_worker(
+        &mut self,
+        job: &str,
+        worker: &str,
+        slot: &Slot,
+        id: u64,
+    ) -> anyhow::Result<()> {
+        let l = self.launch(job);
+        let c = l.creds(Role::Worker, worker);
+        self.pki
+            .issue_to(Role::Worker, worker, job, &[], &c.cert, &c.key)
+            .with_context(|| format!("issuing worker/{worker} of job {job}"))?;
+        let coordinator: SocketAddr = self
+            .saved
+            .job(job)
+            .and_then(|j| j.coordinator.as_deref())
+            .context("the job has no coordinator")?
+            .parse()
+            .context("the coordinator's address")?;
+        let rec: ProcRecord = self
+            .placer
+            .start_worker(&l, &coordinator, worker, slot, id)?;
+        self.log(job, "take", Some(&slot.name), Some(worker), None);
+        tracing::info!(job, worker, slot = %slot.name, placement = id, "started a worker");
+        if let Some(j) = self.saved.job_mut(job) {
+            j.procs.push(rec);
+        }
+        Ok(())
+    }
+}

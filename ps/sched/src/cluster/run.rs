@@ -39,6 +39,8 @@ const MAX_JOB_FILE: usize = 1 << 20;
 const MAX_WORKERS: u32 = 4096;
 /// The most jobs kept (finished ones count).
 const MAX_JOBS: usize = 100_000;
+/// A job fails when this many of its workers fail in a row.
+const WORKER_FAILURES: u32 = 3;
 
 /// Unix milliseconds now.
 pub fn now_ms() -> u64 {
@@ -71,6 +73,8 @@ pub struct Scheduler<P: Placer> {
     stopping: std::collections::HashSet<(String, String)>,
     /// Exits seen while starting a job, for the next [`Scheduler::reap`].
     exits: Vec<super::placer::Exit>,
+    /// Workers of each job that failed in a row (a worker that exits cleanly resets it).
+    failures: HashMap<String, u32>,
     last_tick: Instant,
 }
 
@@ -108,6 +112,7 @@ impl<P: Placer> Scheduler<P> {
             rescale: Vec::new(),
             stopping: Default::default(),
             exits: Vec::new(),
+            failures: HashMap::new(),
             last_tick: Instant::now(),
         };
         s.adopt().await;
@@ -387,6 +392,12 @@ impl<P: Placer> Scheduler<P> {
         let anchor = Path::new(&s.file_dir).join("job.toml");
         let job = edl_shared::jobfile::parse(&s.job_file, &anchor)
             .map_err(|e| bad(format!("the job file: {e}")))?;
+        if job.model == edl_shared::proto::ModelSpec::Custom {
+            return Err(bad(
+                "the job's model is custom (defined by its application): edl-sched starts \
+                 edl-worker, which trains the built-in models (mlp, logreg)",
+            ));
+        }
         let dir = self.job_dir(&name);
         let written = std::fs::create_dir_all(&dir).and_then(|()| {
             std::fs::write(dir.join("job.toml"), edl_shared::jobfile::to_toml(&job))
@@ -447,7 +458,19 @@ impl<P: Placer> Scheduler<P> {
                 continue;
             }
             if is_worker {
-                if !e.ok {
+                if e.ok {
+                    self.failures.remove(&e.job);
+                } else {
+                    let n = self.failures.entry(e.job.clone()).or_default();
+                    *n += 1;
+                    if *n >= WORKER_FAILURES {
+                        let why = format!(
+                            "{WORKER_FAILURES} workers in a row failed; the last: {} {}",
+                            e.name, e.what
+                        );
+                        self.end_job(&e.job, State::Failed, why).await;
+                        continue;
+                    }
                     tracing::warn!(job = %e.job, worker = %e.name, "{}", e.what);
                     if let Some(id) = e.name.strip_prefix('p').and_then(|n| n.parse().ok())
                         && let Some(a) = self.admins.get(&e.job)
@@ -522,6 +545,7 @@ impl<P: Placer> Scheduler<P> {
     /// Ends a job: stops its processes, frees its slots, records why.
     async fn end_job(&mut self, name: &str, state: State, message: String) {
         self.admins.remove(name);
+        self.failures.remove(name);
         self.placer.stop_job(name).await;
         let procs = self
             .saved

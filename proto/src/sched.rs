@@ -93,6 +93,9 @@ pub struct JobRecord {
     pub running: u32,
     /// Resizes carried out (growing or shrinking a running job).
     pub resizes: u32,
+    /// The latest growth's measured cost: milliseconds from the resize to the admission of
+    /// the last new worker (slots given but not yet training).
+    pub resize_cost_ms: Option<u64>,
     /// Submitted, unix milliseconds.
     pub submit_ms: u64,
     /// First given slots, unix milliseconds.

@@ -82,6 +82,8 @@ pub struct JobRow {
     pub running: u32,
     /// Resizes so far.
     pub resizes: u32,
+    /// The latest growth's cost: seconds from the resize to the last new worker training.
+    pub resize_cost_s: Option<f64>,
     /// Samples trained.
     pub samples: u64,
     /// Samples in the whole run.
@@ -144,6 +146,7 @@ impl JobRow {
             alloc: j.alloc,
             running: j.running,
             resizes: j.resizes,
+            resize_cost_s: j.resize_cost_ms.map(|ms| ms as f64 / 1000.0),
             samples: j.samples.0,
             samples_total: j.samples.1,
             queued_s: Some(secs(j.submit_ms, j.start_ms.or(j.end_ms).unwrap_or(now_ms))),

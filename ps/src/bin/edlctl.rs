@@ -772,6 +772,7 @@ async fn job_cmd(
         format!("{} ({}..{})", row.workers, row.min_workers, row.max_workers),
     ]);
     t.add_row(vec!["priority".into(), row.priority.to_string()]);
+    t.add_row(vec!["last growth took".into(), opt_s(row.resize_cost_s)]);
     t.add_row(vec![
         "slots".into(),
         format!(

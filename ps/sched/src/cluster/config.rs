@@ -4,6 +4,7 @@
 //! policy = "elastic"        # fifo | tiresias | elastic | goodput
 //! shards = 1                # shard servers per job
 //! resize_interval = "5s"    # the least time between two resizes of one job
+//! resize_overhead = 0.25    # and at most this share of its time spent growing
 //! operators = ["ops"]       # admin certificate names that may cancel any job
 //! data_dir = "/usr/share/datasets/fashion-mnist"  # workers' data when a job names none
 //! worker_args = []          # extra edl-worker arguments for every worker
@@ -30,6 +31,7 @@ struct Raw {
     policy: Option<String>,
     shards: Option<u32>,
     resize_interval: Option<String>,
+    resize_overhead: Option<f64>,
     tiresias_threshold: Option<String>,
     operators: Option<Vec<String>>,
     data_dir: Option<PathBuf>,
@@ -63,6 +65,9 @@ pub struct Cluster {
     pub shards: u32,
     /// The least time between two resizes of one job.
     pub resize_interval: Duration,
+    /// The most of a job's time its growths may cost: after a growth that took `c` to
+    /// complete, the job is not resized again for `c / resize_overhead` from its start.
+    pub resize_overhead: f64,
     /// Tiresias: the slot-time after which a job drops to the second queue.
     pub tiresias_threshold: Duration,
     /// Admin certificate names that may cancel any job.
@@ -102,6 +107,10 @@ impl Cluster {
                 .with_context(|| format!("{field}: {s:?} is not a duration such as 5s or 1h")),
             None => Ok(default),
         };
+        let resize_overhead = raw.resize_overhead.unwrap_or(0.25);
+        if !(resize_overhead > 0.0 && resize_overhead <= 1.0) {
+            bail!("resize_overhead: {resize_overhead} is not in (0, 1]");
+        }
         let slots = match (raw.slots, raw.slot) {
             (Some(_), Some(_)) => bail!("give either slots = N or [[slot]] tables, not both"),
             (None, None) => bail!("no slots: give slots = N or [[slot]] tables"),
@@ -143,6 +152,7 @@ impl Cluster {
                 raw.resize_interval,
                 Duration::from_secs(5),
             )?,
+            resize_overhead,
             tiresias_threshold: duration(
                 "tiresias_threshold",
                 raw.tiresias_threshold,
@@ -184,6 +194,7 @@ mod tests {
             ("slots = 2\npolicy = \"lifo\"", "unknown policy"),
             ("slots = 2\nshards = 0", "shards"),
             ("slots = 2\nresize_interval = \"soon\"", "resize_interval"),
+            ("slots = 2\nresize_overhead = 0", "resize_overhead"),
             ("slots = 2\nslotz = 3", "slotz"),
             ("[[slot]]\nname = \"a\"\n[[slot]]\nname = \"a\"", "twice"),
             ("[[slot]]\nname = \"a b\"", "slot"),

@@ -13,6 +13,7 @@ use edl_ps::admin::Admin;
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::sched::{SchedRequest, SchedResponse, SlotRecord, Submission};
+use edl_shared::proto::msg::WorkerState;
 use edl_shared::proto::{ErrorCode, PlacementState};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
@@ -497,8 +498,26 @@ impl<P: Placer> Scheduler<P> {
             let Ok(Ok(st)) = tokio::time::timeout(CALL, a.status()).await else {
                 continue;
             };
+            let active = st
+                .workers
+                .iter()
+                .filter(|w| w.state == WorkerState::Active && !w.draining)
+                .count() as u32;
+            let overhead = self.cluster.resize_overhead;
             if let Some(j) = self.saved.job_mut(&name) {
                 j.samples = (st.samples_done, st.samples_total);
+                // A growth is done once the new workers train: its cost rate-limits the
+                // job's next resize.
+                if let Some((since, target)) = j.growing
+                    && active >= target
+                {
+                    let cost = now_ms().saturating_sub(since);
+                    j.resize_cost_ms = Some(cost);
+                    j.resize_after_ms = j
+                        .resize_after_ms
+                        .max(since + (cost as f64 / overhead) as u64);
+                    j.growing = None;
+                }
             }
             if st.finished {
                 let ledger = self.ledger(&name).await;
@@ -637,6 +656,7 @@ impl<P: Placer> Scheduler<P> {
                     }
                     j.alloc = new;
                     j.resize_after_ms = now_ms() + interval;
+                    j.growing = (new > old).then_some((now_ms(), new));
                     let event = if state == State::Queued {
                         "start"
                     } else {

@@ -91,6 +91,12 @@ pub struct Job {
     pub end_ms: Option<u64>,
     /// Not resized again before this (unix milliseconds).
     pub resize_after_ms: u64,
+    /// The latest growth's measured cost, milliseconds.
+    #[serde(default)]
+    pub resize_cost_ms: Option<u64>,
+    /// A growth under way: when it was asked for (unix milliseconds) and the size it aims at.
+    #[serde(default)]
+    pub growing: Option<(u64, u32)>,
     /// Slot-seconds held.
     pub attained_s: f64,
     /// Samples trained and in all.
@@ -124,6 +130,8 @@ impl Job {
             start_ms: None,
             end_ms: None,
             resize_after_ms: 0,
+            resize_cost_ms: None,
+            growing: None,
             attained_s: 0.0,
             samples: (0, 0),
             coordinator: None,
@@ -151,6 +159,7 @@ impl Job {
             alloc: self.alloc,
             running: self.running_workers(),
             resizes: self.resizes,
+            resize_cost_ms: self.resize_cost_ms,
             submit_ms: self.submit_ms,
             start_ms: self.start_ms,
             end_ms: self.end_ms,

@@ -64,6 +64,7 @@ impl Sched {
             &cluster,
             format!(
                 "policy = \"{policy}\"\nslots = 4\nshards = 1\nresize_interval = \"1s\"\n\
+                 resize_overhead = 1.0\n\
                  worker_args = [\"--slowdown\", \"{SLOWDOWN}\"]\n"
             ),
         )

@@ -320,6 +320,23 @@ mod tests {
     }
 
     #[test]
+    fn priority_goes_before_arrival() {
+        let early = job(0.0, 3, 0);
+        let mut urgent = job(5.0, 3, 0);
+        urgent.priority = 1;
+        // FIFO: the urgent job is the head of the queue although it came later.
+        assert_eq!(
+            Fifo.allocate(5.0, 4, &[early.clone(), urgent.clone()], &Speedup::Linear),
+            vec![0, 3]
+        );
+        // Elastic: both get their minimum; the idle slot goes to the urgent job.
+        assert_eq!(
+            Elastic.allocate(5.0, 3, &[early, urgent], &Speedup::Linear),
+            vec![1, 2]
+        );
+    }
+
+    #[test]
     fn tiresias_prefers_the_least_served_and_preempts() {
         let mut a = job(0.0, 4, 4);
         a.attained = 10_000.0;

@@ -73,20 +73,38 @@ fn jobs_are_isolated_owned_and_outlive_a_scheduler_restart() {
     let bob = sched.edlctl_as(
         "bob",
         &[
-            "job", "submit", file, "--job", "beta", "--workers", "2", "--min", "1", "--max", "2",
+            "job",
+            "submit",
+            file,
+            "--job",
+            "beta",
+            "--workers",
+            "2",
+            "--min",
+            "1",
+            "--max",
+            "2",
         ],
     );
-    assert!(bob.status.success(), "{}", String::from_utf8_lossy(&bob.stderr));
+    assert!(
+        bob.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bob.stderr)
+    );
     let jobs = sched.wait(
         |j| {
-            ["alpha", "beta"]
-                .iter()
-                .all(|n| j.iter().any(|j| j.name == *n && j.samples > 0 && j.running > 0))
+            ["alpha", "beta"].iter().all(|n| {
+                j.iter()
+                    .any(|j| j.name == *n && j.samples > 0 && j.running > 0)
+            })
         },
         "both jobs train",
     );
     let (alpha, beta) = (row(&jobs, "alpha"), row(&jobs, "beta"));
-    assert_eq!((alpha.owner.as_str(), beta.owner.as_str()), ("edlctl", "bob"));
+    assert_eq!(
+        (alpha.owner.as_str(), beta.owner.as_str()),
+        ("edlctl", "bob")
+    );
 
     // A job the scheduler cannot run is refused at submission, with the reason.
     let custom = dir.path().join("custom.toml");
@@ -95,7 +113,10 @@ fn jobs_are_isolated_owned_and_outlive_a_scheduler_restart() {
         "[model]\nkind = \"custom\"\n[[tensor]]\nname = \"w\"\nshape = [4]\ninit = \"zeros\"\n",
     )
     .expect("write");
-    let out = sched.edlctl_as("edlctl", &["job", "submit", custom.to_str().expect("utf-8")]);
+    let out = sched.edlctl_as(
+        "edlctl",
+        &["job", "submit", custom.to_str().expect("utf-8")],
+    );
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("custom"), "{err}");
@@ -129,8 +150,15 @@ fn jobs_are_isolated_owned_and_outlive_a_scheduler_restart() {
     let alpha_worker = creds(&alpha.dir, "worker-p1");
     for addr in [&beta_coordinator, &beta_shard] {
         let (code, why) = refusal(&alpha_worker, addr);
-        assert_eq!(code, u64::from(ErrorCode::WrongJob.as_u16()), "{addr}: {why}");
-        assert!(why.contains("\"alpha\"") && why.contains("\"beta\""), "{why}");
+        assert_eq!(
+            code,
+            u64::from(ErrorCode::WrongJob.as_u16()),
+            "{addr}: {why}"
+        );
+        assert!(
+            why.contains("\"alpha\"") && why.contains("\"beta\""),
+            "{why}"
+        );
     }
     // Nor does the scheduler's own client certificate (job "default").
     let pki = sched.state.join("pki");
@@ -153,7 +181,11 @@ fn jobs_are_isolated_owned_and_outlive_a_scheduler_restart() {
             .expect("edlctl status")
     };
     let ok = status(&creds(&beta.dir, "admin-bob"));
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
     assert!(!status(&creds(&alpha.dir, "admin-edlctl")).status.success());
 
     // The scheduler stops and starts again: the jobs train on and it takes them back.
@@ -164,13 +196,19 @@ fn jobs_are_isolated_owned_and_outlive_a_scheduler_restart() {
         assert_eq!(j.state, "running", "{j:#?}");
     }
     let jobs = sched.wait(
-        |j| j.iter().all(|j| j.state != "queued" && j.state != "running"),
+        |j| {
+            j.iter()
+                .all(|j| j.state != "queued" && j.state != "running")
+        },
         "the jobs did not finish",
     );
     for j in jobs.iter().filter(|j| j.name != "broken") {
         assert_eq!(j.state, "finished", "{j:#?}");
         let l = j.ledger.expect("a finished job's ledger");
-        assert_eq!((l.applied, l.duplicates, l.missing), (j.samples_total, 0, 0));
+        assert_eq!(
+            (l.applied, l.duplicates, l.missing),
+            (j.samples_total, 0, 0)
+        );
     }
     let events = EventLog::read(&sched.state.join("events.jsonl")).expect("event log");
     let adopted = events.iter().filter(|e| e.event == "adopt").count();

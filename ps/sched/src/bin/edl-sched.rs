@@ -8,8 +8,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use edl_deploy::launch::Binaries;
+use edl_sched::cluster::kube::{KubePlacer, KubeSettings};
 use edl_sched::cluster::server::SchedService;
-use edl_sched::cluster::{Cluster, LocalPlacer, Scheduler};
+use edl_sched::cluster::{Cluster, LocalPlacer, Placer, Scheduler};
 use edl_shared::cli::{BudgetArgs, IdentityArgs};
 use edl_shared::transport::{TransportSettings, server_endpoint};
 use edl_shared::{Role, telemetry};
@@ -38,6 +39,24 @@ struct Cli {
     /// keep running and a restarted scheduler takes them back.
     #[arg(long)]
     stop_jobs_on_exit: bool,
+    /// Where jobs run: `local` (processes on this machine) or `kubernetes` (pods, through the
+    /// in-cluster service account or the current kubeconfig context; checked against the API
+    /// types and an offline schema validator only, never against a live cluster).
+    #[arg(long, default_value = "local", value_parser = ["local", "kubernetes"])]
+    placer: String,
+    /// Kubernetes: the namespace of every object.
+    #[arg(long, default_value = "default")]
+    namespace: String,
+    /// Kubernetes: the container image, with edl-ps and edl-worker on its PATH.
+    #[arg(long, default_value = "edl:latest")]
+    image: String,
+    /// Kubernetes: each worker asks for one GPU (nvidia.com/gpu: 1).
+    #[arg(long)]
+    gpus: bool,
+    /// Kubernetes: a PersistentVolumeClaim with the training data, mounted read-only at the
+    /// cluster file's data_dir in workers.
+    #[arg(long)]
+    data_claim: Option<String>,
     #[command(flatten)]
     identity: IdentityArgs,
     #[command(flatten)]
@@ -49,13 +68,35 @@ async fn main() -> anyhow::Result<()> {
     telemetry::init("info");
     let cli = Cli::parse();
     let cluster = Cluster::load(&cli.cluster)?;
-    let bins = Binaries::locate(cli.bin_dir.as_deref())?;
+    match cli.placer.as_str() {
+        "kubernetes" => {
+            let placer = KubePlacer::from_env(KubeSettings {
+                namespace: cli.namespace.clone(),
+                image: cli.image.clone(),
+                gpus: cli.gpus,
+                data_dir: cluster.data_dir.clone(),
+                data_claim: cli.data_claim.clone(),
+                worker_args: cluster.worker_args.clone(),
+            })
+            .await?;
+            serve(&cli, cluster, placer).await
+        }
+        _ => {
+            let bins = Binaries::locate(cli.bin_dir.as_deref())?;
+            let placer =
+                LocalPlacer::new(bins, cluster.data_dir.clone(), cluster.worker_args.clone());
+            serve(&cli, cluster, placer).await
+        }
+    }
+}
+
+/// Serves requests and runs the scheduler with `placer` until a signal.
+async fn serve<P: Placer>(cli: &Cli, cluster: Cluster, placer: P) -> anyhow::Result<()> {
     let identity = cli.identity.identity(Role::Coordinator, "scheduler")?;
     let settings = TransportSettings {
         budgets: cli.budgets.budgets(),
         ..TransportSettings::default()
     };
-    let placer = LocalPlacer::new(bins, cluster.data_dir.clone(), cluster.worker_args.clone());
     let slots = cluster.slots.len();
     let policy = cluster.policy.clone();
     let scheduler = Scheduler::new(cluster, &cli.identity.state_dir, placer).await?;

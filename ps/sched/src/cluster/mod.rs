@@ -8,6 +8,7 @@
 //! admin certificate for that job alone.
 
 pub mod config;
+pub mod kube;
 pub mod placer;
 pub mod run;
 pub mod server;

@@ -1,0 +1,1684 @@
+//! Runs jobs on Kubernetes: a [`Placer`] that creates pods instead of processes.
+//!
+//! This placer has been checked only against the API types (`k8s-openapi`), against an
+//! in-memory stand-in for the API server in its tests, and against an offline schema validator
+//! (`kubernetes-validate`, strict, in its tests); it has never run against a live cluster.
+//!
+//! Per job it creates, all labelled `app=edl` and `edl/job=<job>`:
+//! - a ConfigMap `<job>-job` with the job file;
+//! - the coordinator: a Pod and a Service `<job>-coordinator` (UDP [`COORDINATOR_PORT`]: QUIC);
+//! - each shard server: a Pod and a Service `<job>-s<i>` (UDP [`SHARD_PORT`]);
+//! - each worker: a Pod `<job>-<worker>`;
+//! - for each pod a Secret `<pod>-pki` with the CA certificate and that process's certificate
+//!   and key only (worker certificates are issued one at a time, just before their worker
+//!   starts, and no pod needs another's key).
+//!
+//! Processes reach each other by Service DNS name (`<service>.<namespace>.svc`). The scheduler
+//! reaches a job's coordinator at its Service's ClusterIP, so it must run inside the cluster.
+//! Pods run the `edl-ps` and `edl-worker` programs found on the image's `PATH`, keep their
+//! state in an `emptyDir`, and never restart: a server pod that ends fails its job, as a server
+//! process does with [`super::placer::LocalPlacer`].
+//!
+//! The [`Placer`] trait is partly synchronous, so [`KubePlacer::start_worker`],
+//! [`KubePlacer::stop_worker`] and [`KubePlacer::exited`] start API calls on the runtime and
+//! return at once: a worker whose pod cannot be created is reported by `exited` as failed, and
+//! `exited` reports what the previous listing of the pods found. [`KubePlacer::adopt`] cannot
+//! wait for the API server either: it reports nothing gone, and later listings do.
+//!
+//! Not handled: a pod that never starts (unschedulable, image not pulled) holds its slot and
+//! is not reported; ended pods stay, for `kubectl logs`, until their job is stopped. The
+//! scheduler's service account needs to create, get, list, patch and delete pods, services,
+//! secrets and configmaps in the namespace.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::OsString;
+use std::fmt::Debug;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use edl_deploy::launch::{self, Creds};
+use edl_shared::Role;
+use edl_shared::proto::StragglerSettings;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    PersistentVolumeClaimVolumeSource, Pod, PodSpec, ResourceRequirements, Secret,
+    SecretVolumeSource, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::runtime::Handle;
+
+use super::config::{LOCAL_HOST, Slot};
+use super::placer::{Exit, JobLaunch, Placer, STOP_GRACE};
+use super::state::ProcRecord;
+
+/// The Kubernetes version of the API types (`k8s-openapi` feature `v1_37`).
+pub const K8S_VERSION: &str = "1.37.0";
+/// The coordinator's port (UDP).
+pub const COORDINATOR_PORT: u16 = 7070;
+/// A shard server's port (UDP).
+pub const SHARD_PORT: u16 = 7071;
+/// The program serving coordinators and shards, on the image's `PATH`.
+pub const PS_PROGRAM: &str = "edl-ps";
+/// The worker program, on the image's `PATH`.
+pub const WORKER_PROGRAM: &str = "edl-worker";
+/// Where a pod's Secret is mounted: `ca.pem`, `cert.pem`, `key.pem`.
+pub const PKI_DIR: &str = "/etc/edl/pki";
+/// Where the coordinator's job file is mounted (`job.toml`).
+pub const JOB_DIR: &str = "/etc/edl/job";
+/// A pod's state directory (an `emptyDir`).
+pub const STATE_DIR: &str = "/var/lib/edl";
+/// How long a worker asked to leave may take before it is killed.
+pub const WORKER_GRACE: Duration = Duration::from_secs(60);
+
+/// The label every object of this placer carries (`app=edl`).
+const APP: (&str, &str) = ("app", "edl");
+/// The label naming an object's job.
+const JOB_LABEL: &str = "edl/job";
+/// The label naming a pod's role: coordinator, shard or worker.
+const ROLE_LABEL: &str = "edl/role";
+/// The label naming an object's process in its job (`coordinator`, `s0`, `p3`).
+const NAME_LABEL: &str = "edl/name";
+/// The label naming a worker's slot.
+const SLOT_LABEL: &str = "edl/slot";
+/// The field manager of server-side apply.
+const MANAGER: &str = "edl-sched";
+/// The longest job (or slot) part of a name, leaving room for suffixes in 63 characters.
+const MAX_LABEL: usize = 40;
+/// How long the coordinator's pod may take to run (image pulls included).
+const COORDINATOR_START: Duration = Duration::from_secs(120);
+/// How long the API server may take to give a Service its ClusterIP.
+const CLUSTER_IP: Duration = Duration::from_secs(30);
+/// How often a pod or Service is looked at while waiting for it.
+const WAIT_STEP: Duration = Duration::from_millis(500);
+/// The least time between two listings of the pods by [`KubePlacer::exited`].
+const POLL: Duration = Duration::from_secs(1);
+/// How long [`KubePlacer::stop_job`] waits for pods to go after their grace period.
+const STOP_WAIT: Duration = Duration::from_secs(30);
+
+/// Where and how the placer runs pods.
+#[derive(Clone, Debug)]
+pub struct KubeSettings {
+    /// The namespace of every object.
+    pub namespace: String,
+    /// The container image, with `edl-ps` and `edl-worker` on its `PATH`.
+    pub image: String,
+    /// Whether each worker asks for one GPU (`nvidia.com/gpu: 1`).
+    pub gpus: bool,
+    /// Where workers read their data inside their containers (the cluster file's `data_dir`).
+    pub data_dir: PathBuf,
+    /// A PersistentVolumeClaim mounted read-only at `data_dir` in workers; without one the
+    /// image must hold the data. Data paths in job files must exist in the workers too.
+    pub data_claim: Option<String>,
+    /// Extra arguments for every worker.
+    pub worker_args: Vec<String>,
+}
+
+/// `s` as a DNS-1035 label of at most 40 characters (lowercase letters, digits and `-`,
+/// starting with a letter, ending with a letter or digit). A name that is not one already is
+/// lowercased, gets `-` for other characters, `x` in front unless it starts with a letter, and
+/// a hash of the original as a suffix, so that `a_b` and `a-b` stay apart.
+pub fn dns_label(s: &str) -> String {
+    let valid = s.len() <= MAX_LABEL
+        && s.starts_with(|c: char| c.is_ascii_lowercase())
+        && s.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    if valid {
+        return s.to_string();
+    }
+    let mut base: String = s
+        .chars()
+        .map(|c| match c.to_ascii_lowercase() {
+            c @ ('a'..='z' | '0'..='9') => c,
+            _ => '-',
+        })
+        .collect();
+    if !base.starts_with(|c: char| c.is_ascii_lowercase()) {
+        base.insert(0, 'x');
+    }
+    // The suffix is `-` and 8 hex digits.
+    base.truncate(MAX_LABEL - 9);
+    // FNV-1a: stable across builds and platforms.
+    let hash = s.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    format!("{base}-{hash:08x}")
+}
+
+/// The name of the pod (and, for servers, the Service) of process `name` of `job`.
+pub fn pod_name(job: &str, name: &str) -> String {
+    format!("{}-{}", dns_label(job), dns_label(name))
+}
+
+/// The name of the Secret holding the certificates of pod `pod`.
+pub fn secret_name(pod: &str) -> String {
+    format!("{pod}-pki")
+}
+
+/// The name of the ConfigMap holding `job`'s job file.
+pub fn config_map_name(job: &str) -> String {
+    format!("{}-job", dns_label(job))
+}
+
+/// The label selector of every object of `job`.
+pub fn job_selector(job: &str) -> String {
+    format!("{}={},{JOB_LABEL}={}", APP.0, APP.1, dns_label(job))
+}
+
+fn labels(job: &str, name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (APP.0.to_string(), APP.1.to_string()),
+        (JOB_LABEL.to_string(), dns_label(job)),
+        (NAME_LABEL.to_string(), name.to_string()),
+    ])
+}
+
+fn meta(ns: &str, name: String, labels: BTreeMap<String, String>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(ns.to_string()),
+        labels: Some(labels),
+        ..ObjectMeta::default()
+    }
+}
+
+/// Sets `flag`'s value in `args` (the first occurrence), or appends the flag and value.
+fn set_flag(args: &mut Vec<OsString>, flag: &str, value: &str) {
+    match args.iter().position(|a| a == flag) {
+        Some(i) if i + 1 < args.len() => args[i + 1] = value.into(),
+        _ => args.extend([flag.into(), value.into()]),
+    }
+}
+
+fn strings(args: Vec<OsString>) -> Vec<String> {
+    args.into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// The credentials of a pod, as mounted from its Secret.
+fn mounted_creds() -> Creds {
+    let dir = Path::new(PKI_DIR);
+    Creds {
+        ca: dir.join("ca.pem"),
+        cert: dir.join("cert.pem"),
+        key: dir.join("key.pem"),
+    }
+}
+
+/// Stands for the coordinator's address in the launcher's argument lists until `--coordinator`
+/// is set to the coordinator Service's DNS name.
+const UNSET: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), COORDINATOR_PORT);
+
+impl KubeSettings {
+    /// The DNS name and port of `job`'s Service for process `name`.
+    pub fn service_addr(&self, job: &str, name: &str, port: u16) -> String {
+        format!("{}.{}.svc:{port}", pod_name(job, name), self.namespace)
+    }
+
+    /// The Secret of process `name` of `job`: the CA certificate and the process's certificate
+    /// and key (PEM), as `ca.pem`, `cert.pem` and `key.pem`.
+    pub fn pki_secret(&self, job: &str, name: &str, ca: &[u8], cert: &[u8], key: &[u8]) -> Secret {
+        let data = [("ca.pem", ca), ("cert.pem", cert), ("key.pem", key)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), ByteString(v.to_vec())))
+            .collect();
+        Secret {
+            metadata: meta(
+                &self.namespace,
+                secret_name(&pod_name(job, name)),
+                labels(job, name),
+            ),
+            type_: Some("Opaque".into()),
+            data: Some(data),
+            ..Secret::default()
+        }
+    }
+
+    /// The ConfigMap holding `job`'s job file as `job.toml`.
+    pub fn job_config_map(&self, job: &str, job_toml: &str) -> ConfigMap {
+        ConfigMap {
+            metadata: meta(&self.namespace, config_map_name(job), labels(job, "job")),
+            data: Some(BTreeMap::from([("job.toml".into(), job_toml.into())])),
+            ..ConfigMap::default()
+        }
+    }
+
+    /// The Service of server `name` of `job` (the coordinator, or a shard `s<i>`): a ClusterIP
+    /// in front of its pod's UDP `port`.
+    pub fn server_service(&self, job: &str, name: &str, port: u16) -> Service {
+        let mut selector = labels(job, name);
+        selector.insert(ROLE_LABEL.into(), server_role(name).to_string());
+        Service {
+            metadata: meta(&self.namespace, pod_name(job, name), labels(job, name)),
+            spec: Some(ServiceSpec {
+                type_: Some("ClusterIP".into()),
+                selector: Some(selector),
+                ports: Some(vec![ServicePort {
+                    name: Some("quic".into()),
+                    protocol: Some("UDP".into()),
+                    port: i32::from(port),
+                    target_port: Some(IntOrString::Int(i32::from(port))),
+                    ..ServicePort::default()
+                }]),
+                ..ServiceSpec::default()
+            }),
+            ..Service::default()
+        }
+    }
+
+    /// The coordinator's pod of `job` with `shards` shard servers.
+    pub fn coordinator_pod(&self, job: &str, shards: u32) -> Pod {
+        let state = Path::new(STATE_DIR);
+        let mut args = launch::coordinator_args(
+            state,
+            &state.join("coordinator.addr"),
+            shards,
+            // As with the local placer: stragglers are flagged, never acted on.
+            &StragglerSettings::default(),
+            Some(&mounted_creds()),
+        );
+        set_flag(
+            &mut args,
+            "--listen",
+            &format!("0.0.0.0:{COORDINATOR_PORT}"),
+        );
+        set_flag(&mut args, "--job", &format!("{JOB_DIR}/job.toml"));
+        let mut pod = self.pod(
+            job,
+            "coordinator",
+            Role::Coordinator,
+            PS_PROGRAM,
+            strings(args),
+            Some(COORDINATOR_PORT),
+        );
+        add_volume(
+            &mut pod,
+            Volume {
+                name: "job".into(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: config_map_name(job),
+                    ..ConfigMapVolumeSource::default()
+                }),
+                ..Volume::default()
+            },
+            JOB_DIR,
+        );
+        pod
+    }
+
+    /// The pod of shard server `shard` (`s<i>`) of `job`, advertising its Service's DNS name.
+    pub fn shard_pod(&self, job: &str, shard: &str) -> Pod {
+        let state = Path::new(STATE_DIR);
+        let mut args = launch::shard_args(
+            &UNSET,
+            shard,
+            &format!("0.0.0.0:{SHARD_PORT}"),
+            state,
+            &state.join(format!("{shard}.addr")),
+            Some(&mounted_creds()),
+        );
+        let coordinator = self.service_addr(job, "coordinator", COORDINATOR_PORT);
+        set_flag(&mut args, "--coordinator", &coordinator);
+        set_flag(
+            &mut args,
+            "--advertise",
+            &self.service_addr(job, shard, SHARD_PORT),
+        );
+        self.pod(
+            job,
+            shard,
+            Role::Shard,
+            PS_PROGRAM,
+            strings(args),
+            Some(SHARD_PORT),
+        )
+    }
+
+    /// The pod of worker `worker` of `job` in `slot` for placement `placement`: one GPU when
+    /// the settings ask for GPUs, on the slot's host unless it is `localhost`.
+    pub fn worker_pod(&self, job: &str, worker: &str, slot: &Slot, placement: u64) -> Pod {
+        let mut args = launch::worker_args(
+            &UNSET,
+            worker,
+            &self.data_dir,
+            Path::new(STATE_DIR),
+            Some(&mounted_creds()),
+            false,
+        );
+        let coordinator = self.service_addr(job, "coordinator", COORDINATOR_PORT);
+        set_flag(&mut args, "--coordinator", &coordinator);
+        args.extend(["--placement".into(), placement.to_string().into()]);
+        args.extend(self.worker_args.iter().map(Into::into));
+        let mut pod = self.pod(
+            job,
+            worker,
+            Role::Worker,
+            WORKER_PROGRAM,
+            strings(args),
+            None,
+        );
+        pod.metadata
+            .labels
+            .get_or_insert_default()
+            .insert(SLOT_LABEL.into(), dns_label(&slot.name));
+        let Some(spec) = pod.spec.as_mut() else {
+            return pod;
+        };
+        spec.termination_grace_period_seconds = Some(WORKER_GRACE.as_secs() as i64);
+        if slot.host != LOCAL_HOST {
+            spec.node_selector = Some(BTreeMap::from([(
+                "kubernetes.io/hostname".into(),
+                slot.host.clone(),
+            )]));
+        }
+        if self.gpus
+            && let Some(c) = spec.containers.first_mut()
+        {
+            c.resources = Some(ResourceRequirements {
+                limits: Some(BTreeMap::from([(
+                    "nvidia.com/gpu".into(),
+                    Quantity("1".into()),
+                )])),
+                ..ResourceRequirements::default()
+            });
+        }
+        if let Some(claim) = &self.data_claim {
+            add_volume(
+                &mut pod,
+                Volume {
+                    name: "data".into(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: claim.clone(),
+                        read_only: Some(true),
+                    }),
+                    ..Volume::default()
+                },
+                &self.data_dir.to_string_lossy(),
+            );
+        }
+        pod
+    }
+
+    /// A pod running `program` with `args`, its Secret mounted at [`PKI_DIR`] and an
+    /// `emptyDir` at [`STATE_DIR`]; it never restarts.
+    fn pod(
+        &self,
+        job: &str,
+        name: &str,
+        role: Role,
+        program: &str,
+        args: Vec<String>,
+        port: Option<u16>,
+    ) -> Pod {
+        let pod = pod_name(job, name);
+        let mut labels = labels(job, name);
+        labels.insert(ROLE_LABEL.into(), role.to_string());
+        Pod {
+            metadata: meta(&self.namespace, pod.clone(), labels),
+            spec: Some(PodSpec {
+                restart_policy: Some("Never".into()),
+                // EDL's processes never call the Kubernetes API.
+                automount_service_account_token: Some(false),
+                containers: vec![Container {
+                    name: role.to_string(),
+                    image: Some(self.image.clone()),
+                    command: Some(vec![program.into()]),
+                    args: Some(args),
+                    ports: port.map(|p| {
+                        vec![ContainerPort {
+                            name: Some("quic".into()),
+                            container_port: i32::from(p),
+                            protocol: Some("UDP".into()),
+                            ..ContainerPort::default()
+                        }]
+                    }),
+                    volume_mounts: Some(vec![
+                        VolumeMount {
+                            name: "pki".into(),
+                            mount_path: PKI_DIR.into(),
+                            read_only: Some(true),
+                            ..VolumeMount::default()
+                        },
+                        VolumeMount {
+                            name: "state".into(),
+                            mount_path: STATE_DIR.into(),
+                            ..VolumeMount::default()
+                        },
+                    ]),
+                    ..Container::default()
+                }],
+                volumes: Some(vec![
+                    Volume {
+                        name: "pki".into(),
+                        secret: Some(SecretVolumeSource {
+                            secret_name: Some(secret_name(&pod)),
+                            ..SecretVolumeSource::default()
+                        }),
+                        ..Volume::default()
+                    },
+                    Volume {
+                        name: "state".into(),
+                        empty_dir: Some(EmptyDirVolumeSource::default()),
+                        ..Volume::default()
+                    },
+                ]),
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        }
+    }
+}
+
+fn server_role(name: &str) -> Role {
+    if name == "coordinator" {
+        Role::Coordinator
+    } else {
+        Role::Shard
+    }
+}
+
+/// Adds `volume` to `pod`, mounted read-only at `path` in its container.
+fn add_volume(pod: &mut Pod, volume: Volume, path: &str) {
+    let Some(spec) = pod.spec.as_mut() else {
+        return;
+    };
+    if let Some(c) = spec.containers.first_mut() {
+        c.volume_mounts.get_or_insert_default().push(VolumeMount {
+            name: volume.name.clone(),
+            mount_path: path.into(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        });
+    }
+    spec.volumes.get_or_insert_default().push(volume);
+}
+
+/// Why a pod in phase `Failed` failed: its container's exit, and the pod's reason.
+fn failure(pod: &Pod, ns: &str) -> String {
+    let mut parts = Vec::new();
+    let status = pod.status.as_ref();
+    let terminated = status
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.terminated.as_ref());
+    if let Some(t) = terminated {
+        parts.push(format!("exit code {}", t.exit_code));
+        parts.extend(t.reason.clone());
+        parts.extend(t.message.clone());
+    }
+    if let Some(s) = status {
+        parts.extend(s.reason.clone());
+        parts.extend(s.message.clone());
+    }
+    let what = if parts.is_empty() {
+        "failed".to_string()
+    } else {
+        format!("failed ({})", parts.join("; "))
+    };
+    format!("{what}; see `kubectl logs -n {ns} {}`", pod.name_any())
+}
+
+/// A pod this placer started or took back, until it is reported ended.
+#[derive(Debug)]
+struct Tracked {
+    job: String,
+    name: String,
+    /// Its create call has returned (always, for pods taken back).
+    created: bool,
+    /// It was asked to leave.
+    stopping: bool,
+    /// An earlier scheduler started it.
+    adopted: bool,
+}
+
+/// What the placer and its background calls share.
+#[derive(Debug, Default)]
+struct Shared {
+    /// By pod name.
+    pods: HashMap<String, Tracked>,
+    /// Ends found, for the next [`KubePlacer::exited`].
+    exits: Vec<Exit>,
+    polling: bool,
+    last_poll: Option<Instant>,
+}
+
+impl Shared {
+    fn end(&mut self, pod: &str, ok: bool, what: impl FnOnce(&Tracked) -> String) {
+        if let Some(t) = self.pods.remove(pod) {
+            let what = what(&t);
+            self.exits.push(Exit {
+                job: t.job,
+                name: t.name,
+                ok,
+                what,
+            });
+        }
+    }
+}
+
+fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs jobs as pods in one namespace of a Kubernetes cluster.
+///
+/// Pods have no process id: the [`ProcRecord`]s it returns carry pid 0, and it knows pods by
+/// name (`<job>-<name>`).
+pub struct KubePlacer {
+    client: Client,
+    settings: KubeSettings,
+    rt: Handle,
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl Debug for KubePlacer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubePlacer")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KubePlacer {
+    /// A placer creating objects through `client` as `settings` say. Call it on the tokio
+    /// runtime the scheduler runs on: its background calls are started there.
+    pub fn new(client: Client, settings: KubeSettings) -> anyhow::Result<KubePlacer> {
+        let rt = Handle::try_current().context("the Kubernetes placer needs a tokio runtime")?;
+        Ok(KubePlacer {
+            client,
+            settings,
+            rt,
+            shared: Arc::default(),
+        })
+    }
+
+    /// A placer with the client of the environment: the pod's service account inside a
+    /// cluster, else the current kubeconfig context.
+    pub async fn from_env(settings: KubeSettings) -> anyhow::Result<KubePlacer> {
+        let client = Client::try_default()
+            .await
+            .context("cannot configure a Kubernetes client")?;
+        KubePlacer::new(client, settings)
+    }
+
+    fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        K::DynamicType: Default,
+    {
+        Api::namespaced(self.client.clone(), &self.settings.namespace)
+    }
+
+    fn track(&self, job: &str, name: &str, created: bool, adopted: bool) {
+        lock(&self.shared).pods.insert(
+            pod_name(job, name),
+            Tracked {
+                job: job.to_string(),
+                name: name.to_string(),
+                created,
+                stopping: false,
+                adopted,
+            },
+        );
+    }
+
+    /// The ClusterIP of Service `name`, once the API server has given it one.
+    async fn cluster_ip(&self, svc: Service, name: &str) -> anyhow::Result<IpAddr> {
+        let api = self.api::<Service>();
+        let deadline = Instant::now() + CLUSTER_IP;
+        let mut svc = svc;
+        loop {
+            let ip = svc.spec.as_ref().and_then(|s| s.cluster_ip.as_deref());
+            match ip {
+                Some("None") => anyhow::bail!("Service {name} is headless"),
+                Some(ip) if !ip.is_empty() => {
+                    return ip
+                        .parse()
+                        .with_context(|| format!("Service {name}'s ClusterIP {ip:?}"));
+                }
+                _ => {}
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "Service {name} got no ClusterIP within {} s",
+                CLUSTER_IP.as_secs()
+            );
+            tokio::time::sleep(WAIT_STEP).await;
+            svc = api.get(name).await?;
+        }
+    }
+
+    /// Waits until pod `name` runs; fails if it ends first.
+    async fn wait_running(&self, name: &str, limit: Duration) -> anyhow::Result<()> {
+        let api = self.api::<Pod>();
+        let deadline = Instant::now() + limit;
+        loop {
+            let pod = api.get(name).await?;
+            match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
+                Some("Running") => return Ok(()),
+                Some("Failed" | "Succeeded") => {
+                    anyhow::bail!("pod {name} {}", failure(&pod, &self.settings.namespace))
+                }
+                _ => {}
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "pod {name} did not run within {} s; see `kubectl describe pod -n {} {name}`",
+                limit.as_secs(),
+                self.settings.namespace
+            );
+            tokio::time::sleep(WAIT_STEP).await;
+        }
+    }
+
+    /// The Secret of process `name`, from its credentials in `job`'s directory.
+    fn secret_of(&self, job: &JobLaunch, role: Role, name: &str) -> anyhow::Result<Secret> {
+        let c = job.creds(role, name);
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        Ok(self.settings.pki_secret(
+            &job.name,
+            name,
+            &read(&c.ca)?,
+            &read(&c.cert)?,
+            &read(&c.key)?,
+        ))
+    }
+}
+
+/// Creates or updates `obj` by server-side apply.
+async fn apply<K>(api: &Api<K>, obj: &K) -> anyhow::Result<K>
+where
+    K: Resource + Clone + DeserializeOwned + Serialize + Debug,
+    K::DynamicType: Default,
+{
+    let name = obj.name_any();
+    api.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(obj),
+    )
+    .await
+    .with_context(|| format!("applying {} {name}", K::kind(&Default::default())))
+}
+
+/// Creates `pod`. Pods are created, not applied: a pod left over with the same name must not
+/// pass for a new one.
+async fn create_pod(api: &Api<Pod>, pod: &Pod) -> anyhow::Result<()> {
+    api.create(&PostParams::default(), pod)
+        .await
+        .with_context(|| format!("creating pod {}", pod.name_any()))?;
+    Ok(())
+}
+
+/// Deletes every `K` matching `selector` (one by one: not every kind takes a collection
+/// delete); returns how many were found.
+async fn delete_all<K>(api: &Api<K>, selector: &str, dp: &DeleteParams) -> anyhow::Result<usize>
+where
+    K: Resource + Clone + DeserializeOwned + Debug,
+{
+    let list = api.list(&ListParams::default().labels(selector)).await?;
+    for o in &list.items {
+        match api.delete(&o.name_any(), dp).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(list.items.len())
+}
+
+/// Deletes the pods matching `selector` with a grace period of [`STOP_GRACE`] and waits for
+/// them to go; kills those still there [`STOP_WAIT`] after it.
+async fn delete_pods(api: &Api<Pod>, selector: &str) -> anyhow::Result<()> {
+    let grace = DeleteParams::default().grace_period(STOP_GRACE.as_secs() as u32);
+    delete_all(api, selector, &grace).await?;
+    let deadline = Instant::now() + STOP_GRACE + STOP_WAIT;
+    loop {
+        let left = api.list(&ListParams::default().labels(selector)).await?;
+        if left.items.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                selector,
+                pods = left.items.len(),
+                "pods still there; killing them"
+            );
+            delete_all(api, selector, &DeleteParams::default().grace_period(0)).await?;
+            return Ok(());
+        }
+        tokio::time::sleep(WAIT_STEP).await;
+    }
+}
+
+/// Deletes object `name` after `grace` (for a pod, Kubernetes sends SIGTERM at once and
+/// SIGKILL after it); one already gone is no error.
+async fn delete_one<K>(api: Api<K>, name: String, grace: Duration)
+where
+    K: Resource + Clone + DeserializeOwned + Debug,
+    K::DynamicType: Default,
+{
+    let dp = DeleteParams::default().grace_period(grace.as_secs() as u32);
+    match api.delete(&name, &dp).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => {
+            let kind = K::kind(&Default::default()).into_owned();
+            tracing::warn!(kind, name, error = %e, "cannot delete");
+        }
+    }
+}
+
+/// Creates a worker's Secret and pod; a failure ends the worker (reported by `exited`).
+async fn create_worker(
+    secrets: Api<Secret>,
+    pods: Api<Pod>,
+    shared: Arc<Mutex<Shared>>,
+    secret: Secret,
+    pod: Pod,
+) {
+    let name = pod.name_any();
+    let made = async {
+        apply(&secrets, &secret).await?;
+        create_pod(&pods, &pod).await
+    }
+    .await;
+    // Whether it was asked to leave meanwhile; None: it is no longer tracked, its job stopped.
+    let stopping = {
+        let mut s = lock(&shared);
+        match made {
+            Ok(()) => s.pods.get_mut(&name).map(|t| {
+                t.created = true;
+                t.stopping
+            }),
+            Err(e) => {
+                s.end(&name, false, |_| format!("cannot start: {e:#}"));
+                Some(false)
+            }
+        }
+    };
+    match stopping {
+        Some(false) => {}
+        Some(true) => delete_one(pods, name, WORKER_GRACE).await,
+        None => {
+            // Created after stop_job looked: remove what it missed.
+            delete_one(pods, name, Duration::ZERO).await;
+            delete_one(secrets, secret.name_any(), Duration::ZERO).await;
+        }
+    }
+}
+
+/// Lists the pods of the tracked jobs and records those that ended: in phase `Succeeded` or
+/// `Failed`, or gone (`created` names the pods created before the listing began).
+async fn poll(
+    api: Api<Pod>,
+    shared: Arc<Mutex<Shared>>,
+    ns: String,
+    selector: String,
+    created: Vec<String>,
+) {
+    let listed = api.list(&ListParams::default().labels(&selector)).await;
+    let mut s = lock(&shared);
+    s.polling = false;
+    let pods = match listed {
+        Ok(l) => l.items,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list the jobs' pods");
+            return;
+        }
+    };
+    let mut seen = HashSet::new();
+    for pod in &pods {
+        let name = pod.name_any();
+        match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
+            Some("Succeeded") => s.end(&name, true, |_| "exited".into()),
+            Some("Failed") => s.end(&name, false, |_| failure(pod, &ns)),
+            _ => {}
+        }
+        seen.insert(name);
+    }
+    for name in created.iter().filter(|n| !seen.contains(*n)) {
+        let ok = s.pods.get(name).is_some_and(|t| t.stopping || t.adopted);
+        s.end(name, ok, |t| {
+            if t.stopping {
+                "stopped (its pod was deleted)".into()
+            } else if t.adopted {
+                "exited (status unknown: adopted, its pod is gone)".into()
+            } else {
+                "its pod is gone (deleted or evicted)".into()
+            }
+        });
+    }
+}
+
+impl Placer for KubePlacer {
+    async fn start_servers(
+        &mut self,
+        job: &JobLaunch,
+    ) -> anyhow::Result<(SocketAddr, Vec<ProcRecord>)> {
+        let s = &self.settings;
+        let job_toml = std::fs::read_to_string(job.job_file())
+            .with_context(|| format!("reading {}", job.job_file().display()))?;
+        apply(&self.api(), &s.job_config_map(&job.name, &job_toml)).await?;
+        let mut servers = vec![("coordinator".to_string(), Role::Coordinator)];
+        servers.extend((0..job.shards).map(|i| (format!("s{i}"), Role::Shard)));
+        let mut coordinator_svc = None;
+        let mut records = Vec::new();
+        for (name, role) in servers {
+            apply(&self.api(), &self.secret_of(job, role, &name)?).await?;
+            let (port, pod) = match role {
+                Role::Coordinator => (COORDINATOR_PORT, s.coordinator_pod(&job.name, job.shards)),
+                _ => (SHARD_PORT, s.shard_pod(&job.name, &name)),
+            };
+            let svc = apply(&self.api(), &s.server_service(&job.name, &name, port)).await?;
+            if role == Role::Coordinator {
+                coordinator_svc = Some(svc);
+            }
+            create_pod(&self.api(), &pod).await?;
+            self.track(&job.name, &name, true, false);
+            records.push(ProcRecord {
+                name,
+                pid: 0,
+                slot: None,
+            });
+        }
+        let svc = coordinator_svc.context("no coordinator Service")?;
+        let name = pod_name(&job.name, "coordinator");
+        let ip = self.cluster_ip(svc, &name).await?;
+        self.wait_running(&name, COORDINATOR_START).await?;
+        Ok((SocketAddr::new(ip, COORDINATOR_PORT), records))
+    }
+
+    /// Reads the worker's certificates, then creates its Secret and pod in the background:
+    /// returns at once, with pid 0. The worker reaches the coordinator by its Service's DNS
+    /// name, not by `coordinator`.
+    fn start_worker(
+        &mut self,
+        job: &JobLaunch,
+        _coordinator: &SocketAddr,
+        name: &str,
+        slot: &Slot,
+        placement: u64,
+    ) -> anyhow::Result<ProcRecord> {
+        let secret = self.secret_of(job, Role::Worker, name)?;
+        let pod = self.settings.worker_pod(&job.name, name, slot, placement);
+        self.track(&job.name, name, false, false);
+        self.rt.spawn(create_worker(
+            self.api(),
+            self.api(),
+            self.shared.clone(),
+            secret,
+            pod,
+        ));
+        Ok(ProcRecord {
+            name: name.to_string(),
+            pid: 0,
+            slot: Some(slot.name.clone()),
+        })
+    }
+
+    /// Deletes the worker's pod with a grace period of [`WORKER_GRACE`]: Kubernetes sends
+    /// SIGTERM, the worker finishes its step and leaves.
+    fn stop_worker(&mut self, job: &str, name: &str) {
+        let pod = pod_name(job, name);
+        let mut s = lock(&self.shared);
+        let Some(t) = s.pods.get_mut(&pod) else {
+            return;
+        };
+        if t.stopping {
+            return;
+        }
+        t.stopping = true;
+        // A pod still being created is deleted once created (see create_worker).
+        if t.created {
+            drop(s);
+            self.rt
+                .spawn(delete_one(self.api::<Pod>(), pod, WORKER_GRACE));
+        }
+    }
+
+    /// The pods found ended by the previous listing; starts the next listing (at most one a
+    /// second).
+    fn exited(&mut self) -> Vec<Exit> {
+        let mut s = lock(&self.shared);
+        let out = std::mem::take(&mut s.exits);
+        let due = s.last_poll.is_none_or(|t| t.elapsed() >= POLL);
+        if s.polling || !due || s.pods.is_empty() {
+            return out;
+        }
+        let jobs: HashSet<String> = s.pods.values().map(|t| dns_label(&t.job)).collect();
+        let jobs: Vec<String> = jobs.into_iter().collect();
+        let selector = format!("{}={},{JOB_LABEL} in ({})", APP.0, APP.1, jobs.join(","));
+        let created = s
+            .pods
+            .iter()
+            .filter(|(_, t)| t.created)
+            .map(|(n, _)| n.clone())
+            .collect();
+        s.polling = true;
+        s.last_poll = Some(Instant::now());
+        drop(s);
+        self.rt.spawn(poll(
+            self.api(),
+            self.shared.clone(),
+            self.settings.namespace.clone(),
+            selector,
+            created,
+        ));
+        out
+    }
+
+    /// Deletes the job's pods, workers first, then servers, each with a grace period of
+    /// [`STOP_GRACE`] and waited for; then its Services, Secrets and ConfigMap.
+    async fn stop_job(&mut self, job: &str) {
+        lock(&self.shared).pods.retain(|_, t| t.job != job);
+        let all = job_selector(job);
+        let workers = format!("{all},{ROLE_LABEL}={}", Role::Worker);
+        let pods = self.api::<Pod>();
+        for selector in [&workers, &all] {
+            if let Err(e) = delete_pods(&pods, selector).await {
+                tracing::warn!(job, error = %format!("{e:#}"), "cannot delete the job's pods");
+            }
+        }
+        let dp = DeleteParams::default();
+        let rest = [
+            delete_all(&self.api::<Service>(), &all, &dp).await,
+            delete_all(&self.api::<Secret>(), &all, &dp).await,
+            delete_all(&self.api::<ConfigMap>(), &all, &dp).await,
+        ];
+        for e in rest.into_iter().filter_map(Result::err) {
+            tracing::warn!(job, error = %format!("{e:#}"), "cannot delete the job's objects");
+        }
+    }
+
+    /// Takes the job's pods back without asking the API server (this call cannot wait):
+    /// returns no names, and the next listings by [`KubePlacer::exited`] report those gone.
+    fn adopt(&mut self, job: &str, procs: &[ProcRecord]) -> Vec<String> {
+        for p in procs {
+            self.track(job, &p.name, true, true);
+        }
+        Vec::new()
+    }
+
+    /// Does nothing: pods run on without the scheduler.
+    fn detach_all(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    fn settings() -> KubeSettings {
+        KubeSettings {
+            namespace: "edl".into(),
+            image: "registry.example/edl:1".into(),
+            gpus: true,
+            data_dir: "/data/fashion-mnist".into(),
+            data_claim: Some("datasets".into()),
+            worker_args: vec!["--give-up-after".into(), "600".into()],
+        }
+    }
+
+    fn slot(host: &str) -> Slot {
+        Slot {
+            name: "gpu0".into(),
+            host: host.into(),
+        }
+    }
+
+    fn to_json(o: &impl Serialize) -> Value {
+        serde_json::to_value(o).expect("serialize")
+    }
+
+    fn is_dns_1035(s: &str) -> bool {
+        s.len() <= 63
+            && s.starts_with(|c: char| c.is_ascii_lowercase())
+            && s.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+            && s.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    }
+
+    /// The value after `flag` in `args`, checking that the flag appears once.
+    fn flag<'a>(args: &'a Value, flag: &str) -> &'a str {
+        let args = args.as_array().expect("args");
+        let at: Vec<usize> = (0..args.len()).filter(|&i| args[i] == flag).collect();
+        assert_eq!(at.len(), 1, "{flag} in {args:?}");
+        args[at[0] + 1].as_str().expect("a string")
+    }
+
+    #[test]
+    fn names_are_dns_labels() {
+        assert_eq!(dns_label("j1"), "j1");
+        assert_eq!(pod_name("j1", "p3"), "j1-p3");
+        let odd = [
+            "My_Job.v2",
+            "a_b",
+            "a.b",
+            "1job",
+            "-x-",
+            "A",
+            &"n".repeat(64),
+        ];
+        for s in odd {
+            let l = dns_label(s);
+            assert!(is_dns_1035(&l) && l.len() <= MAX_LABEL, "{s:?} -> {l:?}");
+            assert_eq!(l, dns_label(s), "stable");
+        }
+        assert_ne!(dns_label("a_b"), dns_label("a-b"));
+        assert_ne!(dns_label("a_b"), dns_label("a.b"));
+        assert_ne!(dns_label("A"), dns_label("a"));
+        // The longest names still fit a Service name (63).
+        let job = "J".repeat(64);
+        assert!(is_dns_1035(&pod_name(&job, "coordinator")));
+        assert!(is_dns_1035(&pod_name(&job, &format!("p{}", u64::MAX))));
+    }
+
+    #[test]
+    fn coordinator_pod_and_service() {
+        let s = settings();
+        let pod = to_json(&s.coordinator_pod("j1", 2));
+        assert_eq!(pod["apiVersion"], "v1");
+        assert_eq!(pod["kind"], "Pod");
+        assert_eq!(pod["metadata"]["name"], "j1-coordinator");
+        assert_eq!(pod["metadata"]["namespace"], "edl");
+        let labels = &pod["metadata"]["labels"];
+        assert_eq!(labels["app"], "edl");
+        assert_eq!(labels["edl/job"], "j1");
+        assert_eq!(labels["edl/role"], "coordinator");
+        let spec = &pod["spec"];
+        assert_eq!(spec["restartPolicy"], "Never");
+        assert_eq!(spec["automountServiceAccountToken"], false);
+        let c = &spec["containers"][0];
+        assert_eq!(c["image"], "registry.example/edl:1");
+        assert_eq!(c["command"], json!(["edl-ps"]));
+        assert_eq!(c["args"][0], "coordinator");
+        assert_eq!(flag(&c["args"], "--listen"), "0.0.0.0:7070");
+        assert_eq!(flag(&c["args"], "--shards"), "2");
+        assert_eq!(flag(&c["args"], "--job"), "/etc/edl/job/job.toml");
+        assert_eq!(flag(&c["args"], "--state-dir"), "/var/lib/edl");
+        assert_eq!(flag(&c["args"], "--ca"), "/etc/edl/pki/ca.pem");
+        assert_eq!(flag(&c["args"], "--cert"), "/etc/edl/pki/cert.pem");
+        assert_eq!(flag(&c["args"], "--key"), "/etc/edl/pki/key.pem");
+        assert_eq!(
+            c["ports"],
+            json!([{"name": "quic", "containerPort": 7070, "protocol": "UDP"}])
+        );
+        assert_eq!(
+            c["volumeMounts"],
+            json!([
+                {"name": "pki", "mountPath": "/etc/edl/pki", "readOnly": true},
+                {"name": "state", "mountPath": "/var/lib/edl"},
+                {"name": "job", "mountPath": "/etc/edl/job", "readOnly": true},
+            ])
+        );
+        assert_eq!(
+            spec["volumes"],
+            json!([
+                {"name": "pki", "secret": {"secretName": "j1-coordinator-pki"}},
+                {"name": "state", "emptyDir": {}},
+                {"name": "job", "configMap": {"name": "j1-job"}},
+            ])
+        );
+        assert!(c.get("resources").is_none() && spec.get("nodeSelector").is_none());
+
+        let svc = to_json(&s.server_service("j1", "coordinator", COORDINATOR_PORT));
+        assert_eq!(svc["kind"], "Service");
+        assert_eq!(svc["metadata"]["name"], "j1-coordinator");
+        assert_eq!(svc["spec"]["type"], "ClusterIP");
+        assert_eq!(
+            svc["spec"]["ports"],
+            json!([{"name": "quic", "port": 7070, "targetPort": 7070, "protocol": "UDP"}])
+        );
+        // The selector picks the coordinator's pod, by labels it has.
+        let selector = svc["spec"]["selector"].as_object().expect("selector");
+        assert_eq!(selector.len(), 4);
+        for (k, v) in selector {
+            assert_eq!(&labels[k], v, "{k}");
+        }
+    }
+
+    #[test]
+    fn shard_pod_and_service() {
+        let s = settings();
+        let pod = to_json(&s.shard_pod("j1", "s0"));
+        assert_eq!(pod["metadata"]["name"], "j1-s0");
+        assert_eq!(pod["metadata"]["labels"]["edl/role"], "shard");
+        let c = &pod["spec"]["containers"][0];
+        assert_eq!(c["command"], json!(["edl-ps"]));
+        assert_eq!(c["args"][0], "shard");
+        assert_eq!(flag(&c["args"], "--name"), "s0");
+        assert_eq!(flag(&c["args"], "--listen"), "0.0.0.0:7071");
+        assert_eq!(
+            flag(&c["args"], "--coordinator"),
+            "j1-coordinator.edl.svc:7070"
+        );
+        assert_eq!(flag(&c["args"], "--advertise"), "j1-s0.edl.svc:7071");
+        assert_eq!(flag(&c["args"], "--key"), "/etc/edl/pki/key.pem");
+        assert_eq!(c["ports"][0]["containerPort"], 7071);
+        assert_eq!(c["ports"][0]["protocol"], "UDP");
+        assert_eq!(
+            pod["spec"]["volumes"][0]["secret"]["secretName"],
+            "j1-s0-pki"
+        );
+        let svc = to_json(&s.server_service("j1", "s0", SHARD_PORT));
+        assert_eq!(svc["metadata"]["name"], "j1-s0");
+        assert_eq!(svc["spec"]["selector"]["edl/name"], "s0");
+        assert_eq!(svc["spec"]["selector"]["edl/role"], "shard");
+        assert_eq!(svc["spec"]["ports"][0]["port"], 7071);
+    }
+
+    #[test]
+    fn worker_pod() {
+        let s = settings();
+        let pod = to_json(&s.worker_pod("j1", "p7", &slot("node-a"), 7));
+        assert_eq!(pod["metadata"]["name"], "j1-p7");
+        let labels = &pod["metadata"]["labels"];
+        assert_eq!(labels["app"], "edl");
+        assert_eq!(labels["edl/job"], "j1");
+        assert_eq!(labels["edl/role"], "worker");
+        assert_eq!(labels["edl/slot"], "gpu0");
+        let spec = &pod["spec"];
+        assert_eq!(
+            spec["nodeSelector"],
+            json!({"kubernetes.io/hostname": "node-a"})
+        );
+        assert_eq!(spec["terminationGracePeriodSeconds"], 60);
+        let c = &spec["containers"][0];
+        assert_eq!(c["command"], json!(["edl-worker"]));
+        assert_eq!(c["resources"], json!({"limits": {"nvidia.com/gpu": "1"}}));
+        assert!(c.get("ports").is_none());
+        let args = &c["args"];
+        assert_eq!(flag(args, "--coordinator"), "j1-coordinator.edl.svc:7070");
+        assert_eq!(flag(args, "--name"), "p7");
+        assert_eq!(flag(args, "--placement"), "7");
+        assert_eq!(flag(args, "--data-dir"), "/data/fashion-mnist");
+        assert_eq!(flag(args, "--cert"), "/etc/edl/pki/cert.pem");
+        assert_eq!(flag(args, "--give-up-after"), "600");
+        assert_eq!(
+            c["volumeMounts"][2],
+            json!({"name": "data", "mountPath": "/data/fashion-mnist", "readOnly": true})
+        );
+        assert_eq!(
+            spec["volumes"][2],
+            json!({"name": "data", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": true}})
+        );
+
+        // On this host's slots and without GPUs: no node, no GPU.
+        let plain = KubeSettings {
+            gpus: false,
+            data_claim: None,
+            ..settings()
+        };
+        let pod = to_json(&plain.worker_pod("My_Job", "p1", &slot(LOCAL_HOST), 1));
+        let name = pod["metadata"]["name"].as_str().expect("name");
+        assert!(
+            name.starts_with("my-job-") && name.ends_with("-p1"),
+            "{name}"
+        );
+        assert!(pod["spec"].get("nodeSelector").is_none());
+        assert!(pod["spec"]["containers"][0].get("resources").is_none());
+        assert_eq!(pod["spec"]["volumes"].as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
+    fn secret_and_config_map() {
+        let s = settings();
+        let secret = to_json(&s.pki_secret("j1", "p7", b"CA", b"CERT", b"KEY"));
+        assert_eq!(secret["kind"], "Secret");
+        assert_eq!(secret["metadata"]["name"], "j1-p7-pki");
+        assert_eq!(secret["metadata"]["labels"]["edl/job"], "j1");
+        assert_eq!(secret["type"], "Opaque");
+        // base64 of the PEM files.
+        assert_eq!(
+            secret["data"],
+            json!({"ca.pem": "Q0E=", "cert.pem": "Q0VSVA==", "key.pem": "S0VZ"})
+        );
+        let cm = to_json(&s.job_config_map("j1", "[model]\n"));
+        assert_eq!(cm["kind"], "ConfigMap");
+        assert_eq!(cm["metadata"]["name"], "j1-job");
+        assert_eq!(cm["data"]["job.toml"], "[model]\n");
+        assert_eq!(job_selector("j1"), "app=edl,edl/job=j1");
+    }
+
+    /// Writes every kind of object the placer creates as JSON (into `$EDL_K8S_OBJECTS_DIR`
+    /// when it is set, to look at them) and checks them with the offline schema validator
+    /// `kubernetes-validate` (PyPI; `$KUBERNETES_VALIDATE` names it if it is not on `PATH`)
+    /// against the Kubernetes version the placer is built for, strictly: an unknown field is
+    /// an error, and so is a kind it has no schema for. Without the validator the test is
+    /// skipped, unless `EDL_REQUIRE_K8S_VALIDATE=1` (CI installs it).
+    #[test]
+    fn objects_pass_the_offline_schema_validator() {
+        let validator =
+            std::env::var("KUBERNETES_VALIDATE").unwrap_or_else(|_| "kubernetes-validate".into());
+        let found = std::process::Command::new(&validator)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            assert!(
+                std::env::var("EDL_REQUIRE_K8S_VALIDATE").as_deref() != Ok("1"),
+                "{validator} not found and EDL_REQUIRE_K8S_VALIDATE=1: pip install \
+                 kubernetes-validate"
+            );
+            eprintln!("skipped: {validator} not found (pip install kubernetes-validate)");
+            return;
+        }
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = std::env::var_os("EDL_K8S_OBJECTS_DIR")
+            .map_or_else(|| tmp.path().to_path_buf(), PathBuf::from);
+        std::fs::create_dir_all(&dir).expect("create the objects directory");
+        let s = settings();
+        let plain = KubeSettings {
+            gpus: false,
+            data_claim: None,
+            ..settings()
+        };
+        let pem = b"-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n";
+        let objects = [
+            (
+                "configmap-job",
+                to_json(&s.job_config_map("j1", "[model]\n")),
+            ),
+            (
+                "secret-coordinator",
+                to_json(&s.pki_secret("j1", "coordinator", pem, pem, pem)),
+            ),
+            (
+                "service-coordinator",
+                to_json(&s.server_service("j1", "coordinator", COORDINATOR_PORT)),
+            ),
+            ("pod-coordinator", to_json(&s.coordinator_pod("j1", 2))),
+            (
+                "service-shard",
+                to_json(&s.server_service("j1", "s0", SHARD_PORT)),
+            ),
+            ("pod-shard", to_json(&s.shard_pod("j1", "s0"))),
+            (
+                "pod-worker-gpu",
+                to_json(&s.worker_pod("j1", "p7", &slot("node-a"), 7)),
+            ),
+            (
+                "pod-worker-local",
+                to_json(&plain.worker_pod("My_Job.2", "p1", &slot(LOCAL_HOST), 1)),
+            ),
+        ];
+        let mut files = Vec::new();
+        for (name, o) in objects {
+            let path = dir.join(format!("{name}.json"));
+            let text = serde_json::to_string_pretty(&o).expect("JSON");
+            std::fs::write(&path, text).expect("write an object");
+            files.push(path);
+        }
+        let out = std::process::Command::new(&validator)
+            .args(["--strict", "-k", K8S_VERSION])
+            .args(&files)
+            .output()
+            .expect("run the validator");
+        let report = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        println!("{report}");
+        assert!(out.status.success(), "{report}");
+        // It exits 0 for a kind it has no schema for, with a warning: that fails here.
+        assert!(
+            !report
+                .lines()
+                .any(|l| l.starts_with("ERROR") || l.starts_with("WARN") || l.starts_with("FATAL")),
+            "{report}"
+        );
+        let passed = report.lines().filter(|l| l.contains("passed")).count();
+        assert_eq!(passed, files.len(), "{report}");
+    }
+
+    /// A stand-in for the API server: core/v1 objects of one namespace in memory; create,
+    /// server-side apply (as a replace), get, list by label selector, delete.
+    #[derive(Default)]
+    struct Fake {
+        /// By (resource, name).
+        objects: Mutex<BTreeMap<(String, String), Value>>,
+        next_ip: Mutex<u8>,
+        /// How long creating a pod takes.
+        pod_delay: Mutex<Duration>,
+        /// The names deleted, in order.
+        deleted: Mutex<Vec<String>>,
+    }
+
+    fn status(code: u16, reason: &str) -> (u16, Value) {
+        let s = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                       "message": reason, "reason": reason, "code": code});
+        (code, s)
+    }
+
+    fn decode(q: &str) -> String {
+        let b = q.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            match b[i] {
+                b'+' => out.push(b' '),
+                b'%' if i + 2 < b.len() => {
+                    let hex = std::str::from_utf8(&b[i + 1..i + 3]).expect("hex");
+                    out.push(u8::from_str_radix(hex, 16).expect("hex"));
+                    i += 2;
+                }
+                c => out.push(c),
+            }
+            i += 1;
+        }
+        String::from_utf8(out).expect("utf-8")
+    }
+
+    /// Whether `labels` match `selector` (`k=v` and `k in (a,b)` terms, comma-separated).
+    fn matches(selector: &str, labels: &Value) -> bool {
+        let mut terms = Vec::new();
+        let (mut depth, mut start) = (0, 0);
+        for (i, c) in selector.char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => depth -= 1,
+                ',' if depth == 0 => {
+                    terms.push(&selector[start..i]);
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        terms.push(&selector[start..]);
+        terms.iter().filter(|t| !t.is_empty()).all(|t| {
+            if let Some((k, vs)) = t.split_once(" in (") {
+                let v = labels[k.trim()].as_str().unwrap_or("");
+                vs.trim_end_matches(')').split(',').any(|x| x.trim() == v)
+            } else {
+                let (k, v) = t.split_once('=').expect("k=v");
+                labels[k] == v
+            }
+        })
+    }
+
+    impl Fake {
+        fn handle(&self, method: &str, uri: &http::Uri, body: &[u8]) -> (u16, Value) {
+            let path: Vec<&str> = uri.path().trim_start_matches('/').split('/').collect();
+            let (res, name) = match path.as_slice() {
+                ["api", "v1", "namespaces", "edl", res] => (res.to_string(), None),
+                ["api", "v1", "namespaces", "edl", res, name] => {
+                    (res.to_string(), Some(name.to_string()))
+                }
+                _ => return status(404, "NotFound"),
+            };
+            let mut objects = self.objects.lock().expect("lock");
+            match (method, name) {
+                ("GET", Some(n)) => match objects.get(&(res, n)) {
+                    Some(o) => (200, o.clone()),
+                    None => status(404, "NotFound"),
+                },
+                ("GET", None) => {
+                    let selector = uri
+                        .query()
+                        .unwrap_or("")
+                        .split('&')
+                        .find_map(|kv| kv.strip_prefix("labelSelector="))
+                        .map(decode)
+                        .unwrap_or_default();
+                    let items: Vec<Value> = objects
+                        .iter()
+                        .filter(|((r, _), o)| {
+                            *r == res && matches(&selector, &o["metadata"]["labels"])
+                        })
+                        .map(|(_, o)| o.clone())
+                        .collect();
+                    (
+                        200,
+                        json!({"apiVersion": "v1", "kind": "List", "metadata": {}, "items": items}),
+                    )
+                }
+                ("POST", None) | ("PATCH", Some(_)) => {
+                    let mut o: Value = serde_json::from_slice(body).expect("an object");
+                    let n = o["metadata"]["name"].as_str().expect("name").to_string();
+                    let old = objects.get(&(res.clone(), n.clone()));
+                    if method == "POST" && old.is_some() {
+                        return status(409, "AlreadyExists");
+                    }
+                    if res == "services" {
+                        let ip = match old {
+                            Some(old) => old["spec"]["clusterIP"].clone(),
+                            None => {
+                                let mut next = self.next_ip.lock().expect("lock");
+                                *next += 1;
+                                json!(format!("10.96.0.{next}"))
+                            }
+                        };
+                        o["spec"]["clusterIP"] = ip;
+                    }
+                    if res == "pods" {
+                        o["status"] = json!({"phase": "Running"});
+                    }
+                    objects.insert((res, n), o.clone());
+                    (if method == "POST" { 201 } else { 200 }, o)
+                }
+                ("DELETE", Some(n)) => {
+                    self.deleted.lock().expect("lock").push(n.clone());
+                    match objects.remove(&(res, n)) {
+                        Some(o) => (200, o),
+                        None => status(404, "NotFound"),
+                    }
+                }
+                _ => status(405, "MethodNotAllowed"),
+            }
+        }
+
+        fn names(&self, res: &str) -> Vec<String> {
+            let objects = self.objects.lock().expect("lock");
+            objects
+                .keys()
+                .filter(|(r, _)| r == res)
+                .map(|(_, n)| n.clone())
+                .collect()
+        }
+
+        fn set_phase(&self, pod: &str, phase: &str) {
+            let mut objects = self.objects.lock().expect("lock");
+            let o = objects
+                .get_mut(&("pods".to_string(), pod.to_string()))
+                .expect("the pod");
+            o["status"] = json!({"phase": phase, "containerStatuses": [{
+                "name": "c", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+                "state": {"terminated": {"exitCode": if phase == "Failed" { 3 } else { 0 }}}
+            }]});
+        }
+
+        fn remove(&self, res: &str, name: &str) {
+            let mut objects = self.objects.lock().expect("lock");
+            objects.remove(&(res.to_string(), name.to_string()));
+        }
+    }
+
+    fn fake_client(fake: Arc<Fake>) -> Client {
+        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let fake = fake.clone();
+            async move {
+                let (parts, body) = req.into_parts();
+                if parts.method == http::Method::POST && parts.uri.path().ends_with("/pods") {
+                    let delay = *fake.pod_delay.lock().expect("lock");
+                    tokio::time::sleep(delay).await;
+                }
+                let body = body.collect_bytes().await.expect("a request body");
+                let (code, v) = fake.handle(parts.method.as_str(), &parts.uri, &body);
+                let body = kube::client::Body::from(serde_json::to_vec(&v).expect("JSON"));
+                let resp = http::Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .expect("a response");
+                Ok::<_, Infallible>(resp)
+            }
+        });
+        Client::new(service, "edl")
+    }
+
+    /// Calls `exited` until `n` exits are reported (at most 10 s).
+    async fn exits(placer: &mut KubePlacer, n: usize) -> Vec<Exit> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut out = Vec::new();
+        while out.len() < n {
+            assert!(Instant::now() < deadline, "only {out:?}");
+            out.extend(placer.exited());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        out
+    }
+
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The placer's calls, against the stand-in API server: servers, workers, ends reported
+    /// once, a worker stopped, a pod that cannot be created, pods taken back, a worker stopped
+    /// and a job stopped while a pod is being created.
+    #[tokio::test]
+    async fn placer_against_a_stand_in_api_server() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let job = JobLaunch {
+            name: "j1".into(),
+            dir: dir.path().join("j1"),
+            shards: 1,
+        };
+        std::fs::create_dir_all(job.pki()).expect("pki dir");
+        std::fs::write(job.job_file(), "[model]\n").expect("job file");
+        std::fs::write(job.pki().join("ca.pem"), "CA").expect("ca");
+        let creds = [
+            (Role::Coordinator, "coordinator"),
+            (Role::Shard, "s0"),
+            (Role::Worker, "p1"),
+            (Role::Worker, "p2"),
+            (Role::Worker, "p3"),
+            (Role::Worker, "p4"),
+            (Role::Worker, "p5"),
+            (Role::Worker, "p6"),
+        ];
+        for (role, n) in creds {
+            let c = job.creds(role, n);
+            std::fs::write(&c.cert, format!("CERT {n}")).expect("cert");
+            std::fs::write(&c.key, format!("KEY {n}")).expect("key");
+        }
+        let fake = Arc::new(Fake::default());
+        let mut placer = KubePlacer::new(fake_client(fake.clone()), settings()).expect("placer");
+
+        let (addr, procs) = placer.start_servers(&job).await.expect("servers");
+        assert_eq!(addr, SocketAddr::from(([10, 96, 0, 1], COORDINATOR_PORT)));
+        let names: Vec<_> = procs.iter().map(|p| (p.name.as_str(), p.pid)).collect();
+        assert_eq!(names, [("coordinator", 0), ("s0", 0)]);
+        assert_eq!(fake.names("configmaps"), ["j1-job"]);
+        assert_eq!(fake.names("services"), ["j1-coordinator", "j1-s0"]);
+        assert_eq!(fake.names("secrets"), ["j1-coordinator-pki", "j1-s0-pki"]);
+        assert_eq!(fake.names("pods"), ["j1-coordinator", "j1-s0"]);
+
+        // Workers; one ends, one's pod vanishes.
+        for (i, w) in ["p1", "p2", "p3"].into_iter().enumerate() {
+            let rec = placer
+                .start_worker(&job, &addr, w, &slot("node-a"), i as u64 + 1)
+                .expect("worker");
+            assert_eq!((rec.pid, rec.slot.as_deref()), (0, Some("gpu0")));
+        }
+        until("the workers' pods", || fake.names("pods").len() == 5).await;
+        let secret =
+            fake.objects.lock().expect("lock")[&("secrets".into(), "j1-p1-pki".into())].clone();
+        assert_eq!(secret["data"]["cert.pem"], "Q0VSVCBwMQ=="); // "CERT p1"
+        fake.set_phase("j1-p1", "Succeeded");
+        fake.remove("pods", "j1-p2");
+        let mut got = exits(&mut placer, 2).await;
+        got.sort_by(|a, b| a.name.cmp(&b.name));
+        assert_eq!((got[0].name.as_str(), got[0].ok), ("p1", true));
+        assert_eq!((got[1].name.as_str(), got[1].ok), ("p2", false));
+        assert!(got[1].what.contains("gone"), "{}", got[1].what);
+
+        // A worker asked to leave: its pod is deleted, then reported stopped.
+        placer.stop_worker("j1", "p3");
+        until("p3 deleted", || {
+            !fake.names("pods").contains(&"j1-p3".into())
+        })
+        .await;
+        let got = exits(&mut placer, 1).await;
+        assert_eq!((got[0].name.as_str(), got[0].ok), ("p3", true), "{got:?}");
+
+        // A server fails; ends are reported once.
+        fake.set_phase("j1-s0", "Failed");
+        let got = exits(&mut placer, 1).await;
+        assert_eq!((got[0].name.as_str(), got[0].ok), ("s0", false));
+        assert!(got[0].what.contains("exit code 3"), "{}", got[0].what);
+        tokio::time::sleep(POLL * 2).await;
+        let again: Vec<Exit> = placer.exited().into_iter().chain(placer.exited()).collect();
+        assert!(again.is_empty(), "{again:?}");
+
+        // A pod that cannot be created (the name is taken) is reported failed.
+        fake.objects.lock().expect("lock").insert(
+            ("pods".into(), "j1-p4".into()),
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "j1-p4"}}),
+        );
+        placer
+            .start_worker(&job, &addr, "p4", &slot("node-a"), 4)
+            .expect("worker");
+        let got = exits(&mut placer, 1).await;
+        assert_eq!((got[0].name.as_str(), got[0].ok), ("p4", false));
+        assert!(got[0].what.contains("cannot start"), "{}", got[0].what);
+        fake.remove("pods", "j1-p4");
+
+        // Taken back after a restart: a pod that is gone is reported.
+        let mut back = KubePlacer::new(fake_client(fake.clone()), settings()).expect("placer");
+        let recs = [("coordinator", None), ("p1", Some("gpu0"))].map(|(n, s)| ProcRecord {
+            name: n.into(),
+            pid: 0,
+            slot: s.map(Into::into),
+        });
+        fake.remove("pods", "j1-p1");
+        assert!(back.adopt("j1", &recs).is_empty());
+        let got = exits(&mut back, 1).await;
+        assert_eq!((got[0].name.as_str(), got[0].ok), ("p1", true), "{got:?}");
+
+        // Asked to leave while its pod is being created: deleted once created.
+        *fake.pod_delay.lock().expect("lock") = Duration::from_millis(300);
+        placer
+            .start_worker(&job, &addr, "p5", &slot("node-a"), 5)
+            .expect("worker");
+        placer.stop_worker("j1", "p5");
+        let deleted = || fake.deleted.lock().expect("lock").clone();
+        until("p5 deleted", || deleted().contains(&"j1-p5".into())).await;
+        let got = exits(&mut placer, 1).await;
+        assert_eq!((got[0].name.as_str(), got[0].ok), ("p5", true), "{got:?}");
+
+        // Its job stopped while its pod is being created: removed once created.
+        placer
+            .start_worker(&job, &addr, "p6", &slot("node-a"), 6)
+            .expect("worker");
+        placer.stop_job("j1").await;
+        until("p6 removed", || {
+            let gone = ["j1-p6", "j1-p6-pki"].map(|n| deleted().contains(&n.into()));
+            gone == [true, true]
+        })
+        .await;
+        for res in ["pods", "services", "secrets", "configmaps"] {
+            assert!(fake.names(res).is_empty(), "{res}: {:?}", fake.names(res));
+        }
+    }
+}

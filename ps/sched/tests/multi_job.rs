@@ -76,3 +76,58 @@ fn elastic_beats_fifo_on_the_same_jobs() {
         "elastic {elastic:.1} s is not below fifo {fifo:.1} s"
     );
 }
+
+/// Tiresias preempts without restarting anything: a job that has had its share is suspended
+/// (its coordinator drains every worker and keeps the parameters and the data progress) for
+/// a newcomer, and resumes later where it stopped. Both finish with exact ledgers.
+#[test]
+fn tiresias_suspends_and_resumes_jobs_stop_free() {
+    if !edl_testkit::have_fashion_mnist() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sched = Sched::start_with(
+        dir.path(),
+        "tiresias",
+        2,
+        "tiresias_threshold = \"2s\"\n",
+        true,
+    );
+    let file = job_file(dir.path(), "job", 8_000);
+    sched.submit(&file, "first", 2);
+    sched.wait(
+        |j| j.iter().any(|j| j.name == "first" && j.samples > 0),
+        "the first job did not start training",
+    );
+    sched.submit(&file, "second", 2);
+    let jobs = sched.wait(
+        |j| {
+            j.iter()
+                .all(|j| j.state != "queued" && j.state != "running")
+        },
+        "the jobs did not all end",
+    );
+    for j in &jobs {
+        assert_eq!(j.state, "finished", "{j:#?}");
+        let l = j.ledger.expect("a finished job's ledger");
+        assert_eq!(
+            (l.applied, l.duplicates, l.missing),
+            (j.samples_total, 0, 0),
+            "{j:#?}"
+        );
+    }
+    let events = EventLog::read(&sched.state.join("events.jsonl")).expect("event log");
+    // The first job was suspended (resized to 0) while the second ran, then resumed.
+    let first: Vec<Option<u32>> = events
+        .iter()
+        .filter(|e| e.job == "first" && (e.event == "start" || e.event == "resize"))
+        .map(|e| e.alloc)
+        .collect();
+    let suspended = first.iter().position(|a| *a == Some(0));
+    assert!(
+        suspended.is_some_and(|i| first[i + 1..].contains(&Some(2))),
+        "the first job was not suspended and resumed: {first:?}"
+    );
+    let slots: Vec<String> = (0..2).map(|i| format!("slot{i}")).collect();
+    check_slots(&events, &slots).expect("no slot held twice");
+}

@@ -59,13 +59,18 @@ pub struct Sched {
 impl Sched {
     /// A scheduler of 4 slots under `policy`, its files in `dir`.
     pub fn start(dir: &Path, policy: &str, stop_jobs: bool) -> Sched {
+        Sched::start_with(dir, policy, 4, "", stop_jobs)
+    }
+
+    /// A scheduler of `slots` slots under `policy`, with `extra` lines in its cluster file.
+    pub fn start_with(dir: &Path, policy: &str, slots: u32, extra: &str, stop_jobs: bool) -> Sched {
         let cluster = dir.join(format!("cluster-{policy}.toml"));
         std::fs::write(
             &cluster,
             format!(
-                "policy = \"{policy}\"\nslots = 4\nshards = 1\nresize_interval = \"1s\"\n\
+                "policy = \"{policy}\"\nslots = {slots}\nshards = 1\nresize_interval = \"1s\"\n\
                  resize_overhead = 1.0\n\
-                 worker_args = [\"--slowdown\", \"{SLOWDOWN}\"]\n"
+                 worker_args = [\"--slowdown\", \"{SLOWDOWN}\"]\n{extra}"
             ),
         )
         .expect("write the cluster file");

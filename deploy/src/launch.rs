@@ -49,6 +49,16 @@ impl Binaries {
     }
 }
 
+/// Removes `file` (an address file left by an earlier run, which must not pass for the new
+/// process's); a file that is not there is fine.
+pub fn remove_stale(file: &Path) -> anyhow::Result<()> {
+    match std::fs::remove_file(file) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("cannot remove {}", file.display())),
+    }
+}
+
 /// A process's credentials given as files (a job's certificates signed by a cluster CA).
 /// Without them a process reads the PKI of its state directory.
 #[derive(Clone, Debug)]

@@ -89,7 +89,7 @@ pub struct JobRow {
     /// Samples in the whole run.
     pub samples_total: u64,
     /// Seconds from submission to the first slot (so far, while queued).
-    pub queued_s: Option<f64>,
+    pub queued_s: f64,
     /// Seconds from submission to the end (job completion time).
     pub jct_s: Option<f64>,
     /// Slot-seconds held.
@@ -149,7 +149,7 @@ impl JobRow {
             resize_cost_s: j.resize_cost_ms.map(|ms| ms as f64 / 1000.0),
             samples: j.samples.0,
             samples_total: j.samples.1,
-            queued_s: Some(secs(j.submit_ms, j.start_ms.or(j.end_ms).unwrap_or(now_ms))),
+            queued_s: secs(j.submit_ms, j.start_ms.or(j.end_ms).unwrap_or(now_ms)),
             jct_s: j.end_ms.map(|e| secs(j.submit_ms, e)),
             attained_s: j.attained_s,
             submit_ms: j.submit_ms,

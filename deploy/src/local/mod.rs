@@ -598,13 +598,7 @@ impl Launch<'_> {
         let addr_file = self.state_dir.join("coordinator.addr");
         // A state directory can be reused; an address left by an earlier run must not be
         // mistaken for this coordinator's.
-        match std::fs::remove_file(&addr_file) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(e).with_context(|| format!("cannot remove {}", addr_file.display()));
-            }
-        }
+        launch::remove_stale(&addr_file)?;
         let layers = cfg
             .layers
             .iter()

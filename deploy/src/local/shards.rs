@@ -148,13 +148,7 @@ impl Launch<'_> {
             .ensure(Role::Shard, name)
             .with_context(|| format!("issuing the certificate of shard/{name}"))?;
         let addr_file = self.addr_file(name);
-        match std::fs::remove_file(&addr_file) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(e).with_context(|| format!("cannot remove {}", addr_file.display()));
-            }
-        }
+        crate::launch::remove_stale(&addr_file)?;
         let log = match self.shards.starts(name) {
             0 => format!("{name}.log"),
             n => format!("{name}-restart{n}.log"),

@@ -9,7 +9,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{Sched, job_file};
+use common::{ONE_AT_A_TIME, Sched, job_file};
 use edl_sched::cluster::state::{EventLog, check_slots};
 
 /// One long job that asks for all 4 slots, then two short ones that ask for 2 each, once the
@@ -64,6 +64,7 @@ fn elastic_beats_fifo_on_the_same_jobs() {
     if !edl_testkit::have_fashion_mnist() {
         return;
     }
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().expect("tempdir");
     let elastic = run_pattern(dir.path(), "elastic");
     let fifo = run_pattern(dir.path(), "fifo");
@@ -85,6 +86,7 @@ fn tiresias_suspends_and_resumes_jobs_stop_free() {
     if !edl_testkit::have_fashion_mnist() {
         return;
     }
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().expect("tempdir");
     let sched = Sched::start_with(
         dir.path(),

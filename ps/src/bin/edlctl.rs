@@ -751,7 +751,7 @@ async fn job_cmd(
                     format!("{} ({}..{})", r.workers, r.min_workers, r.max_workers),
                     format!("{} ({} running)", r.alloc, r.running),
                     format!("{}/{}", r.samples, r.samples_total),
-                    opt_s(r.queued_s),
+                    format!("{:.1} s", r.queued_s),
                     opt_s(r.jct_s),
                 ]);
             }
@@ -784,7 +784,7 @@ async fn job_cmd(
         "samples".into(),
         format!("{}/{}", row.samples, row.samples_total),
     ]);
-    t.add_row(vec!["queued".into(), opt_s(row.queued_s)]);
+    t.add_row(vec!["queued".into(), format!("{:.1} s", row.queued_s)]);
     t.add_row(vec!["completion time".into(), opt_s(row.jct_s)]);
     t.add_row(vec![
         "slot-seconds".into(),
@@ -805,12 +805,12 @@ async fn job_cmd(
     t.add_row(vec!["directory".into(), row.dir.clone()]);
     println!("{t}");
     if let Some(c) = &row.coordinator {
-        let pki = std::path::Path::new(&row.dir).join("pki");
+        let pki = edl_shared::pki::PkiDir::new(std::path::Path::new(&row.dir));
         println!(
             "reach its coordinator with your certificate for this job:\n  edlctl --coordinator {c} \\\n    --ca {} --cert {} --key {} status",
-            pki.join("ca.pem").display(),
-            pki.join(format!("admin-{}.pem", row.owner)).display(),
-            pki.join(format!("admin-{}.key", row.owner)).display(),
+            pki.ca_cert().display(),
+            pki.node_cert(Role::Admin, &row.owner).display(),
+            pki.node_key(Role::Admin, &row.owner).display(),
         );
     }
     Ok(())

@@ -5,13 +5,14 @@
 //! `edl-local` uses ([`edl_deploy::launch`], [`edl_deploy::procs`]).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
 use edl_deploy::launch::{self, Binaries, Creds};
 use edl_deploy::procs::{Proc, Spawn, Stopped};
 use edl_shared::Role;
+use edl_shared::pki::PkiDir;
 use edl_shared::proto::StragglerSettings;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -48,13 +49,14 @@ impl JobLaunch {
         self.dir.join("pki")
     }
 
-    /// The credential files of `role/name` in the job's certificate directory.
+    /// The credential files of `role/name` in the job's certificate directory (the layout
+    /// of a state directory's PKI).
     pub fn creds(&self, role: Role, name: &str) -> Creds {
-        let pki = self.pki();
+        let pki = PkiDir::new(&self.dir);
         Creds {
-            ca: pki.join("ca.pem"),
-            cert: pki.join(format!("{role}-{name}.pem")),
-            key: pki.join(format!("{role}-{name}.key")),
+            ca: pki.ca_cert(),
+            cert: pki.node_cert(role, name),
+            key: pki.node_key(role, name),
         }
     }
 
@@ -180,14 +182,6 @@ fn log_of(job: &JobLaunch, name: &str) -> PathBuf {
     job.logs().join(format!("{name}.log"))
 }
 
-fn remove_stale(file: &Path) -> anyhow::Result<()> {
-    match std::fs::remove_file(file) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e).with_context(|| format!("cannot remove {}", file.display())),
-    }
-}
-
 impl Placer for LocalPlacer {
     async fn start_servers(
         &mut self,
@@ -196,7 +190,7 @@ impl Placer for LocalPlacer {
         std::fs::create_dir_all(job.logs())
             .with_context(|| format!("creating {}", job.logs().display()))?;
         let addr_file = job.dir.join("coordinator.addr");
-        remove_stale(&addr_file)?;
+        launch::remove_stale(&addr_file)?;
         let mut args = launch::coordinator_args(
             &job.dir,
             &addr_file,
@@ -234,7 +228,7 @@ impl Placer for LocalPlacer {
         for i in 0..job.shards {
             let name = format!("s{i}");
             let addr_file = job.dir.join(format!("{name}.addr"));
-            remove_stale(&addr_file)?;
+            launch::remove_stale(&addr_file)?;
             let args = launch::shard_args(
                 &addr,
                 &name,

@@ -160,22 +160,35 @@ impl<P: Placer> Scheduler<P> {
         }
     }
 
-    /// Takes back the running jobs of an earlier scheduler: their processes (by pid) and an
-    /// admin connection. A job whose servers are gone has failed.
-    async fn adopt(&mut self) {
-        let running: Vec<String> = self
-            .saved
+    /// The names of the running jobs.
+    fn running_jobs(&self) -> Vec<String> {
+        self.saved
             .jobs
             .iter()
             .filter(|j| j.state == State::Running)
             .map(|j| j.name.clone())
-            .collect();
-        for name in running {
-            let procs = self
-                .saved
-                .job(&name)
-                .map(|j| j.procs.clone())
-                .unwrap_or_default();
+            .collect()
+    }
+
+    /// The processes job `name` runs, as recorded.
+    fn procs_of(&self, name: &str) -> Vec<ProcRecord> {
+        self.saved
+            .job(name)
+            .map(|j| j.procs.clone())
+            .unwrap_or_default()
+    }
+
+    /// The scheduler's own (admin) identity in job `job`.
+    fn identity_in(&self, job: &str) -> anyhow::Result<edl_shared::Identity> {
+        let c = self.launch(job).creds(Role::Admin, SCHED_NAME);
+        Ok(edl_shared::pki::load_identity(&c.ca, &c.cert, &c.key)?)
+    }
+
+    /// Takes back the running jobs of an earlier scheduler: their processes (by pid) and an
+    /// admin connection. A job whose servers are gone has failed.
+    async fn adopt(&mut self) {
+        for name in self.running_jobs() {
+            let procs = self.procs_of(&name);
             let gone = self.placer.adopt(&name, &procs);
             for p in procs.iter().filter(|p| gone.contains(&p.name)) {
                 self.forget_proc(&name, &p.name);
@@ -208,9 +221,7 @@ impl<P: Placer> Scheduler<P> {
     /// An admin connection to `job`'s coordinator at `addr`, with the scheduler's certificate
     /// for that job.
     async fn connect(&self, job: &str, addr: &str) -> anyhow::Result<Admin> {
-        let l = self.launch(job);
-        let c = l.creds(Role::Admin, SCHED_NAME);
-        let id = edl_shared::pki::load_identity(&c.ca, &c.cert, &c.key)?;
+        let id = self.identity_in(job)?;
         Ok(tokio::time::timeout(
             CALL,
             Admin::connect(addr, &id, TransportSettings::default()),
@@ -245,24 +256,12 @@ impl<P: Placer> Scheduler<P> {
             }
         }
         if stop_jobs {
-            let live: Vec<String> = self
-                .saved
-                .jobs
-                .iter()
-                .filter(|j| j.state == State::Running)
-                .map(|j| j.name.clone())
-                .collect();
-            for name in live {
+            for name in self.running_jobs() {
                 self.end_job(&name, State::Cancelled, "the scheduler stopped".into())
                     .await;
             }
         } else {
-            let n = self
-                .saved
-                .jobs
-                .iter()
-                .filter(|j| j.state == State::Running)
-                .count();
+            let n = self.running_jobs().len();
             if n > 0 {
                 tracing::info!(
                     "leaving {n} running job(s) running; start edl-sched again with the same \
@@ -535,9 +534,7 @@ impl<P: Placer> Scheduler<P> {
 
     /// The finished job's ledger summed over epochs: (applied, duplicates, missing).
     async fn ledger(&self, name: &str) -> anyhow::Result<(u64, u64, u64)> {
-        let l = self.launch(name);
-        let c = l.creds(Role::Admin, SCHED_NAME);
-        let identity = edl_shared::pki::load_identity(&c.ca, &c.cert, &c.key)?;
+        let identity = self.identity_in(name)?;
         let coordinator = self
             .saved
             .job(name)
@@ -566,12 +563,7 @@ impl<P: Placer> Scheduler<P> {
         self.admins.remove(name);
         self.failures.remove(name);
         self.placer.stop_job(name).await;
-        let procs = self
-            .saved
-            .job(name)
-            .map(|j| j.procs.clone())
-            .unwrap_or_default();
-        for p in procs {
+        for p in self.procs_of(name) {
             self.forget_proc(name, &p.name);
         }
         let Some(j) = self.saved.job_mut(name) else {

@@ -8,6 +8,10 @@ use std::time::{Duration, Instant};
 
 use edl_ps::cluster::JobRow;
 
+/// The tests of one file run in parallel threads; runs of real jobs compared by their timing
+/// must not share the two cores with another: each holds this.
+pub static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Workers sleep this many times their step's compute after each step, so that a job's speed
 /// follows its slots rather than this machine's two cores.
 pub const SLOWDOWN: &str = "10";

@@ -1,0 +1,57 @@
+"""Reading the datasets EDL's examples train on: idx files (MNIST, Fashion-MNIST), plain or
+gzipped, standardized as the Rust workers do (each set by its own pixel mean and deviation),
+so a Python worker and a Rust worker see the same numbers for the same sample index."""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import numpy as np
+
+#: Where Debian's `dataset-fashion-mnist` puts the data.
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def _read(path: Path) -> bytes:
+    for p in (path, path.with_name(path.name + ".gz")):
+        if p.exists():
+            raw = p.read_bytes()
+            return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+    raise FileNotFoundError(
+        f"{path}[.gz] not found (Debian: apt-get install dataset-fashion-mnist)"
+    )
+
+
+def _idx(raw: bytes, dims: int, what: Path) -> np.ndarray:
+    if len(raw) < 4 + 4 * dims or raw[2] != 0x08 or raw[3] != dims:
+        raise ValueError(f"{what} is not an idx file of unsigned bytes with {dims} dimensions")
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims))
+    body = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * dims)
+    if body.size != int(np.prod(shape)):
+        raise ValueError(f"{what}: header says {shape}, the file holds {body.size} bytes")
+    return body.reshape(shape)
+
+
+def load_idx(prefix) -> tuple[np.ndarray, np.ndarray]:
+    """Images (n x pixels, float32, standardized) and labels (n, int64) from
+    `PREFIX-images-idx3-ubyte[.gz]` and `PREFIX-labels-idx1-ubyte[.gz]`."""
+    prefix = Path(prefix)
+    images_path = prefix.with_name(prefix.name + "-images-idx3-ubyte")
+    labels_path = prefix.with_name(prefix.name + "-labels-idx1-ubyte")
+    pixels = _idx(_read(images_path), 3, images_path)
+    labels = _idx(_read(labels_path), 1, labels_path)
+    if len(pixels) != len(labels):
+        raise ValueError(f"{len(pixels)} images but {len(labels)} labels under {prefix}")
+    x = pixels.reshape(len(pixels), -1).astype(np.float64) / 255.0
+    mean, std = x.mean(), x.std()
+    x = ((x - mean) / (std if std > 1e-6 else 1.0)).astype(np.float32)
+    return x, labels.astype(np.int64)
+
+
+def fashion_mnist(split: str = "train", root=None) -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST's `train` (60,000) or `t10k` (10,000) split; `root` defaults to
+    $EDL_DATA_DIR or Debian's location."""
+    root = Path(root or os.environ.get("EDL_DATA_DIR") or FASHION_MNIST)
+    return load_idx(root / split)

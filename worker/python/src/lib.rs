@@ -1,0 +1,642 @@
+//! `edl._edl`: the native half of EDL's Python package. A thin layer over the client crate
+//! (`edl-client`): a job, a worker's session and its batches, with parameters pulled straight
+//! into, and gradients pushed straight from, the caller's own float32 buffer (any object with
+//! the buffer protocol: a NumPy array, or a CPU torch tensor's `.numpy()` view). Every call that
+//! waits on the network releases the GIL, and checks for Ctrl-C (and other Python signals)
+//! every 50 ms while it waits, so an interrupted call raises `KeyboardInterrupt` at once.
+//!
+//! The Python half (`python/edl/`) adds the conveniences: NumPy sample indices, the batch
+//! iterator, `with` for a session that always leaves, torch tensors and modules.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use edl_client::{Batch as ClientBatch, ClientConfig, ClientError, RowGrads};
+use edl_shared::Role;
+use edl_shared::pki::{PkiDir, load_identity};
+use edl_shared::proto::ids::{Clock, WorkerId};
+use edl_shared::transport::TransportSettings;
+use pyo3::buffer::PyBuffer;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use tokio::runtime::Runtime;
+
+create_exception!(
+    _edl,
+    EdlError,
+    PyException,
+    "An EDL call failed. `code` is the error code a server answered with (e.g. \"NonFinite\", \
+     \"Forbidden\", \"WrongJob\"), or None when the client refused or the transport failed; \
+     `kind` names the client's error (\"Call\", \"Dropped\", \"NonFinite\", \"Batch\", ...)."
+);
+
+/// How often a waiting call looks for Ctrl-C.
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+fn edl_error(py: Python<'_>, e: ClientError) -> PyErr {
+    let kind = match &e {
+        ClientError::Call(_) => "Call",
+        ClientError::Dropped(_) => "Dropped",
+        ClientError::Inconsistent { .. } => "Inconsistent",
+        ClientError::NonFinite { .. } => "NonFinite",
+        ClientError::BufferSize { .. } => "BufferSize",
+        ClientError::UnknownTensor(_) => "UnknownTensor",
+        ClientError::RowOutOfRange { .. } => "RowOutOfRange",
+        ClientError::RowShape { .. } => "RowShape",
+        ClientError::Batch(_) => "Batch",
+        ClientError::Runtime(_) => "Runtime",
+    };
+    let code = e.code().map(|c| format!("{c:?}"));
+    let err = EdlError::new_err(e.to_string());
+    let value = err.value(py);
+    // Plain attributes on a fresh exception object: setting them cannot fail.
+    let _ = value.setattr("code", code);
+    let _ = value.setattr("kind", kind);
+    err
+}
+
+/// Runs `fut` to completion on the client's runtime with the GIL released. Every
+/// [`SIGNAL_POLL`] it takes the GIL back for a moment to run Python's signal handlers; one that
+/// raises (Ctrl-C's `KeyboardInterrupt`) abandons the call and is raised in its place.
+fn wait<T, F>(py: Python<'_>, rt: &Runtime, fut: F) -> PyResult<T>
+where
+    T: Send,
+    F: Future<Output = Result<T, ClientError>> + Send,
+{
+    let out = py.detach(|| {
+        rt.block_on(async {
+            let mut fut = std::pin::pin!(fut);
+            let mut tick = tokio::time::interval(SIGNAL_POLL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    r = &mut fut => return PyResult::Ok(r),
+                    _ = tick.tick() => {
+                        Python::attach(|py| py.check_signals())?;
+                    }
+                }
+            }
+        })
+    })?;
+    out.map_err(|e| edl_error(py, e))
+}
+
+fn runtime() -> PyResult<Arc<Runtime>> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("edl-client")
+        .enable_all()
+        .build()
+        .map(Arc::new)
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot start the client runtime: {e}")))
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A float32 buffer borrowed from a Python object for the length of one call.
+struct Floats {
+    buf: PyBuffer<f32>,
+}
+
+impl Floats {
+    /// Borrows `obj`'s buffer: float32, C-contiguous, `len` floats (when given), writable when
+    /// the call writes into it.
+    fn get(obj: &Bound<'_, PyAny>, what: &str, len: Option<usize>, write: bool) -> PyResult<Self> {
+        let buf = PyBuffer::<f32>::get(obj).map_err(|e| {
+            PyTypeError::new_err(format!(
+                "{what} must be a float32 buffer (a NumPy array of dtype float32, or a CPU \
+                 torch.float32 tensor): {e}"
+            ))
+        })?;
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "{what} must be C-contiguous"
+            )));
+        }
+        if write && buf.readonly() {
+            return Err(PyValueError::new_err(format!(
+                "{what} is read-only; pass a writable array"
+            )));
+        }
+        if let Some(want) = len
+            && buf.item_count() != want
+        {
+            return Err(PyValueError::new_err(format!(
+                "{what} has {} floats, the job's model has {want}",
+                buf.item_count()
+            )));
+        }
+        Ok(Floats { buf })
+    }
+
+    fn len(&self) -> usize {
+        self.buf.item_count()
+    }
+
+    /// The floats, to be written. The caller holds `&mut self` for as long as it uses them.
+    #[allow(unsafe_code)]
+    fn as_mut(&mut self) -> &mut [f32] {
+        if self.len() == 0 {
+            return &mut [];
+        }
+        // SAFETY: `get` checked that the exporter describes `item_count` C-contiguous, writable
+        // float32 items at `buf_ptr`, and the buffer stays exported (its memory cannot be freed
+        // or resized) until `self.buf` is released on drop. As with every consumer of the buffer
+        // protocol that releases the GIL (NumPy's own), Python code running on another thread
+        // could touch the same memory meanwhile; that is the caller's race, as in NumPy.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.buf_ptr().cast::<f32>(), self.len()) }
+    }
+
+    /// The floats, to be read.
+    #[allow(unsafe_code)]
+    fn as_ref(&self) -> &[f32] {
+        if self.len() == 0 {
+            return &[];
+        }
+        // SAFETY: as in `as_mut`, without the writability (only read).
+        unsafe { std::slice::from_raw_parts(self.buf.buf_ptr().cast::<f32>(), self.len()) }
+    }
+}
+
+fn role_of(role: &str) -> PyResult<Role> {
+    match role {
+        "worker" => Ok(Role::Worker),
+        "admin" => Ok(Role::Admin),
+        other => Err(PyValueError::new_err(format!(
+            "role must be \"worker\" or \"admin\", not {other:?}"
+        ))),
+    }
+}
+
+fn settings(reconnect_s: Option<f64>) -> PyResult<TransportSettings> {
+    let mut s = TransportSettings::default();
+    if let Some(secs) = reconnect_s {
+        s.reconnect = Some(Duration::try_from_secs_f64(secs).map_err(|e| {
+            PyValueError::new_err(format!(
+                "reconnect must be a non-negative number of seconds: {e}"
+            ))
+        })?);
+    }
+    Ok(s)
+}
+
+/// A tensor as Python sees it: (name, shape, offset, floats).
+type TensorRow = (String, Vec<u32>, usize, usize);
+
+/// A connection to a running job (the coordinator and every shard).
+#[pyclass(module = "edl._edl")]
+struct Job {
+    rt: Arc<Runtime>,
+    /// Taken by `join`.
+    inner: Mutex<Option<edl_client::Job>>,
+}
+
+impl Job {
+    fn connect(py: Python<'_>, cfg: ClientConfig) -> PyResult<Job> {
+        let rt = runtime()?;
+        let inner = wait(py, &rt, edl_client::Job::connect(&cfg))?;
+        Ok(Job {
+            rt,
+            inner: Mutex::new(Some(inner)),
+        })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&edl_client::Job) -> T) -> PyResult<T> {
+        match &*lock(&self.inner) {
+            Some(j) => Ok(f(j)),
+            None => Err(PyRuntimeError::new_err(
+                "this Job has joined; use its Session (or connect a new Job)",
+            )),
+        }
+    }
+}
+
+#[pymethods]
+impl Job {
+    /// Connects to the coordinator at `coordinator` with a certificate signed by the job's CA
+    /// (`cert`, `key`: PEM files; `ca`: the cluster CA). Waits for the coordinator to answer
+    /// (at most `reconnect` seconds when given) and for the shard map.
+    #[new]
+    #[pyo3(signature = (coordinator, cert, key, ca, reconnect=None))]
+    fn new(
+        py: Python<'_>,
+        coordinator: String,
+        cert: PathBuf,
+        key: PathBuf,
+        ca: PathBuf,
+        reconnect: Option<f64>,
+    ) -> PyResult<Job> {
+        let identity = load_identity(&ca, &cert, &key)
+            .map_err(|e| PyValueError::new_err(format!("cannot load the credentials: {e}")))?;
+        let cfg = ClientConfig {
+            coordinator,
+            identity,
+            settings: settings(reconnect)?,
+        };
+        Job::connect(py, cfg)
+    }
+
+    /// Connects with the development PKI of a local run's state directory (`edl-local`,
+    /// `edl-ps --state-dir`): the certificate `ROLE/NAME` there, created if missing.
+    #[staticmethod]
+    #[pyo3(signature = (coordinator, state_dir, name, role="worker", reconnect=None))]
+    fn local(
+        py: Python<'_>,
+        coordinator: String,
+        state_dir: PathBuf,
+        name: &str,
+        role: &str,
+        reconnect: Option<f64>,
+    ) -> PyResult<Job> {
+        let identity = PkiDir::new(&state_dir)
+            .ensure(role_of(role)?, name)
+            .map_err(|e| PyValueError::new_err(format!("cannot load the credentials: {e}")))?;
+        let cfg = ClientConfig {
+            coordinator,
+            identity,
+            settings: settings(reconnect)?,
+        };
+        Job::connect(py, cfg)
+    }
+
+    /// The model's tensors: a list of (name, shape, offset, floats), in the flat parameter
+    /// vector's order.
+    fn tensors(&self) -> PyResult<Vec<TensorRow>> {
+        self.with(|j| {
+            j.spec()
+                .tensors()
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone(), t.offset, t.len))
+                .collect()
+        })
+    }
+
+    /// Floats in the model.
+    #[getter]
+    fn param_count(&self) -> PyResult<usize> {
+        self.with(|j| j.spec().param_count())
+    }
+
+    /// The job's settings: model, optimizer, consistency, batch_size, epochs, samples,
+    /// partition_size, seed, lease_ms, chunk_size, and the data's train/test paths if any.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.with(|j| j.config().clone())?;
+        let d = PyDict::new(py);
+        d.set_item("model", c.model.to_string())?;
+        d.set_item("optimizer", c.optimizer.to_string())?;
+        d.set_item("consistency", c.consistency.to_string())?;
+        d.set_item("batch_size", c.batch_size)?;
+        d.set_item("epochs", c.epochs)?;
+        d.set_item("samples", c.train_samples)?;
+        d.set_item("partition_size", c.partition_size)?;
+        d.set_item("seed", c.seed)?;
+        d.set_item("lease_ms", c.lease_ms)?;
+        d.set_item("chunk_size", c.chunk_size)?;
+        if let Some(data) = &c.data {
+            d.set_item("data", format!("{data:?}"))?;
+        }
+        Ok(d)
+    }
+
+    /// The coordinator's status: samples_done, samples_total, finished, min_clock,
+    /// active_workers, workers (id, name, state, clock) and epochs (epoch, samples, loss_sum).
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let job = self.with(Clone::clone)?;
+        let s = wait(py, &self.rt, async move { job.status().await })?;
+        let d = PyDict::new(py);
+        d.set_item("samples_done", s.samples_done)?;
+        d.set_item("samples_total", s.samples_total)?;
+        d.set_item("finished", s.finished)?;
+        d.set_item("min_clock", s.min_clock.0)?;
+        let active = s
+            .workers
+            .iter()
+            .filter(|w| w.state == edl_shared::proto::msg::WorkerState::Active)
+            .count();
+        d.set_item("active_workers", active)?;
+        let workers: Vec<(u64, String, String, u64)> = s
+            .workers
+            .iter()
+            .map(|w| (w.id.0, w.name.clone(), format!("{:?}", w.state), w.clock.0))
+            .collect();
+        d.set_item("workers", workers)?;
+        let epochs: Vec<(u32, u64, f64)> = s
+            .epochs
+            .iter()
+            .map(|e| (e.epoch, e.samples, e.loss_sum))
+            .collect();
+        d.set_item("epochs", epochs)?;
+        Ok(d)
+    }
+
+    /// Every shard's data ledger: a list of dicts (shard, epoch, applied, duplicates, missing,
+    /// skipped_pushes).
+    fn ledgers<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let job = self.with(Clone::clone)?;
+        let all = wait(py, &self.rt, async move { job.ledgers().await })?;
+        let mut out = Vec::new();
+        for (shard, ledgers) in all {
+            for l in ledgers {
+                let d = PyDict::new(py);
+                d.set_item("shard", shard.0)?;
+                d.set_item("epoch", l.epoch)?;
+                d.set_item("applied", l.applied)?;
+                d.set_item("duplicates", l.duplicates)?;
+                d.set_item("missing", l.missing)?;
+                d.set_item("skipped_pushes", l.skipped_pushes)?;
+                out.push(d);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Asks worker `worker` (its numeric id) to leave after its current step (admin role).
+    fn drain(&self, py: Python<'_>, worker: u64) -> PyResult<()> {
+        let job = self.with(Clone::clone)?;
+        wait(
+            py,
+            &self.rt,
+            async move { job.drain(WorkerId(worker)).await },
+        )
+    }
+
+    /// Pulls the whole model as it stands into `out` (a float32 buffer of `param_count`
+    /// floats), without joining: for evaluation.
+    fn pull(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        let job = self.with(Clone::clone)?;
+        let mut out = Floats::get(out, "out", Some(job.param_count()), true)?;
+        let out = out.as_mut();
+        wait(py, &self.rt, async move {
+            job.pull_all(out, Clock(u64::MAX)).await
+        })
+    }
+
+    /// Joins the job as a worker, stop-free (warmed first, then admitted) and returns the
+    /// session. The Job itself cannot be used afterwards.
+    fn join(&self, py: Python<'_>) -> PyResult<Session> {
+        let job = lock(&self.inner).take().ok_or_else(|| {
+            PyRuntimeError::new_err("this Job has joined already; connect a new Job")
+        })?;
+        let param_count = job.param_count();
+        let inner = wait(py, &self.rt, job.join())?;
+        Ok(Session {
+            rt: self.rt.clone(),
+            param_count,
+            inner: Mutex::new(Some(inner)),
+        })
+    }
+}
+
+/// A mini-batch leased to this worker: its sample indices, epoch and step. Push its gradient
+/// once and commit it once.
+#[pyclass(module = "edl._edl")]
+struct Batch {
+    inner: Mutex<Option<ClientBatch>>,
+    indices: Vec<u32>,
+    epoch: u32,
+    clock: u64,
+}
+
+#[pymethods]
+impl Batch {
+    /// The indices of the batch's samples in the training set.
+    #[getter]
+    fn indices(&self) -> Vec<u32> {
+        self.indices.clone()
+    }
+
+    /// The epoch (from 0).
+    #[getter]
+    fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// The step (clock) the batch's gradient belongs to.
+    #[getter]
+    fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// True once committed.
+    #[getter]
+    fn committed(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+
+    fn __len__(&self) -> usize {
+        self.indices.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Batch(epoch={}, clock={}, samples={})",
+            self.epoch,
+            self.clock,
+            self.indices.len()
+        )
+    }
+}
+
+fn committed_already() -> PyErr {
+    PyRuntimeError::new_err("this batch was committed already")
+}
+
+/// A registered worker: lease batches, pull, push, commit, leave.
+#[pyclass(module = "edl._edl")]
+struct Session {
+    rt: Arc<Runtime>,
+    param_count: usize,
+    /// Taken by `leave`.
+    inner: Mutex<Option<edl_client::Session>>,
+}
+
+impl Session {
+    fn with<T>(&self, f: impl FnOnce(&edl_client::Session) -> T) -> PyResult<T> {
+        match &*lock(&self.inner) {
+            Some(s) => Ok(f(s)),
+            None => Err(left()),
+        }
+    }
+}
+
+fn left() -> PyErr {
+    PyRuntimeError::new_err("this session has left")
+}
+
+/// The session in `guard`, unless it has left.
+fn live(guard: &mut Option<edl_client::Session>) -> PyResult<&mut edl_client::Session> {
+    guard.as_mut().ok_or_else(left)
+}
+
+#[pymethods]
+impl Session {
+    /// This worker's id.
+    #[getter]
+    fn worker(&self) -> PyResult<u64> {
+        self.with(|s| s.worker().0)
+    }
+
+    /// Steps completed.
+    #[getter]
+    fn clock(&self) -> PyResult<u64> {
+        self.with(|s| s.clock().0)
+    }
+
+    /// Floats in the model.
+    #[getter]
+    fn param_count(&self) -> usize {
+        self.param_count
+    }
+
+    /// True once an operator (or the scheduler) asked this worker to leave.
+    #[getter]
+    fn drain_requested(&self) -> PyResult<bool> {
+        self.with(|s| s.drain_requested())
+    }
+
+    /// True once the session has left.
+    #[getter]
+    fn left(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+
+    /// Payload bytes exchanged with the shards so far: (sent, received, requests).
+    fn traffic(&self) -> PyResult<(u64, u64, u64)> {
+        self.with(|s| {
+            let t = s.job().traffic();
+            (t.sent, t.received, t.requests)
+        })
+    }
+
+    /// The next mini-batch, or None when the job's data is done. The last batch must have been
+    /// committed first.
+    fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
+        let b = wait(py, &self.rt, live(&mut lock(&self.inner))?.next_batch())?;
+        Ok(b.map(|b| Batch {
+            indices: b.indices().to_vec(),
+            epoch: b.epoch(),
+            clock: b.clock().0,
+            inner: Mutex::new(Some(b)),
+        }))
+    }
+
+    /// Pulls every parameter into `out` (a writable float32 buffer of `param_count` floats),
+    /// waiting only as the job's consistency requires. Nothing is allocated for the caller.
+    fn pull(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut out = Floats::get(out, "out", Some(self.param_count), true)?;
+        let out = out.as_mut();
+        let mut g = lock(&self.inner);
+        wait(py, &self.rt, live(&mut g)?.pull(out))
+    }
+
+    /// Pushes the gradient of `batch` from `grads` (a float32 buffer of `param_count` floats).
+    /// A NaN or infinity refuses the push (EdlError, kind "NonFinite") and sends nothing.
+    fn push(&self, py: Python<'_>, batch: &Batch, grads: &Bound<'_, PyAny>) -> PyResult<()> {
+        let grads = Floats::get(grads, "grads", Some(self.param_count), false)?;
+        let grads = grads.as_ref();
+        let guard = lock(&batch.inner);
+        let b = guard.as_ref().ok_or_else(committed_already)?;
+        let mut g = lock(&self.inner);
+        wait(py, &self.rt, live(&mut g)?.push(b, grads))
+    }
+
+    /// Pulls rows `rows` of tensor `tensor` into `out` (rows x the tensor's row length floats).
+    fn pull_rows(
+        &self,
+        py: Python<'_>,
+        tensor: &str,
+        rows: Vec<u32>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let mut out = Floats::get(out, "out", None, true)?;
+        let out = out.as_mut();
+        let mut g = lock(&self.inner);
+        wait(py, &self.rt, live(&mut g)?.pull_rows(tensor, &rows, out))
+    }
+
+    /// Pushes the gradient of `batch` for rows `rows` of tensor `tensor` only (`values`: rows x
+    /// the tensor's row length floats).
+    fn push_rows(
+        &self,
+        py: Python<'_>,
+        batch: &Batch,
+        tensor: &str,
+        rows: Vec<u32>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let values = Floats::get(values, "values", None, false)?;
+        let values = values.as_ref();
+        let guard = lock(&batch.inner);
+        let b = guard.as_ref().ok_or_else(committed_already)?;
+        let grads = [RowGrads {
+            tensor,
+            rows: &rows,
+            values,
+        }];
+        let mut g = lock(&self.inner);
+        wait(py, &self.rt, live(&mut g)?.push_rows(b, &grads))
+    }
+
+    /// Commits `batch` (its samples are done; `loss_sum` is the sum of their losses) and waits
+    /// for the next step as the consistency requires. Returns the new clock.
+    fn commit(&self, py: Python<'_>, batch: &Batch, loss_sum: f64) -> PyResult<u64> {
+        let b = lock(&batch.inner).take().ok_or_else(committed_already)?;
+        let mut g = lock(&self.inner);
+        let c = wait(py, &self.rt, live(&mut g)?.commit(b, loss_sum))?;
+        Ok(c.0)
+    }
+
+    /// Leaves gracefully: uncommitted data returns to the pool. Leaving twice does nothing.
+    fn leave(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(s) = lock(&self.inner).take() else {
+            return Ok(());
+        };
+        wait(py, &self.rt, s.leave())
+    }
+
+    /// Measures the binding's cost: runs `steps` steps (next batch, pull into `params`, push
+    /// zeros, commit) entirely in Rust and returns each step's pull+push time in seconds, to
+    /// compare with the same loop written in Python over the same session.
+    fn _bench_native(
+        &self,
+        py: Python<'_>,
+        params: &Bound<'_, PyAny>,
+        steps: usize,
+    ) -> PyResult<Vec<f64>> {
+        let mut params = Floats::get(params, "params", Some(self.param_count), true)?;
+        let params = params.as_mut();
+        let grads = vec![0f32; self.param_count];
+        let mut g = lock(&self.inner);
+        let s = live(&mut g)?;
+        wait(py, &self.rt, async move {
+            let mut times = Vec::with_capacity(steps);
+            for _ in 0..steps {
+                let Some(b) = s.next_batch().await? else {
+                    break;
+                };
+                let t = Instant::now();
+                s.pull(params).await?;
+                s.push(&b, &grads).await?;
+                times.push(t.elapsed().as_secs_f64());
+                s.commit(b, 0.0).await?;
+            }
+            Ok(times)
+        })
+    }
+}
+
+/// The native module.
+#[pymodule]
+fn _edl(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Job>()?;
+    m.add_class::<Session>()?;
+    m.add_class::<Batch>()?;
+    m.add("EdlError", m.py().get_type::<EdlError>())?;
+    Ok(())
+}

@@ -115,10 +115,10 @@ class Cluster:
             "EDL_NAME": name,
         }
 
-    def spawn(self, args: list, name: str) -> subprocess.Popen:
+    def spawn(self, args: list, name: str, env: dict | None = None) -> subprocess.Popen:
         """Starts a worker process (any command; `Job.from_env()` connects it), logging to
-        LOG_DIR/NAME.log."""
-        return self._start(name, [str(a) for a in args], env=self.env(name))
+        LOG_DIR/NAME.log; `env` adds to its environment."""
+        return self._start(name, [str(a) for a in args], env={**self.env(name), **(env or {})})
 
     def job(self, name: str, role: str = "worker") -> Job:
         """A client of the job with the certificate ROLE/NAME from the state directory."""

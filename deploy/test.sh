@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The tests: the Rust workspace (`cargo test`), then the Python package's (worker/python/tests,
+# pytest), which drive the binaries that build just made. Installs what the Python tests need if
+# it is missing: Debian's python3-venv, NumPy, pytest and PyTorch (CPU); the package itself is
+# built from this checkout into a venv under target/ (reusing the test build: no second build
+# of the client crate).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo test --locked --workspace
+
+py=/usr/bin/python3
+need=()
+[ -x "$py" ] && "$py" -c "import ensurepip" 2>/dev/null || need+=(python3 python3-venv)
+"$py" -c "import numpy" 2>/dev/null || need+=(python3-numpy)
+"$py" -c "import pytest" 2>/dev/null || need+=(python3-pytest)
+"$py" -c "import torch" 2>/dev/null || need+=(python3-torch)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "the Python tests need ${need[*]}: installing" >&2
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+# A venv that sees Debian's NumPy, pytest and PyTorch; maturin (PyPI) builds the package.
+venv=target/py
+[ -x "$venv/bin/python" ] || "$py" -m venv --system-site-packages "$venv"
+"$venv/bin/python" -c "import maturin" 2>/dev/null || "$venv/bin/pip" install -q "maturin>=1.7,<2"
+MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install -q --no-build-isolation \
+  --force-reinstall --no-deps ./worker/python
+EDL_BIN_DIR="$PWD/target/debug" "$venv/bin/python" -m pytest -q worker/python/tests

@@ -27,6 +27,7 @@ fi
 venv=target/py
 [ -x "$venv/bin/python" ] || "$py" -m venv --system-site-packages "$venv"
 "$venv/bin/python" -c "import maturin" 2>/dev/null || "$venv/bin/pip" install -q "maturin>=1.7,<2"
-MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install -q --no-build-isolation \
+# (maturin's build backend runs the `maturin` program: the venv's bin goes first on PATH.)
+PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install -q --no-build-isolation \
   --force-reinstall --no-deps ./worker/python
 EDL_BIN_DIR="$PWD/target/debug" "$venv/bin/python" -m pytest -q worker/python/tests

@@ -116,6 +116,8 @@ def launch() -> None:
 
 
 if __name__ == "__main__":
+    # Loopback: large UDP datagrams, as edl-local sets them (README, Speed).
+    os.environ.setdefault("EDL_DATAGRAM", "65000")
     import edl.local  # noqa: F401  (launch mode)
 
     work() if "EDL_COORDINATOR" in os.environ else launch()

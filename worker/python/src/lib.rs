@@ -70,7 +70,8 @@ where
     let out = py.detach(|| {
         rt.block_on(async {
             let mut fut = std::pin::pin!(fut);
-            let mut tick = tokio::time::interval(SIGNAL_POLL);
+            let first = tokio::time::Instant::now() + SIGNAL_POLL;
+            let mut tick = tokio::time::interval_at(first, SIGNAL_POLL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {

@@ -10,6 +10,7 @@
 
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -98,6 +99,19 @@ fn runtime() -> PyResult<Arc<Runtime>> {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Takes `m` if no other thread holds it. A session or batch is held for a whole call, during
+/// which its thread waits without the GIL and takes the GIL back to look for signals: a second
+/// thread blocking on it with the GIL held would deadlock both, so it is refused instead.
+fn claim<'a, T>(m: &'a Mutex<T>, what: &str) -> PyResult<MutexGuard<'a, T>> {
+    match m.try_lock() {
+        Ok(g) => Ok(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => Err(PyRuntimeError::new_err(format!(
+            "this {what} is in use by another thread's call; use it from one thread at a time"
+        ))),
+    }
 }
 
 /// A float32 buffer borrowed from a Python object for the length of one call.
@@ -389,6 +403,11 @@ impl Job {
         Ok(Session {
             rt: self.rt.clone(),
             param_count,
+            worker: inner.worker().0,
+            notices: inner.notices(),
+            job: inner.job().clone(),
+            clock: AtomicU64::new(inner.clock().0),
+            left: AtomicBool::new(false),
             inner: Mutex::new(Some(inner)),
         })
     }
@@ -427,7 +446,7 @@ impl Batch {
     /// True once committed.
     #[getter]
     fn committed(&self) -> bool {
-        lock(&self.inner).is_none()
+        self.inner.try_lock().is_ok_and(|b| b.is_none())
     }
 
     fn __len__(&self) -> usize {
@@ -453,16 +472,20 @@ fn committed_already() -> PyErr {
 struct Session {
     rt: Arc<Runtime>,
     param_count: usize,
+    worker: u64,
+    /// What can be read while another thread is in a call: drain notices, traffic, the clock
+    /// and whether the session has left.
+    notices: edl_client::Notices,
+    job: edl_client::Job,
+    clock: AtomicU64,
+    left: AtomicBool,
     /// Taken by `leave`.
     inner: Mutex<Option<edl_client::Session>>,
 }
 
 impl Session {
-    fn with<T>(&self, f: impl FnOnce(&edl_client::Session) -> T) -> PyResult<T> {
-        match &*lock(&self.inner) {
-            Some(s) => Ok(f(s)),
-            None => Err(left()),
-        }
+    fn claim(&self) -> PyResult<MutexGuard<'_, Option<edl_client::Session>>> {
+        claim(&self.inner, "session")
     }
 }
 
@@ -479,14 +502,14 @@ fn live(guard: &mut Option<edl_client::Session>) -> PyResult<&mut edl_client::Se
 impl Session {
     /// This worker's id.
     #[getter]
-    fn worker(&self) -> PyResult<u64> {
-        self.with(|s| s.worker().0)
+    fn worker(&self) -> u64 {
+        self.worker
     }
 
     /// Steps completed.
     #[getter]
-    fn clock(&self) -> PyResult<u64> {
-        self.with(|s| s.clock().0)
+    fn clock(&self) -> u64 {
+        self.clock.load(Ordering::Relaxed)
     }
 
     /// Floats in the model.
@@ -497,28 +520,27 @@ impl Session {
 
     /// True once an operator (or the scheduler) asked this worker to leave.
     #[getter]
-    fn drain_requested(&self) -> PyResult<bool> {
-        self.with(|s| s.drain_requested())
+    fn drain_requested(&self) -> bool {
+        self.notices.drain_requested()
     }
 
     /// True once the session has left.
     #[getter]
     fn left(&self) -> bool {
-        lock(&self.inner).is_none()
+        self.left.load(Ordering::Relaxed)
     }
 
     /// Payload bytes exchanged with the shards so far: (sent, received, requests).
-    fn traffic(&self) -> PyResult<(u64, u64, u64)> {
-        self.with(|s| {
-            let t = s.job().traffic();
-            (t.sent, t.received, t.requests)
-        })
+    fn traffic(&self) -> (u64, u64, u64) {
+        let t = self.job.traffic();
+        (t.sent, t.received, t.requests)
     }
 
     /// The next mini-batch, or None when the job's data is done. The last batch must have been
     /// committed first.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
-        let b = wait(py, &self.rt, live(&mut lock(&self.inner))?.next_batch())?;
+        let mut g = self.claim()?;
+        let b = wait(py, &self.rt, live(&mut g)?.next_batch())?;
         Ok(b.map(|b| Batch {
             indices: b.indices().to_vec(),
             epoch: b.epoch(),
@@ -532,7 +554,7 @@ impl Session {
     fn pull(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut out = Floats::get(out, "out", Some(self.param_count), true)?;
         let out = out.as_mut();
-        let mut g = lock(&self.inner);
+        let mut g = self.claim()?;
         wait(py, &self.rt, live(&mut g)?.pull(out))
     }
 
@@ -541,9 +563,9 @@ impl Session {
     fn push(&self, py: Python<'_>, batch: &Batch, grads: &Bound<'_, PyAny>) -> PyResult<()> {
         let grads = Floats::get(grads, "grads", Some(self.param_count), false)?;
         let grads = grads.as_ref();
-        let guard = lock(&batch.inner);
+        let guard = claim(&batch.inner, "batch")?;
         let b = guard.as_ref().ok_or_else(committed_already)?;
-        let mut g = lock(&self.inner);
+        let mut g = self.claim()?;
         wait(py, &self.rt, live(&mut g)?.push(b, grads))
     }
 
@@ -557,7 +579,7 @@ impl Session {
     ) -> PyResult<()> {
         let mut out = Floats::get(out, "out", None, true)?;
         let out = out.as_mut();
-        let mut g = lock(&self.inner);
+        let mut g = self.claim()?;
         wait(py, &self.rt, live(&mut g)?.pull_rows(tensor, &rows, out))
     }
 
@@ -573,31 +595,36 @@ impl Session {
     ) -> PyResult<()> {
         let values = Floats::get(values, "values", None, false)?;
         let values = values.as_ref();
-        let guard = lock(&batch.inner);
+        let guard = claim(&batch.inner, "batch")?;
         let b = guard.as_ref().ok_or_else(committed_already)?;
         let grads = [RowGrads {
             tensor,
             rows: &rows,
             values,
         }];
-        let mut g = lock(&self.inner);
+        let mut g = self.claim()?;
         wait(py, &self.rt, live(&mut g)?.push_rows(b, &grads))
     }
 
     /// Commits `batch` (its samples are done; `loss_sum` is the sum of their losses) and waits
     /// for the next step as the consistency requires. Returns the new clock.
     fn commit(&self, py: Python<'_>, batch: &Batch, loss_sum: f64) -> PyResult<u64> {
-        let b = lock(&batch.inner).take().ok_or_else(committed_already)?;
-        let mut g = lock(&self.inner);
-        let c = wait(py, &self.rt, live(&mut g)?.commit(b, loss_sum))?;
-        Ok(c.0)
+        let mut g = self.claim()?;
+        let s = live(&mut g)?;
+        let b = claim(&batch.inner, "batch")?
+            .take()
+            .ok_or_else(committed_already)?;
+        let c = wait(py, &self.rt, s.commit(b, loss_sum))?.0;
+        self.clock.store(c, Ordering::Relaxed);
+        Ok(c)
     }
 
     /// Leaves gracefully: uncommitted data returns to the pool. Leaving twice does nothing.
     fn leave(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(s) = lock(&self.inner).take() else {
+        let Some(s) = self.claim()?.take() else {
             return Ok(());
         };
+        self.left.store(true, Ordering::Relaxed);
         wait(py, &self.rt, s.leave())
     }
 
@@ -613,9 +640,9 @@ impl Session {
         let mut params = Floats::get(params, "params", Some(self.param_count), true)?;
         let params = params.as_mut();
         let grads = vec![0f32; self.param_count];
-        let mut g = lock(&self.inner);
+        let mut g = self.claim()?;
         let s = live(&mut g)?;
-        wait(py, &self.rt, async move {
+        let times = wait(py, &self.rt, async {
             let mut times = Vec::with_capacity(steps);
             for _ in 0..steps {
                 let Some(b) = s.next_batch().await? else {
@@ -628,7 +655,9 @@ impl Session {
                 s.commit(b, 0.0).await?;
             }
             Ok(times)
-        })
+        })?;
+        self.clock.store(s.clock().0, Ordering::Relaxed);
+        Ok(times)
     }
 }
 

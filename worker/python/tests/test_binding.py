@@ -4,6 +4,7 @@ allocation and credentials."""
 from __future__ import annotations
 
 import gc
+import time
 import tracemalloc
 
 import numpy as np
@@ -211,3 +212,30 @@ def test_a_worker_certificate_may_not_drain(cluster):
     with pytest.raises(edl.EdlError) as e:
         job.drain(1)
     assert e.value.code == "Forbidden"
+
+
+def test_a_session_busy_in_one_thread_is_refused_in_another_not_deadlocked(make_cluster):
+    import threading
+
+    # BSP with two workers: a's commit of step 0 waits until b has pushed step 0 too.
+    c = make_cluster(job_text(samples=64, batch=8, partition=32, consistency="bsp"))
+    a_job, b_job = c.job("a"), c.job("b")
+    n = a_job.param_count
+    a, b = a_job.join(), b_job.join()
+    grads = np.zeros(n, np.float32)
+    ba, bb = a.next_batch(), b.next_batch()
+    a.push(ba, grads)
+    clocks = []
+    waiting = threading.Thread(target=lambda: clocks.append(a.commit(ba)))
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive()  # a waits for b, without the GIL (or b could not run below)
+    with pytest.raises(RuntimeError, match="in use by another thread"):
+        a.pull(np.zeros(n, np.float32))
+    assert not a.drain_requested and a.clock == 0 and a.worker != b.worker
+    b.push(bb, grads)
+    assert b.commit(bb) == 1
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and clocks == [1] and a.clock == 1
+    a.leave()
+    b.leave()

@@ -45,7 +45,9 @@ async fn the_custom_model_example_trains_exactly_once() -> anyhow::Result<()> {
     let Some((train, test)) = fashion()? else {
         return Ok(());
     };
-    const SAMPLES: u32 = 12_000;
+    // 24,000 samples: with 12,000 the accuracy was 0.80-0.82 on a quiet machine but once 0.74 in
+    // CI, under load; twice the steps leave the 0.75 bar a margin.
+    const SAMPLES: u32 = 24_000;
     let mut job: JobConfig = jobfile::load(&job_file("two-layer.toml"))?;
     job.train_samples = SAMPLES;
     job.epochs = 1;

@@ -25,7 +25,7 @@ fi
 
 # A venv that sees Debian's NumPy, pytest and PyTorch; maturin (PyPI) builds the package.
 venv=target/py
-[ -x "$venv/bin/python" ] || "$py" -m venv --system-site-packages "$venv"
+[ -x "$venv/bin/pip" ] || { rm -rf "$venv" && "$py" -m venv --system-site-packages "$venv"; }
 "$venv/bin/python" -c "import maturin" 2>/dev/null || "$venv/bin/pip" install -q "maturin>=1.7,<2"
 # (maturin's build backend runs the `maturin` program: the venv's bin goes first on PATH.)
 PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install -q --no-build-isolation \

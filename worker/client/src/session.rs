@@ -360,6 +360,13 @@ impl Session {
         }
     }
 
+    /// Checks, without sending anything, that [`Session::commit`] would take `batch`: it is
+    /// the batch handed out last and its gradient was pushed. For callers (the Python binding)
+    /// that must know before they give the batch up.
+    pub fn check_commit(&self, batch: &Batch) -> Result<(), ClientError> {
+        self.check_batch(batch, true)
+    }
+
     /// Commits `batch`, whose gradient was pushed: its samples are done. Then waits until
     /// the consistency model lets this worker start the next step. `loss_sum` is the sum of
     /// the batch's per-sample losses (the coordinator reports their mean per epoch). Returns

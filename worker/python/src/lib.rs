@@ -60,31 +60,71 @@ fn edl_error(py: Python<'_>, e: ClientError) -> PyErr {
     err
 }
 
-/// Runs `fut` to completion on the client's runtime with the GIL released. Every
-/// [`SIGNAL_POLL`] it takes the GIL back for a moment to run Python's signal handlers; one that
-/// raises (Ctrl-C's `KeyboardInterrupt`) abandons the call and is raised in its place.
+/// How a waited-for call ended without its result.
+enum Failed {
+    /// The client answered with an error.
+    Client(PyErr),
+    /// A signal handler raised (Ctrl-C): the call was abandoned midway.
+    Interrupted(PyErr),
+}
+
+impl From<Failed> for PyErr {
+    fn from(f: Failed) -> PyErr {
+        match f {
+            Failed::Client(e) | Failed::Interrupted(e) => e,
+        }
+    }
+}
+
+/// Runs `fut` to completion on the client's runtime with the GIL released (see [`wait_call`]).
 fn wait<T, F>(py: Python<'_>, rt: &Runtime, fut: F) -> PyResult<T>
 where
     T: Send,
     F: Future<Output = Result<T, ClientError>> + Send,
 {
-    let out = py.detach(|| {
-        rt.block_on(async {
-            let mut fut = std::pin::pin!(fut);
-            let first = tokio::time::Instant::now() + SIGNAL_POLL;
-            let mut tick = tokio::time::interval_at(first, SIGNAL_POLL);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    r = &mut fut => return PyResult::Ok(r),
-                    _ = tick.tick() => {
-                        Python::attach(|py| py.check_signals())?;
+    Ok(wait_call(py, rt, fut)?)
+}
+
+/// Runs `fut` to completion on the client's runtime with the GIL released. On the main thread
+/// (the only one Python runs signal handlers on) it takes the GIL back every [`SIGNAL_POLL`]
+/// to run them; one that raises (Ctrl-C's `KeyboardInterrupt`) abandons the call, which is
+/// then reported as [`Failed::Interrupted`].
+fn wait_call<T, F>(py: Python<'_>, rt: &Runtime, fut: F) -> Result<T, Failed>
+where
+    T: Send,
+    F: Future<Output = Result<T, ClientError>> + Send,
+{
+    let main = is_main_thread(py);
+    let out = py
+        .detach(|| {
+            rt.block_on(async {
+                let mut fut = std::pin::pin!(fut);
+                let first = tokio::time::Instant::now() + SIGNAL_POLL;
+                let mut tick = tokio::time::interval_at(first, SIGNAL_POLL);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        r = &mut fut => return PyResult::Ok(r),
+                        _ = tick.tick(), if main => {
+                            Python::attach(|py| py.check_signals())?;
+                        }
                     }
                 }
-            }
+            })
         })
-    })?;
-    out.map_err(|e| edl_error(py, e))
+        .map_err(Failed::Interrupted)?;
+    out.map_err(|e| Failed::Client(edl_error(py, e)))
+}
+
+/// True on the interpreter's main thread.
+fn is_main_thread(py: Python<'_>) -> bool {
+    let check = || -> PyResult<bool> {
+        let threading = py.import("threading")?;
+        let current = threading.call_method0("current_thread")?;
+        let main = threading.call_method0("main_thread")?;
+        Ok(current.is(&main))
+    };
+    check().unwrap_or(true)
 }
 
 fn runtime() -> PyResult<Arc<Runtime>> {
@@ -388,7 +428,16 @@ impl Job {
         let mut out = Floats::get(out, "out", Some(job.param_count()), true)?;
         let out = out.as_mut();
         wait(py, &self.rt, async move {
-            job.pull_all(out, Clock(u64::MAX)).await
+            // As edl-worker's evaluation: through every step once the job has finished, else
+            // only through the slowest worker's clock (a pull through a BSP step still being
+            // pushed would apply it half-pushed).
+            let status = job.status().await?;
+            let through = if status.finished {
+                Clock(u64::MAX)
+            } else {
+                status.min_clock
+            };
+            job.pull_all(out, through).await
         })
     }
 
@@ -396,7 +445,9 @@ impl Job {
     /// session. The Job itself cannot be used afterwards.
     fn join(&self, py: Python<'_>) -> PyResult<Session> {
         let job = lock(&self.inner).take().ok_or_else(|| {
-            PyRuntimeError::new_err("this Job has joined already; connect a new Job")
+            PyRuntimeError::new_err(
+                "this Job was used by join() already (even one that failed); connect a new Job",
+            )
         })?;
         let param_count = job.param_count();
         let inner = wait(py, &self.rt, job.join())?;
@@ -408,6 +459,7 @@ impl Job {
             job: inner.job().clone(),
             clock: AtomicU64::new(inner.clock().0),
             left: AtomicBool::new(false),
+            broken: Mutex::new(None),
             inner: Mutex::new(Some(inner)),
         })
     }
@@ -417,7 +469,9 @@ impl Job {
 /// once and commit it once.
 #[pyclass(module = "edl._edl")]
 struct Batch {
+    /// Taken by `commit`.
     inner: Mutex<Option<ClientBatch>>,
+    committed: AtomicBool,
     indices: Vec<u32>,
     epoch: u32,
     clock: u64,
@@ -446,7 +500,7 @@ impl Batch {
     /// True once committed.
     #[getter]
     fn committed(&self) -> bool {
-        self.inner.try_lock().is_ok_and(|b| b.is_none())
+        self.committed.load(Ordering::Relaxed)
     }
 
     fn __len__(&self) -> usize {
@@ -464,7 +518,7 @@ impl Batch {
 }
 
 fn committed_already() -> PyErr {
-    PyRuntimeError::new_err("this batch was committed already")
+    PyRuntimeError::new_err("this batch was committed already (or its commit failed)")
 }
 
 /// A registered worker: lease batches, pull, push, commit, leave.
@@ -479,13 +533,28 @@ struct Session {
     job: edl_client::Job,
     clock: AtomicU64,
     left: AtomicBool,
+    /// Why the session cannot go on (a lease or commit whose outcome is unknown); only
+    /// `leave` is left to do.
+    broken: Mutex<Option<String>>,
     /// Taken by `leave`.
     inner: Mutex<Option<edl_client::Session>>,
 }
 
 impl Session {
+    /// The session for a call other than `leave`.
     fn claim(&self) -> PyResult<MutexGuard<'_, Option<edl_client::Session>>> {
+        if let Some(why) = &*lock(&self.broken) {
+            return Err(PyRuntimeError::new_err(format!(
+                "this session cannot go on: {why}; call session.leave() (its uncommitted data \
+                 returns to the pool) and join again"
+            )));
+        }
         claim(&self.inner, "session")
+    }
+
+    /// Records that the session cannot go on.
+    fn break_off(&self, why: &str) {
+        *lock(&self.broken) = Some(why.to_string());
     }
 }
 
@@ -540,12 +609,23 @@ impl Session {
     /// committed first.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
         let mut g = self.claim()?;
-        let b = wait(py, &self.rt, live(&mut g)?.next_batch())?;
+        let s = live(&mut g)?;
+        let b = match wait_call(py, &self.rt, s.next_batch()) {
+            Ok(b) => b,
+            Err(Failed::Interrupted(e)) => {
+                // The coordinator may have leased data this session never learned of.
+                self.break_off("a next_batch() was interrupted");
+                return Err(e);
+            }
+            Err(Failed::Client(e)) => return Err(e),
+        };
+        self.clock.store(s.clock().0, Ordering::Relaxed);
         Ok(b.map(|b| Batch {
             indices: b.indices().to_vec(),
             epoch: b.epoch(),
             clock: b.clock().0,
             inner: Mutex::new(Some(b)),
+            committed: AtomicBool::new(false),
         }))
     }
 
@@ -607,21 +687,30 @@ impl Session {
     }
 
     /// Commits `batch` (its samples are done; `loss_sum` is the sum of their losses) and waits
-    /// for the next step as the consistency requires. Returns the new clock.
+    /// for the next step as the consistency requires. Returns this worker's clock (steps
+    /// completed). A batch that is not the one to commit is refused with nothing changed; a
+    /// commit that fails or is interrupted on its way leaves the session only `leave()`.
     fn commit(&self, py: Python<'_>, batch: &Batch, loss_sum: f64) -> PyResult<u64> {
         let mut g = self.claim()?;
         let s = live(&mut g)?;
-        let b = claim(&batch.inner, "batch")?
-            .take()
-            .ok_or_else(committed_already)?;
-        let c = wait(py, &self.rt, s.commit(b, loss_sum))?.0;
+        let mut slot = claim(&batch.inner, "batch")?;
+        let b = slot.as_ref().ok_or_else(committed_already)?;
+        s.check_commit(b).map_err(|e| edl_error(py, e))?;
+        let b = slot.take().ok_or_else(committed_already)?;
+        drop(slot);
+        if let Err(e) = wait_call(py, &self.rt, s.commit(b, loss_sum)) {
+            self.break_off("a commit() failed or was interrupted midway");
+            return Err(e.into());
+        }
+        batch.committed.store(true, Ordering::Relaxed);
+        let c = s.clock().0;
         self.clock.store(c, Ordering::Relaxed);
         Ok(c)
     }
 
     /// Leaves gracefully: uncommitted data returns to the pool. Leaving twice does nothing.
     fn leave(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(s) = self.claim()?.take() else {
+        let Some(s) = claim(&self.inner, "session")?.take() else {
             return Ok(());
         };
         self.left.store(true, Ordering::Relaxed);

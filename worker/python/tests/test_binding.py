@@ -127,7 +127,13 @@ def test_bad_input_is_refused_and_loses_nothing(cluster):
         np.testing.assert_array_equal(after, params)
         # The batch is still good: push it, commit it; a second commit is refused.
         s.push(b, np.zeros(n, np.float32))
+        # Another session's batch is refused without harm to either.
+        with cluster.job("py2").join() as other:
+            with pytest.raises(edl.EdlError) as e:
+                other.commit(b, 0.0)
+            assert e.value.kind == "Batch" and not b.committed
         s.commit(b, 0.0)
+        assert b.committed
         with pytest.raises(RuntimeError, match="committed already"):
             s.commit(b, 0.0)
         with pytest.raises(RuntimeError, match="committed already"):
@@ -135,7 +141,7 @@ def test_bad_input_is_refused_and_loses_nothing(cluster):
     assert s.left
     with pytest.raises(RuntimeError, match="left"):
         s.next_batch()
-    with pytest.raises(RuntimeError, match="joined already"):
+    with pytest.raises(RuntimeError, match=r"used by join\(\) already"):
         job.join()
 
 
@@ -226,7 +232,7 @@ def test_a_session_busy_in_one_thread_is_refused_in_another_not_deadlocked(make_
     ba, bb = a.next_batch(), b.next_batch()
     a.push(ba, grads)
     clocks = []
-    waiting = threading.Thread(target=lambda: clocks.append(a.commit(ba)))
+    waiting = threading.Thread(target=lambda: clocks.append(a.commit(ba)), daemon=True)
     waiting.start()
     time.sleep(0.3)
     assert waiting.is_alive()  # a waits for b, without the GIL (or b could not run below)

@@ -49,8 +49,9 @@ def test_a_worker_killed_mid_step_loses_no_data_and_applies_none_twice(make_clus
     done = admin.status()["samples_done"]
     assert 0 < done < samples * epochs
     b = spawn_worker(c, "b")
-    st = c.wait_finished(timeout=120, admin=admin)
+    c.wait_finished(timeout=120, admin=admin)
     assert b.wait(timeout=30) == 0, c.log("b")
+    st = admin.status()  # after b has left
     states = {name: state for _, name, state, _ in st["workers"]}
     assert states == {"a": "Dead", "b": "Left"}, st["workers"]
     exact(admin.ledgers(), samples, epochs)
@@ -105,8 +106,11 @@ def test_a_python_worker_and_a_rust_worker_share_one_job(make_cluster):
     )
     c = make_cluster(text)
     admin = c.admin()
-    # The Python worker first (it is the slower to load the data); the Rust one once it trains.
-    py = c.spawn([sys.executable, EXAMPLES / "numpy_logreg.py"], "py")
+    # The Python worker first (it is the slower to load the data), its steps at most 50 a
+    # second so that it cannot finish the job alone (at least 15 s) before the Rust one,
+    # started once the Python one trains, has joined.
+    py = c.spawn([sys.executable, EXAMPLES / "numpy_logreg.py"], "py",
+                 env={"EDL_EXAMPLE_STEP_SLEEP": "0.02"})
     wait_until("py trains", lambda: admin.status()["samples_done"] > 0, timeout=60)
     rust = c.spawn(
         [edl.local.find_binary("edl-worker"), "--coordinator", c.coordinator, "--name", "rust",
@@ -117,6 +121,7 @@ def test_a_python_worker_and_a_rust_worker_share_one_job(make_cluster):
     assert py.wait(timeout=30) == 0, c.log("py")
     assert rust.wait(timeout=30) == 0, c.log("rust")
     clocks = {name: clock for _, name, _, clock in st["workers"]}
+    print("steps per worker", clocks)
     # Both trained a real share of the job.
     total_steps = samples * epochs // 32
     assert clocks["py"] > total_steps // 10 and clocks["rust"] > total_steps // 10, clocks

@@ -44,9 +44,18 @@ def load_idx(prefix) -> tuple[np.ndarray, np.ndarray]:
     labels = _idx(_read(labels_path), 1, labels_path)
     if len(pixels) != len(labels):
         raise ValueError(f"{len(pixels)} images but {len(labels)} labels under {prefix}")
-    x = pixels.reshape(len(pixels), -1).astype(np.float64) / 255.0
-    mean, std = x.mean(), x.std()
-    x = ((x - mean) / (std if std > 1e-6 else 1.0)).astype(np.float32)
+    # The set's own pixel statistics from a histogram of the 256 values (no float64 copy of
+    # the set), then float32 arithmetic, as data.rs does.
+    counts = np.bincount(pixels.ravel(), minlength=256).astype(np.float64)
+    v = np.arange(256, dtype=np.float64) / 255.0
+    n = max(counts.sum(), 1.0)
+    mean = (counts * v).sum() / n
+    std = np.sqrt(max((counts * v * v).sum() / n - mean * mean, 0.0))
+    std = std if std > 1e-6 else 1.0
+    x = pixels.reshape(len(pixels), -1).astype(np.float32)
+    x /= np.float32(255.0)
+    x -= np.float32(mean)
+    x /= np.float32(std)
     return x, labels.astype(np.int64)
 
 

@@ -78,6 +78,8 @@ class Cluster:
         self.coordinator: str | None = None
 
     def _start(self, name: str, args: list, env=None) -> subprocess.Popen:
+        if name in self.procs:
+            raise ValueError(f"a process named {name!r} was started already in this cluster")
         log = open(self.log_dir / f"{name}.log", "wb")
         p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
@@ -85,7 +87,16 @@ class Cluster:
         return p
 
     def start(self, timeout: float = 30.0) -> "Cluster":
+        try:
+            return self._start_servers(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_servers(self, timeout: float) -> "Cluster":
         ps = str(find_binary("edl-ps"))
+        for old in self.state_dir.glob("*.addr"):
+            old.unlink()  # a reused state directory's: the servers write their own
         sd = ["--state-dir", str(self.state_dir)]
         addr = self.state_dir / "coordinator.addr"
         c = self._start(
@@ -108,8 +119,10 @@ class Cluster:
 
     def env(self, name: str) -> dict:
         """The environment a worker process gets: EDL_COORDINATOR, EDL_STATE_DIR, EDL_NAME."""
+        inherited = {k: v for k, v in os.environ.items()
+                      if k not in ("EDL_CERT", "EDL_KEY", "EDL_CA")}
         return {
-            **os.environ,
+            **inherited,
             "EDL_COORDINATOR": self.coordinator,
             "EDL_STATE_DIR": str(self.state_dir),
             "EDL_NAME": name,
@@ -120,9 +133,11 @@ class Cluster:
         LOG_DIR/NAME.log; `env` adds to its environment."""
         return self._start(name, [str(a) for a in args], env={**self.env(name), **(env or {})})
 
-    def job(self, name: str, role: str = "worker") -> Job:
-        """A client of the job with the certificate ROLE/NAME from the state directory."""
-        return Job(self.coordinator, state_dir=self.state_dir, name=name, role=role)
+    def job(self, name: str, role: str = "worker", reconnect: float | None = 30.0) -> Job:
+        """A client of the job with the certificate ROLE/NAME from the state directory; it
+        gives up on a server unreachable for `reconnect` seconds (None: never)."""
+        return Job(self.coordinator, state_dir=self.state_dir, name=name, role=role,
+                   reconnect=reconnect)
 
     def admin(self) -> Job:
         """An admin client (status, ledgers, drain)."""

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use edl_client::{ClientError, Job, Notices, RowGrads};
-use edl_shared::proto::ids::Clock;
 use edl_shared::proto::{JobConfig, ModelSpec};
 use edl_shared::shutdown::CancellationToken;
 use thiserror::Error;
@@ -315,13 +314,7 @@ pub async fn evaluate<M: Model>(
     model: &mut M,
     test: &M::Data,
 ) -> Result<StepStats, TrainError> {
-    let status = job.status().await?;
-    let through = if status.finished {
-        Clock(u64::MAX)
-    } else {
-        status.min_clock
-    };
     let mut params = vec![0f32; job.param_count()];
-    job.pull_all(&mut params, through).await?;
+    job.pull_current(&mut params).await?;
     Ok(model.evaluate(&params, test)?)
 }

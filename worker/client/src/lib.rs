@@ -516,6 +516,20 @@ impl Job {
         self.layout.total_len() as usize
     }
 
+    /// Pulls the parameters as they stand, for evaluation, without joining. Pending BSP steps
+    /// are closed only once the job has finished (through every step); while it runs, only
+    /// through the slowest active worker's clock, so evaluating never applies a step still
+    /// being pushed.
+    pub async fn pull_current(&self, out: &mut [f32]) -> Result<(), ClientError> {
+        let status = self.status().await?;
+        let through = if status.finished {
+            Clock(u64::MAX)
+        } else {
+            status.min_clock
+        };
+        self.pull_all(out, through).await
+    }
+
     /// Asks the coordinator for a status snapshot.
     pub async fn status(&self) -> Result<JobStatus, ClientError> {
         match self

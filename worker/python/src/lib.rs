@@ -11,13 +11,14 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use edl_client::{Batch as ClientBatch, ClientConfig, ClientError, RowGrads};
 use edl_shared::Role;
 use edl_shared::pki::{PkiDir, load_identity};
-use edl_shared::proto::ids::{Clock, WorkerId};
+use edl_shared::proto::ids::WorkerId;
 use edl_shared::transport::TransportSettings;
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
@@ -116,15 +117,27 @@ where
     out.map_err(|e| Failed::Client(edl_error(py, e)))
 }
 
-/// True on the interpreter's main thread.
+/// The interpreter's main thread, once a call from it has asked Python.
+static MAIN_THREAD: OnceLock<ThreadId> = OnceLock::new();
+
+/// True on the interpreter's main thread. Python is asked (through `threading`) only until the
+/// main thread is known; after that it is a comparison, off every pull and push's path.
 fn is_main_thread(py: Python<'_>) -> bool {
-    let check = || -> PyResult<bool> {
+    let here = std::thread::current().id();
+    if let Some(main) = MAIN_THREAD.get() {
+        return *main == here;
+    }
+    let ask = || -> PyResult<bool> {
         let threading = py.import("threading")?;
         let current = threading.call_method0("current_thread")?;
         let main = threading.call_method0("main_thread")?;
         Ok(current.is(&main))
     };
-    check().unwrap_or(true)
+    let main = ask().unwrap_or(true);
+    if main {
+        let _ = MAIN_THREAD.set(here);
+    }
+    main
 }
 
 fn runtime() -> PyResult<Arc<Runtime>> {
@@ -427,18 +440,7 @@ impl Job {
         let job = self.with(Clone::clone)?;
         let mut out = Floats::get(out, "out", Some(job.param_count()), true)?;
         let out = out.as_mut();
-        wait(py, &self.rt, async move {
-            // As edl-worker's evaluation: through every step once the job has finished, else
-            // only through the slowest worker's clock (a pull through a BSP step still being
-            // pushed would apply it half-pushed).
-            let status = job.status().await?;
-            let through = if status.finished {
-                Clock(u64::MAX)
-            } else {
-                status.min_clock
-            };
-            job.pull_all(out, through).await
-        })
+        wait(py, &self.rt, async move { job.pull_current(out).await })
     }
 
     /// Joins the job as a worker, stop-free (warmed first, then admitted) and returns the
@@ -449,11 +451,9 @@ impl Job {
                 "this Job was used by join() already (even one that failed); connect a new Job",
             )
         })?;
-        let param_count = job.param_count();
         let inner = wait(py, &self.rt, job.join())?;
         Ok(Session {
             rt: self.rt.clone(),
-            param_count,
             worker: inner.worker().0,
             notices: inner.notices(),
             job: inner.job().clone(),
@@ -525,7 +525,6 @@ fn committed_already() -> PyErr {
 #[pyclass(module = "edl._edl")]
 struct Session {
     rt: Arc<Runtime>,
-    param_count: usize,
     worker: u64,
     /// What can be read while another thread is in a call: drain notices, traffic, the clock
     /// and whether the session has left.
@@ -584,7 +583,7 @@ impl Session {
     /// Floats in the model.
     #[getter]
     fn param_count(&self) -> usize {
-        self.param_count
+        self.job.param_count()
     }
 
     /// True once an operator (or the scheduler) asked this worker to leave.
@@ -632,7 +631,7 @@ impl Session {
     /// Pulls every parameter into `out` (a writable float32 buffer of `param_count` floats),
     /// waiting only as the job's consistency requires. Nothing is allocated for the caller.
     fn pull(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut out = Floats::get(out, "out", Some(self.param_count), true)?;
+        let mut out = Floats::get(out, "out", Some(self.job.param_count()), true)?;
         let out = out.as_mut();
         let mut g = self.claim()?;
         wait(py, &self.rt, live(&mut g)?.pull(out))
@@ -641,7 +640,7 @@ impl Session {
     /// Pushes the gradient of `batch` from `grads` (a float32 buffer of `param_count` floats).
     /// A NaN or infinity refuses the push (EdlError, kind "NonFinite") and sends nothing.
     fn push(&self, py: Python<'_>, batch: &Batch, grads: &Bound<'_, PyAny>) -> PyResult<()> {
-        let grads = Floats::get(grads, "grads", Some(self.param_count), false)?;
+        let grads = Floats::get(grads, "grads", Some(self.job.param_count()), false)?;
         let grads = grads.as_ref();
         let guard = claim(&batch.inner, "batch")?;
         let b = guard.as_ref().ok_or_else(committed_already)?;
@@ -726,9 +725,9 @@ impl Session {
         params: &Bound<'_, PyAny>,
         steps: usize,
     ) -> PyResult<Vec<f64>> {
-        let mut params = Floats::get(params, "params", Some(self.param_count), true)?;
+        let mut params = Floats::get(params, "params", Some(self.job.param_count()), true)?;
         let params = params.as_mut();
-        let grads = vec![0f32; self.param_count];
+        let grads = vec![0f32; self.job.param_count()];
         let mut g = self.claim()?;
         let s = live(&mut g)?;
         let times = wait(py, &self.rt, async {

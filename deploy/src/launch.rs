@@ -85,6 +85,22 @@ fn push_common(args: &mut Vec<OsString>, state_dir: &Path, creds: Option<&Creds>
     }
 }
 
+/// The flags that make a process serve `/metrics` on an ephemeral loopback port and write
+/// the address to `STATE_DIR/metrics/NAME.addr`.
+pub fn metrics_args(state_dir: &Path, name: &str) -> [OsString; 4] {
+    [
+        "--metrics".into(),
+        "127.0.0.1:0".into(),
+        "--metrics-file".into(),
+        metrics_file(state_dir, name).into_os_string(),
+    ]
+}
+
+/// Where the process `name` writes its metrics address (see [`metrics_args`]).
+pub fn metrics_file(state_dir: &Path, name: &str) -> std::path::PathBuf {
+    state_dir.join("metrics").join(format!("{name}.addr"))
+}
+
 /// `edl-ps`'s arguments for a coordinator listening on an ephemeral loopback port that writes
 /// its address to `addr_file`; the caller appends the job (`--job FILE`, or its flags).
 pub fn coordinator_args(

@@ -7,18 +7,19 @@
 //! stops child processes,
 //! [`scenario`] reads the timed membership changes and shard events a run replays,
 //! [`progress`] shows how training is going, [`costs`] works out what each event and key-range
-//! move cost from the coordinator's trace, [`elastic`] what stragglers, preemptions and
+//! move cost from the coordinator's trace, [`plot`] draws the run over time, [`elastic`] what stragglers, preemptions and
 //! placements did, and [`report`] turns the outcome into a summary and a JSON report.
 
 pub mod costs;
 pub mod elastic;
 pub mod launch;
 pub mod local;
+pub mod plot;
 pub mod procs;
 pub mod progress;
 pub mod report;
 pub mod scenario;
 
-pub use local::{ElasticConfig, LocalConfig, ScenarioFile, run};
+pub use local::{ElasticConfig, LocalConfig, ObserveConfig, ScenarioFile, run};
 pub use report::Report;
 pub use scenario::Scenario;

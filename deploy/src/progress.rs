@@ -323,6 +323,9 @@ mod tests {
             ],
             min_clock: Clock(3),
             finished,
+            samples_per_s: 0.0,
+            loss: None,
+            evaluation: None,
         }
     }
 

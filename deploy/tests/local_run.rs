@@ -43,6 +43,7 @@ async fn small_job_trains_evaluates_and_reports() {
         scenario: None,
         restart_on_change: false,
         elastic: Default::default(),
+        observe: Default::default(),
         job: None,
     };
     let report = edl_deploy::run(&cfg, CancellationToken::new())

@@ -25,4 +25,4 @@ pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, Strag
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;

@@ -323,6 +323,51 @@ pub struct ShardStats {
     pub bytes_out: u64,
 }
 
+/// One evaluation of the model on held-out data, reported by an evaluator.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct EvalRecord {
+    /// Milliseconds since the coordinator started, when the report arrived.
+    pub t_ms: u64,
+    /// The name in the evaluator's certificate.
+    pub name: String,
+    /// The slowest worker's clock the parameters were pulled through.
+    pub clock: Clock,
+    /// Fraction of the samples classified right (0 to 1).
+    pub accuracy: f64,
+    /// Mean loss over them.
+    pub loss: f64,
+    /// Samples evaluated.
+    pub samples: u64,
+}
+
+/// Training progress over one window of time (of [`JobHistory::bucket_ms`]).
+#[derive(Clone, Copy, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct HistoryPoint {
+    /// The window's start, in milliseconds since the coordinator started.
+    pub t_ms: u64,
+    /// Samples committed in the window.
+    pub samples: u64,
+    /// Sum of their training losses.
+    pub loss_sum: f64,
+    /// Steps reported in the window.
+    pub steps: u32,
+    /// Active workers at the window's end.
+    pub workers: u32,
+}
+
+/// The job's training history: progress per window of time and the evaluations, for plots
+/// and the dashboard. Membership events and moves are in the [`JobTrace`].
+#[derive(Clone, Debug, Default, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct JobHistory {
+    /// The width of a window in milliseconds.
+    pub bucket_ms: u64,
+    /// Windows in time order, from the one asked for (windows without a step are left out;
+    /// the oldest are dropped past a cap).
+    pub points: Vec<HistoryPoint>,
+    /// Evaluations in time order (the oldest are dropped past a cap).
+    pub evaluations: Vec<EvalRecord>,
+}
+
 /// A snapshot of the job for launchers and operators.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct JobStatus {
@@ -345,7 +390,16 @@ pub struct JobStatus {
     /// The coordinator's clock when it answered, in the trace's time base (milliseconds since
     /// it started), so that a client can place its own events on the trace.
     pub t_ms: u64,
+    /// Samples per second over the last [`RECENT_MS`] milliseconds.
+    pub samples_per_s: f64,
+    /// Mean training loss per sample over the same window (`None` without samples in it).
+    pub loss: Option<f64>,
+    /// The latest evaluation, if an evaluator reported one.
+    pub evaluation: Option<EvalRecord>,
 }
+
+/// The window over which [`JobStatus`] reports the recent rate and loss.
+pub const RECENT_MS: u64 = 10_000;
 
 /// A request header.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -560,6 +614,22 @@ pub enum Request {
     },
     /// A request to the cluster scheduler (`edl-sched`); job servers refuse it.
     Sched(crate::sched::SchedRequest),
+    /// An evaluator reports the model's quality on held-out data.
+    Evaluation {
+        /// The slowest worker's clock the evaluated parameters were pulled through.
+        clock: Clock,
+        /// Fraction classified right (0 to 1).
+        accuracy: f64,
+        /// Mean loss.
+        loss: f64,
+        /// Samples evaluated.
+        samples: u64,
+    },
+    /// Asks the coordinator for its training history from `from_ms` on.
+    History {
+        /// The first window wanted (milliseconds since the coordinator started).
+        from_ms: u64,
+    },
 }
 
 impl Request {
@@ -600,6 +670,8 @@ impl Request {
             Self::Reshard { .. } => "Reshard",
             Self::MoveRange { .. } => "MoveRange",
             Self::Sched(_) => "Sched",
+            Self::Evaluation { .. } => "Evaluation",
+            Self::History { .. } => "History",
         }
     }
 }
@@ -715,6 +787,8 @@ pub enum Response {
     ShardList(Vec<ShardEntry>),
     /// The cluster scheduler's answer.
     Sched(crate::sched::SchedResponse),
+    /// The training history.
+    History(JobHistory),
     /// A failure, with a stable code.
     Error {
         /// An [`crate::ErrorCode`] number.

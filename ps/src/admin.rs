@@ -418,8 +418,30 @@ pub struct StatusView {
     pub samples: (u64, u64),
     /// Committed samples per second over the last ten seconds, all workers together.
     pub samples_per_s: f64,
+    /// Mean training loss per sample over the last ten seconds.
+    pub loss: Option<f64>,
+    /// Mean training loss of the latest epoch with samples.
+    pub epoch_loss: Option<(u32, f64)>,
+    /// The latest evaluation: accuracy (0 to 1), loss, the clock it was pulled through and
+    /// how many seconds ago it was reported.
+    pub evaluation: Option<EvalView>,
+    /// Seconds until the run ends at the current rate.
+    pub eta_s: Option<f64>,
     /// Every epoch's data is done.
     pub finished: bool,
+}
+
+/// The latest evaluation, for `edlctl status`.
+#[derive(Debug, Serialize)]
+pub struct EvalView {
+    /// Fraction classified right.
+    pub accuracy: f64,
+    /// Mean loss.
+    pub loss: f64,
+    /// The slowest worker's clock the parameters were pulled through.
+    pub clock: u64,
+    /// Seconds since it was reported.
+    pub age_s: f64,
 }
 
 impl StatusView {
@@ -444,10 +466,21 @@ impl StatusView {
             min_clock: st.min_clock.0,
             max_clock: active.iter().map(|w| w.clock.0).max().unwrap_or(0),
             samples: (st.samples_done, st.samples_total),
-            samples_per_s: active
+            samples_per_s: st.samples_per_s,
+            loss: st.loss,
+            epoch_loss: st
+                .epochs
                 .iter()
-                .map(|w| w.steps_per_s * f64::from(job.batch_size))
-                .sum(),
+                .rev()
+                .find(|e| e.samples > 0)
+                .map(|e| (e.epoch, e.loss_sum / e.samples as f64)),
+            evaluation: st.evaluation.as_ref().map(|e| EvalView {
+                accuracy: e.accuracy,
+                loss: e.loss,
+                clock: e.clock.0,
+                age_s: st.t_ms.saturating_sub(e.t_ms) as f64 / 1000.0,
+            }),
+            eta_s: crate::views::eta_s(st),
             finished: st.finished,
         }
     }
@@ -488,12 +521,7 @@ pub struct WorkerRow {
 
 impl From<&WorkerInfo> for WorkerRow {
     fn from(w: &WorkerInfo) -> Self {
-        let state = match (w.state, w.draining) {
-            (WorkerState::Active, true) => "draining",
-            (WorkerState::Active, false) => "active",
-            (WorkerState::Left, _) => "left",
-            (WorkerState::Dead, _) => "dead",
-        };
+        let state = crate::views::worker_state(w.state, w.draining);
         WorkerRow {
             id: w.id.0,
             name: w.name.clone(),

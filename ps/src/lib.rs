@@ -12,3 +12,4 @@ pub mod ledger;
 pub mod optimizer;
 pub mod profile;
 pub mod shard;
+pub mod views;

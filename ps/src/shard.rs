@@ -1154,7 +1154,9 @@ pub fn write_checkpoint(state: &ShardState, path: &Path) -> Result<(u64, f64), C
     let _one = state.saving.lock().unwrap_or_else(|p| p.into_inner());
     let t = std::time::Instant::now();
     let bytes = checkpoint::write(path, &state.snapshot())?;
-    Ok((bytes, t.elapsed().as_secs_f64() * 1000.0))
+    let millis = t.elapsed().as_secs_f64() * 1000.0;
+    metrics::checkpointed(bytes, millis);
+    Ok((bytes, millis))
 }
 
 /// Runs a shard until `shutdown`: binds, joins the coordinator, initializes its ranges, serves.
@@ -1216,6 +1218,7 @@ pub async fn run(
         None => ShardState::new(id, job, map),
     };
     let state = Arc::new(state);
+    metrics::watch(&state);
     info!(shard = %id, %addr, keys = state.num_keys(), "shard serving");
     let _ = tx.send(Some(state.clone()));
     let periodic = match (&config.checkpoint, config.checkpoint_every) {
@@ -1298,6 +1301,7 @@ async fn join(
     }
 }
 
+mod metrics;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]

@@ -126,3 +126,35 @@ impl StragglerArgs {
         Ok(s)
     }
 }
+
+/// Where a process serves its Prometheus metrics.
+#[derive(Clone, Debug, clap::Args)]
+pub struct MetricsArgs {
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9100; port 0 picks one).
+    /// Plain HTTP without authentication: bind a loopback or cluster-internal address. Off
+    /// unless given.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
+    /// Write the metrics address to this file once bound (useful with port 0).
+    #[arg(long, value_name = "FILE", requires = "metrics")]
+    pub metrics_file: Option<PathBuf>,
+}
+
+#[cfg(feature = "observe")]
+impl MetricsArgs {
+    /// Starts serving `/metrics` if asked to, until `shutdown`; writes the address file.
+    pub async fn start(
+        &self,
+        shutdown: crate::shutdown::CancellationToken,
+    ) -> std::io::Result<Option<std::net::SocketAddr>> {
+        let bound = crate::http::serve_metrics(self.metrics, shutdown).await?;
+        if let (Some(addr), Some(file)) = (bound, &self.metrics_file) {
+            if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)?;
+            }
+            crate::pki::write_atomic(file, addr.to_string().as_bytes())
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
+        Ok(bound)
+    }
+}

@@ -7,8 +7,11 @@
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod faults;
+#[cfg(feature = "observe")]
+pub mod http;
 pub mod jobfile;
 pub mod libsvm;
+pub mod metrics;
 pub mod pki;
 pub mod server;
 pub mod shutdown;

@@ -9,9 +9,10 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
+use crate::metrics;
 use crate::shutdown::CancellationToken;
 use bytes::Bytes;
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, Parts, Request, Response};
@@ -145,6 +146,80 @@ impl Drop for IdentitySlot {
     }
 }
 
+/// The request server's metrics (every server of the process counts in them).
+struct ServerMetrics {
+    requests: metrics::Counters,
+    bytes: metrics::Counters,
+    seconds: metrics::Histograms,
+    errors: metrics::Counters,
+    connections: metrics::Gauge,
+    in_flight: metrics::Gauge,
+    budget: metrics::Gauge,
+}
+
+static METRICS: LazyLock<ServerMetrics> = LazyLock::new(|| ServerMetrics {
+    requests: metrics::counters("requests", "Requests served, by kind."),
+    bytes: metrics::counters(
+        "request_bytes",
+        "Frame bytes received (in) and sent (out), by request kind.",
+    ),
+    seconds: metrics::histograms(
+        "request_seconds",
+        "Time from a request's arrival to its answer, by kind (a push: its application; \
+         a long poll: the wait).",
+        metrics::seconds_histogram,
+    ),
+    errors: metrics::counters("errors", "Error answers, by wire code."),
+    connections: metrics::gauge("connections", "Open client connections."),
+    in_flight: metrics::gauge(
+        "bytes_in_flight",
+        "Request bytes received and not yet handled (charged against the budget).",
+    ),
+    budget: metrics::gauge(
+        "bytes_in_flight_budget",
+        "The server's budget of request bytes in flight.",
+    ),
+});
+
+impl ServerMetrics {
+    /// Counts one request of `kind` that took `secs`.
+    fn count(&self, kind: &'static str, bytes_in: u64, reply: &Frame<Response, Parts>, secs: f64) {
+        use edl_proto::frame::Payload;
+        let k = metrics::label("request", kind);
+        self.requests.get_or_create(&k).inc();
+        self.seconds.get_or_create(&k).observe(secs);
+        let dir = |d: &str| vec![("request", kind.to_string()), ("direction", d.to_string())];
+        self.bytes.get_or_create(&dir("in")).inc_by(bytes_in);
+        self.bytes
+            .get_or_create(&dir("out"))
+            .inc_by(reply.payload.byte_len() as u64);
+        if let Response::Error { code, .. } = &reply.msg {
+            self.error(*code);
+        }
+    }
+
+    fn error(&self, code: u16) {
+        let name = ErrorCode::from_u16(code).map_or_else(|| code.to_string(), |c| format!("{c:?}"));
+        self.errors.get_or_create(&metrics::label("code", name)).inc();
+    }
+}
+
+/// Counts a handshaken connection in the `connections` gauge while it lives.
+struct OpenConnection;
+
+impl OpenConnection {
+    fn count() -> Self {
+        METRICS.connections.inc();
+        OpenConnection
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        METRICS.connections.dec();
+    }
+}
+
 /// What every connection of one server shares.
 struct Shared {
     limits: FrameLimits,
@@ -229,6 +304,16 @@ pub async fn serve<S: Service>(
             total_kib,
         },
         identities: Arc::default(),
+    });
+    METRICS.budget.set(settings.budgets.server_bytes as f64);
+    let weak = Arc::downgrade(&shared);
+    metrics::on_scrape(move || {
+        let Some(s) = weak.upgrade() else {
+            return false;
+        };
+        let used = s.bytes.total_kib as usize - s.bytes.permits.available_permits().min(s.bytes.total_kib as usize);
+        METRICS.in_flight.set(used as f64 * 1024.0);
+        true
     });
     let mut conns = tokio::task::JoinSet::new();
     loop {
@@ -334,6 +419,7 @@ async fn connection<S: Service>(
         }
     }
     let peer = Arc::new(peer);
+    let _counted = OpenConnection::count();
     let in_flight = Arc::new(AtomicU64::new(0));
     let mut streams = tokio::task::JoinSet::new();
     loop {
@@ -436,18 +522,34 @@ async fn request<S: Service>(
             }
         }
     };
+    let started = std::time::Instant::now();
     let reply = match read.await {
-        Err(resp) => Frame::new(resp),
+        Err(resp) => {
+            if let Response::Error { code, .. } = &resp {
+                METRICS.error(*code);
+            }
+            Frame::new(resp)
+        }
         Ok((f, _)) if matches!(f.msg, Request::Hello { .. }) => Frame::new(Response::error(
             ErrorCode::InvalidRequest,
             "repeated handshake",
         )),
-        Ok((f, _)) if !service.allowed(peer.role, &f.msg) => Frame::new(Response::error(
-            ErrorCode::Forbidden,
-            format!("role {} may not send this request", peer.role),
-        )),
-        // The charge is held until the request is handled: its payload lives until then.
-        Ok((f, _charge)) => service.handle(peer, f.msg, f.payload).await,
+        Ok((f, charge)) => {
+            let kind = f.msg.name();
+            let bytes_in = charge.bytes;
+            let reply = if service.allowed(peer.role, &f.msg) {
+                // The charge is held until the request is handled: its payload lives until then.
+                let _charge = charge;
+                service.handle(peer, f.msg, f.payload).await
+            } else {
+                Frame::new(Response::error(
+                    ErrorCode::Forbidden,
+                    format!("role {} may not send this request", peer.role),
+                ))
+            };
+            METRICS.count(kind, bytes_in, &reply, started.elapsed().as_secs_f64());
+            reply
+        }
     };
     if let Err(e) = write_frame(&mut send, reply).await {
         debug!(error = %e, "could not send response");

@@ -151,7 +151,7 @@ async fn sparse_logistic_regression_reaches_the_plain_bar() -> anyhow::Result<()
     }
     assert_exactly_once(&cluster.connect("check").await?, u64::from(samples)).await?;
     let eval = cluster.connect("eval").await?;
-    let stats = trainer::evaluate(&eval, &mut LogReg::new(features), &test).await?;
+    let (stats, _) = trainer::evaluate(&eval, &mut LogReg::new(features), &test).await?;
     let dense = 4 * (u64::from(features) + 1);
     eprintln!(
         "sparse logreg: test accuracy {:.4} (plain single-process {plain:.4}); per step \

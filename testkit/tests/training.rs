@@ -106,7 +106,7 @@ async fn three_workers_two_shards_reach_the_accuracy_bar() -> anyhow::Result<()>
     let mut backend = CpuBackend::new();
     let name = backend.name();
     let mut model = MlpModel::new(trainer::model_of(eval.config())?, &mut backend);
-    let stats = trainer::evaluate(&eval, &mut model, &test).await?;
+    let (stats, _) = trainer::evaluate(&eval, &mut model, &test).await?;
     assert_eq!(stats.samples, 10_000);
     eprintln!("test accuracy {:.4} ({name})", stats.accuracy());
     assert!(

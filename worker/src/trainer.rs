@@ -2,11 +2,13 @@
 //! push, commit; leave gracefully on shutdown or drain. Also the evaluation pass.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use edl_client::{ClientError, Job, Notices, RowGrads};
+use edl_shared::metrics::{self, Counter, Counters, Gauge, Histograms};
+use edl_shared::proto::msg::JobStatus;
 use edl_shared::proto::{JobConfig, ModelSpec};
 use edl_shared::shutdown::CancellationToken;
 use thiserror::Error;
@@ -46,6 +48,8 @@ pub struct TrainOptions {
     /// Spot notices this process receives (e.g. on SIGUSR1), each with its length: the
     /// worker tells the coordinator, finishes its step, commits and leaves in time.
     pub spot: Option<tokio::sync::mpsc::UnboundedReceiver<Duration>>,
+    /// Log a progress line (samples/s, loss) this often; `None` logs none.
+    pub progress: Option<Duration>,
 }
 
 /// A test aid that makes a worker a straggler: after each step's own work (pull, compute,
@@ -209,6 +213,7 @@ pub async fn train<M: Model>(
         })
     });
     let started = Instant::now();
+    let mut progress = Progress::new(opts.progress);
     let mut summary = TrainSummary::default();
     let mut params = Vec::new();
     let mut grads = Vec::new();
@@ -260,6 +265,10 @@ pub async fn train<M: Model>(
                 }
             };
             opts.slowdown.after(begun.elapsed()).await;
+            METRICS
+                .step
+                .get_or_create(&metrics::label("phase", "work"))
+                .observe(begun.elapsed().as_secs_f64());
             Ok::<_, TrainError>((stats, batch, &mut session))
         };
         tokio::pin!(step);
@@ -280,6 +289,7 @@ pub async fn train<M: Model>(
         summary.loss_sum += stats.loss_sum;
         let span = batch.span();
         tracing::trace!(clock = %session.clock(), "commit");
+        let committing = Instant::now();
         // The step is pushed. A shutdown or a preemption deadline during the wait for the
         // others commits it without waiting (a repeat of a commit that arrived is
         // recognized) and leaves.
@@ -294,6 +304,16 @@ pub async fn train<M: Model>(
                 break;
             }
         }
+        METRICS
+            .step
+            .get_or_create(&metrics::label("phase", "commit"))
+            .observe(committing.elapsed().as_secs_f64());
+        progress.step(
+            stats.samples as u64,
+            stats.loss_sum,
+            session.clock().0,
+            session.job().traffic(),
+        );
         if opts.max_steps == Some(summary.steps) || session.drain_requested() {
             // Leaving returns the uncommitted rest of the partition to the pool.
             break;
@@ -309,12 +329,103 @@ pub async fn train<M: Model>(
 
 /// Pulls the current parameters and evaluates `model` on `test`. Pending BSP steps are closed
 /// only once the job has finished, so evaluating a running job never applies a partial step.
+/// Returns the statistics and the job status the parameters were pulled under.
 pub async fn evaluate<M: Model>(
     job: &Job,
     model: &mut M,
     test: &M::Data,
-) -> Result<StepStats, TrainError> {
+) -> Result<(StepStats, JobStatus), TrainError> {
     let mut params = vec![0f32; job.param_count()];
-    job.pull_current(&mut params).await?;
-    Ok(model.evaluate(&params, test)?)
+    let status = job.pull_current(&mut params).await?;
+    Ok((model.evaluate(&params, test)?, status))
+}
+
+/// A worker's Prometheus metrics (`edl-worker --metrics`).
+struct WorkerMetrics {
+    steps: Counter,
+    samples: Counter,
+    step: Histograms,
+    loss: Gauge,
+    clock: Gauge,
+    bytes: Counters,
+}
+
+static METRICS: LazyLock<WorkerMetrics> = LazyLock::new(|| WorkerMetrics {
+    steps: metrics::counter("worker_steps", "Steps this worker committed."),
+    samples: metrics::counter("worker_samples", "Samples this worker committed."),
+    step: metrics::histograms(
+        "worker_step_duration_seconds",
+        "Time of one step: its own work (gather, pull, compute, push), then the commit \
+         (phase=commit: including the wait for slower workers).",
+        metrics::seconds_histogram,
+    ),
+    loss: metrics::gauge("worker_loss", "Mean training loss per sample of the last step."),
+    clock: metrics::gauge("worker_clock_steps", "This worker's clock."),
+    bytes: metrics::counters(
+        "worker_bytes",
+        "Payload bytes this worker sent (gradients) and received (parameters).",
+    ),
+});
+
+/// Progress since the last progress line.
+struct Progress {
+    every: Option<Duration>,
+    since: Instant,
+    samples: u64,
+    loss_sum: f64,
+    steps: u64,
+    traffic: (u64, u64),
+}
+
+impl Progress {
+    fn new(every: Option<Duration>) -> Self {
+        Progress {
+            every,
+            since: Instant::now(),
+            samples: 0,
+            loss_sum: 0.0,
+            steps: 0,
+            traffic: (0, 0),
+        }
+    }
+
+    /// Counts a step; logs a progress line when one is due.
+    fn step(&mut self, samples: u64, loss_sum: f64, clock: u64, traffic: edl_client::TrafficCount) {
+        let m = &*METRICS;
+        m.steps.inc();
+        m.samples.inc_by(samples);
+        if samples > 0 {
+            m.loss.set(loss_sum / samples as f64);
+        }
+        m.clock.set(clock as f64);
+        let sent = traffic.sent.saturating_sub(self.traffic.0);
+        let received = traffic.received.saturating_sub(self.traffic.1);
+        m.bytes.get_or_create(&metrics::label("direction", "sent")).inc_by(sent);
+        m.bytes
+            .get_or_create(&metrics::label("direction", "received"))
+            .inc_by(received);
+        self.traffic = (traffic.sent, traffic.received);
+        self.samples += samples;
+        self.loss_sum += loss_sum;
+        self.steps += 1;
+        let Some(every) = self.every else {
+            return;
+        };
+        let secs = self.since.elapsed();
+        if secs < every {
+            return;
+        }
+        let secs = secs.as_secs_f64();
+        tracing::info!(
+            clock,
+            steps = self.steps,
+            samples_per_s = format!("{:.1}", self.samples as f64 / secs),
+            loss = format!("{:.4}", self.loss_sum / self.samples.max(1) as f64),
+            "progress"
+        );
+        *self = Progress {
+            traffic: self.traffic,
+            ..Progress::new(self.every)
+        };
+    }
 }

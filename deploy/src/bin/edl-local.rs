@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use edl_deploy::local::RESTART_NOTE;
-use edl_deploy::{ElasticConfig, LocalConfig, Scenario, ScenarioFile};
+use edl_deploy::{ElasticConfig, LocalConfig, ObserveConfig, Scenario, ScenarioFile};
 use edl_shared::cli::StragglerArgs;
 use edl_shared::jobfile::defaults;
 use edl_shared::proto::{Consistency, OptimizerSpec};
@@ -58,9 +58,23 @@ struct Cli {
     /// Seed for initialization and data order.
     #[arg(long, default_value_t = defaults::SEED)]
     seed: u64,
-    /// Directory with the Fashion-MNIST idx files (gzip or not).
+    /// Directory with the training and test images as idx files (gzip or not; Fashion-MNIST's
+    /// by default, or any set in its format: `train-images-idx3-ubyte`, ...).
     #[arg(long, default_value = DEFAULT_DATA_DIR)]
     data_dir: PathBuf,
+    /// Serve the coordinator's live dashboard (membership, throughput, loss and accuracy,
+    /// shards, stragglers, events) and its JSON API at http://ADDR/; the address is printed
+    /// at the start. Plain HTTP: keep it on loopback.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:0")]
+    http: std::net::SocketAddr,
+    /// Do not serve the dashboard.
+    #[arg(long, conflicts_with = "http")]
+    no_http: bool,
+    /// Draw the run into DIR/run.png: throughput, active workers, training loss and test
+    /// accuracy over time with membership, resharding and shard events marked, and each
+    /// event's stall.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
     /// Write a JSON report of the run to this file.
     #[arg(long)]
     report: Option<PathBuf>,
@@ -154,6 +168,10 @@ impl Cli {
                 slots: self.slots.unwrap_or(0),
                 preempt_notice: self.preempt_notice,
             },
+            observe: ObserveConfig {
+                http: (!self.no_http).then_some(self.http),
+                plot: self.plot,
+            },
         };
         match &self.job {
             Some(file) => cfg.from_job_file(file),
@@ -171,6 +189,9 @@ async fn main() -> anyhow::Result<()> {
     println!("{report}");
     if let Some(path) = &cfg.report {
         println!("  report: {}", path.display());
+    }
+    if let Some(dir) = &cfg.observe.plot {
+        println!("  plot: {}", dir.join("run.png").display());
     }
     Ok(())
 }

@@ -248,6 +248,9 @@ fn epochs_take_the_worst_shard() {
         workers: vec![],
         min_clock: Clock(0),
         finished: true,
+        samples_per_s: 0.0,
+        loss: None,
+        evaluation: None,
     };
     let l = |epoch, applied, duplicates, skipped_pushes| EpochLedger {
         epoch,

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow, bail};
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
-use edl_shared::proto::msg::{EpochLedger, JobStatus, JobTrace};
+use edl_shared::proto::msg::{EpochLedger, JobHistory, JobStatus, JobTrace};
 use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec, ShardId};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
@@ -130,6 +130,19 @@ pub struct LocalConfig {
     pub restart_on_change: bool,
     /// Stragglers, preemption notices and slots.
     pub elastic: ElasticConfig,
+    /// The dashboard and the plots of the run.
+    pub observe: ObserveConfig,
+}
+
+/// What a run shows of itself besides its report (every process serves `/metrics` on a
+/// loopback port regardless; the addresses are in `STATE_DIR/metrics/`).
+#[derive(Clone, Debug, Default)]
+pub struct ObserveConfig {
+    /// Where the coordinator serves its dashboard, if anywhere (port 0 picks one).
+    pub http: Option<SocketAddr>,
+    /// Draw the run's plots (throughput, loss and accuracy over time with membership and
+    /// resharding events and their stalls) into this directory.
+    pub plot: Option<PathBuf>,
 }
 
 /// What the launcher does for the coordinator's elastic decisions.
@@ -350,6 +363,10 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     if let Some(path) = &cfg.trace {
         TraceDump::of(&trained.trace).write_json(path)?;
     }
+    if let Some(dir) = &cfg.observe.plot {
+        crate::plot::draw(dir, &trained.history, &report.events)
+            .with_context(|| format!("drawing the plots in {}", dir.display()))?;
+    }
     Ok(report)
 }
 
@@ -358,6 +375,7 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
 struct Trained {
     status: JobStatus,
     trace: JobTrace,
+    history: JobHistory,
     ledgers: Vec<(ShardId, Vec<EpochLedger>)>,
     evaluation: Evaluation,
     train_wall: Duration,
@@ -575,9 +593,15 @@ impl Launch<'_> {
         self.progress
             .println("edl-local: training done; evaluating on the test set");
         let evaluation = self.evaluate(&coordinator).await?;
+        // After the evaluation, so that the history holds it.
+        let history = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.history(0))
+            .await
+            .context("the history request timed out")?
+            .context("asking the coordinator for its history")?;
         Ok(Trained {
             status,
             trace,
+            history,
             ledgers,
             evaluation,
             train_wall,
@@ -612,6 +636,17 @@ impl Launch<'_> {
             &cfg.elastic.stragglers,
             None,
         );
+        args.extend(launch::metrics_args(&self.state_dir, COORDINATOR_NAME));
+        let http_file = self.state_dir.join("dashboard.addr");
+        launch::remove_stale(&http_file)?;
+        if let Some(http) = cfg.observe.http {
+            args.extend([
+                "--http".into(),
+                http.to_string().into(),
+                "--http-file".into(),
+                http_file.clone().into_os_string(),
+            ]);
+        }
         if let Some(job) = &cfg.job {
             args.extend(["--job".into(), job.clone().into_os_string()]);
         } else {
@@ -645,6 +680,17 @@ impl Launch<'_> {
         let addr = proc
             .wait_for_addr(&addr_file, COORDINATOR_START, ADDR_CHECK)
             .await?;
+        if cfg.observe.http.is_some() {
+            let at = proc
+                .wait_for_addr(&http_file, COORDINATOR_START, ADDR_CHECK)
+                .await?;
+            self.progress
+                .println(&format!("edl-local: dashboard at http://{at}/"));
+        }
+        self.progress.println(&format!(
+            "edl-local: every process serves Prometheus metrics; addresses in {}",
+            self.state_dir.join("metrics").display()
+        ));
         self.coordinator_addr = Some(addr);
         Ok(addr)
     }
@@ -717,14 +763,16 @@ impl Launch<'_> {
     }
 
     fn worker_args(&self, coordinator: &SocketAddr, name: &str, evaluate: bool) -> Vec<OsString> {
-        launch::worker_args(
+        let mut args = launch::worker_args(
             coordinator,
             name,
             &self.cfg.data_dir,
             &self.state_dir,
             None,
             evaluate,
-        )
+        );
+        args.extend(launch::metrics_args(&self.state_dir, name));
+        args
     }
 
     /// Fails if the coordinator or a shard has exited, unless it was a shard the launcher

@@ -113,6 +113,7 @@ mod tests {
             scenario: None,
             restart_on_change: false,
             elastic: Default::default(),
+            observe: Default::default(),
             job: None,
         };
         let launcher = issue_certificates(dir.path(), &cfg).expect("issue");

@@ -153,7 +153,7 @@ impl Launch<'_> {
             0 => format!("{name}.log"),
             n => format!("{name}-restart{n}.log"),
         };
-        let args = crate::launch::shard_args(
+        let mut args = crate::launch::shard_args(
             &coordinator,
             name,
             listen,
@@ -161,6 +161,7 @@ impl Launch<'_> {
             &addr_file,
             None,
         );
+        args.extend(crate::launch::metrics_args(&self.state_dir, name));
         let proc = Proc::spawn(Spawn {
             log: self.logs.join(log),
             name: name.to_string(),

@@ -58,6 +58,7 @@ pub fn scenario_config(
         }),
         restart_on_change,
         elastic: Default::default(),
+        observe: Default::default(),
         job: None,
     }
 }

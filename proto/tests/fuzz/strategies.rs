@@ -6,8 +6,8 @@
 
 use edl_proto::job::{RangeOwner, ShardInfo};
 use edl_proto::msg::{
-    ChunkRef, DataSpan, EpochLedger, EpochStats, EventKind, EventRecord, JobStatus, JobTrace,
-    KeyLoad, KeyRange, MoveReport, Partition, ShardEntry, ShardRole, ShardStats, StepRecord,
+    ChunkRef, DataSpan, EpochLedger, EpochStats, EvalRecord, EventKind, EventRecord,
+    HistoryPoint, JobHistory, JobStatus, JobTrace, KeyLoad, KeyRange, MoveReport, Partition, ShardEntry, ShardRole, ShardStats, StepRecord,
     WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_proto::place::{
@@ -375,6 +375,38 @@ fn shard_stats() -> BoxedStrategy<ShardStats> {
         .boxed()
 }
 
+fn eval_record() -> BoxedStrategy<EvalRecord> {
+    (edgy_u64(), text(), clock(), f64_no_nan(), f64_no_nan(), edgy_u64())
+        .prop_map(|(t_ms, name, clock, accuracy, loss, samples)| EvalRecord {
+            t_ms,
+            name,
+            clock,
+            accuracy,
+            loss,
+            samples,
+        })
+        .boxed()
+}
+
+fn job_history() -> BoxedStrategy<JobHistory> {
+    let point = (edgy_u64(), edgy_u64(), f64_no_nan(), any::<u32>(), any::<u32>()).prop_map(
+        |(t_ms, samples, loss_sum, steps, workers)| HistoryPoint {
+            t_ms,
+            samples,
+            loss_sum,
+            steps,
+            workers,
+        },
+    );
+    (edgy_u64(), vec(point, 0..4), vec(eval_record(), 0..3))
+        .prop_map(|(bucket_ms, points, evaluations)| JobHistory {
+            bucket_ms,
+            points,
+            evaluations,
+        })
+        .boxed()
+}
+
 fn job_status() -> BoxedStrategy<JobStatus> {
     let epoch = (any::<u32>(), edgy_u64(), f64_no_nan()).prop_map(|(epoch, samples, loss_sum)| {
         EpochStats {
@@ -406,6 +438,11 @@ fn job_status() -> BoxedStrategy<JobStatus> {
         clock(),
         any::<bool>(),
         edgy_u64(),
+        (
+            f64_no_nan(),
+            proptest::option::of(f64_no_nan()),
+            proptest::option::of(eval_record()),
+        ),
     )
         .prop_map(
             |(
@@ -415,6 +452,7 @@ fn job_status() -> BoxedStrategy<JobStatus> {
                 min_clock,
                 finished,
                 t_ms,
+                (samples_per_s, loss, evaluation),
             )| JobStatus {
                 shards_joined,
                 shards_expected,
@@ -425,6 +463,9 @@ fn job_status() -> BoxedStrategy<JobStatus> {
                 min_clock,
                 finished,
                 t_ms,
+                samples_per_s,
+                loss,
+                evaluation,
             },
         )
         .boxed()
@@ -535,6 +576,15 @@ pub fn request() -> BoxedStrategy<Request> {
             end,
             to
         }),
+        (clock(), f64_no_nan(), f64_no_nan(), edgy_u64()).prop_map(
+            |(clock, accuracy, loss, samples)| Request::Evaluation {
+                clock,
+                accuracy,
+                loss,
+                samples
+            }
+        ),
+        edgy_u64().prop_map(|from_ms| Request::History { from_ms }),
     ]
     .boxed()
 }
@@ -632,6 +682,7 @@ pub fn response() -> BoxedStrategy<Response> {
             .prop_map(|(moves, map)| Response::Resharded { moves, map }),
         vec(key_load, 0..6).prop_map(Response::KeyLoads),
         vec(shard_entry, 0..4).prop_map(Response::ShardList),
+        job_history().prop_map(Response::History),
         (any::<u16>(), text(), proptest::option::of(any_shard_map()))
             .prop_map(|(code, message, map)| Response::Error { code, message, map }),
     ]

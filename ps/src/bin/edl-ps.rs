@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use edl_ps::coordinator::{self, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
-use edl_shared::cli::{BudgetArgs, IdentityArgs, StragglerArgs};
+use edl_shared::cli::{BudgetArgs, IdentityArgs, MetricsArgs, StragglerArgs};
 use edl_shared::jobfile::defaults;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
@@ -112,6 +112,17 @@ struct CoordinatorArgs {
     /// changes, and at shutdown) and restores them on start.
     #[arg(long)]
     no_persist: bool,
+    /// Serve the live dashboard at http://ADDR/ (membership, throughput, loss and accuracy,
+    /// shards, stragglers, events), its JSON API (/api/status, /api/history, /api/shards) and
+    /// /metrics (e.g. 127.0.0.1:8080; port 0 picks one). Plain HTTP without authentication:
+    /// bind a loopback or cluster-internal address. Off unless given.
+    #[arg(long, value_name = "ADDR")]
+    http: Option<SocketAddr>,
+    /// Write the dashboard's address to this file once bound (useful with port 0).
+    #[arg(long, value_name = "FILE", requires = "http")]
+    http_file: Option<PathBuf>,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     #[command(flatten)]
     stragglers: StragglerArgs,
     #[command(flatten)]
@@ -148,6 +159,8 @@ struct ShardArgs {
     /// Run without checkpoints: a restarted shard starts from fresh parameters.
     #[arg(long, conflicts_with = "checkpoint")]
     no_checkpoint: bool,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     #[command(flatten)]
     identity: IdentityArgs,
     #[command(flatten)]
@@ -257,7 +270,13 @@ async fn main() -> anyhow::Result<()> {
             let bound = coordinator::bind(cfg, a.listen, &identity, settings)
                 .context("starting the coordinator")?;
             write_addr(&a.addr_file, bound.addr)?;
-            bound.run(shutdown::on_signals()).await;
+            let stop = shutdown::on_signals();
+            a.metrics.start(stop.clone()).await?;
+            if let Some(http) = a.http {
+                let at = bound.serve_http(http, stop.clone()).await?;
+                write_addr(&a.http_file, at)?;
+            }
+            bound.run(stop).await;
         }
         Cmd::Shard(a) => {
             let identity = a.identity.identity(Role::Shard, &a.name)?;
@@ -282,13 +301,9 @@ async fn main() -> anyhow::Result<()> {
                 budgets: a.budgets.budgets(),
                 ..TransportSettings::default()
             };
-            let run = tokio::spawn(shard::run(
-                cfg,
-                identity,
-                settings,
-                shutdown::on_signals(),
-                Some(tx),
-            ));
+            let stop = shutdown::on_signals();
+            a.metrics.start(stop.clone()).await?;
+            let run = tokio::spawn(shard::run(cfg, identity, settings, stop, Some(tx)));
             if let Ok(addr) = rx.await {
                 write_addr(&a.addr_file, addr)?;
             }

@@ -7,6 +7,7 @@ use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use edl_ps::admin::{self, Admin, ShardRow, StatusView, WorkerRow};
 use edl_ps::cluster::{JobRow, SlotRow};
 use edl_shared::cli::IdentityArgs;
+use edl_shared::proto::msg::WorkerState;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, telemetry};
 use serde::Serialize;
@@ -35,8 +36,15 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// The job: model, optimizer, consistency, clocks, progress, throughput.
+    /// The job: model, optimizer, consistency, clocks, progress, throughput, training loss,
+    /// the latest evaluation's accuracy, and the time left at the current rate.
     Status,
+    /// `status` and the active workers, refreshed until the job finishes (Ctrl-C ends).
+    Watch {
+        /// How often to refresh.
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        every: std::time::Duration,
+    },
     /// Every worker: id, address, state, clock, steps/s, last heartbeat.
     Workers,
     /// Every shard: address, key ranges, bytes held, load.
@@ -282,42 +290,42 @@ async fn main() -> anyhow::Result<()> {
             if cli.json {
                 return print_json(&v);
             }
-            let mut t = table(&["", ""]);
-            t.add_row(vec!["model".to_string(), v.model.clone()]);
-            t.add_row(vec!["optimizer".to_string(), v.optimizer.clone()]);
-            t.add_row(vec!["consistency".to_string(), v.consistency.clone()]);
-            t.add_row(vec![
-                "epochs × batch".to_string(),
-                format!("{} × {}", v.epochs, v.batch_size),
-            ]);
-            t.add_row(vec![
-                "shards".to_string(),
-                format!("{}/{}", v.shards.0, v.shards.1),
-            ]);
-            t.add_row(vec![
-                "active workers".to_string(),
-                v.active_workers.to_string(),
-            ]);
-            t.add_row(vec![
-                "clocks (min..max)".to_string(),
-                format!("{}..{}", v.min_clock, v.max_clock),
-            ]);
-            t.add_row(vec![
-                "samples".to_string(),
-                format!(
-                    "{} / {} ({:.1}%)",
-                    v.samples.0,
-                    v.samples.1,
-                    100.0 * v.samples.0 as f64 / v.samples.1.max(1) as f64
-                ),
-            ]);
-            t.add_row(vec![
-                "throughput".to_string(),
-                format!("{:.0} samples/s", v.samples_per_s),
-            ]);
-            t.add_row(vec!["finished".to_string(), v.finished.to_string()]);
-            println!("{t}");
+            println!("{}", status_table(&v));
         }
+        Cmd::Watch { every } => loop {
+            let (job, st, members) = (
+                admin.job().await?,
+                admin.status().await?,
+                admin.members().await?,
+            );
+            let v = StatusView::new(&job, &st, &members);
+            // Clear the terminal, then the status and the active workers.
+            print!("\x1b[2J\x1b[H");
+            println!("{}  (every {}; Ctrl-C ends)", cli.coordinator, humantime::format_duration(every));
+            println!("{}", status_table(&v));
+            let active: Vec<WorkerRow> = members
+                .iter()
+                .filter(|w| w.state == WorkerState::Active)
+                .map(WorkerRow::from)
+                .collect();
+            let mut t = table(&["id", "name", "state", "clock", "steps/s", "step ms", "straggler"]);
+            for r in &active {
+                t.add_row(vec![
+                    r.id.to_string(),
+                    r.name.clone(),
+                    r.state.clone(),
+                    r.clock.to_string(),
+                    format!("{:.1}", r.steps_per_s),
+                    format!("{:.1}", r.step_ms),
+                    if r.straggler { format!("yes ({:.2})", r.straggler_score) } else { String::new() },
+                ]);
+            }
+            println!("{t}");
+            if v.finished {
+                return Ok(());
+            }
+            tokio::time::sleep(every).await;
+        },
         Cmd::Workers => {
             let rows: Vec<WorkerRow> = admin.members().await?.iter().map(WorkerRow::from).collect();
             if cli.json {
@@ -833,4 +841,61 @@ async fn slots_cmd(addr: &str, identity: &edl_shared::Identity, json: bool) -> a
     }
     println!("{t}");
     Ok(())
+}
+
+/// `edlctl status` as a table.
+fn status_table(v: &StatusView) -> Table {
+    let mut t = table(&["", ""]);
+    let mut row = |k: &str, v: String| {
+        t.add_row(vec![k.to_string(), v]);
+    };
+    row("model", v.model.clone());
+    row("optimizer", v.optimizer.clone());
+    row("consistency", v.consistency.clone());
+    row("epochs × batch", format!("{} × {}", v.epochs, v.batch_size));
+    row("shards", format!("{}/{}", v.shards.0, v.shards.1));
+    row("active workers", v.active_workers.to_string());
+    row("clocks (min..max)", format!("{}..{}", v.min_clock, v.max_clock));
+    row(
+        "samples",
+        format!(
+            "{} / {} ({:.1}%)",
+            v.samples.0,
+            v.samples.1,
+            100.0 * v.samples.0 as f64 / v.samples.1.max(1) as f64
+        ),
+    );
+    row("throughput", format!("{:.0} samples/s (last 10 s)", v.samples_per_s));
+    let dash = || "–".to_string();
+    row(
+        "training loss",
+        match (v.loss, v.epoch_loss) {
+            (Some(l), Some((e, el))) => format!("{l:.4} (last 10 s); epoch {e}: {el:.4}"),
+            (None, Some((e, el))) => format!("epoch {e}: {el:.4}"),
+            (Some(l), None) => format!("{l:.4} (last 10 s)"),
+            (None, None) => dash(),
+        },
+    );
+    row(
+        "accuracy",
+        v.evaluation.as_ref().map_or_else(
+            || "– (no evaluation yet: edl-worker --evaluate --every 30s)".to_string(),
+            |e| {
+                format!(
+                    "{:.2}% (test loss {:.4}, clock {}, {:.0} s ago)",
+                    100.0 * e.accuracy,
+                    e.loss,
+                    e.clock,
+                    e.age_s
+                )
+            },
+        ),
+    );
+    row(
+        "ETA",
+        v.eta_s
+            .map_or_else(dash, |s| humantime::format_duration(std::time::Duration::from_secs(s.round() as u64)).to_string()),
+    );
+    row("finished", v.finished.to_string());
+    t
 }

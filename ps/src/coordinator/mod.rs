@@ -3,6 +3,8 @@
 //! long-polls where the protocol waits (shard assignment, admission, clock grants, data).
 
 pub mod data;
+mod http;
+mod metrics;
 mod reshard;
 pub mod state;
 
@@ -238,7 +240,9 @@ impl Service for Coordinator {
     fn allowed(&self, role: Role, req: &Request) -> bool {
         match req {
             Request::ShardJoin { .. } => role == Role::Shard,
-            Request::Preempt { .. } => role == Role::Admin || role == Role::Worker,
+            Request::Preempt { .. } | Request::Evaluation { .. } => {
+                role == Role::Admin || role == Role::Worker
+            }
             Request::Register { .. }
             | Request::Heartbeat { .. }
             | Request::Leave { .. }
@@ -260,6 +264,7 @@ impl Service for Coordinator {
 
     async fn handle(&self, peer: &Peer, req: Request, payload: Bytes) -> Frame<Response, Parts> {
         let answer = self.answer(peer, req, payload).await;
+        metrics::stalls(self);
         let news = self.lock().take_news();
         if !news.is_empty() {
             for line in news {
@@ -450,6 +455,25 @@ impl Coordinator {
                 }
             }
             Request::Status => Response::Status(self.status()),
+            Request::History { from_ms } => Response::History(self.lock().history(from_ms)),
+            Request::Evaluation {
+                clock,
+                accuracy,
+                loss,
+                samples,
+            } => {
+                let r = self
+                    .lock()
+                    .evaluation(&peer.name, clock, accuracy, loss, samples, now());
+                match r {
+                    Ok(()) => {
+                        info!(by = %peer.name, %clock, accuracy, loss, samples, "evaluation");
+                        self.bump();
+                        Response::Ack
+                    }
+                    Err((code, msg)) => Response::error(code, msg),
+                }
+            }
             Request::Trace { from_step } => Response::Trace(self.lock().trace(from_step)),
             Request::Members => Response::Members(self.lock().members(Instant::now())),
             Request::Drain { worker } => {
@@ -528,6 +552,7 @@ pub fn bind(
         .set(Arc::new(reshard::ShardCaller::new(identity, &settings)?));
     let _ = coordinator.job_name.set(identity.job.clone());
     let coordinator = Arc::new(coordinator);
+    metrics::watch(&coordinator);
     let endpoint = server_endpoint(listen, identity, &settings)?;
     let addr = endpoint.local_addr()?;
     Ok(BoundCoordinator {
@@ -539,6 +564,17 @@ pub fn bind(
 }
 
 impl BoundCoordinator {
+    /// Serves the dashboard, its JSON API and `/metrics` on `addr` until `shutdown`; returns
+    /// the bound address.
+    pub async fn serve_http(
+        &self,
+        addr: SocketAddr,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<SocketAddr> {
+        let pages = Arc::new(http::Dashboard(self.coordinator.clone()));
+        edl_shared::http::serve(addr, pages, shutdown).await
+    }
+
     /// Serves until `shutdown` is cancelled, sweeping expired leases in the background.
     pub async fn run(self, shutdown: CancellationToken) {
         let lease = Duration::from_millis(u64::from(self.coordinator.lock().job().lease_ms));

@@ -63,7 +63,7 @@ impl ShardCaller {
     }
 
     /// One request to the shard at `addr`, on a cached connection (replaced once if it failed).
-    async fn call(&self, addr: &str, req: Request, payload: Bytes) -> Result<Response, CallError> {
+    pub(super) async fn call(&self, addr: &str, req: Request, payload: Bytes) -> Result<Response, CallError> {
         for attempt in 0..2 {
             let conn = {
                 let mut conns = self.conns.lock().await;
@@ -131,7 +131,10 @@ impl Coordinator {
         let mut moves = Vec::new();
         for mv in plan {
             match self.move_once(&caller, mv).await {
-                Ok(r) => moves.push(r),
+                Ok(r) => {
+                    super::metrics::moved(&r);
+                    moves.push(r);
+                }
                 Err((code, msg)) => {
                     let done = moves.len();
                     return Response::error(

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::job::ShardInfo;
 use edl_shared::proto::msg::{
-    DataSpan, EpochStats, EventKind, EventRecord, JobStatus, JobTrace, MoveReport, Partition,
+    DataSpan, EpochStats, EvalRecord, EventKind, EventRecord, JobHistory, JobStatus, JobTrace,
+    MoveReport, Partition,
     StepRecord, WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_shared::proto::place::{Placement, StragglerSettings};
@@ -16,6 +17,8 @@ use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
 
 use super::data::DataPlan;
 use elastic::Pace;
+pub use history::{BUCKET_MS, kind_name};
+use history::History;
 
 /// The outcome of one step of a long-polling request.
 #[derive(Debug)]
@@ -143,6 +146,8 @@ pub struct CoordinatorState {
     next_placement: u64,
     /// What the state machine decided on its own since the service layer last looked.
     news: Vec<String>,
+    /// Progress over time, evaluations, event counts and live stalls.
+    history: History,
 }
 
 /// Step records kept for the trace; older ones are dropped.
@@ -207,6 +212,7 @@ impl CoordinatorState {
             placements: VecDeque::new(),
             next_placement: 1,
             news: Vec::new(),
+            history: History::default(),
         }
     }
 
@@ -335,6 +341,8 @@ impl CoordinatorState {
             .map(|w| w.name.clone())
             .unwrap_or_default();
         let now = Instant::now();
+        let others = self.workers.iter().map(|(id, w)| (*id, w.state));
+        self.history.event(self.ms(now), kind, worker, others);
         let record = EventRecord {
             t_ms: self.ms(now),
             requested_ms: self.ms(requested.min(now)),
@@ -736,6 +744,13 @@ impl CoordinatorState {
         stats.samples += u64::from(samples);
         stats.loss_sum += loss_sum;
         self.samples_done += u64::from(samples);
+        let active = self
+            .workers
+            .values()
+            .filter(|w| w.state == WorkerState::Active)
+            .count() as u32;
+        self.history
+            .step(t_ms, worker, u64::from(samples), loss_sum, active);
         self.paced(worker, now);
         Ok(())
     }
@@ -814,6 +829,7 @@ impl CoordinatorState {
     /// A snapshot for status requests.
     pub fn status(&self, now: Instant) -> JobStatus {
         let (shards_joined, shards_expected) = self.shards_joined();
+        let (samples_per_s, loss) = self.history.recent(self.ms(now));
         JobStatus {
             t_ms: self.ms(now),
             shards_joined,
@@ -835,11 +851,67 @@ impl CoordinatorState {
                 .collect(),
             min_clock: self.min_clock(),
             finished: self.data.finished(),
+            samples_per_s,
+            loss,
+            evaluation: self.history.latest_evaluation().cloned(),
         }
+    }
+
+    /// An evaluator named `name` reports the model's quality at `clock`.
+    pub fn evaluation(
+        &mut self,
+        name: &str,
+        clock: Clock,
+        accuracy: f64,
+        loss: f64,
+        samples: u64,
+        now: Instant,
+    ) -> Result<(), Refusal> {
+        if !(0.0..=1.0).contains(&accuracy) || !loss.is_finite() || loss < 0.0 {
+            return Err((
+                ErrorCode::NonFinite,
+                format!(
+                    "an evaluation needs an accuracy in [0, 1] and a finite loss >= 0, \
+                     not {accuracy} and {loss}"
+                ),
+            ));
+        }
+        if samples == 0 {
+            return Err((ErrorCode::InvalidRequest, "an evaluation of 0 samples".into()));
+        }
+        self.history.evaluation(EvalRecord {
+            t_ms: self.ms(now),
+            name: name.to_string(),
+            clock,
+            accuracy,
+            loss,
+            samples,
+        });
+        Ok(())
+    }
+
+    /// The training history from `from_ms` on.
+    pub fn history(&self, from_ms: u64) -> JobHistory {
+        self.history.history(from_ms)
+    }
+
+    /// Membership events by kind since the coordinator started.
+    pub fn event_counts(&self) -> Vec<(&'static str, u64)> {
+        self.history
+            .event_counts()
+            .iter()
+            .map(|(k, v)| (*k, *v))
+            .collect()
+    }
+
+    /// The stalls measured since the last call: event kind and milliseconds.
+    pub fn take_stalls(&mut self) -> Vec<(EventKind, f64)> {
+        self.history.take_stalls()
     }
 }
 
 mod elastic;
+mod history;
 pub mod shards;
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use edl_shared::Identity;
 use edl_shared::proto::ids::{Clock, ShardId, WorkerId};
-use edl_shared::proto::msg::{EpochLedger, JobStatus, JobTrace};
+use edl_shared::proto::msg::{EpochLedger, JobHistory, JobStatus, JobTrace};
 use edl_shared::proto::{ErrorCode, Frame, JobConfig, KeyLayout, Request, Response, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
@@ -520,14 +520,48 @@ impl Job {
     /// are closed only once the job has finished (through every step); while it runs, only
     /// through the slowest active worker's clock, so evaluating never applies a step still
     /// being pushed.
-    pub async fn pull_current(&self, out: &mut [f32]) -> Result<(), ClientError> {
+    ///
+    /// Returns the status the pull went by (its `min_clock` and `finished` say what the
+    /// parameters hold).
+    pub async fn pull_current(&self, out: &mut [f32]) -> Result<JobStatus, ClientError> {
         let status = self.status().await?;
         let through = if status.finished {
             Clock(u64::MAX)
         } else {
             status.min_clock
         };
-        self.pull_all(out, through).await
+        self.pull_all(out, through).await?;
+        Ok(status)
+    }
+
+    /// Reports an evaluation of the parameters pulled through `clock` to the coordinator
+    /// (`edlctl status` and the dashboard show the latest).
+    pub async fn report_evaluation(
+        &self,
+        clock: Clock,
+        accuracy: f64,
+        loss: f64,
+        samples: u64,
+    ) -> Result<(), ClientError> {
+        let req = Request::Evaluation {
+            clock,
+            accuracy,
+            loss,
+            samples,
+        };
+        match self.coordinator.call(req, Bytes::new()).await?.msg {
+            Response::Ack => Ok(()),
+            other => Err(CallError::unexpected(&other).into()),
+        }
+    }
+
+    /// The coordinator's training history from `from_ms` on (progress per second, evaluations).
+    pub async fn history(&self, from_ms: u64) -> Result<JobHistory, ClientError> {
+        let req = Request::History { from_ms };
+        match self.coordinator.call(req, Bytes::new()).await?.msg {
+            Response::History(h) => Ok(h),
+            other => Err(CallError::unexpected(&other).into()),
+        }
     }
 
     /// Asks the coordinator for a status snapshot.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use edl_shared::cli::IdentityArgs;
+use edl_shared::cli::{IdentityArgs, MetricsArgs};
 use edl_shared::proto::{DataFormat, ModelSpec};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
@@ -42,10 +42,18 @@ struct Cli {
     /// the test data.
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
-    /// Do not train: pull the current parameters, evaluate them on the test data and print
-    /// one JSON line.
+    /// Do not train: pull the current parameters, evaluate them on the test data, report the
+    /// result to the coordinator (`edlctl status` and the dashboard show it) and print one
+    /// JSON line. With --every, keep doing so until the job finishes (a last evaluation of
+    /// the final parameters included).
     #[arg(long)]
     evaluate: bool,
+    /// With --evaluate: evaluate this often (e.g. 30s) until the job finishes.
+    #[arg(long, requires = "evaluate", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    every: Option<std::time::Duration>,
+    /// Log a progress line (clock, samples/s, loss) this often while training; 0s logs none.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    progress_every: std::time::Duration,
     /// Leave after this many steps.
     #[arg(long)]
     max_steps: Option<u64>,
@@ -77,6 +85,8 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     slowdown_file: Option<PathBuf>,
     #[command(flatten)]
+    metrics: MetricsArgs,
+    #[command(flatten)]
     identity: IdentityArgs,
 }
 
@@ -88,6 +98,7 @@ async fn main() -> anyhow::Result<()> {
     // Listening for spot notices from the start: an early SIGUSR1 must not end the process.
     let spot = spot_notices(cli.preempt_notice)?;
     let identity = cli.identity.identity(Role::Worker, &cli.name)?;
+    cli.metrics.start(shutdown.clone()).await?;
     // Slow preparation first: backend (for a GPU: context, kernels) and data are ready before
     // the worker asks to join.
     let mut backend = backend::open(cli.device).with_context(|| {
@@ -155,7 +166,9 @@ async fn main() -> anyhow::Result<()> {
     let run = Run {
         job,
         evaluate: cli.evaluate,
+        every: cli.every,
         opts: TrainOptions {
+            progress: (!cli.progress_every.is_zero()).then_some(cli.progress_every),
             max_steps: cli.max_steps,
             slowdown: match &cli.slowdown_file {
                 Some(f) => Slowdown::new(cli.slowdown).with_file(f.clone()),
@@ -203,10 +216,42 @@ fn spot_notices(
     Ok(rx)
 }
 
+impl Run {
+    /// Evaluates the current parameters (every `every` until the job finishes, or once),
+    /// reporting each result to the coordinator and printing it as a JSON line.
+    async fn evaluations<M: Model>(&self, model: &mut M, data: &M::Data) -> anyhow::Result<()> {
+        loop {
+            let (stats, status) = trainer::evaluate(&self.job, model, data).await?;
+            let (accuracy, loss) = (stats.accuracy(), stats.mean_loss());
+            let line = serde_json::json!({
+                "test_accuracy": accuracy,
+                "test_loss": loss,
+                "test_samples": stats.samples,
+                "clock": status.min_clock.0,
+                "finished": status.finished,
+            });
+            println!("{line}");
+            let clock = status.min_clock;
+            let samples = stats.samples as u64;
+            if let Err(e) = self.job.report_evaluation(clock, accuracy, loss, samples).await {
+                tracing::warn!(error = %e, "could not report the evaluation to the coordinator");
+            }
+            let Some(every) = self.every.filter(|_| !status.finished) else {
+                return Ok(());
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = self.shutdown.cancelled() => return Ok(()),
+            }
+        }
+    }
+}
+
 /// A worker's run, once the job and the data are known.
 struct Run {
     job: Job,
     evaluate: bool,
+    every: Option<std::time::Duration>,
     opts: TrainOptions,
     shutdown: CancellationToken,
     backend: &'static str,
@@ -215,14 +260,7 @@ struct Run {
 impl Run {
     async fn go<M: Model>(self, model: &mut M, data: &M::Data) -> anyhow::Result<()> {
         if self.evaluate {
-            let stats = trainer::evaluate(&self.job, model, data).await?;
-            let line = serde_json::json!({
-                "test_accuracy": stats.accuracy(),
-                "test_loss": stats.mean_loss(),
-                "test_samples": stats.samples,
-            });
-            println!("{line}");
-            return Ok(());
+            return self.evaluations(model, data).await;
         }
         tracing::info!(backend = self.backend, "worker prepared; asking to join");
         let s: TrainSummary =

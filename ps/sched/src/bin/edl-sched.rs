@@ -11,7 +11,7 @@ use edl_deploy::launch::Binaries;
 use edl_sched::cluster::kube::{KubePlacer, KubeSettings};
 use edl_sched::cluster::server::SchedService;
 use edl_sched::cluster::{Cluster, LocalPlacer, Placer, Scheduler};
-use edl_shared::cli::{BudgetArgs, IdentityArgs};
+use edl_shared::cli::{BudgetArgs, IdentityArgs, MetricsArgs};
 use edl_shared::transport::{TransportSettings, server_endpoint};
 use edl_shared::{Role, telemetry};
 
@@ -57,6 +57,8 @@ struct Cli {
     /// cluster file's data_dir in workers.
     #[arg(long)]
     data_claim: Option<String>,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     #[command(flatten)]
     identity: IdentityArgs,
     #[command(flatten)]
@@ -108,6 +110,7 @@ async fn serve<P: Placer>(cli: &Cli, cluster: Cluster, placer: P) -> anyhow::Res
     }
     tracing::info!(%addr, slots, policy, state_dir = %cli.identity.state_dir.display(), "edl-sched serving");
     let shutdown = edl_shared::shutdown::on_signals();
+    cli.metrics.start(shutdown.clone()).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let server = tokio::spawn({
         let shutdown = shutdown.clone();

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Runs a local elastic training job on this machine: installs Fashion-MNIST (Debian package
-# dataset-fashion-mnist) if it is missing, builds EDL in release mode, then runs edl-local with
-# the arguments given (see `edl-local --help`).
+# dataset-fashion-mnist) if it is missing and no --data-dir is given, builds EDL, then runs
+# edl-local with the arguments given (see `edl-local --help`).
+#
+# The build is the one the tests use (`cargo test --workspace`: the dev profile, whose
+# dependencies are optimized, see Cargo.toml), so ./deploy/test.sh afterwards reuses it instead
+# of building everything a second time. For production use build with `cargo build --release`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,5 +17,7 @@ if [ ! -d /usr/share/datasets/fashion-mnist ] && ! printf '%s\n' "$@" | grep -q 
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq dataset-fashion-mnist
 fi
 
-cargo build --release --locked -p edl-ps -p edl-worker -p edl-deploy
-exec target/release/edl-local "$@"
+# Every binary of the workspace, with the features `cargo test --workspace` unifies: exactly
+# the artifacts the tests build.
+cargo build --locked --workspace --bins
+exec target/debug/edl-local "$@"

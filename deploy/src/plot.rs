@@ -10,6 +10,9 @@ use plotters::prelude::*;
 
 use crate::report::EventReport;
 
+/// One series of a panel: its points, colour, legend, and whether it is drawn as dots.
+type Series<'a> = (&'a [(f64, f64)], RGBColor, &'a str, bool);
+
 /// An event's colour on the plots.
 fn color(kind: &str) -> RGBColor {
     match kind {
@@ -76,7 +79,7 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
     let panel = |area: &DrawingArea<BitMapBackend<'_>, _>,
                  y_desc: &str,
                  y_max: f64,
-                 series: &[(&[(f64, f64)], RGBColor, &str, bool)]|
+                 series: &[Series<'_>]|
      -> anyhow::Result<()> {
         let mut chart = ChartBuilder::on(area)
             .margin(8)
@@ -136,7 +139,12 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
         &panels[2],
         "training loss",
         top(&loss),
-        &[(&loss, RGBColor(215, 38, 38), "mean training loss per window", false)],
+        &[(
+            &loss,
+            RGBColor(215, 38, 38),
+            "mean training loss per window",
+            false,
+        )],
     )?;
     panel(
         &panels[3],
@@ -163,9 +171,11 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
         .light_line_style(WHITE.mix(0.0))
         .draw()?;
     let w = end / 300.0;
-    chart.draw_series(stalls.iter().map(|&(x, ms, kind)| {
-        Rectangle::new([(x - w, 0.0), (x + w, ms)], color(kind).filled())
-    }))?;
+    chart.draw_series(
+        stalls.iter().map(|&(x, ms, kind)| {
+            Rectangle::new([(x - w, 0.0), (x + w, ms)], color(kind).filled())
+        }),
+    )?;
     let mut kinds: Vec<&str> = stalls.iter().map(|s| s.2).collect();
     kinds.sort_unstable();
     kinds.dedup();
@@ -225,7 +235,10 @@ mod tests {
             bytes: None,
             took_ms: None,
         };
-        let events = vec![event(15_000, "join", Some(40.0)), event(22_000, "dead", None)];
+        let events = vec![
+            event(15_000, "join", Some(40.0)),
+            event(22_000, "dead", None),
+        ];
         let dir = tempfile::tempdir().expect("tempdir");
         let path = draw(dir.path(), &history, &events).expect("draws");
         let png = std::fs::read(&path).expect("written");

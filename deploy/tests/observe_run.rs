@@ -118,7 +118,11 @@ async fn scrape_all(dir: &Path) -> BTreeMap<String, BTreeMap<String, f64>> {
         return out;
     };
     for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().trim_end_matches(".addr").to_string();
+        let name = e
+            .file_name()
+            .to_string_lossy()
+            .trim_end_matches(".addr")
+            .to_string();
         let Some(addr) = std::fs::read_to_string(e.path())
             .ok()
             .and_then(|a| a.trim().parse::<SocketAddr>().ok())
@@ -186,7 +190,11 @@ async fn dump_dom(chrome: &Path, profile: &Path, url: &str) -> String {
         .await
         .expect("chromium answers within 60 s")
         .expect("chromium runs");
-    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -232,8 +240,14 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
         {
             break a;
         }
-        assert!(begun.elapsed() < Duration::from_secs(60), "no dashboard address");
-        assert!(!run.is_finished(), "the run ended before its dashboard came up");
+        assert!(
+            begun.elapsed() < Duration::from_secs(60),
+            "no dashboard address"
+        );
+        assert!(
+            !run.is_finished(),
+            "the run ended before its dashboard came up"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let status = || async move {
@@ -247,7 +261,10 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
         if st["samples_done"].as_u64().unwrap_or(0) > 0 {
             break;
         }
-        assert!(begun.elapsed() < Duration::from_secs(60), "no training: {st}");
+        assert!(
+            begun.elapsed() < Duration::from_secs(60),
+            "no training: {st}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let first = scrape_all(&metrics_dir).await;
@@ -266,7 +283,10 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
         if dead || st["finished"] == true {
             break;
         }
-        assert!(begun.elapsed() < Duration::from_secs(120), "no death seen: {st}");
+        assert!(
+            begun.elapsed() < Duration::from_secs(120),
+            "no death seen: {st}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let second = scrape_all(&metrics_dir).await;
@@ -287,7 +307,10 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
             assert!(late.contains(kind), "the dashboard lists a {kind} event");
         }
         assert!(text_of(&late, "rate") != "–", "the dashboard shows a rate");
-        assert!(text_of(&late, "loss") != "–", "the dashboard shows the loss");
+        assert!(
+            text_of(&late, "loss") != "–",
+            "the dashboard shows the loss"
+        );
         // The screenshot CI keeps.
         let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
         let out = tokio::process::Command::new(c)
@@ -301,7 +324,11 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
             .await
             .expect("chromium answers within 60 s")
             .expect("chromium runs");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let png = std::fs::read(&shot).expect("a screenshot");
         assert_eq!(&png[1..4], b"PNG");
         eprintln!("dashboard screenshot: {}", shot.display());
@@ -310,7 +337,10 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
     // Every server answered both times, and its counters moved.
     for name in ["coordinator", "s0", "s1"] {
         let (a, b) = (&first[name], &second[name]);
-        let (ra, rb) = (total(a, "edl_requests_total"), total(b, "edl_requests_total"));
+        let (ra, rb) = (
+            total(a, "edl_requests_total"),
+            total(b, "edl_requests_total"),
+        );
         assert!(rb > ra, "{name}: requests {ra} then {rb}");
     }
     for s in ["s0", "s1"] {
@@ -322,15 +352,21 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
     assert!(c["edl_samples_done"] > first["coordinator"]["edl_samples_done"]);
     assert!(c[r#"edl_membership_events{kind="join"}"#] >= 4.0, "{c:?}");
     assert_eq!(c[r#"edl_membership_events{kind="dead"}"#], 1.0);
-    assert!(total(c, "edl_rescale_pause_seconds_count") >= 1.0, "a stall was measured");
+    assert!(
+        total(c, "edl_rescale_pause_seconds_count") >= 1.0,
+        "a stall was measured"
+    );
     // A worker's step counter moves while it trains.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let third = scrape_all(&metrics_dir).await;
-    let stepped = second.iter().filter(|(n, _)| n.starts_with('w')).any(|(n, a)| {
-        third
-            .get(n)
-            .is_some_and(|b| b["edl_worker_steps_total"] > a["edl_worker_steps_total"])
-    });
+    let stepped = second
+        .iter()
+        .filter(|(n, _)| n.starts_with('w'))
+        .any(|(n, a)| {
+            third
+                .get(n)
+                .is_some_and(|b| b["edl_worker_steps_total"] > a["edl_worker_steps_total"])
+        });
     assert!(stepped, "a worker's step counter moves: {:?}", third.keys());
 
     // Once the job is finished (before the launcher stops the servers after its evaluation),
@@ -339,16 +375,26 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
         if status().await["finished"] == true {
             break;
         }
-        assert!(begun.elapsed() < Duration::from_secs(300), "the job does not finish");
+        assert!(
+            begun.elapsed() < Duration::from_secs(300),
+            "the job does not finish"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let end = scrape_all(&metrics_dir).await;
     let report = run.await.expect("the run task").expect("the run succeeds");
     for s in ["s0", "s1"] {
-        let m = end.get(s).unwrap_or_else(|| panic!("{s} answered at the end"));
+        let m = end
+            .get(s)
+            .unwrap_or_else(|| panic!("{s} answered at the end"));
         for e in &report.epochs {
             let at = |name: &str| m[&format!("{name}{{epoch=\"{}\"}}", e.epoch)];
-            assert_eq!(at("edl_ledger_applied"), cfg.train_samples as f64, "{s} epoch {}", e.epoch);
+            assert_eq!(
+                at("edl_ledger_applied"),
+                cfg.train_samples as f64,
+                "{s} epoch {}",
+                e.epoch
+            );
             assert!(at("edl_ledger_applied") >= e.samples as f64);
             assert!(at("edl_ledger_duplicates") <= e.duplicates as f64);
             assert!(at("edl_ledger_missing") <= e.missing as f64);
@@ -361,5 +407,8 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
         let samples = coord[&format!("edl_epoch_samples{{epoch=\"{}\"}}", e.epoch)];
         assert_eq!(samples, e.reported_samples as f64, "epoch {}", e.epoch);
     }
-    assert!(dir.path().join("plots").join("run.png").is_file(), "--plot drew run.png");
+    assert!(
+        dir.path().join("plots").join("run.png").is_file(),
+        "--plot drew run.png"
+    );
 }

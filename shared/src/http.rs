@@ -154,7 +154,9 @@ pub async fn serve_metrics(
         Some(a) => serve(a, Arc::new(MetricsOnly), shutdown)
             .await
             .map(Some)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot serve metrics on {a}: {e}"))),
+            .map_err(|e| {
+                std::io::Error::new(e.kind(), format!("cannot serve metrics on {a}: {e}"))
+            }),
     }
 }
 
@@ -165,17 +167,23 @@ mod tests {
     #[tokio::test]
     async fn serves_metrics_and_refuses_other_paths_and_methods() {
         let stop = CancellationToken::new();
-        let addr = serve("127.0.0.1:0".parse().unwrap(), Arc::new(MetricsOnly), stop.clone())
-            .await
-            .unwrap();
+        let addr = serve(
+            "127.0.0.1:0".parse().expect("an address"),
+            Arc::new(MetricsOnly),
+            stop.clone(),
+        )
+        .await
+        .expect("binds");
         let get = |path: &str, method: &str| {
             let req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
             async move {
                 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-                s.write_all(req.as_bytes()).await.unwrap();
+                let mut s = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .expect("connects");
+                s.write_all(req.as_bytes()).await.expect("sends");
                 let mut out = String::new();
-                s.read_to_string(&mut out).await.unwrap();
+                s.read_to_string(&mut out).await.expect("reads");
                 out
             }
         };

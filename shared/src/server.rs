@@ -200,7 +200,9 @@ impl ServerMetrics {
 
     fn error(&self, code: u16) {
         let name = ErrorCode::from_u16(code).map_or_else(|| code.to_string(), |c| format!("{c:?}"));
-        self.errors.get_or_create(&metrics::label("code", name)).inc();
+        self.errors
+            .get_or_create(&metrics::label("code", name))
+            .inc();
     }
 }
 
@@ -311,7 +313,11 @@ pub async fn serve<S: Service>(
         let Some(s) = weak.upgrade() else {
             return false;
         };
-        let used = s.bytes.total_kib as usize - s.bytes.permits.available_permits().min(s.bytes.total_kib as usize);
+        let used = s.bytes.total_kib as usize
+            - s.bytes
+                .permits
+                .available_permits()
+                .min(s.bytes.total_kib as usize);
         METRICS.in_flight.set(used as f64 * 1024.0);
         true
     });

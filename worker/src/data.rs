@@ -18,9 +18,23 @@ pub const IDX3_MAGIC: u32 = 0x0000_0803;
 pub const IDX1_MAGIC: u32 = 0x0000_0801;
 /// The first two bytes of every gzip stream; files are sniffed rather than trusted by name.
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
-/// What the user can do when the files are absent, shown in [`DataError::Missing`].
+/// What the user can do when Fashion-MNIST's files are absent, shown in
+/// [`DataError::Missing`].
 const MISSING_HINT: &str = "install it with `apt-get install dataset-fashion-mnist` \
                             or pass --data-dir <DIR> pointing at the idx files";
+/// The same for files of another directory (a data set of the user's own).
+const MISSING_OWN: &str = "the directory given must hold `train-images-idx3-ubyte`, \
+                           `train-labels-idx1-ubyte`, `t10k-images-idx3-ubyte` and \
+                           `t10k-labels-idx1-ubyte` (each may end in .gz)";
+
+/// The hint for a missing `path`: Fashion-MNIST's package, or what a directory must hold.
+fn missing_hint(path: &Path) -> &'static str {
+    if path.starts_with(DEFAULT_DATA_DIR) {
+        MISSING_HINT
+    } else {
+        MISSING_OWN
+    }
+}
 
 /// Which half of Fashion-MNIST to load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -277,8 +291,8 @@ fn locate(dir: &Path, stem: &str) -> Result<PathBuf, DataError> {
         return Ok(gz);
     }
     Err(DataError::Missing {
+        hint: missing_hint(&plain),
         path: plain,
-        hint: MISSING_HINT,
     })
 }
 
@@ -288,7 +302,7 @@ fn read_maybe_gz(path: &Path) -> Result<Vec<u8>, DataError> {
         if source.kind() == io::ErrorKind::NotFound {
             DataError::Missing {
                 path: path.to_path_buf(),
-                hint: MISSING_HINT,
+                hint: missing_hint(path),
             }
         } else {
             DataError::Io {

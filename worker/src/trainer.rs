@@ -2,8 +2,8 @@
 //! push, commit; leave gracefully on shutdown or drain. Also the evaluation pass.
 
 use std::path::PathBuf;
-use std::sync::{Arc, LazyLock};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use edl_client::{ClientError, Job, Notices, RowGrads};
@@ -359,7 +359,10 @@ static METRICS: LazyLock<WorkerMetrics> = LazyLock::new(|| WorkerMetrics {
          (phase=commit: including the wait for slower workers).",
         metrics::seconds_histogram,
     ),
-    loss: metrics::gauge("worker_loss", "Mean training loss per sample of the last step."),
+    loss: metrics::gauge(
+        "worker_loss",
+        "Mean training loss per sample of the last step.",
+    ),
     clock: metrics::gauge("worker_clock_steps", "This worker's clock."),
     bytes: metrics::counters(
         "worker_bytes",
@@ -400,7 +403,9 @@ impl Progress {
         m.clock.set(clock as f64);
         let sent = traffic.sent.saturating_sub(self.traffic.0);
         let received = traffic.received.saturating_sub(self.traffic.1);
-        m.bytes.get_or_create(&metrics::label("direction", "sent")).inc_by(sent);
+        m.bytes
+            .get_or_create(&metrics::label("direction", "sent"))
+            .inc_by(sent);
         m.bytes
             .get_or_create(&metrics::label("direction", "received"))
             .inc_by(received);

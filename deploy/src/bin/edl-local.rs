@@ -16,7 +16,8 @@ use edl_shared::{shutdown, telemetry};
 use edl_worker::data::DEFAULT_DATA_DIR;
 
 /// Run an EDL job locally: a coordinator, shard servers and workers as separate processes,
-/// then an evaluation of the trained model on the Fashion-MNIST test set.
+/// then an evaluation of the trained model on the test set (Fashion-MNIST's unless --data-dir
+/// or the job file names other data).
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Cli {

@@ -104,7 +104,8 @@ pub struct LocalConfig {
     pub layers: Vec<u32>,
     /// Seed for initialization and data order.
     pub seed: u64,
-    /// Where the Fashion-MNIST idx files are (for an MLP job without a job file's `[data]`).
+    /// Where the idx files are (for an MLP job without a job file's `[data]`; Fashion-MNIST's
+    /// by default).
     pub data_dir: PathBuf,
     /// The job file the coordinator runs, instead of an MLP job from the fields above (which
     /// then only label the report). Set it with [`LocalConfig::from_job_file`], which checks
@@ -237,8 +238,8 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         let data_dir = cfg.data_dir.clone();
         tokio::task::spawn_blocking(move || ImageSet::load(&data_dir, Split::Test))
             .await
-            .context("the Fashion-MNIST check did not finish")?
-            .context("checking the Fashion-MNIST data")?;
+            .context("the data check did not finish")?
+            .with_context(|| format!("checking the idx data in {}", cfg.data_dir.display()))?;
     }
     let state_dir = match &cfg.state_dir {
         Some(dir) => {

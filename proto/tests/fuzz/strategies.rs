@@ -6,9 +6,9 @@
 
 use edl_proto::job::{RangeOwner, ShardInfo};
 use edl_proto::msg::{
-    ChunkRef, DataSpan, EpochLedger, EpochStats, EvalRecord, EventKind, EventRecord,
-    HistoryPoint, JobHistory, JobStatus, JobTrace, KeyLoad, KeyRange, MoveReport, Partition, ShardEntry, ShardRole, ShardStats, StepRecord,
-    WorkerInfo, WorkerState, WorkerStatus,
+    ChunkRef, DataSpan, EpochLedger, EpochStats, EvalRecord, EventKind, EventRecord, HistoryPoint,
+    JobHistory, JobStatus, JobTrace, KeyLoad, KeyRange, MoveReport, Partition, ShardEntry,
+    ShardRole, ShardStats, StepRecord, WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_proto::place::{
     Placement, PlacementKind, PlacementState, ReplaceReason, Resize, StragglerPolicy,
@@ -376,7 +376,14 @@ fn shard_stats() -> BoxedStrategy<ShardStats> {
 }
 
 fn eval_record() -> BoxedStrategy<EvalRecord> {
-    (edgy_u64(), text(), clock(), f64_no_nan(), f64_no_nan(), edgy_u64())
+    (
+        edgy_u64(),
+        text(),
+        clock(),
+        f64_no_nan(),
+        f64_no_nan(),
+        edgy_u64(),
+    )
         .prop_map(|(t_ms, name, clock, accuracy, loss, samples)| EvalRecord {
             t_ms,
             name,
@@ -389,15 +396,20 @@ fn eval_record() -> BoxedStrategy<EvalRecord> {
 }
 
 fn job_history() -> BoxedStrategy<JobHistory> {
-    let point = (edgy_u64(), edgy_u64(), f64_no_nan(), any::<u32>(), any::<u32>()).prop_map(
-        |(t_ms, samples, loss_sum, steps, workers)| HistoryPoint {
+    let point = (
+        edgy_u64(),
+        edgy_u64(),
+        f64_no_nan(),
+        any::<u32>(),
+        any::<u32>(),
+    )
+        .prop_map(|(t_ms, samples, loss_sum, steps, workers)| HistoryPoint {
             t_ms,
             samples,
             loss_sum,
             steps,
             workers,
-        },
-    );
+        });
     (edgy_u64(), vec(point, 0..4), vec(eval_record(), 0..3))
         .prop_map(|(bucket_ms, points, evaluations)| JobHistory {
             bucket_ms,

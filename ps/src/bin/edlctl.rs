@@ -301,14 +301,26 @@ async fn main() -> anyhow::Result<()> {
             let v = StatusView::new(&job, &st, &members);
             // Clear the terminal, then the status and the active workers.
             print!("\x1b[2J\x1b[H");
-            println!("{}  (every {}; Ctrl-C ends)", cli.coordinator, humantime::format_duration(every));
+            println!(
+                "{}  (every {}; Ctrl-C ends)",
+                cli.coordinator,
+                humantime::format_duration(every)
+            );
             println!("{}", status_table(&v));
             let active: Vec<WorkerRow> = members
                 .iter()
                 .filter(|w| w.state == WorkerState::Active)
                 .map(WorkerRow::from)
                 .collect();
-            let mut t = table(&["id", "name", "state", "clock", "steps/s", "step ms", "straggler"]);
+            let mut t = table(&[
+                "id",
+                "name",
+                "state",
+                "clock",
+                "steps/s",
+                "step ms",
+                "straggler",
+            ]);
             for r in &active {
                 t.add_row(vec![
                     r.id.to_string(),
@@ -317,7 +329,11 @@ async fn main() -> anyhow::Result<()> {
                     r.clock.to_string(),
                     format!("{:.1}", r.steps_per_s),
                     format!("{:.1}", r.step_ms),
-                    if r.straggler { format!("yes ({:.2})", r.straggler_score) } else { String::new() },
+                    if r.straggler {
+                        format!("yes ({:.2})", r.straggler_score)
+                    } else {
+                        String::new()
+                    },
                 ]);
             }
             println!("{t}");
@@ -855,7 +871,10 @@ fn status_table(v: &StatusView) -> Table {
     row("epochs × batch", format!("{} × {}", v.epochs, v.batch_size));
     row("shards", format!("{}/{}", v.shards.0, v.shards.1));
     row("active workers", v.active_workers.to_string());
-    row("clocks (min..max)", format!("{}..{}", v.min_clock, v.max_clock));
+    row(
+        "clocks (min..max)",
+        format!("{}..{}", v.min_clock, v.max_clock),
+    );
     row(
         "samples",
         format!(
@@ -865,7 +884,10 @@ fn status_table(v: &StatusView) -> Table {
             100.0 * v.samples.0 as f64 / v.samples.1.max(1) as f64
         ),
     );
-    row("throughput", format!("{:.0} samples/s (last 10 s)", v.samples_per_s));
+    row(
+        "throughput",
+        format!("{:.0} samples/s (last 10 s)", v.samples_per_s),
+    );
     let dash = || "–".to_string();
     row(
         "training loss",
@@ -893,8 +915,9 @@ fn status_table(v: &StatusView) -> Table {
     );
     row(
         "ETA",
-        v.eta_s
-            .map_or_else(dash, |s| humantime::format_duration(std::time::Duration::from_secs(s.round() as u64)).to_string()),
+        v.eta_s.map_or_else(dash, |s| {
+            humantime::format_duration(std::time::Duration::from_secs(s.round() as u64)).to_string()
+        }),
     );
     row("finished", v.finished.to_string());
     t

@@ -56,14 +56,23 @@ static M: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorMetrics {
         "worker_straggler_score",
         "A worker's median step time over the median of the others' (0 while unknown).",
     ),
-    straggler: metrics::gauges("worker_straggler", "1 while a worker is flagged a straggler."),
+    straggler: metrics::gauges(
+        "worker_straggler",
+        "1 while a worker is flagged a straggler.",
+    ),
     samples: metrics::gauge("samples_done", "Samples committed so far (every epoch)."),
     samples_expected: metrics::gauge("samples_expected", "Samples the whole run will commit."),
     epoch_samples: metrics::gauges("epoch_samples", "Samples committed, per epoch."),
     epoch_loss: metrics::gauges("epoch_loss", "Mean training loss per sample, per epoch."),
-    rate: metrics::gauge("samples_per_second", "Samples committed per second, last 10 s."),
+    rate: metrics::gauge(
+        "samples_per_second",
+        "Samples committed per second, last 10 s.",
+    ),
     loss: metrics::gauge("train_loss", "Mean training loss per sample, last 10 s."),
-    accuracy: metrics::gauge("eval_accuracy", "The latest evaluation's accuracy (0 to 1)."),
+    accuracy: metrics::gauge(
+        "eval_accuracy",
+        "The latest evaluation's accuracy (0 to 1).",
+    ),
     eval_loss: metrics::gauge("eval_loss", "The latest evaluation's mean loss."),
     map_epoch: metrics::gauge("shard_map_epoch", "The current shard map's epoch."),
     stall: metrics::histograms(

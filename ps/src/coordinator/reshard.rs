@@ -63,7 +63,12 @@ impl ShardCaller {
     }
 
     /// One request to the shard at `addr`, on a cached connection (replaced once if it failed).
-    pub(super) async fn call(&self, addr: &str, req: Request, payload: Bytes) -> Result<Response, CallError> {
+    pub(super) async fn call(
+        &self,
+        addr: &str,
+        req: Request,
+        payload: Bytes,
+    ) -> Result<Response, CallError> {
         for attempt in 0..2 {
             let conn = {
                 let mut conns = self.conns.lock().await;

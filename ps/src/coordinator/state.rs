@@ -9,16 +9,15 @@ use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::job::ShardInfo;
 use edl_shared::proto::msg::{
     DataSpan, EpochStats, EvalRecord, EventKind, EventRecord, JobHistory, JobStatus, JobTrace,
-    MoveReport, Partition,
-    StepRecord, WorkerInfo, WorkerState, WorkerStatus,
+    MoveReport, Partition, StepRecord, WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_shared::proto::place::{Placement, StragglerSettings};
 use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
 
 use super::data::DataPlan;
 use elastic::Pace;
-pub use history::{BUCKET_MS, kind_name};
 use history::History;
+pub use history::{BUCKET_MS, kind_name};
 
 /// The outcome of one step of a long-polling request.
 #[derive(Debug)]
@@ -877,7 +876,10 @@ impl CoordinatorState {
             ));
         }
         if samples == 0 {
-            return Err((ErrorCode::InvalidRequest, "an evaluation of 0 samples".into()));
+            return Err((
+                ErrorCode::InvalidRequest,
+                "an evaluation of 0 samples".into(),
+            ));
         }
         self.history.evaluation(EvalRecord {
             t_ms: self.ms(now),

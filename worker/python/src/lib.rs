@@ -440,7 +440,9 @@ impl Job {
         let job = self.with(Clone::clone)?;
         let mut out = Floats::get(out, "out", Some(job.param_count()), true)?;
         let out = out.as_mut();
-        wait(py, &self.rt, async move { job.pull_current(out).await.map(|_| ()) })
+        wait(py, &self.rt, async move {
+            job.pull_current(out).await.map(|_| ())
+        })
     }
 
     /// Joins the job as a worker, stop-free (warmed first, then admitted) and returns the

@@ -33,8 +33,9 @@ struct Cli {
     /// This worker's name (its certificate name).
     #[arg(long, default_value = "worker")]
     name: String,
-    /// Directory with the Fashion-MNIST idx files (gzip or not), for an MLP job whose job
-    /// file names no data [default: /usr/share/datasets/fashion-mnist].
+    /// Directory with the idx files (gzip or not: `train-images-idx3-ubyte`, ...), for an MLP
+    /// job whose job file names no data [default: /usr/share/datasets/fashion-mnist, where
+    /// Debian's dataset-fashion-mnist puts Fashion-MNIST].
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// The data to read instead of the job file's `[data]`: an idx prefix (e.g.
@@ -113,11 +114,12 @@ async fn main() -> anyhow::Result<()> {
         if let Some(p) = path
             && !p.exists()
         {
-            anyhow::bail!(
-                "{flag} {} not found; for Fashion-MNIST install it with `apt-get install \
-                 dataset-fashion-mnist`",
-                p.display()
-            );
+            let hint = if p.starts_with(DEFAULT_DATA_DIR) {
+                "; install Fashion-MNIST with `apt-get install dataset-fashion-mnist`"
+            } else {
+                ""
+            };
+            anyhow::bail!("{flag} {} not found{hint}", p.display());
         }
     }
     let data_dir = cli
@@ -233,7 +235,11 @@ impl Run {
             println!("{line}");
             let clock = status.min_clock;
             let samples = stats.samples as u64;
-            if let Err(e) = self.job.report_evaluation(clock, accuracy, loss, samples).await {
+            if let Err(e) = self
+                .job
+                .report_evaluation(clock, accuracy, loss, samples)
+                .await
+            {
                 tracing::warn!(error = %e, "could not report the evaluation to the coordinator");
             }
             let Some(every) = self.every.filter(|_| !status.finished) else {

@@ -53,19 +53,8 @@ pub fn median(v: &mut [f64]) -> Option<f64> {
     })
 }
 
-/// The lowercase name of an event kind, as the report writes it.
-pub fn kind_name(kind: EventKind) -> &'static str {
-    match kind {
-        EventKind::Join => "join",
-        EventKind::Drain => "drain",
-        EventKind::Leave => "leave",
-        EventKind::Dead => "dead",
-        EventKind::Straggler => "straggler",
-        EventKind::Recovered => "recovered",
-        EventKind::Preempt => "preempt",
-        EventKind::ReplaceRequested => "replace_requested",
-    }
-}
+/// The lowercase name of an event kind, as the report writes it (the coordinator's own).
+pub use edl_ps::coordinator::state::kind_name;
 
 /// The step times of a trace per worker, and when workers departed.
 struct Timeline {

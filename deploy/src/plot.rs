@@ -116,7 +116,7 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
+            .position(SeriesLabelPosition::LowerLeft)
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK.mix(0.3))
             .draw()?;
@@ -188,7 +188,7 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(SeriesLabelPosition::LowerLeft)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK.mix(0.3))
         .draw()?;

@@ -513,16 +513,21 @@ mod tests {
     }
 
     #[test]
-    fn missing_files_mention_the_package() {
+    fn missing_files_say_what_to_do() {
+        // A directory of one's own: what it must hold, not Fashion-MNIST's package.
         let tmp = TempDir::new("missing");
         let err = ImageSet::load(&tmp.0, Split::Train).expect_err("empty dir");
         assert!(matches!(err, DataError::Missing { .. }), "{err:?}");
         let msg = err.to_string();
+        assert!(msg.contains("train-images-idx3-ubyte"), "{msg}");
+        assert!(!msg.contains("fashion"), "{msg}");
+        // Fashion-MNIST's place: its package, or another directory.
+        let hint = missing_hint(&Path::new(DEFAULT_DATA_DIR).join("train-images-idx3-ubyte"));
         assert!(
-            msg.contains("apt-get install dataset-fashion-mnist"),
-            "{msg}"
+            hint.contains("apt-get install dataset-fashion-mnist"),
+            "{hint}"
         );
-        assert!(msg.contains("--data-dir"), "{msg}");
+        assert!(hint.contains("--data-dir"), "{hint}");
     }
 
     #[test]

@@ -89,7 +89,12 @@ def accuracy(job: edl.Job) -> float:
     else:
         edl.torch.Parameters(model, job).pull(job)
     with torch.no_grad():
-        return (model(tx).argmax(1) == ty).float().mean().item()
+        out = model(tx)
+        acc = (out.argmax(1) == ty).float().mean().item()
+        loss = torch.nn.functional.cross_entropy(out, ty.long()).item()
+    # `edlctl status` and the coordinator's dashboard show the latest evaluation.
+    job.report_evaluation(acc, loss, len(ty))
+    return acc
 
 
 def launch(args) -> None:

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use edl_client::{Batch as ClientBatch, ClientConfig, ClientError, RowGrads};
 use edl_shared::Role;
 use edl_shared::pki::{PkiDir, load_identity};
-use edl_shared::proto::ids::WorkerId;
+use edl_shared::proto::ids::{Clock, WorkerId};
 use edl_shared::transport::TransportSettings;
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
@@ -400,7 +400,30 @@ impl Job {
             .map(|e| (e.epoch, e.samples, e.loss_sum))
             .collect();
         d.set_item("epochs", epochs)?;
+        d.set_item("samples_per_s", s.samples_per_s)?;
+        d.set_item("loss", s.loss)?;
+        // The latest evaluation: (accuracy, loss, samples, clock, name), or None.
+        let eval = s
+            .evaluation
+            .map(|e| (e.accuracy, e.loss, e.samples, e.clock.0, e.name));
+        d.set_item("evaluation", eval)?;
         Ok(d)
+    }
+
+    /// Reports an evaluation of the parameters pulled through `clock` to the coordinator.
+    fn report_evaluation(
+        &self,
+        py: Python<'_>,
+        clock: u64,
+        accuracy: f64,
+        loss: f64,
+        samples: u64,
+    ) -> PyResult<()> {
+        let job = self.with(Clone::clone)?;
+        wait(py, &self.rt, async move {
+            job.report_evaluation(Clock(clock), accuracy, loss, samples)
+                .await
+        })
     }
 
     /// Every shard's data ledger: a list of dicts (shard, epoch, applied, duplicates, missing,
@@ -435,13 +458,13 @@ impl Job {
     }
 
     /// Pulls the whole model as it stands into `out` (a float32 buffer of `param_count`
-    /// floats), without joining: for evaluation.
-    fn pull(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// floats), without joining: for evaluation. Returns the clock it pulled through.
+    fn pull(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<u64> {
         let job = self.with(Clone::clone)?;
         let mut out = Floats::get(out, "out", Some(job.param_count()), true)?;
         let out = out.as_mut();
         wait(py, &self.rt, async move {
-            job.pull_current(out).await.map(|_| ())
+            job.pull_current(out).await.map(|s| s.min_clock.0)
         })
     }
 

@@ -213,6 +213,19 @@ def test_credentials_are_checked_before_connecting(cluster, tmp_path):
         edl.Job(cluster.coordinator, state_dir=tmp_path, name="x", role="root")
 
 
+def test_an_evaluation_reaches_the_status_and_a_bad_one_is_refused(cluster):
+    job = cluster.job("py1")
+    job.pull()
+    assert job.status()["evaluation"] is None
+    job.report_evaluation(0.75, 0.5, 64)
+    acc, loss, samples, clock, name = job.status()["evaluation"]
+    assert (acc, loss, samples, clock, name) == (0.75, 0.5, 64, 0, "py1")
+    with pytest.raises(edl.EdlError) as e:
+        job.report_evaluation(float("nan"), 0.5, 64)
+    assert e.value.code == "NonFinite"
+    assert job.status()["evaluation"][0] == 0.75
+
+
 def test_a_worker_certificate_may_not_drain(cluster):
     job = cluster.job("py1")
     with pytest.raises(edl.EdlError) as e:

@@ -204,8 +204,18 @@ class Job:
         joining."""
         if out is None:
             out = np.empty(self.param_count, np.float32)
-        self._job.pull(_buffer(out, "out"))
+        self._pulled_clock = self._job.pull(_buffer(out, "out"))
         return out
+
+    def report_evaluation(
+        self, accuracy: float, loss: float, samples: int, clock: int | None = None
+    ) -> None:
+        """Reports an evaluation to the coordinator (`edlctl status` and the dashboard show
+        the latest): accuracy in [0, 1], mean loss, samples evaluated, and the clock the
+        parameters were pulled through (by default that of the last `pull`)."""
+        if clock is None:
+            clock = getattr(self, "_pulled_clock", 0)
+        self._job.report_evaluation(int(clock), float(accuracy), float(loss), int(samples))
 
     def join(self) -> "Session":
         """Joins the job as a worker and returns the session; do slow set-up (loading data,

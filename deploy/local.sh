@@ -3,9 +3,9 @@
 # dataset-fashion-mnist) if it is missing and no --data-dir is given, builds EDL, then runs
 # edl-local with the arguments given (see `edl-local --help`).
 #
-# The build is the one the tests use (`cargo test --workspace`: the dev profile, whose
-# dependencies are optimized, see Cargo.toml), so ./deploy/test.sh afterwards reuses it instead
-# of building everything a second time. For production use build with `cargo build --release`.
+# It builds what the job needs in the profile the tests use (dev: dependencies optimized, see
+# Cargo.toml), so ./deploy/test.sh afterwards reuses every dependency instead of building them
+# a second time in another profile. For production use build with `cargo build --release`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +17,5 @@ if [ ! -d /usr/share/datasets/fashion-mnist ] && ! printf '%s\n' "$@" | grep -q 
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq dataset-fashion-mnist
 fi
 
-# Every binary of the workspace, with the features `cargo test --workspace` unifies: exactly
-# the artifacts the tests build.
-cargo build --locked --workspace --bins
+cargo build --locked -p edl-ps -p edl-worker -p edl-deploy
 exec target/debug/edl-local "$@"

@@ -78,8 +78,10 @@ def test_ctrl_c_leaves_cleanly_and_returns_the_data(make_cluster, tmp_path):
 
 def test_ctrl_c_interrupts_a_call_that_waits(tmp_path):
     # Nobody listens at the coordinator's address: connecting retries until interrupted.
+    # Python's own Ctrl-C handling even if this runs where SIGINT is ignored (see worker.py).
     code = (
-        "import edl, sys\n"
+        "import edl, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "print('connecting', flush=True)\n"
         f"edl.Job('127.0.0.1:9', state_dir={str(tmp_path)!r}, name='w')\n"
     )

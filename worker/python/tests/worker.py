@@ -4,12 +4,17 @@ $EDL_STEPS_FILE when set. argv[1], if given, is seconds to sleep between pull an
 long enough to be killed in the middle of)."""
 
 import os
+import signal
 import sys
 import time
 
 import numpy as np
 
 import edl
+
+# Python's own Ctrl-C handling even when started from a shell that ignores SIGINT (a background
+# job of a non-interactive shell passes SIGINT on ignored, and Python then keeps ignoring it).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 pause = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0
 steps_file = os.environ.get("EDL_STEPS_FILE")

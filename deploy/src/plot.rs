@@ -6,12 +6,48 @@
 use std::path::{Path, PathBuf};
 
 use edl_shared::proto::msg::JobHistory;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use crate::report::EventReport;
 
 /// One series of a panel: its points, colour, legend, and whether it is drawn as dots.
 type Series<'a> = (&'a [(f64, f64)], RGBColor, &'a str, bool);
+
+/// A panel's chart: time in seconds (0 to `end`) against `0..y_max`, with its mesh drawn.
+type TimeChart<'a, 'b> =
+    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+fn time_chart<'a, 'b>(
+    area: &'a DrawingArea<BitMapBackend<'b>, plotters::coord::Shift>,
+    end: f64,
+    y_max: f64,
+    y_desc: &str,
+) -> anyhow::Result<TimeChart<'a, 'b>> {
+    let mut chart = ChartBuilder::on(area)
+        .margin(8)
+        .x_label_area_size(28)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..end, 0.0..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds since the coordinator started")
+        .y_desc(y_desc)
+        .light_line_style(WHITE.mix(0.0))
+        .draw()?;
+    Ok(chart)
+}
+
+/// Draws a chart's legend (lower left, where the curves rarely are).
+fn legend<'a, 'b: 'a>(chart: &mut TimeChart<'a, 'b>) -> anyhow::Result<()> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.3))
+        .draw()?;
+    Ok(())
+}
 
 /// An event's colour on the plots.
 fn color(kind: &str) -> RGBColor {
@@ -76,22 +112,12 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
     let top = |v: &[(f64, f64)]| v.iter().map(|p| p.1).fold(0.0, f64::max) * 1.1 + 1e-9;
 
     // One panel of series over time, with the event markers.
-    let panel = |area: &DrawingArea<BitMapBackend<'_>, _>,
+    let panel = |area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
                  y_desc: &str,
                  y_max: f64,
                  series: &[Series<'_>]|
      -> anyhow::Result<()> {
-        let mut chart = ChartBuilder::on(area)
-            .margin(8)
-            .x_label_area_size(28)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0.0..end, 0.0..y_max)?;
-        chart
-            .configure_mesh()
-            .x_desc("seconds since the coordinator started")
-            .y_desc(y_desc)
-            .light_line_style(WHITE.mix(0.0))
-            .draw()?;
+        let mut chart = time_chart(area, end, y_max, y_desc)?;
         for e in &marks {
             let x = secs(e.t_ms);
             chart.draw_series(std::iter::once(PathElement::new(
@@ -114,13 +140,7 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
                     });
             }
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.3))
-            .draw()?;
-        Ok(())
+        legend(&mut chart)
     };
     let blue = RGBColor(40, 100, 220);
     panel(
@@ -159,17 +179,7 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
         .filter_map(|e| Some((secs(e.t_ms), e.stall_ms?, e.kind.as_str())))
         .collect();
     let stall_top = stalls.iter().map(|s| s.1).fold(0.0, f64::max) * 1.15 + 1.0;
-    let mut chart = ChartBuilder::on(&panels[4])
-        .margin(8)
-        .x_label_area_size(28)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0.0..end, 0.0..stall_top)?;
-    chart
-        .configure_mesh()
-        .x_desc("seconds since the coordinator started")
-        .y_desc("stall per event, ms")
-        .light_line_style(WHITE.mix(0.0))
-        .draw()?;
+    let mut chart = time_chart(&panels[4], end, stall_top, "stall per event, ms")?;
     let w = end / 300.0;
     chart.draw_series(
         stalls.iter().map(|&(x, ms, kind)| {
@@ -186,12 +196,7 @@ pub fn draw(dir: &Path, history: &JobHistory, events: &[EventReport]) -> anyhow:
             .label(kind)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.3))
-        .draw()?;
+    legend(&mut chart)?;
     root.present()?;
     Ok(dir.join("run.png"))
 }

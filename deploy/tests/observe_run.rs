@@ -178,11 +178,11 @@ fn chromium_args(profile: &Path) -> Vec<String> {
     .collect()
 }
 
-/// The dashboard's DOM after its scripts ran for a while.
-async fn dump_dom(chrome: &Path, profile: &Path, url: &str) -> String {
+/// Runs headless Chromium on `url` with `extra` flags; its stdout.
+async fn chromium_on(chrome: &Path, profile: &Path, extra: &[String], url: &str) -> String {
     let out = tokio::process::Command::new(chrome)
         .args(chromium_args(profile))
-        .arg("--dump-dom")
+        .args(extra)
         .arg(url)
         .kill_on_drop(true)
         .output();
@@ -196,6 +196,11 @@ async fn dump_dom(chrome: &Path, profile: &Path, url: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The dashboard's DOM after its scripts ran for a while.
+async fn dump_dom(chrome: &Path, profile: &Path, url: &str) -> String {
+    chromium_on(chrome, profile, &["--dump-dom".to_string()], url).await
 }
 
 /// The text of the element with `id` in a dumped DOM.
@@ -313,22 +318,11 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
         );
         // The screenshot CI keeps.
         let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
-        let out = tokio::process::Command::new(c)
-            .args(chromium_args(&profile))
-            .arg(format!("--screenshot={}", shot.display()))
-            .arg("--window-size=1280,1500")
-            .arg(&url)
-            .kill_on_drop(true)
-            .output();
-        let out = tokio::time::timeout(Duration::from_secs(60), out)
-            .await
-            .expect("chromium answers within 60 s")
-            .expect("chromium runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let flags = [
+            format!("--screenshot={}", shot.display()),
+            "--window-size=1280,1500".to_string(),
+        ];
+        chromium_on(c, &profile, &flags, &url).await;
         let png = std::fs::read(&shot).expect("a screenshot");
         assert_eq!(&png[1..4], b"PNG");
         eprintln!("dashboard screenshot: {}", shot.display());

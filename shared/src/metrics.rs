@@ -19,6 +19,9 @@ pub use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 pub type Gauge = prometheus_client::metrics::gauge::Gauge<f64, AtomicU64>;
 /// A metric's labels, in order.
 pub type Labels = Vec<(&'static str, String)>;
+/// `N` labels known at compile time (request kinds, directions, phases): nothing is allocated
+/// to look one up, for metrics counted on every request.
+pub type Fixed<const N: usize> = [(&'static str, &'static str); N];
 /// Gauges by label.
 pub type Gauges = Family<Labels, Gauge>;
 /// Counters by label.
@@ -78,6 +81,21 @@ pub fn histograms(name: &str, help: &str, make: fn() -> Histogram) -> Histograms
 /// Buckets for durations in seconds, 100 µs to about 100 s.
 pub fn seconds_histogram() -> Histogram {
     Histogram::new(exponential_buckets(1e-4, 2.5, 16))
+}
+
+/// Runs `refresh` on `component` before every scrape, for as long as it lives.
+pub fn watch<T: Send + Sync + 'static>(
+    component: &std::sync::Arc<T>,
+    refresh: impl Fn(&T) + Send + Sync + 'static,
+) {
+    let weak = std::sync::Arc::downgrade(component);
+    on_scrape(move || {
+        let Some(c) = weak.upgrade() else {
+            return false;
+        };
+        refresh(&c);
+        true
+    });
 }
 
 /// Runs `hook` before every scrape, until it returns false.

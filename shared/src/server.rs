@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use crate::metrics;
+use crate::metrics::{self, Counter, Family, Histogram};
 use crate::shutdown::CancellationToken;
 use bytes::Bytes;
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, Parts, Request, Response};
@@ -148,9 +148,9 @@ impl Drop for IdentitySlot {
 
 /// The request server's metrics (every server of the process counts in them).
 struct ServerMetrics {
-    requests: metrics::Counters,
-    bytes: metrics::Counters,
-    seconds: metrics::Histograms,
+    requests: Family<metrics::Fixed<1>, Counter>,
+    bytes: Family<metrics::Fixed<2>, Counter>,
+    seconds: Family<metrics::Fixed<1>, Histogram, fn() -> Histogram>,
     errors: metrics::Counters,
     connections: metrics::Gauge,
     in_flight: metrics::Gauge,
@@ -158,16 +158,17 @@ struct ServerMetrics {
 }
 
 static METRICS: LazyLock<ServerMetrics> = LazyLock::new(|| ServerMetrics {
-    requests: metrics::counters("requests", "Requests served, by kind."),
-    bytes: metrics::counters(
+    requests: metrics::register("requests", "Requests served, by kind.", Family::default()),
+    bytes: metrics::register(
         "request_bytes",
         "Frame bytes received (in) and sent (out), by request kind.",
+        Family::default(),
     ),
-    seconds: metrics::histograms(
+    seconds: metrics::register(
         "request_seconds",
         "Time from a request's arrival to its answer, by kind (a push: its application; \
          a long poll: the wait).",
-        metrics::seconds_histogram,
+        Family::new_with_constructor(metrics::seconds_histogram),
     ),
     errors: metrics::counters("errors", "Error answers, by wire code."),
     connections: metrics::gauge("connections", "Open client connections."),
@@ -185,10 +186,11 @@ impl ServerMetrics {
     /// Counts one request of `kind` that took `secs`.
     fn count(&self, kind: &'static str, bytes_in: u64, reply: &Frame<Response, Parts>, secs: f64) {
         use edl_proto::frame::Payload;
-        let k = metrics::label("request", kind);
+        // Static labels: counting a push or pull allocates nothing.
+        let k = [("request", kind)];
         self.requests.get_or_create(&k).inc();
         self.seconds.get_or_create(&k).observe(secs);
-        let dir = |d: &str| vec![("request", kind.to_string()), ("direction", d.to_string())];
+        let dir = |d| [("request", kind), ("direction", d)];
         self.bytes.get_or_create(&dir("in")).inc_by(bytes_in);
         self.bytes
             .get_or_create(&dir("out"))
@@ -308,18 +310,13 @@ pub async fn serve<S: Service>(
         identities: Arc::default(),
     });
     METRICS.budget.set(settings.budgets.server_bytes as f64);
-    let weak = Arc::downgrade(&shared);
-    metrics::on_scrape(move || {
-        let Some(s) = weak.upgrade() else {
-            return false;
-        };
+    metrics::watch(&shared, |s| {
         let used = s.bytes.total_kib as usize
             - s.bytes
                 .permits
                 .available_permits()
                 .min(s.bytes.total_kib as usize);
         METRICS.in_flight.set(used as f64 * 1024.0);
-        true
     });
     let mut conns = tokio::task::JoinSet::new();
     loop {

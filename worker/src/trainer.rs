@@ -7,7 +7,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use edl_client::{ClientError, Job, Notices, RowGrads};
-use edl_shared::metrics::{self, Counter, Counters, Gauge, Histograms};
+use edl_shared::metrics::{self, Counter, Gauge, Histogram};
 use edl_shared::proto::msg::JobStatus;
 use edl_shared::proto::{JobConfig, ModelSpec};
 use edl_shared::shutdown::CancellationToken;
@@ -265,10 +265,7 @@ pub async fn train<M: Model>(
                 }
             };
             opts.slowdown.after(begun.elapsed()).await;
-            METRICS
-                .step
-                .get_or_create(&metrics::label("phase", "work"))
-                .observe(begun.elapsed().as_secs_f64());
+            METRICS.work.observe(begun.elapsed().as_secs_f64());
             Ok::<_, TrainError>((stats, batch, &mut session))
         };
         tokio::pin!(step);
@@ -304,10 +301,7 @@ pub async fn train<M: Model>(
                 break;
             }
         }
-        METRICS
-            .step
-            .get_or_create(&metrics::label("phase", "commit"))
-            .observe(committing.elapsed().as_secs_f64());
+        METRICS.commit.observe(committing.elapsed().as_secs_f64());
         progress.step(
             stats.samples as u64,
             stats.loss_sum,
@@ -340,34 +334,43 @@ pub async fn evaluate<M: Model>(
     Ok((model.evaluate(&params, test)?, status))
 }
 
-/// A worker's Prometheus metrics (`edl-worker --metrics`).
+/// A worker's Prometheus metrics (`edl-worker --metrics`), each labelled series resolved once
+/// (no lookup per step).
 struct WorkerMetrics {
     steps: Counter,
     samples: Counter,
-    step: Histograms,
+    work: Histogram,
+    commit: Histogram,
     loss: Gauge,
     clock: Gauge,
-    bytes: Counters,
+    sent: Counter,
+    received: Counter,
 }
 
-static METRICS: LazyLock<WorkerMetrics> = LazyLock::new(|| WorkerMetrics {
-    steps: metrics::counter("worker_steps", "Steps this worker committed."),
-    samples: metrics::counter("worker_samples", "Samples this worker committed."),
-    step: metrics::histograms(
+static METRICS: LazyLock<WorkerMetrics> = LazyLock::new(|| {
+    let step = metrics::histograms(
         "worker_step_duration_seconds",
         "Time of one step: its own work (gather, pull, compute, push), then the commit \
          (phase=commit: including the wait for slower workers).",
         metrics::seconds_histogram,
-    ),
-    loss: metrics::gauge(
-        "worker_loss",
-        "Mean training loss per sample of the last step.",
-    ),
-    clock: metrics::gauge("worker_clock_steps", "This worker's clock."),
-    bytes: metrics::counters(
+    );
+    let bytes = metrics::counters(
         "worker_bytes",
         "Payload bytes this worker sent (gradients) and received (parameters).",
-    ),
+    );
+    WorkerMetrics {
+        steps: metrics::counter("worker_steps", "Steps this worker committed."),
+        samples: metrics::counter("worker_samples", "Samples this worker committed."),
+        work: step.get_or_create_owned(&metrics::label("phase", "work")),
+        commit: step.get_or_create_owned(&metrics::label("phase", "commit")),
+        loss: metrics::gauge(
+            "worker_loss",
+            "Mean training loss per sample of the last step.",
+        ),
+        clock: metrics::gauge("worker_clock_steps", "This worker's clock."),
+        sent: bytes.get_or_create_owned(&metrics::label("direction", "sent")),
+        received: bytes.get_or_create_owned(&metrics::label("direction", "received")),
+    }
 });
 
 /// Progress since the last progress line.
@@ -403,12 +406,8 @@ impl Progress {
         m.clock.set(clock as f64);
         let sent = traffic.sent.saturating_sub(self.traffic.0);
         let received = traffic.received.saturating_sub(self.traffic.1);
-        m.bytes
-            .get_or_create(&metrics::label("direction", "sent"))
-            .inc_by(sent);
-        m.bytes
-            .get_or_create(&metrics::label("direction", "received"))
-            .inc_by(received);
+        m.sent.inc_by(sent);
+        m.received.inc_by(received);
         self.traffic = (traffic.sent, traffic.received);
         self.samples += samples;
         self.loss_sum += loss_sum;

@@ -2,11 +2,11 @@
 //! the live stall of each membership event and resharding moves. Gauges are copied from the
 //! state at each scrape; histograms are observed as things happen.
 
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
 use edl_shared::metrics::{self, Counters, Gauge, Gauges, Histograms, label};
-use edl_shared::proto::msg::{MoveReport, WorkerState};
+use edl_shared::proto::msg::{EventKind, MoveReport, WorkerState};
 
 use super::Coordinator;
 use super::state::kind_name;
@@ -93,14 +93,7 @@ static M: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorMetrics {
 /// Copies `coordinator`'s state into the gauges before every scrape, while it lives.
 pub fn watch(coordinator: &Arc<Coordinator>) {
     LazyLock::force(&M);
-    let weak: Weak<Coordinator> = Arc::downgrade(coordinator);
-    metrics::on_scrape(move || {
-        let Some(c) = weak.upgrade() else {
-            return false;
-        };
-        refresh(&c);
-        true
-    });
+    metrics::watch(coordinator, refresh);
 }
 
 fn refresh(c: &Coordinator) {
@@ -178,9 +171,8 @@ fn refresh(c: &Coordinator) {
     }
 }
 
-/// Observes the stalls the state measured since the last call.
-pub fn stalls(c: &Coordinator) {
-    let stalls = c.lock().take_stalls();
+/// Observes the stalls the state measured (event kind and milliseconds).
+pub fn stalls(stalls: Vec<(EventKind, f64)>) {
     for (kind, ms) in stalls {
         M.stall
             .get_or_create(&label("event", kind_name(kind)))

@@ -264,8 +264,11 @@ impl Service for Coordinator {
 
     async fn handle(&self, peer: &Peer, req: Request, payload: Bytes) -> Frame<Response, Parts> {
         let answer = self.answer(peer, req, payload).await;
-        metrics::stalls(self);
-        let news = self.lock().take_news();
+        let (news, stalls) = {
+            let mut st = self.lock();
+            (st.take_news(), st.take_stalls())
+        };
+        metrics::stalls(stalls);
         if !news.is_empty() {
             for line in news {
                 info!("{line}");

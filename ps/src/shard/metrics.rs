@@ -3,7 +3,7 @@
 //! pulls, their bytes and apply latency are the request server's (`edl_requests_total`,
 //! `edl_request_bytes_total`, `edl_request_seconds{request="Push"}`).
 
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, LazyLock};
 
 use edl_shared::metrics::{self, Gauge, Gauges, Histograms, label};
 
@@ -55,11 +55,7 @@ static M: LazyLock<ShardMetrics> = LazyLock::new(|| ShardMetrics {
 /// Copies `state`'s holdings and ledger into the gauges before every scrape, while it lives.
 pub fn watch(state: &Arc<ShardState>) {
     LazyLock::force(&M);
-    let weak: Weak<ShardState> = Arc::downgrade(state);
-    metrics::on_scrape(move || {
-        let Some(st) = weak.upgrade() else {
-            return false;
-        };
+    metrics::watch(state, |st| {
         let s = st.stats();
         M.keys.set(s.keys as f64);
         M.floats.set(s.floats as f64);
@@ -75,7 +71,6 @@ pub fn watch(state: &Arc<ShardState>) {
         metrics::set_all(&M.duplicates, per(|e| e.duplicates));
         metrics::set_all(&M.missing, per(|e| e.missing));
         metrics::set_all(&M.skipped, per(|e| e.skipped_pushes));
-        true
     });
 }
 

@@ -530,7 +530,7 @@ fn call_kind(e: &CallError) -> String {
         CallError::Closed(_) => "stream closed".into(),
         CallError::TimedOut(_) => "timed out".into(),
         CallError::Proto(p) => format!("bad frame ({:?})", p.code()),
-        CallError::Unexpected(_) => "unexpected answer".into(),
+        CallError::Unexpected(_) | CallError::Refused(_) => "unexpected answer".into(),
         CallError::Bind(_) | CallError::Address(_) | CallError::Pki(_) => "set-up".into(),
     }
 }

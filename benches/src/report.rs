@@ -72,6 +72,7 @@ pub fn transport_table(r: &transport::Results) -> String {
         "size",
         "clients×shards",
         "EDL Gbit/s",
+        "no-opt Gbit/s",
         "quinn Gbit/s",
         "TCP Gbit/s",
         "EDL/quinn",
@@ -96,6 +97,7 @@ pub fn transport_table(r: &transport::Results) -> String {
             size(ratio.size),
             format!("{}×{}", ratio.clients, ratio.shards),
             format!("{:.1}", gbit(e.gbps)),
+            get("edl-noopt").map_or("-".into(), |n| format!("{:.1}", gbit(n.gbps))),
             format!("{:.1}", gbit(q.gbps)),
             format!("{:.1}", gbit(c.gbps)),
             format!("{:.2}", ratio.edl_over_quinn),
@@ -431,6 +433,11 @@ pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
     for r in [&all.transport_loopback, &all.transport_default] {
         let _ = writeln!(md, "```text\n{}\n```\n", transport_table(r));
     }
+    // The profile breakdown is measured apart (under perf), and kept next to the plots.
+    if let Ok(profile) = std::fs::read_to_string(dir.join(PROFILE)) {
+        let _ = writeln!(md, "{PROFILE_METHOD}\n{}", profile.trim_end());
+        md.push('\n');
+    }
     let _ = writeln!(
         md,
         "## Optimizer apply\n\n```text\n{}\n```\n",
@@ -460,6 +467,20 @@ pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where `benches/profile/run.sh` writes the breakdown of a pair's time.
+const PROFILE: &str = "benches/profile/transport.md";
+
+const PROFILE_METHOD: &str = "\
+### Where a pair's time goes
+
+From a profile of EDL's pairs alone (1 client, 1 shard, 65000-byte datagrams, release build),
+recorded with `perf` and DWARF call graphs by `benches/profile/run.sh 1M:2000 16M:200 >
+benches/profile/transport.md`: every sample is put in a category by the function it was in
+and, for copies, by the caller whose copy it is (`benches/profile/breakdown.py`). Both
+processes' sides (client and shard) are in one process, so the shares are of the whole
+exchange; the set-up of the cluster is a small part of the samples.
+";
+
 const METHOD: &str = "\
 ## Method
 
@@ -467,13 +488,18 @@ Every comparison is measured in one run, in one process, on loopback, so that th
 even on a noisy machine, where absolute figures move from run to run.
 
 - **transport**: one *pair* is a push of one tensor and a pull of it. EDL goes through the
-  client library and a shard server that applies SGD to every push; bare quinn sends the same
-  bytes as request/response streams with the same TLS 1.3 and transport settings (no framing,
-  no optimizer; each side receives what it is sent into one buffer, as a real client and
-  server must); TCP sends them over one plain connection per client and server. Gbit/s counts
-  both directions. With several shards the tensor is split evenly and the parts travel in
+  client library and a shard server that applies SGD to every push: the client pushes
+  `Gradients` (sent as they lie) and pulls into its parameter buffer, as a worker does. The
+  *no-opt* column is the same with SGD at learning rate 0, which the shard skips: EDL's
+  transport and bookkeeping without the update. Bare quinn sends the same bytes as
+  request/response streams with the same TLS 1.3 and transport settings (no framing, no
+  optimizer; each side receives what it is sent into one buffer, as a real client and server
+  must); TCP sends them over one plain connection per client and server. Gbit/s counts both
+  directions. With several shards the tensor is split evenly and the parts travel in
   parallel, as EDL's client sends them. Tables are given for QUIC's default datagrams (safe on
-  any network) and for a fixed large datagram (loopback, jumbo frames).
+  any network) and for a fixed large datagram (loopback, jumbo frames). Whether striping a
+  request over several streams or connections pays is measured with bare quinn
+  (`--systems quinn,quinn-2streams,quinn-2conns`), outside `all`.
 - **apply**: the server-side optimizer applied in place to 64 MiB of parameters, in GB/s of
   parameter plus gradient bytes, against a memcpy of the same bytes.
 - **scale**: synthetic workers against an in-process cluster, each with its own connections,

@@ -20,7 +20,7 @@ use anyhow::Context;
 use edl_shared::proto::{Clock, Consistency, Key};
 use edl_shared::transport::TransportSettings;
 use edl_testkit::{TestCluster, counter_job};
-use edl_worker::{ClientError, Job, Session};
+use edl_worker::{ClientError, Gradients, Job, Session};
 use serde::Serialize;
 use tokio::task::JoinSet;
 
@@ -53,7 +53,7 @@ impl Mode {
 /// A synthetic worker: its buffers, its mode and its compute time.
 pub struct Synth {
     params: Vec<f32>,
-    grads: Vec<f32>,
+    grads: Gradients,
     mode: Mode,
     compute: Duration,
     /// Staggers which keys a sparse worker touches, so that workers do not move in lockstep.
@@ -68,7 +68,7 @@ impl Synth {
         Synth {
             params: vec![0.0; n],
             // Tiny and finite: the shards apply them (SGD) like real gradients.
-            grads: vec![1e-6; n],
+            grads: Gradients::from(vec![1e-6; n]),
             mode,
             compute,
             index: index as u64,
@@ -88,7 +88,7 @@ impl Synth {
             Mode::Dense => {
                 s.pull(&mut self.params).await?;
                 self.compute().await;
-                s.push_step(&self.grads).await?;
+                s.push_step_gradients(&self.grads).await?;
                 2 * 4 * self.params.len() as u64
             }
             Mode::Sparse => {

@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use edl_shared::pki::{CLUSTER_SERVER_NAME, PkiDir};
-use edl_shared::proto::{Clock, Consistency};
+use edl_shared::proto::{Clock, Consistency, OptimizerSpec};
 use edl_shared::transport::{TransportSettings, client_endpoint, server_endpoint};
 use edl_shared::{Identity, Role};
 use edl_testkit::{TestCluster, counter_job};
+use edl_worker::Gradients;
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -25,8 +26,10 @@ use tokio::task::JoinSet;
 
 use crate::stats::{Samples, gbps};
 
-/// The systems compared.
-pub const SYSTEMS: [&str; 3] = ["edl", "quinn", "tcp"];
+/// The systems compared: EDL, EDL whose shards apply no optimizer (SGD at learning rate 0,
+/// which leaves the parameters as they are: the transport and the server's bookkeeping
+/// without the update), bare quinn and plain TCP.
+pub const SYSTEMS: [&str; 4] = ["edl", "edl-noopt", "quinn", "tcp"];
 
 /// One measurement.
 #[derive(Clone, Debug, Serialize)]
@@ -86,7 +89,7 @@ pub struct Plan {
     pub quick: bool,
     /// Transport settings for EDL and bare quinn.
     pub settings: TransportSettings,
-    /// The systems to run (a subset of [`SYSTEMS`]); ratios need all three.
+    /// The systems to run (of [`SYSTEMS`] and [`QUINN`]); ratios need edl, quinn and tcp.
     pub systems: Vec<String>,
     /// Pairs per point, instead of the default for the size.
     pub pairs: Option<usize>,
@@ -129,17 +132,28 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
         for &size in &plan.sizes {
             let pairs = plan.pairs(size);
             let runs = |sys: &str| plan.systems.iter().any(|s| s == sys);
-            if runs("edl") {
-                let edl = edl(size, clients, shards, pairs, &plan.settings)
-                    .await
-                    .with_context(|| format!("edl {size} B"))?;
-                rows.push(edl.row("edl", size, clients, shards));
+            for (system, apply) in [("edl", true), ("edl-noopt", false)] {
+                if runs(system) {
+                    let edl = edl(size, (clients, shards), pairs, apply, &plan.settings)
+                        .await
+                        .with_context(|| format!("{system} {size} B"))?;
+                    rows.push(edl.row(system, size, clients, shards));
+                }
             }
-            if runs("quinn") {
-                let q = quinn_pairs(&pki, size, clients, shards, pairs, &plan.settings)
+            for (system, stripes) in QUINN {
+                if runs(system) {
+                    let q = quinn_pairs(
+                        &pki,
+                        size,
+                        (clients, shards),
+                        pairs,
+                        stripes,
+                        &plan.settings,
+                    )
                     .await
-                    .with_context(|| format!("quinn {size} B"))?;
-                rows.push(q.row("quinn", size, clients, shards));
+                    .with_context(|| format!("{system} {size} B"))?;
+                    rows.push(q.row(system, size, clients, shards));
+                }
             }
             if runs("tcp") {
                 let t = tcp_pairs(size, clients, shards, pairs)
@@ -242,18 +256,23 @@ where
     })
 }
 
-/// Through EDL: a cluster of `shards` shard servers holding one tensor of `size` bytes, SGD.
+/// Through EDL: a cluster of `shards` shard servers holding one tensor of `size` bytes, SGD
+/// (at learning rate 0 without `apply`). Gradients are pushed as [`Gradients`] (sent as they
+/// lie) and pulled straight into each client's parameter buffer, as a worker does.
 async fn edl(
     size: usize,
-    clients: usize,
-    shards: usize,
+    (clients, shards): (usize, usize),
     pairs: usize,
+    apply: bool,
     settings: &TransportSettings,
 ) -> anyhow::Result<Measured> {
     let floats = (size / 4).max(1);
     // Chunks of at most 256 KiB: large tensors spread over several keys per shard.
     let chunk = floats.min(64 << 10) as u32;
-    let job = counter_job(floats as u32, chunk, Consistency::Asp);
+    let mut job = counter_job(floats as u32, chunk, Consistency::Asp);
+    if !apply {
+        job.optimizer = OptimizerSpec::Sgd { lr: 0.0 };
+    }
     let cluster = TestCluster::start_with(job, shards as u32, settings.clone()).await?;
     let mut sessions = Vec::new();
     for c in 0..clients {
@@ -262,7 +281,7 @@ async fn edl(
         let job = edl_worker::Job::connect(&cfg).await?;
         sessions.push(Arc::new(job.register("bench").await?));
     }
-    let grads = Arc::new(vec![1e-6f32; floats]);
+    let grads = Arc::new(Gradients::from(vec![1e-6f32; floats]));
     // Each client pulls into its own buffer, reused like a worker's parameter vector.
     let outs: Vec<_> = (0..clients)
         .map(|_| Arc::new(tokio::sync::Mutex::new(vec![0f32; floats])))
@@ -270,7 +289,7 @@ async fn edl(
     let measured = measure(clients, pairs, |c| {
         let (s, g, out) = (sessions[c].clone(), grads.clone(), outs[c].clone());
         async move {
-            s.push_step(&g).await?;
+            s.push_step_gradients(&g).await?;
             let mut out = out.lock().await;
             s.job().pull_all(&mut out, Clock(0)).await?;
             Ok(())
@@ -282,31 +301,67 @@ async fn edl(
     Ok(measured)
 }
 
+/// Bare quinn as the baseline, and striped: each part of a request split over 2 streams of
+/// one connection, or over 2 connections, each between endpoints of their own (an endpoint is
+/// driven by one task, so only separate endpoints can encrypt on more than one core).
+pub const QUINN: [(&str, Stripes); 3] = [
+    ("quinn", Stripes::One),
+    ("quinn-2streams", Stripes::Streams(2)),
+    ("quinn-2conns", Stripes::Conns(2)),
+];
+
+/// How bare quinn carries each part of a request.
+#[derive(Clone, Copy, Debug)]
+pub enum Stripes {
+    /// One stream.
+    One,
+    /// Split over this many streams of one connection, at once.
+    Streams(usize),
+    /// Split over this many connections, each between endpoints of their own, at once.
+    Conns(usize),
+}
+
 /// Bare quinn: `shards` servers that read a request (a 9-byte header: op, length; then the
 /// payload for a push) and answer 8 bytes (push) or `length` bytes (pull).
 async fn quinn_pairs(
     pki: &PkiDir,
     size: usize,
-    clients: usize,
-    shards: usize,
+    (clients, shards): (usize, usize),
     pairs: usize,
+    stripes: Stripes,
     settings: &TransportSettings,
 ) -> anyhow::Result<Measured> {
-    let part = (size / shards).max(1);
+    let (streams, endpoints) = match stripes {
+        Stripes::One => (1, 1),
+        Stripes::Streams(n) => (n.max(1), 1),
+        Stripes::Conns(n) => (1, n.max(1)),
+    };
+    // Each shard's part, cut into one piece per stream and per connection.
+    let piece = (size / shards / streams / endpoints).max(1);
     let server_id = pki.ensure(Role::Shard, "bare")?;
     let mut addrs = Vec::new();
     let mut servers = JoinSet::new();
-    for _ in 0..shards {
+    for _ in 0..shards * endpoints {
         let ep = server_endpoint("127.0.0.1:0".parse()?, &server_id, settings)?;
         addrs.push(ep.local_addr()?);
-        servers.spawn(quinn_server(ep, Bytes::from(vec![7u8; part])));
+        servers.spawn(quinn_server(ep, Bytes::from(vec![7u8; piece])));
     }
     let client_id = pki.ensure(Role::Worker, "bare-client")?;
     let mut conns = Vec::new();
     for _ in 0..clients {
-        conns.push(Arc::new(quinn_connect(&client_id, settings, &addrs).await?));
+        let mut mine = Vec::new();
+        // With several connections per part, each gets a client endpoint of its own.
+        for group in addrs.chunks(if endpoints > 1 { 1 } else { addrs.len() }) {
+            mine.extend(quinn_connect(&client_id, settings, group).await?);
+        }
+        // One entry per stream: streams of one connection share it.
+        let mine: Vec<_> = mine
+            .into_iter()
+            .flat_map(|c| std::iter::repeat_n(c, streams))
+            .collect();
+        conns.push(Arc::new(mine));
     }
-    let payload = Bytes::from(vec![1u8; part]);
+    let payload = Bytes::from(vec![1u8; piece]);
     let measured = measure(clients, pairs, |c| {
         let (conns, payload) = (conns[c].clone(), payload.clone());
         async move {

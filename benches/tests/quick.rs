@@ -214,7 +214,32 @@ fn load_runs_and_loses_nothing() -> anyhow::Result<()> {
 #[test]
 fn transport_and_apply_run() -> anyhow::Result<()> {
     let t = bench(&["transport", "--sizes", "4K", "--points", "1x1"])?;
-    assert_eq!(t["rows"].as_array().expect("rows").len(), 3);
+    let systems = |t: &Value| -> Vec<String> {
+        t["rows"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .map(|r| r["system"].as_str().expect("system").to_string())
+            .collect()
+    };
+    assert_eq!(systems(&t), ["edl", "edl-noopt", "quinn", "tcp"]);
+    assert_eq!(t["ratios"].as_array().expect("ratios").len(), 1);
+    // Bare quinn striped over two streams or two connections, on request.
+    let args = [
+        "transport",
+        "--sizes",
+        "64K",
+        "--points",
+        "1x1",
+        "--systems",
+    ];
+    let striped = bench(&[&args[..], &["quinn-2streams,quinn-2conns"]].concat())?;
+    assert_eq!(systems(&striped), ["quinn-2streams", "quinn-2conns"]);
+    let wrong = bench(&[&args[..], &["quic"]].concat()).expect_err("an unknown system");
+    assert!(
+        wrong.to_string().contains("unknown system \"quic\""),
+        "{wrong}"
+    );
     let a = bench(&["apply"])?;
     assert_eq!(a.as_array().expect("rows").len(), 3);
     Ok(())

@@ -189,6 +189,16 @@ impl Payload for Parts {
 }
 
 impl Parts {
+    /// The payload as one buffer: the part itself when there is one (no copy), otherwise the
+    /// parts joined (a copy; for small payloads and those that must be read whole).
+    pub fn to_bytes(&self) -> Bytes {
+        match self.0.as_slice() {
+            [] => Bytes::new(),
+            [one] => one.clone(),
+            _ => self.concat(),
+        }
+    }
+
     /// The parts joined into one buffer (a copy; for tests and small payloads).
     pub fn concat(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(self.byte_len());
@@ -325,34 +335,50 @@ pub fn first_non_finite(values: &[f32]) -> Option<usize> {
 }
 
 /// Checks a payload of f32 values for NaN and infinity while it is being received, each part
-/// as it arrives (while it is in cache), so that no separate pass over it is needed.
+/// as it arrives (while it is in cache), so that no separate pass over it is needed. Parts may
+/// start at any address and cut a value in two: a value split between parts is put together
+/// from both.
 #[derive(Clone, Debug, Default)]
 pub struct FiniteScan {
-    /// Bytes checked so far (a multiple of 4).
-    checked: usize,
+    /// Floats checked so far.
+    checked: u64,
+    /// The first bytes of a value the last part cut in two.
+    carry: [u8; 4],
+    carried: usize,
     /// The first bad value's position.
     bad: Option<u64>,
 }
 
 impl FiniteScan {
-    /// Checks the whole floats of `received` (everything received so far) not checked yet.
-    pub fn scan(&mut self, received: &[u8]) {
+    /// Checks the next part of the payload.
+    pub fn part(&mut self, mut part: &[u8]) {
         if self.bad.is_some() {
             return;
         }
-        let upto = received.len() & !3;
-        if upto <= self.checked {
+        if self.carried > 0 {
+            let take = (4 - self.carried).min(part.len());
+            self.carry[self.carried..self.carried + take].copy_from_slice(&part[..take]);
+            self.carried += take;
+            part = &part[take..];
+            if self.carried < 4 {
+                return;
+            }
+            self.carried = 0;
+            if !f32::from_le_bytes(self.carry).is_finite() {
+                self.bad = Some(self.checked);
+                return;
+            }
+            self.checked += 1;
+        }
+        let whole = part.len() & !3;
+        if let Some(i) = first_non_finite_le(&part[..whole]) {
+            self.bad = Some(self.checked + i as u64);
             return;
         }
-        let fresh = &received[self.checked..upto];
-        let found = match f32s_in_place(fresh) {
-            Some(values) => first_non_finite(values),
-            None => fresh
-                .chunks_exact(4)
-                .position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()),
-        };
-        self.bad = found.map(|i| (self.checked / 4 + i) as u64);
-        self.checked = upto;
+        self.checked += (whole / 4) as u64;
+        let rest = &part[whole..];
+        self.carry[..rest.len()].copy_from_slice(rest);
+        self.carried = rest.len();
     }
 
     /// `Ok` if every value scanned was finite.
@@ -361,6 +387,98 @@ impl FiniteScan {
             Some(index) => Err(ProtoError::NonFinite { index }),
             None => Ok(()),
         }
+    }
+}
+
+/// The position of the first NaN or infinity among the little-endian f32 values of `bytes`
+/// (a whole number of values), at any alignment.
+fn first_non_finite_le(bytes: &[u8]) -> Option<usize> {
+    if let Some(values) = f32s_in_place(bytes) {
+        return first_non_finite(values);
+    }
+    const BLOCK: usize = 1024;
+    // An f32 is NaN or infinite exactly when its exponent bits are all ones; the exponent
+    // sits in the same bits whatever the byte order of the load, once read little-endian.
+    let bad = |b: &[u8]| {
+        let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        u32::from((bits & 0x7f80_0000) == 0x7f80_0000)
+    };
+    bytes.chunks(BLOCK * 4).enumerate().find_map(|(i, block)| {
+        let any = block.chunks_exact(4).fold(0u32, |acc, b| acc | bad(b));
+        (any != 0).then(|| i * BLOCK + block.chunks_exact(4).position(|b| bad(b) != 0).unwrap_or(0))
+    })
+}
+
+/// Walks a payload received in parts (as QUIC delivers a stream: any lengths, any
+/// alignment) as runs of f32 values. A run that lies aligned inside one part is read where it
+/// lies; otherwise it is put together in a small buffer of its own (a copy of cache-sized
+/// pieces, not of the payload).
+#[derive(Debug)]
+pub struct F32Runs<'a> {
+    parts: &'a [Bytes],
+    /// The part being read and the byte in it.
+    part: usize,
+    at: usize,
+    scratch: Vec<f32>,
+}
+
+/// The most floats [`F32Runs`] puts together at once.
+const RUN_SCRATCH: usize = 16 << 10;
+
+impl<'a> F32Runs<'a> {
+    /// Runs over `parts`, from the start.
+    pub fn new(parts: &'a [Bytes]) -> Self {
+        F32Runs {
+            parts,
+            part: 0,
+            at: 0,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The next at most `max` values (at least one while any remain); `None` once fewer than
+    /// four bytes remain.
+    pub fn next(&mut self, max: usize) -> Option<&[f32]> {
+        while self.part < self.parts.len() && self.at == self.parts[self.part].len() {
+            self.part += 1;
+            self.at = 0;
+        }
+        let here = self.parts.get(self.part)?.get(self.at..)?;
+        let n = (here.len() / 4).min(max);
+        if n > 0
+            && cfg!(target_endian = "little")
+            && let Ok(values) = bytemuck::try_cast_slice::<u8, f32>(&here[..n * 4])
+        {
+            self.at += n * 4;
+            return Some(values);
+        }
+        // Misaligned, or a value cut in two: gather the next values into the scratch buffer.
+        let want = max.min(RUN_SCRATCH);
+        self.scratch.resize(want, 0.0);
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
+        let mut filled = 0;
+        while filled < dst.len() && self.part < self.parts.len() {
+            let here = &self.parts[self.part][self.at..];
+            let take = here.len().min(dst.len() - filled);
+            dst[filled..filled + take].copy_from_slice(&here[..take]);
+            filled += take;
+            self.at += take;
+            if self.at == self.parts[self.part].len() {
+                self.part += 1;
+                self.at = 0;
+            }
+        }
+        let whole = filled / 4;
+        if whole == 0 {
+            return None;
+        }
+        self.scratch.truncate(whole);
+        if cfg!(target_endian = "big") {
+            for v in &mut self.scratch {
+                *v = f32::from_le_bytes(v.to_ne_bytes());
+            }
+        }
+        Some(&self.scratch)
     }
 }
 
@@ -416,10 +534,8 @@ mod tests {
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         for step in [1, 3, 4, 7, 4096, 20000] {
             let mut scan = FiniteScan::default();
-            let mut received = Vec::new();
             for part in bytes.chunks(step) {
-                received.extend_from_slice(part);
-                scan.scan(&received);
+                scan.part(part);
             }
             assert!(
                 matches!(scan.result(), Err(ProtoError::NonFinite { index: 2222 })),
@@ -427,9 +543,15 @@ mod tests {
                 scan.result()
             );
         }
+        // A NaN cut in two by a part boundary is found.
         let mut scan = FiniteScan::default();
-        scan.scan(&bytes[..2222 * 4]);
+        scan.part(&bytes[..2222 * 4 + 2]);
         assert!(scan.result().is_ok());
+        scan.part(&bytes[2222 * 4 + 2..]);
+        assert!(matches!(
+            scan.result(),
+            Err(ProtoError::NonFinite { index: 2222 })
+        ));
 
         let mut out = BytesMut::new();
         assert_eq!(extend_finite_f32s(&mut out, &v), Err(2222));
@@ -437,6 +559,33 @@ mod tests {
         assert_eq!(extend_finite_f32s(&mut out, &v[..2222]), Ok(()));
         assert_eq!(&out[..], &bytes[..2222 * 4]);
     }
+    #[test]
+    fn runs_read_parts_of_any_length_and_alignment_as_the_values_in_order() {
+        let v: Vec<f32> = (0..5000).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        for (skew, step) in [(0, 4096), (1, 4096), (2, 333), (3, 1), (0, 20000), (1, 6)] {
+            // Each part starts `skew` bytes into a buffer of its own, so most are misaligned.
+            let parts: Vec<Bytes> = bytes
+                .chunks(step)
+                .map(|c| {
+                    let mut b = vec![0u8; skew];
+                    b.extend_from_slice(c);
+                    Bytes::from(b).slice(skew..)
+                })
+                .collect();
+            for max in [1, 7, 1000, usize::MAX] {
+                let mut runs = F32Runs::new(&parts);
+                let mut got = Vec::new();
+                while let Some(run) = runs.next(max) {
+                    assert!(!run.is_empty() && run.len() <= max);
+                    got.extend_from_slice(run);
+                }
+                assert_eq!(got, v, "skew {skew}, parts of {step}, runs of {max}");
+            }
+        }
+        assert!(F32Runs::new(&[]).next(10).is_none());
+    }
+
     use crate::ids::{Clock, Key, MapEpoch, WorkerId};
     use crate::msg::ChunkRef;
 

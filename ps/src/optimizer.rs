@@ -40,15 +40,54 @@ impl OptState {
     /// Applies gradient `g` (scaled by `scale`, e.g. 1/n for a mean of n summed gradients) to
     /// `p`. Lengths must match; the caller validated them.
     pub fn apply(&mut self, spec: &OptimizerSpec, p: &mut [f32], g: &[f32], scale: f32) {
+        self.start(spec, p.len());
+        self.apply_at(spec, p, 0, g, scale);
+    }
+
+    /// Starts one update of a chunk of `len` parameters, to be applied in pieces with
+    /// [`OptState::apply_at`] (a gradient that arrived in parts is applied where it lies).
+    pub fn start(&mut self, spec: &OptimizerSpec, len: usize) {
+        let matches = matches!(
+            (spec, &*self),
+            (OptimizerSpec::Sgd { .. }, OptState::Sgd)
+                | (OptimizerSpec::Momentum { .. }, OptState::Momentum { .. })
+                | (OptimizerSpec::Adam { .. }, OptState::Adam { .. })
+        );
+        // State and spec always come from the same job config; a mismatch cannot be built.
+        if !matches {
+            *self = OptState::new(spec, len);
+        }
+        if let OptState::Adam { t, .. } = self {
+            *t += 1;
+        }
+    }
+
+    /// Applies the piece `g` of the update [`OptState::start`] began to the parameters
+    /// `p[at..at + g.len()]` of the chunk `p` (the caller validated the bounds).
+    pub fn apply_at(
+        &mut self,
+        spec: &OptimizerSpec,
+        p: &mut [f32],
+        at: usize,
+        g: &[f32],
+        scale: f32,
+    ) {
+        let range = at..at + g.len();
+        let p = &mut p[range.clone()];
         match (spec, self) {
             (OptimizerSpec::Sgd { lr }, OptState::Sgd) => {
                 let k = lr * scale;
+                // A learning rate of zero leaves every parameter as it is (the gradients are
+                // finite): nothing to write.
+                if k == 0.0 {
+                    return;
+                }
                 for (p, g) in p.iter_mut().zip(g) {
                     *p -= k * g;
                 }
             }
             (OptimizerSpec::Momentum { lr, momentum }, OptState::Momentum { v }) => {
-                for ((p, v), g) in p.iter_mut().zip(v.iter_mut()).zip(g) {
+                for ((p, v), g) in p.iter_mut().zip(v[range].iter_mut()).zip(g) {
                     *v = momentum * *v + scale * g;
                     *p -= lr * *v;
                 }
@@ -62,11 +101,11 @@ impl OptState {
                 },
                 OptState::Adam { m, v, t },
             ) => {
-                *t += 1;
                 let c1 = 1.0 - beta1.powi((*t).min(i32::MAX as u64) as i32);
                 let c2 = 1.0 - beta2.powi((*t).min(i32::MAX as u64) as i32);
                 let step = lr / c1;
                 let c2_sqrt = c2.sqrt();
+                let (m, v) = (&mut m[range.clone()], &mut v[range]);
                 for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
                     let g = scale * g;
                     *m = beta1 * *m + (1.0 - beta1) * g;
@@ -74,11 +113,8 @@ impl OptState {
                     *p -= step * *m / ((*v).sqrt() / c2_sqrt + eps);
                 }
             }
-            // State and spec always come from the same job config; a mismatch cannot be built.
-            (_, state) => {
-                *state = OptState::new(spec, p.len());
-                state.apply(spec, p, g, scale);
-            }
+            // `start` made the state fit the spec.
+            _ => {}
         }
     }
 }
@@ -86,6 +122,36 @@ impl OptState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_update_applied_in_pieces_equals_one_applied_whole() {
+        let g: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+        for spec in [
+            OptimizerSpec::Sgd { lr: 0.1 },
+            OptimizerSpec::Momentum {
+                lr: 0.1,
+                momentum: 0.9,
+            },
+            OptimizerSpec::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        ] {
+            let (mut whole, mut pieces) = (OptState::new(&spec, 1000), OptState::new(&spec, 1000));
+            let (mut p1, mut p2) = (vec![0.5f32; 1000], vec![0.5f32; 1000]);
+            for _ in 0..3 {
+                whole.apply(&spec, &mut p1, &g, 0.5);
+                pieces.start(&spec, 1000);
+                for (at, len) in [(0, 1), (1, 300), (301, 699)] {
+                    pieces.apply_at(&spec, &mut p2, at, &g[at..at + len], 0.5);
+                }
+            }
+            assert_eq!(p1, p2, "{spec:?}");
+            assert_eq!(whole, pieces, "{spec:?}");
+        }
+    }
 
     #[test]
     fn sgd_and_momentum_match_hand_computation() {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dashmap::DashMap;
-use edl_shared::proto::frame::{bytes_to_f32s, f32s_in_place, f32s_to_bytes, first_non_finite};
+use edl_shared::proto::frame::{F32Runs, f32s_to_bytes, first_non_finite};
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
@@ -469,10 +469,12 @@ impl ShardState {
         payload: &[u8],
         span: Option<&DataSpan>,
     ) -> Result<Claim, Refusal> {
-        self.push_covering(epoch, worker, clock, chunks, payload, span, &[])
+        let parts = [Bytes::copy_from_slice(payload)];
+        self.push_covering(epoch, worker, clock, chunks, &parts, span, &[])
     }
 
-    /// [`ShardState::push`] of a sparse push: the span also counts for the keys in `covers`,
+    /// [`ShardState::push`] of a payload in the parts it arrived in, read where they lie
+    /// (no reassembly), and of a sparse push: the span also counts for the keys in `covers`,
     /// whose gradient is zero (none of it travels).
     #[allow(clippy::too_many_arguments)]
     pub fn push_covering(
@@ -481,7 +483,7 @@ impl ShardState {
         worker: WorkerId,
         clock: Clock,
         chunks: &[ChunkRef],
-        payload: &[u8],
+        payload: &[Bytes],
         span: Option<&DataSpan>,
         covers: &[KeyRange],
     ) -> Result<Claim, Refusal> {
@@ -489,26 +491,22 @@ impl ShardState {
             Refusal::new(code, format!("push from {worker}: {msg}"))
         };
         let total: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
-        if total * 4 != payload.len() as u64 {
+        let bytes: u64 = payload.iter().map(|p| p.len() as u64).sum();
+        if total * 4 != bytes {
             return Err(bad((
                 ErrorCode::ShapeMismatch,
-                format!("{} payload bytes for {total} floats", payload.len()),
+                format!("{bytes} payload bytes for {total} floats"),
             )));
         }
-        // Read the gradients where they lie when the payload is aligned (it usually is).
-        let decoded: Vec<f32>;
-        let grads: &[f32] = match f32s_in_place(payload) {
-            Some(g) => g,
-            None => {
-                let mut v = vec![0f32; total as usize];
-                bytes_to_f32s(payload, &mut v)
-                    .map_err(|e| bad((ErrorCode::Malformed, e.to_string())))?;
-                decoded = v;
-                &decoded
-            }
-        };
         // Pushes arrive through `read_frame`, which refused any with a NaN or infinity.
-        debug_assert!(first_non_finite(grads).is_none(), "unchecked push payload");
+        debug_assert!(
+            {
+                let mut scan = edl_shared::proto::frame::FiniteScan::default();
+                payload.iter().for_each(|p| scan.part(p));
+                scan.result().is_ok()
+            },
+            "unchecked push payload"
+        );
         // From the check of the keys to the last chunk, neither a checkpoint nor a range move
         // may cut this push in two.
         let _gate = read_lock(&self.gate);
@@ -580,23 +578,25 @@ impl ShardState {
             }
         };
         self.load.pushes.fetch_add(1, Ordering::Relaxed);
-        self.load
-            .bytes_in
-            .fetch_add(payload.len() as u64, Ordering::Relaxed);
-        let mut offset = 0;
+        self.load.bytes_in.fetch_add(bytes, Ordering::Relaxed);
+        let mut grads = F32Runs::new(payload);
         for c in chunks {
-            let g = &grads[offset..offset + c.len as usize];
-            offset += c.len as usize;
-            let Some(mut chunk) = self.chunks.get_mut(&c.key) else {
+            let len = c.len as usize;
+            let chunk = self.chunks.get_mut(&c.key);
+            let skip = match (&chunk, &claims) {
+                (None, _) => true,
+                (Some(chunk), Some(cl)) => cl.get(&chunk.segment) != Some(&Claim::Apply),
+                (Some(_), None) => false,
+            };
+            let Some(mut chunk) = chunk.filter(|_| !skip) else {
+                // Past this key's gradient.
+                let mut at = 0;
+                while at < len {
+                    at += grads.next(len - at).map_or(len, <[f32]>::len);
+                }
                 continue;
             };
             let chunk = &mut *chunk;
-            let skip = claims
-                .as_ref()
-                .is_some_and(|cl| cl.get(&chunk.segment) != Some(&Claim::Apply));
-            if skip {
-                continue;
-            }
             chunk.load += u64::from(c.len);
             if self.bsp() {
                 // Re-check under the chunk lock: a pull may have applied this step meanwhile.
@@ -614,18 +614,23 @@ impl ShardState {
                 let slot = chunk
                     .pending
                     .entry(clock.0)
-                    .or_insert_with(|| (vec![0.0; g.len()], 0));
-                for (s, g) in slot.0.iter_mut().zip(g) {
-                    *s += g;
+                    .or_insert_with(|| (vec![0.0; len], 0));
+                let mut at = 0;
+                while let Some(g) = grads.next(len - at).filter(|_| at < len) {
+                    for (s, g) in slot.0[at..].iter_mut().zip(g) {
+                        *s += g;
+                    }
+                    at += g.len();
                 }
                 slot.1 += 1;
             } else {
-                chunk.opt.apply(
-                    &self.job.optimizer,
-                    Arc::make_mut(&mut chunk.params).as_mut_slice(),
-                    g,
-                    1.0,
-                );
+                let params = Arc::make_mut(&mut chunk.params).as_mut_slice();
+                chunk.opt.start(&self.job.optimizer, len);
+                let mut at = 0;
+                while let Some(g) = grads.next(len - at).filter(|_| at < len) {
+                    chunk.opt.apply_at(&self.job.optimizer, params, at, g, 1.0);
+                    at += g.len();
+                }
             }
         }
         Ok(Claim::Apply)
@@ -1033,7 +1038,7 @@ impl Service for ShardService {
         }
     }
 
-    async fn handle(&self, peer: &Peer, req: Request, payload: Bytes) -> Frame<Response, Parts> {
+    async fn handle(&self, peer: &Peer, req: Request, payload: Parts) -> Frame<Response, Parts> {
         if let Request::Push { worker, token, .. } = &req
             && let Some(refused) = self.bad_token(peer, *worker, token)
         {
@@ -1079,7 +1084,7 @@ impl Service for ShardService {
                     worker,
                     clock,
                     &chunks,
-                    &payload,
+                    &payload.0,
                     span.as_ref(),
                     &covers,
                 )
@@ -1123,7 +1128,8 @@ impl Service for ShardService {
                 map,
             } => self.move_out(&st, (start, end, to), map).await,
             Request::MoveIn { start, end, map } => {
-                self.move_in(&st, (start, end), map, &payload).await
+                self.move_in(&st, (start, end), map, &payload.to_bytes())
+                    .await
             }
             other => Err(Response::error(
                 ErrorCode::InvalidRequest,

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use crate::metrics::{self, Counter, Family, Histogram};
 use crate::shutdown::CancellationToken;
-use bytes::Bytes;
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, Parts, Request, Response};
 use quinn::{Endpoint, VarInt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -41,13 +40,14 @@ pub trait Service: Send + Sync + 'static {
     /// Whether `role` may make `req`. Refused requests get [`ErrorCode::Forbidden`].
     fn allowed(&self, role: Role, req: &Request) -> bool;
 
-    /// Handles one request. Errors are returned as `Response::Error`. The answer's payload may
-    /// be several buffers, sent without being joined.
+    /// Handles one request. Errors are returned as `Response::Error`. The request's payload
+    /// is the parts it arrived in, uncopied (a push's gradients already checked finite); the
+    /// answer's payload may be several buffers, sent without being joined.
     fn handle(
         &self,
         peer: &Peer,
         req: Request,
-        payload: Bytes,
+        payload: Parts,
     ) -> impl Future<Output = Frame<Response, Parts>> + Send;
 }
 

@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use edl_proto::ShardMap;
-use edl_proto::frame::{FiniteScan, Message, PREFIX_LEN, Payload, Prefix, parse_prefix};
+use edl_proto::frame::{FiniteScan, Message, PREFIX_LEN, Parts, Payload, Prefix, parse_prefix};
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, ProtoError, Request, Response};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Endpoint, RecvStream, SendStream, VarInt};
@@ -360,6 +360,9 @@ pub enum CallError {
     /// The peer answered with a message that does not fit the request.
     #[error("unexpected response: {0}")]
     Unexpected(String),
+    /// The answer's header does not fit what the caller asked for (its payload was not read).
+    #[error("answer refused: {0}")]
+    Refused(String),
 }
 
 /// An error code as operators read it (`Busy`, `StaleEpoch`), or that it was not known.
@@ -386,17 +389,62 @@ impl CallError {
     }
 }
 
+/// Where a frame's payload goes as it arrives from the stream.
+pub trait Sink<T> {
+    /// The header arrived and announces `len` payload bytes: check it and get ready for them.
+    /// An error refuses the frame before any payload byte is read.
+    fn header(&mut self, msg: &T, len: u64) -> Result<(), String>;
+    /// The next part of the payload, in order (as QUIC delivers it: any length, any
+    /// alignment). The parts add up to the announced length.
+    fn part(&mut self, part: Bytes);
+}
+
+/// The sink that keeps a payload as the parts it arrived in, uncopied, checking a payload of
+/// f32 values that must be finite (a push's gradients) part by part as it arrives.
+#[derive(Debug, Default)]
+pub struct Collect {
+    parts: Vec<Bytes>,
+    scan: Option<FiniteScan>,
+}
+
+impl Collect {
+    /// The payload, or why its values were refused.
+    pub fn finish(self) -> Result<Parts, ProtoError> {
+        if let Some(scan) = &self.scan {
+            scan.result()?;
+        }
+        Ok(Parts(self.parts))
+    }
+}
+
+impl<T: Message> Sink<T> for Collect {
+    fn header(&mut self, msg: &T, _len: u64) -> Result<(), String> {
+        self.parts.clear();
+        self.scan = msg.finite_payload().then(FiniteScan::default);
+        Ok(())
+    }
+
+    fn part(&mut self, part: Bytes) {
+        if let Some(scan) = &mut self.scan {
+            scan.part(&part);
+        }
+        self.parts.push(part);
+    }
+}
+
 /// Reads one frame from a stream, checking the size limits before allocating. The header is
 /// decoded before the payload is read; a payload that must be finite f32 values (a push's
 /// gradients) is checked part by part as it arrives, and refused with
 /// [`ProtoError::NonFinite`] once it has all arrived. Bytes after the frame are refused with
-/// [`ProtoError::Trailing`].
+/// [`ProtoError::Trailing`]. The payload comes back as one buffer (see [`read_frame_body`]
+/// for the parts as they arrived).
 pub async fn read_frame<T: Message>(
     recv: &mut RecvStream,
     limits: &FrameLimits,
 ) -> Result<Frame<T>, CallError> {
     let p = read_prefix(recv, limits).await?;
-    read_frame_body(recv, &p).await
+    let f = read_frame_body(recv, &p).await?;
+    Ok(Frame::with_payload(f.msg, f.payload.to_bytes()))
 }
 
 /// Reads and checks a frame's fixed prefix: what the frame announces, before anything is
@@ -408,34 +456,42 @@ pub async fn read_prefix(recv: &mut RecvStream, limits: &FrameLimits) -> Result<
 }
 
 /// Reads the rest of a frame whose prefix [`read_prefix`] returned, up to the end of the
-/// stream (see [`read_frame`]).
+/// stream (see [`read_frame`]). The payload is the parts QUIC delivered, uncopied.
 pub async fn read_frame_body<T: Message>(
     recv: &mut RecvStream,
     p: &Prefix,
-) -> Result<Frame<T>, CallError> {
+) -> Result<Frame<T, Parts>, CallError> {
+    let mut sink = Collect::default();
+    let msg = read_frame_into(recv, p, &mut sink).await?;
+    Ok(Frame::with_payload(msg, sink.finish()?))
+}
+
+/// Reads the rest of a frame whose prefix [`read_prefix`] returned, up to the end of the
+/// stream, handing its payload to `sink` part by part as it arrives: nothing of it is
+/// gathered in a buffer of the transport's. Memory grows only with what actually arrives
+/// (bounded by the flow-control windows), so a peer that merely announces a large payload
+/// cannot make the reader allocate it.
+pub async fn read_frame_into<T: Message, S: Sink<T>>(
+    recv: &mut RecvStream,
+    p: &Prefix,
+    sink: &mut S,
+) -> Result<T, CallError> {
     // Both lengths passed the limits check, which keeps them far below usize::MAX.
     let mut header = vec![0u8; p.header_len as usize];
     recv.read_exact(&mut header).await?;
     let msg = T::from_header(&header)?;
-    let mut scan = msg.finite_payload().then(FiniteScan::default);
-    // Grow the payload buffer with the data that actually arrives (bounded by the flow-control
-    // windows), so a peer that merely announces a large payload cannot make us allocate it.
-    let len = p.payload_len as usize;
-    let mut payload = BytesMut::with_capacity(len.min(PAYLOAD_PREALLOC));
-    while payload.len() < len {
-        match recv.read_chunk(len - payload.len(), true).await? {
+    sink.header(&msg, p.payload_len)
+        .map_err(CallError::Refused)?;
+    let len = p.payload_len;
+    let mut got = 0u64;
+    while got < len {
+        match recv.read_chunk((len - got) as usize, true).await? {
             Some(chunk) => {
-                payload.extend_from_slice(&chunk.bytes);
-                if let Some(scan) = &mut scan {
-                    scan.scan(&payload);
-                }
+                got += chunk.bytes.len() as u64;
+                sink.part(chunk.bytes);
             }
             None => {
-                return Err(ProtoError::Truncated {
-                    needed: len as u64,
-                    got: payload.len() as u64,
-                }
-                .into());
+                return Err(ProtoError::Truncated { needed: len, got }.into());
             }
         }
     }
@@ -447,14 +503,26 @@ pub async fn read_frame_body<T: Message>(
             return Err(ProtoError::Trailing(chunk.bytes.len() as u64).into());
         }
     }
-    if let Some(scan) = &scan {
-        scan.result()?;
-    }
-    Ok(Frame::with_payload(msg, payload.freeze()))
+    Ok(msg)
 }
 
-/// Payload bytes reserved up front before any arrive.
-const PAYLOAD_PREALLOC: usize = 16 << 20;
+/// Passes an answer's payload to the caller's sink, except an error answer's (it has none;
+/// the call turns it into [`CallError::Remote`]).
+struct AnswerSink<'a, S>(&'a mut S);
+
+impl<S: Sink<Response>> Sink<Response> for AnswerSink<'_, S> {
+    fn header(&mut self, msg: &Response, len: u64) -> Result<(), String> {
+        match msg {
+            Response::Error { .. } if len == 0 => Ok(()),
+            Response::Error { .. } => Err(format!("an error answer with {len} payload bytes")),
+            _ => self.0.header(msg, len),
+        }
+    }
+
+    fn part(&mut self, part: Bytes) {
+        self.0.part(part);
+    }
+}
 
 /// Writes one frame to a stream and finishes it. The payload is handed to quinn uncopied.
 pub async fn write_frame<T: Message, P: Payload>(
@@ -507,19 +575,38 @@ impl Conn {
     }
 
     /// Sends one request on a new stream and waits for its response. A `Response::Error` from
-    /// the peer becomes [`CallError::Remote`].
-    pub async fn call(&self, req: Request, payload: Bytes) -> Result<Frame<Response>, CallError> {
+    /// the peer becomes [`CallError::Remote`]. The request's payload is sent as it lies (a
+    /// [`Parts`] payload without being joined).
+    pub async fn call<P: Payload>(
+        &self,
+        req: Request,
+        payload: P,
+    ) -> Result<Frame<Response>, CallError> {
+        let mut sink = Collect::default();
+        let msg = self.call_into(req, payload, &mut sink).await?;
+        Ok(Frame::with_payload(msg, sink.finish()?.to_bytes()))
+    }
+
+    /// [`Conn::call`], with the answer's payload handed to `sink` part by part as it arrives
+    /// (a pull writes it straight where it belongs). On an error `sink` may have seen part of
+    /// a payload; a repeated call starts it again with [`Sink::header`].
+    pub async fn call_into<P: Payload, S: Sink<Response>>(
+        &self,
+        req: Request,
+        payload: P,
+        sink: &mut S,
+    ) -> Result<Response, CallError> {
         let (mut send, mut recv) = self.conn.open_bi().await.map_err(CallError::NotSent)?;
         write_frame(&mut send, Frame::with_payload(req, payload)).await?;
-        let resp: Frame<Response> = read_frame(&mut recv, &self.limits).await?;
-        if let Response::Error { code, message, map } = resp.msg {
-            return Err(CallError::Remote {
+        let p = read_prefix(&mut recv, &self.limits).await?;
+        match read_frame_into(&mut recv, &p, &mut AnswerSink(sink)).await? {
+            Response::Error { code, message, map } => Err(CallError::Remote {
                 code: ErrorCode::from_u16(code),
                 message,
                 map: map.map(Box::new),
-            });
+            }),
+            msg => Ok(msg),
         }
-        Ok(resp)
     }
 
     /// The underlying QUIC connection.

@@ -11,4 +11,4 @@ pub mod model;
 pub mod trainer;
 pub mod workload;
 
-pub use client::{ClientConfig, ClientError, Job, Session};
+pub use client::{ClientConfig, ClientError, Gradients, Job, Session};

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use edl_client::{ClientError, Job, Notices, RowGrads};
+use edl_client::{ClientError, Gradients, Job, Notices, RowGrads};
 use edl_shared::metrics::{self, Counter, Gauge, Histogram};
 use edl_shared::proto::msg::JobStatus;
 use edl_shared::proto::{JobConfig, ModelSpec};
@@ -216,7 +216,8 @@ pub async fn train<M: Model>(
     let mut progress = Progress::new(opts.progress);
     let mut summary = TrainSummary::default();
     let mut params = Vec::new();
-    let mut grads = Vec::new();
+    // Pushed as they lie (no copy into a wire buffer); written again once the push is done.
+    let mut grads = Gradients::default();
     let mut gathered = <M::Data as Dataset>::Batch::default();
     while !shutdown.is_cancelled() {
         // Leaving at once is safe mid-request: leaving returns every lease to the pool.
@@ -235,13 +236,18 @@ pub async fn train<M: Model>(
             let stats = match model.touched(&gathered) {
                 None => {
                     params.resize(spec.param_count(), 0.0);
-                    grads.resize(spec.param_count(), 0.0);
+                    if grads.len() != spec.param_count() {
+                        grads = Gradients::zeros(spec.param_count());
+                    }
                     tracing::trace!(clock = %session.clock(), "pull");
                     session.pull(&mut params).await?;
-                    let stats =
-                        model.step(Params::Dense(&params), &gathered, Grads::Dense(&mut grads))?;
+                    let stats = model.step(
+                        Params::Dense(&params),
+                        &gathered,
+                        Grads::Dense(grads.as_mut_slice()),
+                    )?;
                     tracing::trace!(clock = %session.clock(), "push");
-                    session.push(&batch, &grads).await?;
+                    session.push_gradients(&batch, &grads).await?;
                     stats
                 }
                 Some(mut rows) => {

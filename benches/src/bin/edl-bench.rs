@@ -45,7 +45,8 @@ enum Cmd {
         /// Only these clients×shards points (e.g. `1x1,4x1`); default 1x1,2x1,4x1,1x2.
         #[arg(long, value_delimiter = ',')]
         points: Vec<String>,
-        /// Only these systems (edl, quinn, tcp); ratios need all three.
+        /// Only these systems (edl, edl-noopt, quinn, tcp; and bare quinn striped over two
+        /// streams or connections: quinn-2streams, quinn-2conns); ratios need edl, quinn and tcp.
         #[arg(long, value_delimiter = ',')]
         systems: Vec<String>,
         /// Pairs per point instead of the size's default (longer runs for profiling).
@@ -215,6 +216,13 @@ async fn main() -> anyhow::Result<()> {
                     .collect::<Result<_, _>>()?;
             }
             if !systems.is_empty() {
+                let known: Vec<&str> = transport::SYSTEMS
+                    .into_iter()
+                    .chain(transport::QUINN.map(|(name, _)| name))
+                    .collect();
+                if let Some(bad) = systems.iter().find(|s| !known.contains(&s.as_str())) {
+                    anyhow::bail!("unknown system {bad:?}; known: {}", known.join(", "));
+                }
                 plan.systems = systems.clone();
             }
             let r = transport::run(&plan).await?;

@@ -76,8 +76,10 @@ proptest! {
         let mut at: Vec<usize> = cuts.iter().map(|c| c.index(received.len() + 1)).collect();
         at.sort_unstable();
         let mut scan = FiniteScan::default();
+        let mut from = 0;
         for upto in at.into_iter().chain([received.len()]) {
-            scan.scan(&received[..upto]);
+            scan.part(&received[from..upto]);
+            from = upto;
         }
         let expected = naive(&values);
         match (scan.result(), expected) {

@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use edl_shared::proto::{
     ErrorCode, Frame, JobConfig, Parts, Request, Response, StragglerSettings, WorkerId,
 };
@@ -262,7 +261,7 @@ impl Service for Coordinator {
         }
     }
 
-    async fn handle(&self, peer: &Peer, req: Request, payload: Bytes) -> Frame<Response, Parts> {
+    async fn handle(&self, peer: &Peer, req: Request, payload: Parts) -> Frame<Response, Parts> {
         let answer = self.answer(peer, req, payload).await;
         let (news, stalls) = {
             let mut st = self.lock();
@@ -280,7 +279,7 @@ impl Service for Coordinator {
 }
 
 impl Coordinator {
-    async fn answer(&self, peer: &Peer, req: Request, _payload: Bytes) -> Frame<Response, Parts> {
+    async fn answer(&self, peer: &Peer, req: Request, _payload: Parts) -> Frame<Response, Parts> {
         let now = Instant::now;
         // A worker may give itself a preemption notice, no other.
         if let Request::Preempt { worker, .. } = &req

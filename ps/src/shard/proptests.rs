@@ -9,6 +9,7 @@ use edl_shared::proto::{ModelSpec, OptimizerSpec, TensorSpec};
 use proptest::prelude::*;
 
 use super::*;
+use edl_shared::proto::frame::bytes_to_f32s;
 
 /// Floats in the one tensor: keys of 4, 4 and 2 floats.
 const FLOATS: u32 = 10;
@@ -347,6 +348,22 @@ fn without_load(mut snap: ShardCheckpoint) -> ShardCheckpoint {
     snap
 }
 
+/// `payload` cut as QUIC might deliver it: parts of a length that varies with `seed`, most
+/// starting at an address not aligned for f32, some cutting a value in two.
+fn parts_of(payload: &[u8], seed: u64) -> Vec<Bytes> {
+    let size = 5 + (seed % 11) as usize * 3;
+    payload
+        .chunks(size)
+        .enumerate()
+        .map(|(i, c)| {
+            let skew = i % 4;
+            let mut b = vec![0u8; skew];
+            b.extend_from_slice(c);
+            Bytes::from(b).slice(skew..)
+        })
+        .collect()
+}
+
 fn floats_of(payload: &[u8]) -> Vec<f32> {
     let mut out = vec![0.0; payload.len() / 4];
     bytes_to_f32s(payload, &mut out).expect("whole floats");
@@ -557,13 +574,14 @@ impl Harness {
         let report = self.st.ledger_report();
         let got = self
             .st
-            .push(
+            .push_covering(
                 MapEpoch(routed),
                 WorkerId(worker),
                 Clock(clock),
                 chunks,
-                payload,
+                &parts_of(payload, clock),
                 span,
+                &[],
             )
             .map_err(|r| r.code);
         assert_eq!(got, want, "push of {chunks:?} at {clock} with {span:?}");

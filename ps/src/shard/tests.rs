@@ -1,6 +1,7 @@
 //! Unit tests of the shard module.
 
 use super::*;
+use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::job::{RangeOwner, ShardInfo};
 use edl_shared::proto::{ModelSpec, OptimizerSpec, TensorSpec};
 
@@ -434,7 +435,7 @@ fn a_covering_push_records_its_span_for_keys_it_does_not_carry() {
             WorkerId(1),
             Clock(0),
             chunks,
-            payload,
+            &[Bytes::copy_from_slice(payload)],
             span,
             covers,
         )

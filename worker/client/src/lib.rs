@@ -8,19 +8,19 @@
 //! ```no_run
 //! # async fn run(cfg: edl_client::ClientConfig) -> Result<(), edl_client::ClientError> {
 //! # fn compute(params: &[f32], indices: &[u32], grads: &mut [f32]) -> f64 { 0.0 }
-//! use edl_client::Job;
+//! use edl_client::{Gradients, Job};
 //!
 //! let job = Job::connect(&cfg).await?;          // authenticate, fetch the job and shard map
 //! let spec = job.spec().clone();                // named tensors over one flat vector
 //! let fc1 = spec.require("fc1.weight")?;        // offset and shape of one tensor
 //! let mut params = vec![0f32; spec.param_count()];
-//! let mut grads = vec![0f32; spec.param_count()];
+//! let mut grads = Gradients::zeros(spec.param_count()); // pushed as it lies, no copy
 //! let mut session = job.join().await?;          // prepared first, then admitted (stop-free)
 //! while let Some(batch) = session.next_batch().await? {
-//!     session.pull(&mut params).await?;         // waits only as SSP/BSP requires
-//!     let loss_sum = compute(&params, batch.indices(), &mut grads);
+//!     session.pull(&mut params).await?;         // straight into params; SSP/BSP may wait
+//!     let loss_sum = compute(&params, batch.indices(), grads.as_mut_slice());
 //!     let _ = fc1.of(&params);                  // the first layer's weights, by name
-//!     session.push(&batch, &grads).await?;      // the gradient of exactly these samples
+//!     session.push_gradients(&batch, &grads).await?; // the gradient of exactly these samples
 //!     session.commit(batch, loss_sum).await?;   // the samples are done; next step
 //!     if session.drain_requested() {
 //!         break;                                // an operator asked this worker to leave
@@ -45,17 +45,21 @@ use bytes::Bytes;
 use edl_shared::Identity;
 use edl_shared::proto::ids::{Clock, ShardId, WorkerId};
 use edl_shared::proto::msg::{EpochLedger, JobHistory, JobStatus, JobTrace};
-use edl_shared::proto::{ErrorCode, Frame, JobConfig, KeyLayout, Request, Response, ShardMap};
+use edl_shared::proto::{
+    ErrorCode, Frame, JobConfig, KeyLayout, Parts, Request, Response, ShardMap,
+};
 use edl_shared::shutdown::CancellationToken;
-use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
+use edl_shared::transport::{CallError, Conn, Sink, TransportSettings, client_endpoint};
 use thiserror::Error;
 
 pub mod blocking;
+mod grads;
 mod notice;
 mod routing;
 mod session;
 mod spec;
 
+pub use grads::Gradients;
 pub use notice::Notices;
 use routing::Routing;
 pub use session::{Batch, RowGrads, Session};
@@ -354,56 +358,64 @@ fn is_connection_failure(e: &CallError) -> bool {
     )
 }
 
-/// Calls a shard; with `retry`, a failed connection is replaced (the shard's address is read
-/// again from the coordinator's map) and the call repeated for as long as the transport
-/// settings' `reconnect` allows (by default until the shard answers).
-/// Only idempotent requests may be retried: pulls, and pushes that carry a data span (a shard
-/// skips a span it applied). A request that was never sent (no stream could be opened) is
-/// retried whatever it is. A shard that is no longer in the coordinator's map (it was
-/// removed) answers for itself: `StaleEpoch` with that map, so the caller re-routes.
-async fn call_shard(
-    (id, conn): (ShardId, Arc<Mutex<Conn>>),
-    net: Arc<Net>,
-    coordinator: CoordLink,
-    req: Request,
-    payload: Bytes,
-    retry: bool,
-) -> Result<Frame<Response>, CallError> {
-    let what = Server::Shard(id);
-    let mut outage = Outage::new(what, net.settings.reconnect);
-    let mut busy = Busy::default();
-    loop {
-        let current = conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let err = match current.call(req.clone(), payload.clone()).await {
-            Err(e @ CallError::NotSent(_)) => e,
-            // Nothing of a request refused for the server's budget was done: send it again.
-            Err(e) if e.code() == Some(ErrorCode::Busy) => {
-                busy.pause(what, &e).await;
-                continue;
+impl Job {
+    /// Calls a shard, its answer's payload going to `sink`; with `retry`, a failed connection
+    /// is replaced (the shard's address is read again from the coordinator's map) and the
+    /// call repeated for as long as the transport settings' `reconnect` allows (by default
+    /// until the shard answers).
+    /// Only idempotent requests may be retried: pulls, and pushes that carry a data span (a
+    /// shard skips a span it applied). A request that was never sent (no stream could be
+    /// opened) is retried whatever it is. A shard that is no longer in the coordinator's map
+    /// (it was removed) answers for itself: `StaleEpoch` with that map, so the caller
+    /// re-routes.
+    async fn call_shard<S: Sink<Response>>(
+        &self,
+        (id, conn): (ShardId, Arc<Mutex<Conn>>),
+        req: Request,
+        payload: Parts,
+        retry: bool,
+        sink: &mut S,
+    ) -> Result<Response, CallError> {
+        let net = &self.net;
+        let what = Server::Shard(id);
+        let mut outage = Outage::new(what, net.settings.reconnect);
+        let mut busy = Busy::default();
+        loop {
+            let current = conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let err = match current
+                .call_into(req.clone(), payload.clone(), &mut *sink)
+                .await
+            {
+                Err(e @ CallError::NotSent(_)) => e,
+                // Nothing of a request refused for the server's budget was done: send it again.
+                Err(e) if e.code() == Some(ErrorCode::Busy) => {
+                    busy.pause(what, &e).await;
+                    continue;
+                }
+                Err(e) if retry && is_connection_failure(&e) => e,
+                other => {
+                    outage.over();
+                    return other;
+                }
+            };
+            outage.failed(err).await?;
+            let map = match self.coordinator.call(Request::GetMap, Bytes::new()).await {
+                Ok(Frame {
+                    msg: Response::Map(m),
+                    ..
+                }) => m,
+                _ => continue,
+            };
+            let Some(addr) = map.addr_of(id).map(str::to_string) else {
+                return Err(CallError::Remote {
+                    code: Some(ErrorCode::StaleEpoch),
+                    message: format!("{id} is no longer in the shard map"),
+                    map: Some(Box::new(map)),
+                });
+            };
+            if let Ok(c) = Conn::connect(&net.endpoint, &addr, &net.name, &net.settings).await {
+                *conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
             }
-            Err(e) if retry && is_connection_failure(&e) => e,
-            other => {
-                outage.over();
-                return other;
-            }
-        };
-        outage.failed(err).await?;
-        let map = match coordinator.call(Request::GetMap, Bytes::new()).await {
-            Ok(Frame {
-                msg: Response::Map(m),
-                ..
-            }) => m,
-            _ => continue,
-        };
-        let Some(addr) = map.addr_of(id).map(str::to_string) else {
-            return Err(CallError::Remote {
-                code: Some(ErrorCode::StaleEpoch),
-                message: format!("{id} is no longer in the shard map"),
-                map: Some(Box::new(map)),
-            });
-        };
-        if let Ok(c) = Conn::connect(&net.endpoint, &addr, &net.name, &net.settings).await {
-            *conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
         }
     }
 }

@@ -13,14 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use edl_shared::proto::frame::{bytes_to_f32s, extend_f32s, extend_finite_f32s};
+use edl_shared::proto::frame::{Parts, Payload, extend_f32s, extend_finite_f32s};
 use edl_shared::proto::ids::{Clock, Key, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, KeyRange};
-use edl_shared::proto::{ErrorCode, Frame, KeyLayout, Request, Response, ShardMap};
-use edl_shared::transport::{CallError, Conn};
-use tokio::task::JoinSet;
+use edl_shared::proto::{ErrorCode, KeyLayout, Request, Response, ShardMap};
+use edl_shared::transport::{CallError, Collect, Conn, Sink};
 
-use super::{ClientError, Job, call_shard, check_finite, connect_retry};
+use super::{ClientError, Gradients, Job, check_finite, connect_retry};
 
 /// How long a request keeps being re-routed while the map changes under it.
 const REROUTE_WINDOW: Duration = Duration::from_secs(30);
@@ -206,15 +205,19 @@ impl Job {
     }
 
     /// Sends one request per shard for the keys in `wanted` (`None`: the whole model), built
-    /// by `make` from the shard's link, and hands each answer to `take`. Every request is built
-    /// before any is sent, so a `make` that fails sends nothing. Parts refused with
-    /// `StaleEpoch` are routed again under the newer map until [`REROUTE_WINDOW`] ends.
-    async fn fan_out(
+    /// by `make` from the shard's link, with the answer's payload going to the sink `sink`
+    /// makes for the link as it arrives, and hands each answer to `take`. Every request is
+    /// built before any is sent, so a `make` that fails sends nothing. The requests run at
+    /// once, in the caller's task (so that sinks can write into the caller's buffers). Parts
+    /// refused with `StaleEpoch` are routed again under the newer map until
+    /// [`REROUTE_WINDOW`] ends.
+    async fn fan_out<S: Sink<Response> + Send>(
         &self,
         mut wanted: Option<Vec<KeyRange>>,
         retry_connection: bool,
-        make: impl Fn(&ShardLink, &ShardMap) -> Result<(Request, Bytes), ClientError>,
-        mut take: impl FnMut(&ShardLink, Frame<Response>) -> Result<(), ClientError>,
+        make: impl Fn(&ShardLink, &ShardMap) -> Result<(Request, Parts), ClientError>,
+        sink: impl Fn(&ShardLink) -> S,
+        mut take: impl FnMut(&ShardLink, Response) -> Result<(), ClientError>,
     ) -> Result<(), ClientError> {
         let deadline = tokio::time::Instant::now() + REROUTE_WINDOW;
         loop {
@@ -224,43 +227,43 @@ impl Job {
                 .iter()
                 .map(|part| make(part, &routing.map))
                 .collect::<Result<Vec<_>, _>>()?;
-            let mut set = JoinSet::new();
-            for (i, (part, (req, payload))) in parts.iter().zip(requests).enumerate() {
-                self.traffic.sent(payload.len());
-                let call = call_shard(
-                    (part.id, part.conn.clone()),
-                    self.net.clone(),
-                    self.coordinator.clone(),
-                    req,
-                    payload,
-                    retry_connection,
-                );
-                set.spawn(async move { (i, call.await) });
-            }
+            let calls = parts.iter().zip(requests).map(|(part, (req, payload))| {
+                self.traffic.sent(payload.byte_len());
+                let mut sink = Counted {
+                    inner: sink(part),
+                    bytes: 0,
+                };
+                let to = (part.id, part.conn.clone());
+                async move {
+                    let answer = self
+                        .call_shard(to, req, payload, retry_connection, &mut sink)
+                        .await;
+                    (answer, sink.bytes)
+                }
+            });
+            let answers = futures_util::future::join_all(calls).await;
             let mut refused: Vec<KeyRange> = Vec::new();
             let mut newest: Option<ShardMap> = None;
             let mut last_refusal = None;
-            while let Some(joined) = set.join_next().await {
-                let Ok((i, resp)) = joined else {
-                    return Err(self.inconsistent("client", "shard request task failed".into()));
-                };
-                match resp {
-                    Ok(frame) => {
-                        self.traffic.received(frame.payload.len());
-                        take(&parts[i], frame)?
-                    }
+            for (part, (answer, received)) in parts.iter().zip(answers) {
+                self.traffic.received(received as usize);
+                match answer {
+                    Ok(msg) => take(part, msg)?,
                     Err(CallError::Remote {
                         code: Some(ErrorCode::StaleEpoch),
                         map,
                         message,
                     }) => {
-                        refused.extend_from_slice(&parts[i].ranges);
+                        refused.extend_from_slice(&part.ranges);
                         if let Some(m) = map
                             && newest.as_ref().is_none_or(|n| m.epoch > n.epoch)
                         {
                             newest = Some(*m);
                         }
                         last_refusal = Some(message);
+                    }
+                    Err(CallError::Refused(what)) => {
+                        return Err(self.inconsistent(&part.id.to_string(), what));
                     }
                     Err(e) => return Err(e.into()),
                 }
@@ -281,25 +284,34 @@ impl Job {
         }
     }
 
-    /// Pulls every parameter into `out` (the flat vector), from all shards in parallel.
+    /// Pulls every parameter into `out` (the flat vector), from all shards in parallel. Each
+    /// shard's answer is written into `out` as it arrives, without an intermediate buffer. On
+    /// an error, `out` may hold part of the new values.
     /// `apply_through` closes BSP steps before that clock first.
     pub async fn pull_all(&self, out: &mut [f32], apply_through: Clock) -> Result<(), ClientError> {
         self.check_len(out.len())?;
-        self.pull(None, apply_through, |key, floats| {
-            let off = self.layout.span(key).map_or(0, |s| s.offset as usize);
-            bytes_to_f32s(floats, &mut out[off..off + floats.len() / 4])
+        let layout = &self.layout;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut *out);
+        self.pull(None, apply_through, |key, at, part| {
+            let off = layout.span(key).map_or(0, |s| s.offset as usize) * 4 + at;
+            bytes[off..off + part.len()].copy_from_slice(part);
         })
-        .await
+        .await?;
+        from_le_in_place(out);
+        Ok(())
     }
 
-    /// Pulls the keys in `wanted` (`None`: all), one request per shard in parallel, and hands
-    /// each chunk's bytes to `each` once checked against what was asked.
+    /// Pulls the keys in `wanted` (`None`: all), one request per shard in parallel. Once an
+    /// answer's chunks are checked against what was asked (the layout and the keys asked of
+    /// that shard), its payload is handed to `each` as it arrives: `each(key, at, bytes)`
+    /// says that `bytes` are the chunk's little-endian float bytes from byte `at` on.
     pub(crate) async fn pull(
         &self,
         wanted: Option<Vec<KeyRange>>,
         apply_through: Clock,
-        mut each: impl FnMut(Key, &[u8]) -> Result<(), edl_shared::proto::ProtoError>,
+        each: impl FnMut(Key, usize, &[u8]) + Send,
     ) -> Result<(), ClientError> {
+        let each = Mutex::new(each);
         self.fan_out(
             wanted,
             true,
@@ -309,48 +321,21 @@ impl Job {
                     ranges: link.ranges.clone(),
                     apply_through,
                 };
-                Ok((req, Bytes::new()))
+                Ok((req, Parts::default()))
             },
-            |link, resp| {
-                let Response::Pulled { chunks } = &resp.msg else {
-                    return Err(CallError::unexpected(&resp.msg).into());
-                };
-                self.scatter(link, chunks, &resp.payload, &mut each)
+            |link| PullSink {
+                layout: &self.layout,
+                ranges: link.ranges.clone(),
+                each: &each,
+                chunks: Vec::new(),
+                at: (0, 0),
+            },
+            |_, msg| match msg {
+                Response::Pulled { .. } => Ok(()),
+                other => Err(CallError::unexpected(&other).into()),
             },
         )
         .await
-    }
-
-    /// Walks a pulled payload: checks every chunk against the layout and the keys asked of
-    /// `link`, and hands each chunk's bytes to `each`.
-    fn scatter(
-        &self,
-        link: &ShardLink,
-        chunks: &[ChunkRef],
-        payload: &[u8],
-        mut each: impl FnMut(Key, &[u8]) -> Result<(), edl_shared::proto::ProtoError>,
-    ) -> Result<(), ClientError> {
-        let from = link.id.to_string();
-        let mut at = 0usize;
-        for c in chunks {
-            let fits = self.layout.span(c.key).is_some_and(|s| s.len == c.len);
-            if !fits || !in_ranges(&link.ranges, c.key) {
-                return Err(self.inconsistent(
-                    &from,
-                    format!("chunk {} of {} floats was not asked for", c.key, c.len),
-                ));
-            }
-            let n = c.len as usize * 4;
-            let bytes = payload.get(at..at + n).ok_or_else(|| {
-                self.inconsistent(&from, "payload shorter than its chunks".into())
-            })?;
-            each(c.key, bytes).map_err(|e| self.inconsistent(&from, e.to_string()))?;
-            at += n;
-        }
-        if at != payload.len() {
-            return Err(self.inconsistent(&from, "payload longer than its chunks".into()));
-        }
-        Ok(())
     }
 
     /// Pulls only `keys` (a sparse read), one request per shard that holds any of them;
@@ -365,13 +350,15 @@ impl Job {
         }
         let mut got: HashMap<Key, Vec<f32>> = HashMap::with_capacity(keys.len());
         let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
-        self.pull(Some(wanted), apply_through, |key, floats| {
-            let mut v = vec![0.0; floats.len() / 4];
-            bytes_to_f32s(floats, &mut v)?;
-            got.insert(key, v);
-            Ok(())
+        let layout = &self.layout;
+        self.pull(Some(wanted), apply_through, |key, at, part| {
+            let v = got
+                .entry(key)
+                .or_insert_with(|| vec![0.0; layout.span(key).map_or(0, |s| s.len as usize)]);
+            bytemuck::cast_slice_mut::<f32, u8>(v)[at..at + part.len()].copy_from_slice(part);
         })
         .await?;
+        got.values_mut().for_each(|v| from_le_in_place(v));
         keys.iter()
             .map(|k| {
                 got.get(k)
@@ -382,29 +369,45 @@ impl Job {
     }
 
     /// Pushes the flat gradient vector `grads` for step `clock`, to all shards in parallel.
+    /// Borrowed values are checked and copied into one wire buffer per shard in one pass;
+    /// [`Gradients`] are checked and sent as they lie.
     pub(super) async fn push_all(
         &self,
         (worker, token): (WorkerId, Token),
         clock: Clock,
-        grads: &[f32],
+        grads: Grads<'_>,
         span: Option<DataSpan>,
     ) -> Result<(), ClientError> {
         self.check_len(grads.len())?;
+        // Shards refuse non-finite values too, but each sees only its part: checking every
+        // part before any is sent keeps a bad gradient from being applied on some shards and
+        // refused on others.
+        if let Grads::Shared(g) = &grads {
+            check_finite(g)?;
+        }
         self.fan_out(
             None,
             // Only a push with a data span may be repeated: a shard skips a span it applied.
             span.is_some(),
             |link, map| {
-                // Shards refuse non-finite values too, but each sees only its part: checking
-                // every part before any is sent keeps a bad gradient from being applied on
-                // some shards and refused on others. A shard's ranges are contiguous runs of
-                // keys, hence contiguous runs of floats.
-                let floats = link.flat.iter().map(|&(_, len)| len).sum::<usize>();
-                let mut payload = BytesMut::with_capacity(floats * 4);
-                for &(off, len) in &link.flat {
-                    extend_finite_f32s(&mut payload, &grads[off..off + len])
-                        .map_err(|i| ClientError::NonFinite { index: off + i })?;
-                }
+                // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
+                let payload = match &grads {
+                    Grads::Borrowed(g) => {
+                        let floats = link.flat.iter().map(|&(_, len)| len).sum::<usize>();
+                        let mut payload = BytesMut::with_capacity(floats * 4);
+                        for &(off, len) in &link.flat {
+                            extend_finite_f32s(&mut payload, &g[off..off + len])
+                                .map_err(|i| ClientError::NonFinite { index: off + i })?;
+                        }
+                        Parts(vec![payload.freeze()])
+                    }
+                    Grads::Shared(g) => Parts(
+                        link.flat
+                            .iter()
+                            .map(|&(off, len)| g.wire(off, len))
+                            .collect(),
+                    ),
+                };
                 let req = Request::Push {
                     epoch: map.epoch,
                     worker,
@@ -414,8 +417,9 @@ impl Job {
                     covers: Vec::new(),
                     token,
                 };
-                Ok((req, payload.freeze()))
+                Ok((req, payload))
             },
+            |_| Collect::default(),
             |_, _| Ok(()),
         )
         .await
@@ -479,10 +483,117 @@ impl Job {
                     },
                     token,
                 };
-                Ok((req, payload.freeze()))
+                Ok((req, Parts(vec![payload.freeze()])))
             },
+            |_| Collect::default(),
             |_, _| Ok(()),
         )
         .await
+    }
+}
+
+/// A pull answer's payload on its way into the caller's buffers: its chunks are checked
+/// against what was asked once the header arrives, then every part is handed on as it
+/// arrives, cut at chunk boundaries.
+struct PullSink<'a, F> {
+    layout: &'a KeyLayout,
+    /// The keys asked of this shard.
+    ranges: Vec<KeyRange>,
+    each: &'a Mutex<F>,
+    /// The answer's chunks, and the chunk and byte in it the next part starts at.
+    chunks: Vec<ChunkRef>,
+    at: (usize, usize),
+}
+
+impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
+    fn header(&mut self, msg: &Response, len: u64) -> Result<(), String> {
+        self.chunks.clear();
+        self.at = (0, 0);
+        let Response::Pulled { chunks } = msg else {
+            return match len {
+                0 => Ok(()),
+                n => Err(format!("an answer of {n} payload bytes to a pull")),
+            };
+        };
+        let mut bytes = 0u64;
+        for c in chunks {
+            let fits = self.layout.span(c.key).is_some_and(|s| s.len == c.len);
+            if !fits || !in_ranges(&self.ranges, c.key) {
+                return Err(format!(
+                    "chunk {} of {} floats was not asked for",
+                    c.key, c.len
+                ));
+            }
+            bytes += u64::from(c.len) * 4;
+        }
+        if bytes != len {
+            return Err(format!(
+                "payload of {len} bytes for chunks of {bytes} bytes"
+            ));
+        }
+        self.chunks.clone_from(chunks);
+        Ok(())
+    }
+
+    fn part(&mut self, mut part: Bytes) {
+        let mut each = self.each.lock().unwrap_or_else(|p| p.into_inner());
+        while !part.is_empty() {
+            let Some(c) = self.chunks.get(self.at.0) else {
+                // The parts add up to the length `header` checked: nothing is left over.
+                return;
+            };
+            let (key, size) = (c.key, c.len as usize * 4);
+            let n = part.len().min(size - self.at.1);
+            each(key, self.at.1, &part[..n]);
+            let _ = part.split_to(n);
+            self.at.1 += n;
+            if self.at.1 == size {
+                self.at = (self.at.0 + 1, 0);
+            }
+        }
+    }
+}
+
+/// Counts the payload bytes that reach a sink.
+struct Counted<S> {
+    inner: S,
+    bytes: u64,
+}
+
+impl<S: Sink<Response>> Sink<Response> for Counted<S> {
+    fn header(&mut self, msg: &Response, len: u64) -> Result<(), String> {
+        self.inner.header(msg, len)
+    }
+
+    fn part(&mut self, part: Bytes) {
+        self.bytes += part.len() as u64;
+        self.inner.part(part);
+    }
+}
+
+/// Values written as little-endian bytes into `v`, read as the machine's floats (nothing to
+/// do on little-endian machines).
+pub(crate) fn from_le_in_place(v: &mut [f32]) {
+    if cfg!(target_endian = "big") {
+        for x in v {
+            *x = f32::from_le_bytes(x.to_ne_bytes());
+        }
+    }
+}
+
+/// A gradient to push: borrowed (checked and copied into the wire buffers in one pass), or
+/// [`Gradients`] (checked, then sent as they lie).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Grads<'a> {
+    Borrowed(&'a [f32]),
+    Shared(&'a Gradients),
+}
+
+impl Grads<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Grads::Borrowed(g) => g.len(),
+            Grads::Shared(g) => g.len(),
+        }
     }
 }

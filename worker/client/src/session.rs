@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
-use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::ids::{Clock, Key, Token, WorkerId};
 use edl_shared::proto::msg::{DataSpan, KeyRange, Partition};
 use edl_shared::proto::order::epoch_order;
@@ -13,7 +12,8 @@ use edl_shared::proto::{ErrorCode, Request, Response};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::CallError;
 
-use super::{ClientError, Job, JobSpec, retry_not_ready};
+use super::routing::Grads;
+use super::{ClientError, Gradients, Job, JobSpec, retry_not_ready};
 
 /// A mini-batch leased to this worker: a data span of an epoch and the sample indices it
 /// holds. It comes only from [`Session::next_batch`]; [`Session::push`] sends the gradient
@@ -254,8 +254,30 @@ impl Session {
     /// model. Shards that applied this span before (for a worker that died before
     /// committing it) skip it, so a re-issued batch's gradient is applied once.
     pub async fn push(&mut self, batch: &Batch, grads: &[f32]) -> Result<(), ClientError> {
+        self.push_from(batch, Grads::Borrowed(grads)).await
+    }
+
+    /// [`Session::push`] of [`Gradients`]: sent as they lie, with no copy into a wire buffer
+    /// (the fastest way to push large tensors).
+    pub async fn push_gradients(
+        &mut self,
+        batch: &Batch,
+        grads: &Gradients,
+    ) -> Result<(), ClientError> {
+        self.push_from(batch, Grads::Shared(grads)).await
+    }
+
+    async fn push_from(&mut self, batch: &Batch, grads: Grads<'_>) -> Result<(), ClientError> {
         self.check_batch(batch, false)?;
-        self.push_span(grads, batch.span).await?;
+        self.check_lost()?;
+        self.job
+            .push_all(
+                (self.worker, self.token),
+                self.clock,
+                grads,
+                Some(batch.span),
+            )
+            .await?;
         self.feed.outstanding = Some((batch.span, true));
         Ok(())
     }
@@ -338,20 +360,26 @@ impl Session {
         keys.dedup();
         let mut seen = vec![false; keys.len()];
         let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut *out);
         self.job
-            .pull(Some(wanted), self.granted, |key, bytes| {
+            .pull(Some(wanted), self.granted, |key, at, part| {
+                // `part` holds the chunk's bytes from `at` on: copy what falls in each piece.
                 let from = pieces.partition_point(|p| p.key < key);
                 for p in pieces[from..].iter().take_while(|p| p.key == key) {
-                    let src = bytes.get(p.at * 4..(p.at + p.len) * 4).unwrap_or_default();
-                    bytes_to_f32s(src, &mut out[p.buf_at..p.buf_at + p.len])?;
+                    let (start, end) = (p.at * 4, (p.at + p.len) * 4);
+                    let (a, b) = (start.max(at), end.min(at + part.len()));
+                    if a < b {
+                        let to = p.buf_at * 4 + (a - start);
+                        dst[to..to + (b - a)].copy_from_slice(&part[a - at..b - at]);
+                    }
                 }
                 if let Ok(i) = keys.binary_search(&key) {
                     seen[i] = true;
                 }
-                Ok(())
             })
             .await
             .map_err(|e| self.map_dropped(e))?;
+        crate::routing::from_le_in_place(out);
         match seen.iter().position(|s| !s) {
             Some(i) => Err(self
                 .job
@@ -389,7 +417,25 @@ impl Session {
     pub async fn push_step(&self, grads: &[f32]) -> Result<(), ClientError> {
         self.check_lost()?;
         self.job
-            .push_all((self.worker, self.token), self.clock, grads, None)
+            .push_all(
+                (self.worker, self.token),
+                self.clock,
+                Grads::Borrowed(grads),
+                None,
+            )
+            .await
+    }
+
+    /// [`Session::push_step`] of [`Gradients`], sent as they lie.
+    pub async fn push_step_gradients(&self, grads: &Gradients) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job
+            .push_all(
+                (self.worker, self.token),
+                self.clock,
+                Grads::Shared(grads),
+                None,
+            )
             .await
     }
 
@@ -399,7 +445,12 @@ impl Session {
     pub async fn push_span(&self, grads: &[f32], span: DataSpan) -> Result<(), ClientError> {
         self.check_lost()?;
         self.job
-            .push_all((self.worker, self.token), self.clock, grads, Some(span))
+            .push_all(
+                (self.worker, self.token),
+                self.clock,
+                Grads::Borrowed(grads),
+                Some(span),
+            )
             .await
     }
 

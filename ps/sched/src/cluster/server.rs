@@ -2,7 +2,6 @@
 //! handshake, budgets) with a service that passes scheduler requests, and who sent them, to
 //! the scheduler's loop and returns its answer.
 
-use bytes::Bytes;
 use edl_shared::Role;
 use edl_shared::proto::sched::{SchedRequest, SchedResponse};
 use edl_shared::proto::{ErrorCode, Frame, Parts, Request, Response};
@@ -41,7 +40,7 @@ impl Service for SchedService {
         }
     }
 
-    async fn handle(&self, peer: &Peer, req: Request, _payload: Bytes) -> Frame<Response, Parts> {
+    async fn handle(&self, peer: &Peer, req: Request, _payload: Parts) -> Frame<Response, Parts> {
         let Request::Sched(req) = req else {
             return Frame::new(Response::error(
                 ErrorCode::InvalidRequest,

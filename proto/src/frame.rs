@@ -409,21 +409,64 @@ fn first_non_finite_le(bytes: &[u8]) -> Option<usize> {
     })
 }
 
+/// A run of f32 values from a payload: in place, or as little-endian bytes at any alignment
+/// (read with unaligned loads; nothing is copied to line them up).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum F32Run<'a> {
+    /// Values aligned where they lie (or put together from two parts).
+    Values(&'a [f32]),
+    /// Whole values as little-endian bytes (a multiple of 4), at any address.
+    Le(&'a [u8]),
+}
+
+impl F32Run<'_> {
+    /// Values in the run.
+    pub fn len(&self) -> usize {
+        match self {
+            F32Run::Values(v) => v.len(),
+            F32Run::Le(b) => b.len() / 4,
+        }
+    }
+
+    /// Whether the run is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values, appended to `out` (tests and small runs).
+    pub fn extend_into(&self, out: &mut Vec<f32>) {
+        match self {
+            F32Run::Values(v) => out.extend_from_slice(v),
+            F32Run::Le(b) => out.extend(LeF32s(b).iter()),
+        }
+    }
+}
+
+/// Little-endian f32 bytes (a multiple of 4) at any alignment, read value by value.
+#[derive(Clone, Copy, Debug)]
+pub struct LeF32s<'a>(pub &'a [u8]);
+
+impl<'a> LeF32s<'a> {
+    /// The values in order.
+    pub fn iter(self) -> impl Iterator<Item = f32> + 'a {
+        self.0
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+}
+
 /// Walks a payload received in parts (as QUIC delivers a stream: any lengths, any
-/// alignment) as runs of f32 values. A run that lies aligned inside one part is read where it
-/// lies; otherwise it is put together in a small buffer of its own (a copy of cache-sized
-/// pieces, not of the payload).
+/// alignment) as runs of f32 values, read where they lie: a run inside one part is that part's
+/// bytes (as values when aligned), and only a value cut between two parts is put together.
 #[derive(Debug)]
 pub struct F32Runs<'a> {
     parts: &'a [Bytes],
     /// The part being read and the byte in it.
     part: usize,
     at: usize,
-    scratch: Vec<f32>,
+    /// A value cut between two parts, put together.
+    joined: [f32; 1],
 }
-
-/// The most floats [`F32Runs`] puts together at once.
-const RUN_SCRATCH: usize = 16 << 10;
 
 impl<'a> F32Runs<'a> {
     /// Runs over `parts`, from the start.
@@ -432,35 +475,37 @@ impl<'a> F32Runs<'a> {
             parts,
             part: 0,
             at: 0,
-            scratch: Vec::new(),
+            joined: [0.0],
         }
     }
 
-    /// The next at most `max` values (at least one while any remain); `None` once fewer than
-    /// four bytes remain.
-    pub fn next(&mut self, max: usize) -> Option<&[f32]> {
+    /// The next at most `max` values (at least one while any remain and `max > 0`); `None`
+    /// once fewer than four bytes remain.
+    pub fn next(&mut self, max: usize) -> Option<F32Run<'_>> {
+        if max == 0 {
+            return None;
+        }
         while self.part < self.parts.len() && self.at == self.parts[self.part].len() {
             self.part += 1;
             self.at = 0;
         }
         let here = self.parts.get(self.part)?.get(self.at..)?;
         let n = (here.len() / 4).min(max);
-        if n > 0
-            && cfg!(target_endian = "little")
-            && let Ok(values) = bytemuck::try_cast_slice::<u8, f32>(&here[..n * 4])
-        {
+        if n > 0 {
             self.at += n * 4;
-            return Some(values);
+            let bytes = &here[..n * 4];
+            return Some(match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+                Ok(values) if cfg!(target_endian = "little") => F32Run::Values(values),
+                _ => F32Run::Le(bytes),
+            });
         }
-        // Misaligned, or a value cut in two: gather the next values into the scratch buffer.
-        let want = max.min(RUN_SCRATCH);
-        self.scratch.resize(want, 0.0);
-        let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
+        // A value cut between parts: put its bytes together.
+        let mut value = [0u8; 4];
         let mut filled = 0;
-        while filled < dst.len() && self.part < self.parts.len() {
+        while filled < 4 && self.part < self.parts.len() {
             let here = &self.parts[self.part][self.at..];
-            let take = here.len().min(dst.len() - filled);
-            dst[filled..filled + take].copy_from_slice(&here[..take]);
+            let take = here.len().min(4 - filled);
+            value[filled..filled + take].copy_from_slice(&here[..take]);
             filled += take;
             self.at += take;
             if self.at == self.parts[self.part].len() {
@@ -468,17 +513,11 @@ impl<'a> F32Runs<'a> {
                 self.at = 0;
             }
         }
-        let whole = filled / 4;
-        if whole == 0 {
+        if filled < 4 {
             return None;
         }
-        self.scratch.truncate(whole);
-        if cfg!(target_endian = "big") {
-            for v in &mut self.scratch {
-                *v = f32::from_le_bytes(v.to_ne_bytes());
-            }
-        }
-        Some(&self.scratch)
+        self.joined[0] = f32::from_le_bytes(value);
+        Some(F32Run::Values(&self.joined))
     }
 }
 
@@ -578,7 +617,7 @@ mod tests {
                 let mut got = Vec::new();
                 while let Some(run) = runs.next(max) {
                     assert!(!run.is_empty() && run.len() <= max);
-                    got.extend_from_slice(run);
+                    run.extend_into(&mut got);
                 }
                 assert_eq!(got, v, "skew {skew}, parts of {step}, runs of {max}");
             }

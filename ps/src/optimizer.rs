@@ -1,6 +1,40 @@
 //! Server-side optimizers, applied in place to one chunk of parameters at a time.
 
 use edl_shared::proto::OptimizerSpec;
+use edl_shared::proto::frame::{F32Run, LeF32s};
+
+/// A piece of a gradient as the optimizer reads it: values in place, or little-endian bytes at
+/// any alignment (a push's payload where QUIC delivered it).
+pub trait Grad: Copy {
+    /// Values in the piece.
+    fn len(&self) -> usize;
+    /// Whether the piece is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The values in order.
+    fn values(self) -> impl Iterator<Item = f32>;
+}
+
+impl Grad for &[f32] {
+    fn len(&self) -> usize {
+        <[f32]>::len(self)
+    }
+
+    fn values(self) -> impl Iterator<Item = f32> {
+        self.iter().copied()
+    }
+}
+
+impl Grad for LeF32s<'_> {
+    fn len(&self) -> usize {
+        self.0.len() / 4
+    }
+
+    fn values(self) -> impl Iterator<Item = f32> {
+        self.iter()
+    }
+}
 
 /// Per-chunk optimizer state.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,6 +96,21 @@ impl OptState {
         }
     }
 
+    /// [`OptState::apply_at`] of a run of a received payload, read where it lies.
+    pub fn apply_run(
+        &mut self,
+        spec: &OptimizerSpec,
+        p: &mut [f32],
+        at: usize,
+        g: F32Run<'_>,
+        scale: f32,
+    ) {
+        match g {
+            F32Run::Values(v) => self.apply_at(spec, p, at, v, scale),
+            F32Run::Le(b) => self.apply_at(spec, p, at, LeF32s(b), scale),
+        }
+    }
+
     /// Applies the piece `g` of the update [`OptState::start`] began to the parameters
     /// `p[at..at + g.len()]` of the chunk `p` (the caller validated the bounds).
     pub fn apply_at(
@@ -69,10 +118,10 @@ impl OptState {
         spec: &OptimizerSpec,
         p: &mut [f32],
         at: usize,
-        g: &[f32],
+        g: impl Grad,
         scale: f32,
     ) {
-        let range = at..at + g.len();
+        let range = at..at + Grad::len(&g);
         let p = &mut p[range.clone()];
         match (spec, self) {
             (OptimizerSpec::Sgd { lr }, OptState::Sgd) => {
@@ -82,12 +131,12 @@ impl OptState {
                 if k == 0.0 {
                     return;
                 }
-                for (p, g) in p.iter_mut().zip(g) {
+                for (p, g) in p.iter_mut().zip(g.values()) {
                     *p -= k * g;
                 }
             }
             (OptimizerSpec::Momentum { lr, momentum }, OptState::Momentum { v }) => {
-                for ((p, v), g) in p.iter_mut().zip(v[range].iter_mut()).zip(g) {
+                for ((p, v), g) in p.iter_mut().zip(v[range].iter_mut()).zip(g.values()) {
                     *v = momentum * *v + scale * g;
                     *p -= lr * *v;
                 }
@@ -106,7 +155,9 @@ impl OptState {
                 let step = lr / c1;
                 let c2_sqrt = c2.sqrt();
                 let (m, v) = (&mut m[range.clone()], &mut v[range]);
-                for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+                let values = g.values();
+                for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(values)
+                {
                     let g = scale * g;
                     *m = beta1 * *m + (1.0 - beta1) * g;
                     *v = beta2 * *v + (1.0 - beta2) * g * g;

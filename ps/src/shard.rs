@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dashmap::DashMap;
-use edl_shared::proto::frame::{F32Runs, f32s_to_bytes, first_non_finite};
+use edl_shared::proto::frame::{F32Run, F32Runs, LeF32s, f32s_to_bytes, first_non_finite};
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
@@ -592,7 +592,7 @@ impl ShardState {
                 // Past this key's gradient.
                 let mut at = 0;
                 while at < len {
-                    at += grads.next(len - at).map_or(len, <[f32]>::len);
+                    at += grads.next(len - at).map_or(len, |g| g.len());
                 }
                 continue;
             };
@@ -616,20 +616,24 @@ impl ShardState {
                     .entry(clock.0)
                     .or_insert_with(|| (vec![0.0; len], 0));
                 let mut at = 0;
-                while let Some(g) = grads.next(len - at).filter(|_| at < len) {
-                    for (s, g) in slot.0[at..].iter_mut().zip(g) {
-                        *s += g;
+                while let Some(g) = grads.next(len - at) {
+                    let n = g.len();
+                    let sums = slot.0[at..].iter_mut();
+                    match g {
+                        F32Run::Values(v) => sums.zip(v).for_each(|(s, g)| *s += g),
+                        F32Run::Le(b) => sums.zip(LeF32s(b).iter()).for_each(|(s, g)| *s += g),
                     }
-                    at += g.len();
+                    at += n;
                 }
                 slot.1 += 1;
             } else {
                 let params = Arc::make_mut(&mut chunk.params).as_mut_slice();
                 chunk.opt.start(&self.job.optimizer, len);
                 let mut at = 0;
-                while let Some(g) = grads.next(len - at).filter(|_| at < len) {
-                    chunk.opt.apply_at(&self.job.optimizer, params, at, g, 1.0);
-                    at += g.len();
+                while let Some(g) = grads.next(len - at) {
+                    let n = g.len();
+                    chunk.opt.apply_run(&self.job.optimizer, params, at, g, 1.0);
+                    at += n;
                 }
             }
         }

@@ -597,3 +597,94 @@ impl Grads<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_shared::proto::{Init, TensorSpec};
+
+    /// A layout of 3 keys of 4 floats (12 floats in all).
+    fn layout() -> KeyLayout {
+        let t = TensorSpec {
+            name: "t".into(),
+            shape: vec![12],
+            init: Init::Zeros,
+        };
+        KeyLayout::new(&[t], 4)
+    }
+
+    fn pulled(keys: &[u64]) -> Response {
+        Response::Pulled {
+            chunks: keys
+                .iter()
+                .map(|&k| ChunkRef {
+                    key: Key(k),
+                    len: 4,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_pull_answer_goes_where_its_chunks_belong_whatever_its_parts() {
+        let layout = layout();
+        let want: Vec<f32> = (0..8).map(|i| i as f32 + 0.5).collect();
+        let wire: Vec<u8> = want.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for cut in [1, 3, 4, 7, 16, 32] {
+            let mut out = [0f32; 12];
+            {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out[..]);
+                let each = Mutex::new(|key: Key, at: usize, part: &[u8]| {
+                    let off = layout.span(key).map_or(0, |s| s.offset as usize) * 4 + at;
+                    bytes[off..off + part.len()].copy_from_slice(part);
+                });
+                let mut sink = PullSink {
+                    layout: &layout,
+                    ranges: vec![KeyRange { start: 1, end: 3 }],
+                    each: &each,
+                    chunks: Vec::new(),
+                    at: (0, 0),
+                };
+                sink.header(&pulled(&[1, 2]), 32).expect("asked for");
+                for part in wire.chunks(cut) {
+                    sink.part(Bytes::copy_from_slice(part));
+                }
+            }
+            assert_eq!(
+                &out[..4],
+                &[0.0; 4],
+                "key 0 was not asked for (parts of {cut})"
+            );
+            assert_eq!(&out[4..], &want[..], "parts of {cut}");
+        }
+    }
+
+    #[test]
+    fn a_pull_answer_that_does_not_fit_the_request_is_refused_before_its_payload() {
+        let layout = layout();
+        let each = Mutex::new(|_: Key, _: usize, _: &[u8]| panic!("nothing may be written"));
+        let mut sink = PullSink {
+            layout: &layout,
+            ranges: vec![KeyRange { start: 1, end: 3 }],
+            each: &each,
+            chunks: Vec::new(),
+            at: (0, 0),
+        };
+        let not_asked = sink.header(&pulled(&[0]), 16).expect_err("key 0 not asked");
+        assert!(not_asked.contains("not asked for"), "{not_asked}");
+        let wrong_len = Response::Pulled {
+            chunks: vec![ChunkRef {
+                key: Key(1),
+                len: 3,
+            }],
+        };
+        assert!(sink.header(&wrong_len, 12).is_err());
+        let short = sink.header(&pulled(&[1, 2]), 31).expect_err("length");
+        assert!(short.contains("31"), "{short}");
+        let other = sink
+            .header(&Response::Ack, 8)
+            .expect_err("payload on an ack");
+        assert!(other.contains("8 payload bytes"), "{other}");
+        assert!(sink.header(&Response::Ack, 0).is_ok());
+    }
+}

@@ -11,7 +11,7 @@ import sys
 
 # (category, leaf pattern, caller pattern or None); the first that matches wins.
 RULES = [
-    ("AES-GCM (QUIC packet protection)", r"aes|gcm|ghash|EVP_AEAD", None),
+    ("AES-GCM (QUIC packet protection)", r"aes|gcm|ghash|EVP_AEAD|HeaderProtection", None),
     ("copy into QUIC packets (send)", r"memcpy|memmove", r"write_stream_frames|poll_transmit|PacketBuilder"),
     ("copy out of the UDP buffer (quinn receive)", r"memcpy|memmove", r"RecvState::poll_socket|BytesMut as core::convert::From"),
     ("copy into the caller's buffer (pull)", r"memcpy|memmove", r"PullSink|Counted<|pull_all|pull_keys|pull_rows"),
@@ -20,6 +20,7 @@ RULES = [
     ("other user-space copies", r"memcpy|memmove", None),
     ("kernel: UDP send and receive (copies, sockets)", r"rep_movs|copy_user|_copy_|skb|udp|ip_|sock|sendmsg|recvmsg|csum|nf_|dev_|napi|netif|loopback|__x64_sys|do_syscall|entry_SYSCALL", None),
     ("page faults (fresh memory)", r"clear_page|folio|page_fault|do_anonymous|huge_pmd", None),
+    ("kernel: scheduling, interrupts, timers", r"spin|irq|schedule|futex|vdso|clock_gettime|put_user|check_object|entry_|exit_to_user|switch|hrtimer|rcu|epoll|ep_poll|wake", None),
     ("finiteness checks (client and shard)", r"first_non_finite|FiniteScan", None),
     ("optimizer (SGD)", r"OptState|apply_at", None),
     ("allocator", r"_mi_|mi_malloc|mi_free|malloc|free", None),

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use edl_proto::ShardMap;
 use edl_proto::frame::{FiniteScan, Message, PREFIX_LEN, Parts, Payload, Prefix, parse_prefix};
 use edl_proto::{ErrorCode, Frame, FrameLimits, PROTOCOL_VERSION, ProtoError, Request, Response};
@@ -399,27 +399,45 @@ pub trait Sink<T> {
     fn part(&mut self, part: Bytes);
 }
 
-/// The sink that keeps a payload as the parts it arrived in, uncopied, checking a payload of
-/// f32 values that must be finite (a push's gradients) part by part as it arrives.
+/// The sink that keeps a payload as the parts it arrived in, checking a payload of f32
+/// values that must be finite (a push's gradients) part by part as it arrives.
+///
+/// A part of [`KEEP_PART`] bytes or more is kept as QUIC delivered it, uncopied (it holds a
+/// received datagram buffer of at most 64 KiB); smaller ones are copied together into buffers
+/// of that size, so that a peer sending a payload in tiny pieces cannot make the receiver hold
+/// a datagram buffer for every few bytes of it (memory stays within a small multiple of what
+/// the budgets charge).
 #[derive(Debug, Default)]
 pub struct Collect {
     parts: Vec<Bytes>,
+    small: BytesMut,
     scan: Option<FiniteScan>,
 }
 
+/// The smallest received part [`Collect`] keeps uncopied.
+pub const KEEP_PART: usize = 16 << 10;
+
 impl Collect {
     /// The payload, or why its values were refused.
-    pub fn finish(self) -> Result<Parts, ProtoError> {
+    pub fn finish(mut self) -> Result<Parts, ProtoError> {
         if let Some(scan) = &self.scan {
             scan.result()?;
         }
+        self.flush();
         Ok(Parts(self.parts))
+    }
+
+    fn flush(&mut self) {
+        if !self.small.is_empty() {
+            self.parts.push(self.small.split().freeze());
+        }
     }
 }
 
 impl<T: Message> Sink<T> for Collect {
     fn header(&mut self, msg: &T, _len: u64) -> Result<(), String> {
         self.parts.clear();
+        self.small.clear();
         self.scan = msg.finite_payload().then(FiniteScan::default);
         Ok(())
     }
@@ -428,7 +446,16 @@ impl<T: Message> Sink<T> for Collect {
         if let Some(scan) = &mut self.scan {
             scan.part(&part);
         }
-        self.parts.push(part);
+        if part.len() >= KEEP_PART {
+            self.flush();
+            self.parts.push(part);
+        } else {
+            if self.small.capacity() - self.small.len() < part.len() {
+                self.flush();
+                self.small.reserve(KEEP_PART);
+            }
+            self.small.extend_from_slice(&part);
+        }
     }
 }
 
@@ -630,4 +657,35 @@ pub async fn resolve(addr: &str) -> Result<SocketAddr, CallError> {
         .ok()
         .and_then(|mut it| it.next())
         .ok_or_else(|| CallError::Address(addr.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_parts_are_joined_and_large_ones_kept_as_they_arrived() {
+        let mut c = Collect::default();
+        let msg = Response::Ack;
+        Sink::<Response>::header(&mut c, &msg, 0).expect("header");
+        let big = Bytes::from(vec![7u8; KEEP_PART]);
+        let mut want = Vec::new();
+        for i in 0..3000u32 {
+            let piece = Bytes::from(vec![(i % 251) as u8; 1 + (i as usize % 40)]);
+            want.extend_from_slice(&piece);
+            Sink::<Response>::part(&mut c, piece);
+        }
+        want.extend_from_slice(&big);
+        Sink::<Response>::part(&mut c, big.clone());
+        let parts = c.finish().expect("no floats to check").0;
+        let joined: Vec<u8> = parts.iter().flat_map(|p| p.iter().copied()).collect();
+        assert_eq!(joined, want);
+        // 3000 tiny parts became a few buffers; the large one is the very buffer received.
+        assert!(
+            parts.len() <= 1 + want.len() / KEEP_PART + 1,
+            "{} parts",
+            parts.len()
+        );
+        assert_eq!(parts.last().map(|p| p.as_ptr()), Some(big.as_ptr()));
+    }
 }

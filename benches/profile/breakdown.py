@@ -15,7 +15,6 @@ RULES = [
     ("copy into QUIC packets (send)", r"memcpy|memmove", r"write_stream_frames|poll_transmit|PacketBuilder"),
     ("copy out of the UDP buffer (quinn receive)", r"memcpy|memmove", r"RecvState::poll_socket|BytesMut as core::convert::From"),
     ("copy into the caller's buffer (pull)", r"memcpy|memmove", r"PullSink|Counted<|pull_all|pull_keys|pull_rows"),
-    ("gather of misaligned gradient parts (shard)", r"memcpy|memmove", r"F32Runs"),
     ("copy into a wire buffer (push of a borrowed slice)", r"memcpy|memmove", r"extend_finite_f32s|extend_f32s|push_all"),
     ("other user-space copies", r"memcpy|memmove", None),
     ("kernel: UDP send and receive (copies, sockets)", r"rep_movs|copy_user|_copy_|skb|udp|ip_|sock|sendmsg|recvmsg|csum|nf_|dev_|napi|netif|loopback|__x64_sys|do_syscall|entry_SYSCALL", None),

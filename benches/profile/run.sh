@@ -2,7 +2,7 @@
 # Profiles EDL's push+pull pairs (1 client, 1 shard, 65000-byte datagrams) of each size given
 # and prints, per size, where the CPU time goes by category (benches/profile/breakdown.py), as
 # Markdown. `edl-bench all` puts benches/profile/transport.md into BENCHMARKS.md:
-#   benches/profile/run.sh 1M:2000 16M:200 > benches/profile/transport.md
+#   benches/profile/run.sh 1M:3000 16M:300 > benches/profile/transport.md
 # (SIZE:PAIRS; enough pairs that setting up the cluster is a small part of the samples.)
 # Needs `perf` (Debian: linux-perf) and a release build: cargo build --release -p edl-benches
 set -euo pipefail

@@ -474,11 +474,12 @@ const PROFILE_METHOD: &str = "\
 ### Where a pair's time goes
 
 From a profile of EDL's pairs alone (1 client, 1 shard, 65000-byte datagrams, release build),
-recorded with `perf` and DWARF call graphs by `benches/profile/run.sh 1M:2000 16M:200 >
+recorded with `perf` and DWARF call graphs by `benches/profile/run.sh 1M:3000 16M:300 >
 benches/profile/transport.md`: every sample is put in a category by the function it was in
 and, for copies, by the caller whose copy it is (`benches/profile/breakdown.py`). Both
-processes' sides (client and shard) are in one process, so the shares are of the whole
-exchange; the set-up of the cluster is a small part of the samples.
+sides (client and shard) are in one process, so the shares are of the whole exchange. The
+set-up of the cluster is included: its first touches of fresh memory are most of the page
+faults.
 ";
 
 const METHOD: &str = "\

@@ -305,20 +305,37 @@ async fn edl(
 /// one connection, or over 2 connections, each between endpoints of their own (an endpoint is
 /// driven by one task, so only separate endpoints can encrypt on more than one core).
 pub const QUINN: [(&str, Stripes); 3] = [
-    ("quinn", Stripes::One),
-    ("quinn-2streams", Stripes::Streams(2)),
-    ("quinn-2conns", Stripes::Conns(2)),
+    (
+        "quinn",
+        Stripes {
+            streams: 1,
+            endpoints: 1,
+        },
+    ),
+    (
+        "quinn-2streams",
+        Stripes {
+            streams: 2,
+            endpoints: 1,
+        },
+    ),
+    (
+        "quinn-2conns",
+        Stripes {
+            streams: 1,
+            endpoints: 2,
+        },
+    ),
 ];
 
-/// How bare quinn carries each part of a request.
+/// How bare quinn carries each part of a request: split over `streams` streams of one
+/// connection, and over `endpoints` connections between endpoints of their own, all at once.
 #[derive(Clone, Copy, Debug)]
-pub enum Stripes {
-    /// One stream.
-    One,
-    /// Split over this many streams of one connection, at once.
-    Streams(usize),
-    /// Split over this many connections, each between endpoints of their own, at once.
-    Conns(usize),
+pub struct Stripes {
+    /// Streams per connection.
+    pub streams: usize,
+    /// Connections (each between endpoints of their own).
+    pub endpoints: usize,
 }
 
 /// Bare quinn: `shards` servers that read a request (a 9-byte header: op, length; then the
@@ -331,11 +348,7 @@ async fn quinn_pairs(
     stripes: Stripes,
     settings: &TransportSettings,
 ) -> anyhow::Result<Measured> {
-    let (streams, endpoints) = match stripes {
-        Stripes::One => (1, 1),
-        Stripes::Streams(n) => (n.max(1), 1),
-        Stripes::Conns(n) => (1, n.max(1)),
-    };
+    let (streams, endpoints) = (stripes.streams.max(1), stripes.endpoints.max(1));
     // Each shard's part, cut into one piece per stream and per connection.
     let piece = (size / shards / streams / endpoints).max(1);
     let server_id = pki.ensure(Role::Shard, "bare")?;

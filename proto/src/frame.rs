@@ -325,12 +325,22 @@ pub fn bytes_to_f32s(bytes: &[u8], out: &mut [f32]) -> Result<(), ProtoError> {
 /// The position of the first NaN or infinity in `values`. Blocks of floats are checked with a
 /// branch-free test the compiler vectorizes; only a block that holds a bad value is searched.
 pub fn first_non_finite(values: &[f32]) -> Option<usize> {
+    first_bad(values, |x| x.to_bits())
+}
+
+/// [`first_non_finite`] of little-endian f32 values as bytes, at any alignment.
+fn first_non_finite_le(values: &[[u8; 4]]) -> Option<usize> {
+    first_bad(values, |b| u32::from_le_bytes(*b))
+}
+
+/// The position of the first item whose f32 bits (`bits`) are a NaN or an infinity: its
+/// exponent bits are all ones.
+fn first_bad<T>(items: &[T], bits: impl Fn(&T) -> u32) -> Option<usize> {
     const BLOCK: usize = 1024;
-    // An f32 is NaN or infinite exactly when its exponent bits are all ones.
-    let bad = |x: &f32| u32::from((x.to_bits() & 0x7f80_0000) == 0x7f80_0000);
-    values.chunks(BLOCK).enumerate().find_map(|(i, block)| {
+    let bad = |x: &T| u32::from((bits(x) & 0x7f80_0000) == 0x7f80_0000);
+    items.chunks(BLOCK).enumerate().find_map(|(i, block)| {
         let any = block.iter().fold(0u32, |acc, x| acc | bad(x));
-        (any != 0).then(|| i * BLOCK + block.iter().position(|x| !x.is_finite()).unwrap_or(0))
+        (any != 0).then(|| i * BLOCK + block.iter().position(|x| bad(x) != 0).unwrap_or(0))
     })
 }
 
@@ -370,13 +380,12 @@ impl FiniteScan {
             }
             self.checked += 1;
         }
-        let whole = part.len() & !3;
-        if let Some(i) = first_non_finite_le(&part[..whole]) {
+        let (values, rest) = part.as_chunks::<4>();
+        if let Some(i) = first_non_finite_le(values) {
             self.bad = Some(self.checked + i as u64);
             return;
         }
-        self.checked += (whole / 4) as u64;
-        let rest = &part[whole..];
+        self.checked += values.len() as u64;
         self.carry[..rest.len()].copy_from_slice(rest);
         self.carried = rest.len();
     }
@@ -388,25 +397,6 @@ impl FiniteScan {
             None => Ok(()),
         }
     }
-}
-
-/// The position of the first NaN or infinity among the little-endian f32 values of `bytes`
-/// (a whole number of values), at any alignment.
-fn first_non_finite_le(bytes: &[u8]) -> Option<usize> {
-    if let Some(values) = f32s_in_place(bytes) {
-        return first_non_finite(values);
-    }
-    const BLOCK: usize = 1024;
-    // An f32 is NaN or infinite exactly when its exponent bits are all ones; the exponent
-    // sits in the same bits whatever the byte order of the load, once read little-endian.
-    let bad = |b: &[u8]| {
-        let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        u32::from((bits & 0x7f80_0000) == 0x7f80_0000)
-    };
-    bytes.chunks(BLOCK * 4).enumerate().find_map(|(i, block)| {
-        let any = block.chunks_exact(4).fold(0u32, |acc, b| acc | bad(b));
-        (any != 0).then(|| i * BLOCK + block.chunks_exact(4).position(|b| bad(b) != 0).unwrap_or(0))
-    })
 }
 
 /// A run of f32 values from a payload: in place, or as little-endian bytes at any alignment
@@ -450,8 +440,10 @@ impl<'a> LeF32s<'a> {
     /// The values in order.
     pub fn iter(self) -> impl Iterator<Item = f32> + 'a {
         self.0
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .as_chunks::<4>()
+            .0
+            .iter()
+            .map(|b| f32::from_le_bytes(*b))
     }
 }
 
@@ -476,6 +468,17 @@ impl<'a> F32Runs<'a> {
             part: 0,
             at: 0,
             joined: [0.0],
+        }
+    }
+
+    /// Hands the next `len` values to `f`, run by run, with each run's position among them
+    /// (fewer if the payload ends first).
+    pub fn take(&mut self, len: usize, mut f: impl FnMut(usize, F32Run<'_>)) {
+        let mut at = 0;
+        while let Some(run) = self.next(len - at) {
+            let n = run.len();
+            f(at, run);
+            at += n;
         }
     }
 

@@ -590,10 +590,7 @@ impl ShardState {
             };
             let Some(mut chunk) = chunk.filter(|_| !skip) else {
                 // Past this key's gradient.
-                let mut at = 0;
-                while at < len {
-                    at += grads.next(len - at).map_or(len, |g| g.len());
-                }
+                grads.take(len, |_, _| {});
                 continue;
             };
             let chunk = &mut *chunk;
@@ -615,26 +612,21 @@ impl ShardState {
                     .pending
                     .entry(clock.0)
                     .or_insert_with(|| (vec![0.0; len], 0));
-                let mut at = 0;
-                while let Some(g) = grads.next(len - at) {
-                    let n = g.len();
+                grads.take(len, |at, g| {
                     let sums = slot.0[at..].iter_mut();
                     match g {
                         F32Run::Values(v) => sums.zip(v).for_each(|(s, g)| *s += g),
                         F32Run::Le(b) => sums.zip(LeF32s(b).iter()).for_each(|(s, g)| *s += g),
                     }
-                    at += n;
-                }
+                });
                 slot.1 += 1;
             } else {
                 let params = Arc::make_mut(&mut chunk.params).as_mut_slice();
                 chunk.opt.start(&self.job.optimizer, len);
-                let mut at = 0;
-                while let Some(g) = grads.next(len - at) {
-                    let n = g.len();
-                    chunk.opt.apply_run(&self.job.optimizer, params, at, g, 1.0);
-                    at += n;
-                }
+                let opt = &mut chunk.opt;
+                grads.take(len, |at, g| {
+                    opt.apply_run(&self.job.optimizer, params, at, g, 1.0)
+                });
             }
         }
         Ok(Claim::Apply)

@@ -402,11 +402,10 @@ pub trait Sink<T> {
 /// The sink that keeps a payload as the parts it arrived in, checking a payload of f32
 /// values that must be finite (a push's gradients) part by part as it arrives.
 ///
-/// A part of [`KEEP_PART`] bytes or more is kept as QUIC delivered it, uncopied (it holds a
-/// received datagram buffer of at most 64 KiB); smaller ones are copied together into buffers
+/// A part of [`KEEP_PART`] bytes or more is kept as QUIC delivered it, uncopied (it holds the
+/// buffer quinn received its datagram into); smaller ones are copied together into buffers
 /// of that size, so that a peer sending a payload in tiny pieces cannot make the receiver hold
-/// a datagram buffer for every few bytes of it (memory stays within a small multiple of what
-/// the budgets charge).
+/// a datagram buffer for every few bytes of it.
 #[derive(Debug, Default)]
 pub struct Collect {
     parts: Vec<Bytes>,

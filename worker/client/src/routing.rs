@@ -625,6 +625,17 @@ mod tests {
         }
     }
 
+    /// A sink for a pull of keys 1 and 2 of [`layout`].
+    fn sink<'a, F>(layout: &'a KeyLayout, each: &'a Mutex<F>) -> PullSink<'a, F> {
+        PullSink {
+            layout,
+            ranges: vec![KeyRange { start: 1, end: 3 }],
+            each,
+            chunks: Vec::new(),
+            at: (0, 0),
+        }
+    }
+
     #[test]
     fn a_pull_answer_goes_where_its_chunks_belong_whatever_its_parts() {
         let layout = layout();
@@ -638,13 +649,7 @@ mod tests {
                     let off = layout.span(key).map_or(0, |s| s.offset as usize) * 4 + at;
                     bytes[off..off + part.len()].copy_from_slice(part);
                 });
-                let mut sink = PullSink {
-                    layout: &layout,
-                    ranges: vec![KeyRange { start: 1, end: 3 }],
-                    each: &each,
-                    chunks: Vec::new(),
-                    at: (0, 0),
-                };
+                let mut sink = sink(&layout, &each);
                 sink.header(&pulled(&[1, 2]), 32).expect("asked for");
                 for part in wire.chunks(cut) {
                     sink.part(Bytes::copy_from_slice(part));
@@ -663,13 +668,7 @@ mod tests {
     fn a_pull_answer_that_does_not_fit_the_request_is_refused_before_its_payload() {
         let layout = layout();
         let each = Mutex::new(|_: Key, _: usize, _: &[u8]| panic!("nothing may be written"));
-        let mut sink = PullSink {
-            layout: &layout,
-            ranges: vec![KeyRange { start: 1, end: 3 }],
-            each: &each,
-            chunks: Vec::new(),
-            at: (0, 0),
-        };
+        let mut sink = sink(&layout, &each);
         let not_asked = sink.header(&pulled(&[0]), 16).expect_err("key 0 not asked");
         assert!(not_asked.contains("not asked for"), "{not_asked}");
         let wrong_len = Response::Pulled {

@@ -269,17 +269,21 @@ impl Session {
 
     async fn push_from(&mut self, batch: &Batch, grads: Grads<'_>) -> Result<(), ClientError> {
         self.check_batch(batch, false)?;
-        self.check_lost()?;
-        self.job
-            .push_all(
-                (self.worker, self.token),
-                self.clock,
-                grads,
-                Some(batch.span),
-            )
-            .await?;
+        self.push_grads(grads, Some(batch.span)).await?;
         self.feed.outstanding = Some((batch.span, true));
         Ok(())
+    }
+
+    /// Pushes the gradient of the current step, with its data span if it has one.
+    async fn push_grads(
+        &self,
+        grads: Grads<'_>,
+        span: Option<DataSpan>,
+    ) -> Result<(), ClientError> {
+        self.check_lost()?;
+        self.job
+            .push_all((self.worker, self.token), self.clock, grads, span)
+            .await
     }
 
     /// Pushes sparse gradients computed from `batch`'s samples: the given rows of the given
@@ -415,43 +419,19 @@ impl Session {
     /// Pushes the gradient of the current step with no data span: for jobs without a data
     /// ledger (synthetic load, benchmarks). Training on data uses [`Session::push`].
     pub async fn push_step(&self, grads: &[f32]) -> Result<(), ClientError> {
-        self.check_lost()?;
-        self.job
-            .push_all(
-                (self.worker, self.token),
-                self.clock,
-                Grads::Borrowed(grads),
-                None,
-            )
-            .await
+        self.push_grads(Grads::Borrowed(grads), None).await
     }
 
     /// [`Session::push_step`] of [`Gradients`], sent as they lie.
     pub async fn push_step_gradients(&self, grads: &Gradients) -> Result<(), ClientError> {
-        self.check_lost()?;
-        self.job
-            .push_all(
-                (self.worker, self.token),
-                self.clock,
-                Grads::Shared(grads),
-                None,
-            )
-            .await
+        self.push_grads(Grads::Shared(grads), None).await
     }
 
     /// Pushes the gradient of the current step, computed from the samples of `span` (the
     /// low-level form of [`Session::push`], for tools that keep their own spans). Shards
     /// that applied this span before (for a worker that died before committing it) skip it.
     pub async fn push_span(&self, grads: &[f32], span: DataSpan) -> Result<(), ClientError> {
-        self.check_lost()?;
-        self.job
-            .push_all(
-                (self.worker, self.token),
-                self.clock,
-                Grads::Borrowed(grads),
-                Some(span),
-            )
-            .await
+        self.push_grads(Grads::Borrowed(grads), Some(span)).await
     }
 
     /// Pushes sparse gradients for the current step.

@@ -531,6 +531,7 @@ fn call_kind(e: &CallError) -> String {
         CallError::TimedOut(_) => "timed out".into(),
         CallError::Proto(p) => format!("bad frame ({:?})", p.code()),
         CallError::Unexpected(_) | CallError::Refused(_) => "unexpected answer".into(),
+        CallError::Withdrawn => "withdrawn".into(),
         CallError::Bind(_) | CallError::Address(_) | CallError::Pki(_) => "set-up".into(),
     }
 }

@@ -20,7 +20,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
 use crate::pki::{Role, Subject, subject_of};
-use crate::transport::{TransportSettings, read_frame, read_frame_body, read_prefix, write_frame};
+use crate::transport::{
+    CallError, TransportSettings, WITHDRAWN, read_frame, read_frame_body, read_prefix, write_frame,
+};
 
 /// The authenticated peer of a request.
 #[derive(Clone, Debug)]
@@ -498,6 +500,7 @@ async fn request<S: Service>(
     in_flight: &Arc<AtomicU64>,
 ) {
     let deadline = shared.budgets.frame_timeout;
+    let mut withdrawn = false;
     let read = async {
         let prefix =
             match tokio::time::timeout(deadline, read_prefix(&mut recv, &shared.limits)).await {
@@ -515,6 +518,13 @@ async fn request<S: Service>(
         };
         match tokio::time::timeout(deadline, read_frame_body::<Request>(&mut recv, &prefix)).await {
             Ok(Ok(f)) => Ok((f, charge)),
+            // The peer withdrew the request (`transport::Release`): nothing to do or answer.
+            Ok(Err(CallError::ReadChunk(quinn::ReadError::Reset(code))))
+                if code == VarInt::from_u32(WITHDRAWN) =>
+            {
+                withdrawn = true;
+                Err(Response::error(ErrorCode::Malformed, "withdrawn"))
+            }
             Ok(Err(e)) => Err(Response::error(read_error_code(&e), e.to_string())),
             Err(_) => {
                 let _ = recv.stop(VarInt::from_u32(ErrorCode::Malformed.as_u16().into()));
@@ -527,6 +537,10 @@ async fn request<S: Service>(
     };
     let started = std::time::Instant::now();
     let reply = match read.await {
+        Err(_) if withdrawn => {
+            debug!(name = %peer.name, "request withdrawn by the peer");
+            return;
+        }
         Err(resp) => {
             if let Response::Error { code, .. } = &resp {
                 METRICS.error(*code);

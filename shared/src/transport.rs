@@ -1,6 +1,7 @@
 //! QUIC transport: endpoints with mutual TLS 1.3 against the cluster CA, one request per
 //! bidirectional stream, and typed errors for everything that can go wrong on a call.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -363,6 +364,9 @@ pub enum CallError {
     /// The answer's header does not fit what the caller asked for (its payload was not read).
     #[error("answer refused: {0}")]
     Refused(String),
+    /// The request was withdrawn before it was complete ([`Release`]): the server dropped it.
+    #[error("request withdrawn before it was complete")]
+    Withdrawn,
 }
 
 /// An error code as operators read it (`Busy`, `StaleEpoch`), or that it was not known.
@@ -555,14 +559,57 @@ pub async fn write_frame<T: Message, P: Payload>(
     send: &mut SendStream,
     frame: Frame<T, P>,
 ) -> Result<(), CallError> {
+    queue_frame(send, frame).await?;
+    send.finish()?;
+    Ok(())
+}
+
+/// Queues one frame on a stream, without finishing it: the payload is handed to quinn
+/// uncopied, and this returns once quinn has taken all of it (flow control permitting, at
+/// once), while it is still being sent.
+async fn queue_frame<T: Message, P: Payload>(
+    send: &mut SendStream,
+    frame: Frame<T, P>,
+) -> Result<(), CallError> {
     let head = frame.encode_head()?;
     let mut chunks = Vec::with_capacity(2);
     chunks.push(head);
     frame.payload.append_to(&mut chunks);
     send.write_all_chunks(&mut chunks).await?;
-    send.finish()?;
     Ok(())
 }
+
+/// Whether a request whose payload is already on its way may be completed. A server acts on a
+/// request only once its stream is finished, and drops what it received of a stream that was
+/// reset: so a request can be sent while something about it is still being decided (a push
+/// checks its gradients for NaN while QUIC sends them), and withdrawn if the answer is no.
+pub trait Release {
+    /// Called once the whole payload is queued; resolves to `true` to finish the stream, or
+    /// `false` to reset it (the call then fails with [`CallError::Withdrawn`]).
+    fn release(&self) -> impl Future<Output = bool> + Send;
+}
+
+/// Completes every request as soon as it is queued.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Now;
+
+impl Release for Now {
+    async fn release(&self) -> bool {
+        true
+    }
+}
+
+impl<R: Release + Sync> Release for Option<R> {
+    async fn release(&self) -> bool {
+        match self {
+            Some(r) => r.release().await,
+            None => true,
+        }
+    }
+}
+
+/// The stream reset code of a request withdrawn by its sender ([`Release`]).
+pub const WITHDRAWN: u32 = 0x5749;
 
 /// An authenticated connection to an EDL server, after the version handshake.
 #[derive(Clone, Debug)]
@@ -622,8 +669,25 @@ impl Conn {
         payload: P,
         sink: &mut S,
     ) -> Result<Response, CallError> {
+        self.call_released(req, payload, &Now, sink).await
+    }
+
+    /// [`Conn::call_into`], with the request completed only once `release` allows it (while
+    /// its payload is already being sent), and withdrawn otherwise.
+    pub async fn call_released<P: Payload, S: Sink<Response>>(
+        &self,
+        req: Request,
+        payload: P,
+        release: &impl Release,
+        sink: &mut S,
+    ) -> Result<Response, CallError> {
         let (mut send, mut recv) = self.conn.open_bi().await.map_err(CallError::NotSent)?;
-        write_frame(&mut send, Frame::with_payload(req, payload)).await?;
+        queue_frame(&mut send, Frame::with_payload(req, payload)).await?;
+        if !release.release().await {
+            let _ = send.reset(VarInt::from_u32(WITHDRAWN));
+            return Err(CallError::Withdrawn);
+        }
+        send.finish()?;
         let p = read_prefix(&mut recv, &self.limits).await?;
         match read_frame_into(&mut recv, &p, &mut AnswerSink(sink)).await? {
             Response::Error { code, message, map } => Err(CallError::Remote {

@@ -159,10 +159,6 @@ async fn a_worker_partitioned_past_its_lease_is_dead_and_its_data_reissued() -> 
     Ok(())
 }
 
-async fn reader_status(cluster: &TestCluster) -> anyhow::Result<edl_shared::proto::msg::JobStatus> {
-    Ok(cluster.connect("observer").await?.status().await?)
-}
-
 /// Trains until no data is left, waiting as long as it takes (a shard may be unreachable for
 /// minutes); returns the partitions trained and when the slowest step ended.
 async fn train_patiently(mut s: Session) -> anyhow::Result<(Vec<Partition>, Duration)> {
@@ -200,9 +196,16 @@ async fn a_shard_partitioned_for_90_s_then_healed_loses_nothing() -> anyhow::Res
         let s = cluster.connect(name).await?.register(name).await?;
         workers.spawn(train_patiently(s));
     }
-    // Let training start, then cut shard s0 off from everyone for the outage.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let before = reader_status(&cluster).await?;
+    // Once training has started, cut shard s0 off from everyone for the outage (a fixed wait
+    // could outlast the whole job on a fast machine).
+    let observer = cluster.connect("observer").await?;
+    let before = loop {
+        let st = observer.status().await?;
+        if st.samples_done > 0 || st.finished {
+            break st;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
     assert!(!before.finished, "the job ended before the outage began");
     faults.isolate("s0");
     tokio::time::sleep(OUTAGE).await;

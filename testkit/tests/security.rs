@@ -14,7 +14,7 @@ use edl_shared::proto::{Consistency, ErrorCode, Frame, FrameLimits, Request, Res
 use edl_shared::transport::{self, CallError, Conn, TransportSettings, read_frame};
 use edl_shared::{Identity, Role};
 use edl_testkit::{TestCluster, counter_job};
-use edl_worker::{ClientConfig, ClientError, Job};
+use edl_worker::{ClientConfig, ClientError, Gradients, Job};
 
 async fn cluster() -> anyhow::Result<TestCluster> {
     TestCluster::start(counter_job(64, 16, Consistency::Asp), 2).await
@@ -202,6 +202,27 @@ async fn a_wrong_protocol_version_is_refused_at_the_handshake() -> anyhow::Resul
     Ok(())
 }
 
+/// With one shard, shared gradients are not checked before they travel: the shard refuses
+/// a bad gradient whole, and the client then finds the index to report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_shard_refuses_a_bad_shared_gradient_whole() -> anyhow::Result<()> {
+    let cluster = TestCluster::start(counter_job(64, 16, Consistency::Asp), 1).await?;
+    let session = cluster.connect("w").await?.register("w").await?;
+    let mut before = vec![0f32; 64];
+    session.job().pull_all(&mut before, Clock(0)).await?;
+    let mut g = Gradients::from(vec![-1.0f32; 64]);
+    g.as_mut_slice()[50] = f32::NAN;
+    let err = session
+        .push_step_gradients(&g)
+        .await
+        .expect_err("NaN must be refused");
+    assert!(matches!(err, ClientError::NonFinite { index: 50 }), "{err}");
+    let mut after = vec![0f32; 64];
+    session.job().pull_all(&mut after, Clock(0)).await?;
+    assert_eq!(before, after, "a refused push changed parameters");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
     let cluster = cluster().await?;
@@ -219,6 +240,21 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
     assert!(matches!(err, ClientError::NonFinite { index: 40 }), "{err}");
     let err = session.push_step(&[1.0; 3]).await.expect_err("wrong size");
     assert!(matches!(err, ClientError::BufferSize { .. }), "{err}");
+    // Shared gradients are checked while QUIC already sends them: each shard's request is
+    // completed only once both parts passed, and withdrawn otherwise, so a bad value in
+    // either shard's part leaves both unchanged.
+    for bad in [3, 40, 63] {
+        let mut g = Gradients::from(vec![-1.0f32; 64]);
+        g.as_mut_slice()[bad] = f32::INFINITY;
+        let err = session
+            .push_step_gradients(&g)
+            .await
+            .expect_err("infinity must be refused");
+        assert!(
+            matches!(err, ClientError::NonFinite { index } if index == bad),
+            "{err}"
+        );
+    }
 
     // Raw requests on the session's own identity, with its id and token.
     let id = cluster.identity(Role::Worker, "w")?;
@@ -295,6 +331,14 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
     push(epoch, one, vec![-1.0; 16]).await?;
     job.pull_all(&mut after, Clock(0)).await?;
     assert_eq!(after[..16], [1.0; 16]);
+    // The session's connections, whose requests were withdrawn, still carry pushes.
+    session
+        .push_step_gradients(&Gradients::from(vec![-1.0f32; 64]))
+        .await?;
+    job.pull_all(&mut after, Clock(0)).await?;
+    assert_eq!(after[..16], [2.0; 16]);
+    let moved: Vec<f32> = before[16..].iter().map(|b| b + 1.0).collect();
+    assert_eq!(after[16..], moved[..]);
 
     // Unknown workers are told so.
     let coord = Conn::connect(&ep, &cluster.coordinator_addr.to_string(), "raw", &settings).await?;

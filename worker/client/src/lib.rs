@@ -49,7 +49,7 @@ use edl_shared::proto::{
     ErrorCode, Frame, JobConfig, KeyLayout, Parts, Request, Response, ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
-use edl_shared::transport::{CallError, Conn, Sink, TransportSettings, client_endpoint};
+use edl_shared::transport::{CallError, Conn, Release, Sink, TransportSettings, client_endpoint};
 use thiserror::Error;
 
 pub mod blocking;
@@ -82,8 +82,8 @@ pub enum ClientError {
         /// What was wrong.
         what: String,
     },
-    /// A gradient holds NaN or infinity; nothing was sent.
-    #[error("gradient value at float {index} is not finite; nothing was pushed")]
+    /// A gradient holds NaN or infinity; no shard applied any of it.
+    #[error("gradient value at float {index} is not finite; nothing was applied")]
     NonFinite {
         /// Position of the first bad value.
         index: usize,
@@ -362,7 +362,7 @@ impl Job {
     /// Calls a shard, its answer's payload going to `sink`; with `retry`, a failed connection
     /// is replaced (the shard's address is read again from the coordinator's map) and the
     /// call repeated for as long as the transport settings' `reconnect` allows (by default
-    /// until the shard answers).
+    /// until the shard answers). Each attempt is completed only once `release` allows it.
     /// Only idempotent requests may be retried: pulls, and pushes that carry a data span (a
     /// shard skips a span it applied). A request that was never sent (no stream could be
     /// opened) is retried whatever it is. A shard that is no longer in the coordinator's map
@@ -371,9 +371,9 @@ impl Job {
     async fn call_shard<S: Sink<Response>>(
         &self,
         (id, conn): (ShardId, Arc<Mutex<Conn>>),
-        req: Request,
-        payload: Parts,
+        (req, payload): (Request, Parts),
         retry: bool,
+        release: &impl Release,
         sink: &mut S,
     ) -> Result<Response, CallError> {
         let net = &self.net;
@@ -383,7 +383,7 @@ impl Job {
         loop {
             let current = conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let err = match current
-                .call_into(req.clone(), payload.clone(), &mut *sink)
+                .call_released(req.clone(), payload.clone(), release, &mut *sink)
                 .await
             {
                 Err(e @ CallError::NotSent(_)) => e,

@@ -17,7 +17,7 @@ use edl_shared::proto::frame::{Parts, Payload, extend_f32s, extend_finite_f32s};
 use edl_shared::proto::ids::{Clock, Key, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, KeyRange};
 use edl_shared::proto::{ErrorCode, KeyLayout, Request, Response, ShardMap};
-use edl_shared::transport::{CallError, Collect, Conn, Sink};
+use edl_shared::transport::{CallError, Collect, Conn, Release, Sink};
 
 use super::{ClientError, Gradients, Job, check_finite, connect_retry};
 
@@ -216,6 +216,7 @@ impl Job {
         mut wanted: Option<Vec<KeyRange>>,
         retry_connection: bool,
         make: impl Fn(&ShardLink, &ShardMap) -> Result<(Request, Parts), ClientError>,
+        check: Option<&Check<'_>>,
         sink: impl Fn(&ShardLink) -> S,
         mut take: impl FnMut(&ShardLink, Response) -> Result<(), ClientError>,
     ) -> Result<(), ClientError> {
@@ -227,28 +228,47 @@ impl Job {
                 .iter()
                 .map(|part| make(part, &routing.map))
                 .collect::<Result<Vec<_>, _>>()?;
-            let calls = parts.iter().zip(requests).map(|(part, (req, payload))| {
-                self.traffic.sent(payload.byte_len());
+            // One request needs no gate: its shard checks every value before it acts on any,
+            // and refuses the request whole.
+            let gate = check.filter(|_| parts.len() > 1).map(Gate::new);
+            let calls = parts.iter().zip(requests).map(|(part, request)| {
+                self.traffic.sent(request.1.byte_len());
                 let mut sink = Counted {
                     inner: sink(part),
                     bytes: 0,
                 };
                 let to = (part.id, part.conn.clone());
+                let gate = gate.as_ref();
                 async move {
                     let answer = self
-                        .call_shard(to, req, payload, retry_connection, &mut sink)
+                        .call_shard(to, request, retry_connection, &gate, &mut sink)
                         .await;
+                    if answer.is_err() {
+                        // A request that will not be sent complete holds back no other.
+                        gate.inspect(|g| g.shut(None));
+                    }
                     (answer, sink.bytes)
                 }
             });
-            let answers = futures_util::future::join_all(calls).await;
+            let checks = async {
+                if let Some(g) = &gate {
+                    g.run(&parts).await;
+                }
+            };
+            let (answers, ()) = tokio::join!(futures_util::future::join_all(calls), checks);
+            if let Some(e) = gate.and_then(|g| g.into_error()) {
+                return Err(e);
+            }
             let mut refused: Vec<KeyRange> = Vec::new();
             let mut newest: Option<ShardMap> = None;
             let mut last_refusal = None;
+            // A request withdrawn because another one failed: report that failure instead.
+            let mut withdrawn = false;
             for (part, (answer, received)) in parts.iter().zip(answers) {
                 self.traffic.received(received as usize);
                 match answer {
                     Ok(msg) => take(part, msg)?,
+                    Err(CallError::Withdrawn) => withdrawn = true,
                     Err(CallError::Remote {
                         code: Some(ErrorCode::StaleEpoch),
                         map,
@@ -267,6 +287,9 @@ impl Job {
                     }
                     Err(e) => return Err(e.into()),
                 }
+            }
+            if withdrawn {
+                return Err(CallError::Withdrawn.into());
             }
             if refused.is_empty() {
                 return Ok(());
@@ -323,6 +346,7 @@ impl Job {
                 };
                 Ok((req, Parts::default()))
             },
+            None,
             |link| PullSink {
                 layout: &self.layout,
                 ranges: link.ranges.clone(),
@@ -379,50 +403,74 @@ impl Job {
         span: Option<DataSpan>,
     ) -> Result<(), ClientError> {
         self.check_len(grads.len())?;
-        // Shards refuse non-finite values too, but each sees only its part: checking every
-        // part before any is sent keeps a bad gradient from being applied on some shards and
-        // refused on others.
-        if let Grads::Shared(g) = &grads {
-            check_finite(g)?;
-        }
-        self.fan_out(
-            None,
-            // Only a push with a data span may be repeated: a shard skips a span it applied.
-            span.is_some(),
-            |link, map| {
-                // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
-                let payload = match &grads {
-                    Grads::Borrowed(g) => {
-                        let floats = link.flat.iter().map(|&(_, len)| len).sum::<usize>();
-                        let mut payload = BytesMut::with_capacity(floats * 4);
-                        for &(off, len) in &link.flat {
-                            extend_finite_f32s(&mut payload, &g[off..off + len])
-                                .map_err(|i| ClientError::NonFinite { index: off + i })?;
-                        }
-                        Parts(vec![payload.freeze()])
+        // Shards refuse non-finite values too, but each sees only its part: every part must
+        // pass before any shard acts on its request, or a bad gradient would be applied on
+        // some shards and refused on others. Borrowed values are checked as they are copied,
+        // before anything is sent; shared ones while QUIC sends them, each request completed
+        // only once every part passed (`Gate`), and not at all here when one shard is asked
+        // (it refuses a bad gradient whole; the index is then found here).
+        let shared_check = |link: &ShardLink| match &grads {
+            Grads::Shared(g) => link.flat.iter().try_for_each(|&(off, len)| {
+                check_finite(&g[off..off + len]).map_err(|e| match e {
+                    ClientError::NonFinite { index } => {
+                        ClientError::NonFinite { index: off + index }
                     }
-                    Grads::Shared(g) => Parts(
-                        link.flat
-                            .iter()
-                            .map(|&(off, len)| g.wire(off, len))
-                            .collect(),
-                    ),
-                };
-                let req = Request::Push {
-                    epoch: map.epoch,
-                    worker,
-                    clock,
-                    chunks: link.chunks.clone(),
-                    span,
-                    covers: Vec::new(),
-                    token,
-                };
-                Ok((req, payload))
-            },
-            |_| Collect::default(),
-            |_, _| Ok(()),
-        )
-        .await
+                    e => e,
+                })
+            }),
+            Grads::Borrowed(_) => Ok(()),
+        };
+        let check: Option<&Check<'_>> = match &grads {
+            Grads::Shared(_) => Some(&shared_check),
+            Grads::Borrowed(_) => None,
+        };
+        let pushed = self
+            .fan_out(
+                None,
+                // Only a push with a data span may be repeated: a shard skips a span it applied.
+                span.is_some(),
+                |link, map| {
+                    // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
+                    let payload = match &grads {
+                        Grads::Borrowed(g) => {
+                            let floats = link.flat.iter().map(|&(_, len)| len).sum::<usize>();
+                            let mut payload = BytesMut::with_capacity(floats * 4);
+                            for &(off, len) in &link.flat {
+                                extend_finite_f32s(&mut payload, &g[off..off + len])
+                                    .map_err(|i| ClientError::NonFinite { index: off + i })?;
+                            }
+                            Parts(vec![payload.freeze()])
+                        }
+                        Grads::Shared(g) => Parts(
+                            link.flat
+                                .iter()
+                                .map(|&(off, len)| g.wire(off, len))
+                                .collect(),
+                        ),
+                    };
+                    let req = Request::Push {
+                        epoch: map.epoch,
+                        worker,
+                        clock,
+                        chunks: link.chunks.clone(),
+                        span,
+                        covers: Vec::new(),
+                        token,
+                    };
+                    Ok((req, payload))
+                },
+                check,
+                |_| Collect::default(),
+                |_, _| Ok(()),
+            )
+            .await;
+        match (pushed, &grads) {
+            (Err(e), Grads::Shared(g)) if e.code() == Some(ErrorCode::NonFinite) => {
+                check_finite(g)?;
+                Err(e)
+            }
+            (pushed, _) => pushed,
+        }
     }
 
     /// Pushes `(key, values)` pairs for step `clock`, each a whole chunk (a sparse write);
@@ -485,6 +533,7 @@ impl Job {
                 };
                 Ok((req, Parts(vec![payload.freeze()])))
             },
+            None,
             |_| Collect::default(),
             |_, _| Ok(()),
         )
@@ -551,6 +600,91 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
                 self.at = (self.at.0 + 1, 0);
             }
         }
+    }
+}
+
+/// A check that every part of a request must pass before any shard acts on its part.
+pub(super) type Check<'a> = dyn Fn(&ShardLink) -> Result<(), ClientError> + Sync + 'a;
+
+/// Holds back the requests of one fan-out until every part has passed its [`Check`]: the
+/// requests are sent at once, the parts are checked while QUIC sends them, and the requests
+/// are completed once all parts passed, or withdrawn when one failed (a shard acts on a
+/// request only once its stream is finished). A request that will not be sent complete
+/// withdraws the others still waiting. Once open, the gate stays open: a request repeated on
+/// a new connection is completed at once.
+struct Gate<'a> {
+    check: &'a Check<'a>,
+    verdict: tokio::sync::watch::Sender<Verdict>,
+    /// Why the gate shut, when a check failed.
+    error: Mutex<Option<ClientError>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Verdict {
+    Waiting,
+    Open,
+    Shut,
+}
+
+impl<'a> Gate<'a> {
+    fn new(check: &'a Check<'a>) -> Self {
+        Gate {
+            check,
+            verdict: tokio::sync::watch::Sender::new(Verdict::Waiting),
+            error: Mutex::new(None),
+        }
+    }
+
+    /// Checks every link's part, once the requests had their turn to be sent, and opens the
+    /// gate or shuts it.
+    async fn run(&self, links: &[ShardLink]) {
+        tokio::task::yield_now().await;
+        for link in links {
+            if let Err(e) = (self.check)(link) {
+                self.shut(Some(e));
+                return;
+            }
+        }
+        self.verdict.send_modify(|v| {
+            if *v == Verdict::Waiting {
+                *v = Verdict::Open;
+            }
+        });
+    }
+
+    /// Waits for the verdict: whether to complete a request.
+    async fn pass(&self) -> bool {
+        let mut rx = self.verdict.subscribe();
+        // The sender lives as long as the gate: the wait ends only with a verdict.
+        let verdict = rx.wait_for(|v| *v != Verdict::Waiting).await;
+        verdict.is_ok_and(|v| *v == Verdict::Open)
+    }
+
+    /// Withdraws every request still waiting: a check failed with `why`, or a request will
+    /// not be sent complete.
+    fn shut(&self, why: Option<ClientError>) {
+        if let Some(e) = why {
+            self.error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(e);
+        }
+        self.verdict.send_modify(|v| {
+            if *v == Verdict::Waiting {
+                *v = Verdict::Shut;
+            }
+        });
+    }
+
+    /// The failed check's error, if one failed.
+    fn into_error(self) -> Option<ClientError> {
+        self.error.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Release for &Gate<'_> {
+    async fn release(&self) -> bool {
+        self.pass().await
     }
 }
 

@@ -34,6 +34,19 @@ use crate::checkpoint::{self, CheckpointError, ChunkSnap, RangeExport, ShardChec
 use crate::ledger::{Claim, Ledgers};
 use crate::optimizer::OptState;
 
+/// Pushes of at least this many bytes are applied on two cores (ASP and SSP): below it,
+/// starting a thread costs more than it saves.
+const PARALLEL_APPLY_BYTES: u64 = 4 << 20;
+
+/// The cores this process may use (read once: finding out reads the cgroup's files).
+static CORES: std::sync::LazyLock<usize> =
+    std::sync::LazyLock::new(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+
+/// The floats of `chunks`.
+fn floats_in(chunks: &[ChunkRef]) -> usize {
+    chunks.iter().map(|c| c.len as usize).sum()
+}
+
 /// A chunk's parameters as the payload of a pull answer: on little-endian machines, the values
 /// as they lie in memory, shared until quinn has sent them (the next update then writes into
 /// a copy); elsewhere, a little-endian copy.
@@ -579,11 +592,52 @@ impl ShardState {
         };
         self.load.pushes.fetch_add(1, Ordering::Relaxed);
         self.load.bytes_in.fetch_add(bytes, Ordering::Relaxed);
-        let mut grads = F32Runs::new(payload);
+        let claims = claims.as_ref();
+        // A large ASP/SSP update is applied on two cores, each taking a contiguous half of
+        // the chunks (no key is in both). BSP staging stays on one: it may refuse mid-way.
+        if !self.bsp() && bytes >= PARALLEL_APPLY_BYTES && *CORES > 1 && chunks.len() > 1 {
+            let mut floats = 0u64;
+            let half = chunks
+                .iter()
+                .take_while(|c| {
+                    floats += u64::from(c.len);
+                    floats * 2 < total
+                })
+                .count()
+                .clamp(1, chunks.len() - 1);
+            let (first, second) = chunks.split_at(half);
+            let mut rest = F32Runs::new(payload);
+            rest.take(floats_in(first), |_, _| {});
+            return std::thread::scope(|scope| {
+                let other = scope.spawn(|| self.apply_chunks(worker, clock, second, rest, claims));
+                let here = self.apply_chunks(worker, clock, first, F32Runs::new(payload), claims);
+                let there = other
+                    .join()
+                    .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                here.and(there)
+            });
+        }
+        self.apply_chunks(worker, clock, chunks, F32Runs::new(payload), claims)
+    }
+
+    /// Applies (ASP, SSP) or stages (BSP) the gradients of `chunks`, read from `grads`, for
+    /// the keys whose ledger segment `claims` says to apply (all without a span). The push was
+    /// validated.
+    fn apply_chunks(
+        &self,
+        worker: WorkerId,
+        clock: Clock,
+        chunks: &[ChunkRef],
+        mut grads: F32Runs<'_>,
+        claims: Option<&BTreeMap<u32, Claim>>,
+    ) -> Result<Claim, Refusal> {
+        let bad = |(code, msg): (ErrorCode, String)| {
+            Refusal::new(code, format!("push from {worker}: {msg}"))
+        };
         for c in chunks {
             let len = c.len as usize;
             let chunk = self.chunks.get_mut(&c.key);
-            let skip = match (&chunk, &claims) {
+            let skip = match (&chunk, claims) {
                 (None, _) => true,
                 (Some(chunk), Some(cl)) => cl.get(&chunk.segment) != Some(&Claim::Apply),
                 (Some(_), None) => false,

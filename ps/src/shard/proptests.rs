@@ -886,3 +886,102 @@ fn a_span_outside_its_partition_is_refused() {
     assert_eq!(second.map_err(|r| r.code), Err(ErrorCode::InvalidRequest));
     assert_eq!(st.ledger_report()[0].duplicates, 0);
 }
+
+/// A push large enough to be applied on two cores (`PARALLEL_APPLY_BYTES`) leaves the
+/// parameters and optimizer state exactly as applying it key by key does, with chunks of
+/// uneven length and the payload in misaligned parts of QUIC's sizes.
+#[test]
+fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
+    const CHUNK: u32 = 50_000;
+    let floats = (PARALLEL_APPLY_BYTES / 4) as u32 + 3 * CHUNK + 123;
+    for optimizer in [
+        OptimizerSpec::Sgd { lr: 0.5 },
+        OptimizerSpec::Momentum {
+            lr: 0.1,
+            momentum: 0.9,
+        },
+        OptimizerSpec::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+    ] {
+        let mut job = job(Consistency::Asp);
+        job.tensors[0].shape = vec![floats];
+        job.tensors[0].init = Init::Constant { value: 0.25 };
+        job.chunk_size = CHUNK;
+        job.optimizer = optimizer.clone();
+        let layout = job.layout();
+        let keys = layout.num_keys();
+        let map = ShardMap {
+            epoch: MapEpoch(1),
+            shards: vec![ShardInfo {
+                id: ShardId(0),
+                addr: "s0".into(),
+            }],
+            ranges: vec![RangeOwner {
+                start: 0,
+                end: keys,
+                shard: ShardId(0),
+            }],
+        };
+        let st = ShardState::new(ShardId(0), job.clone(), map);
+        let grads: Vec<f32> = (0..floats)
+            .map(|i| ((i % 97) as f32 - 48.0) / 64.0)
+            .collect();
+        let payload = f32s_to_bytes(&grads);
+        // Parts of about 64 KiB, each starting one byte later than the last.
+        let parts: Vec<Bytes> = payload
+            .chunks(65_001)
+            .enumerate()
+            .map(|(i, c)| {
+                let skew = i % 4;
+                let mut b = vec![0u8; skew];
+                b.extend_from_slice(c);
+                Bytes::from(b).slice(skew..)
+            })
+            .collect();
+        let chunks: Vec<ChunkRef> = (0..keys)
+            .map(|k| ChunkRef {
+                key: Key(k),
+                len: layout.span(Key(k)).expect("a key").len,
+            })
+            .collect();
+        for clock in 0..2 {
+            st.push_covering(
+                MapEpoch(1),
+                WorkerId(1),
+                Clock(clock),
+                &chunks,
+                &parts,
+                None,
+                &[],
+            )
+            .expect("a valid push");
+        }
+        let snap = st.snapshot();
+        for c in &chunks {
+            let span = layout.span(c.key).expect("a key");
+            let g = &grads[span.offset as usize..][..c.len as usize];
+            let mut p = vec![0.25f32; c.len as usize];
+            let mut opt = OptState::new(&optimizer, p.len());
+            for _ in 0..2 {
+                opt.start(&optimizer, p.len());
+                opt.apply_at(&optimizer, &mut p, 0, g, 1.0);
+            }
+            let got = snap
+                .chunks
+                .iter()
+                .find(|s| s.key == c.key.0)
+                .expect("the key's snapshot");
+            assert_eq!(got.params, p, "{optimizer:?}, {}", c.key);
+            let (m, v, t) = match &opt {
+                OptState::Sgd => (Vec::new(), Vec::new(), 0),
+                OptState::Momentum { v } => (v.clone(), Vec::new(), 0),
+                OptState::Adam { m, v, t } => (m.clone(), v.clone(), *t),
+            };
+            assert_eq!((&got.m, &got.v, got.t), (&m, &v, t), "{optimizer:?}");
+        }
+    }
+}

@@ -7,8 +7,9 @@ use bytes::Bytes;
 
 /// A gradient vector that a push sends without copying it: the pushed bytes are the buffer
 /// itself, shared with the transport until the shards have acknowledged them (QUIC keeps sent
-/// bytes until then, to send them again if a packet is lost). The push checks the values for
-/// NaN and infinity first, in one read-only pass.
+/// bytes until then, to send them again if a packet is lost). NaN and infinity are refused
+/// with nothing applied: the values are checked while QUIC sends them, and the shards act on
+/// the push only once every part passed (with one shard, that shard checks them).
 ///
 /// Write the next gradient through [`Gradients::as_mut_slice`]: a buffer still held by the
 /// transport is first copied into one of its own, so a push never sends values written after

@@ -505,6 +505,10 @@ async fn request<S: Service>(
         let prefix =
             match tokio::time::timeout(deadline, read_prefix(&mut recv, &shared.limits)).await {
                 Ok(Ok(p)) => p,
+                Ok(Err(e)) if is_withdrawn(&e) => {
+                    withdrawn = true;
+                    return Err(Response::error(ErrorCode::Malformed, "withdrawn"));
+                }
                 Ok(Err(e)) => return Err(Response::error(read_error_code(&e), e.to_string())),
                 Err(_) => return Err(Response::error(ErrorCode::Malformed, "no frame in time")),
             };
@@ -519,9 +523,7 @@ async fn request<S: Service>(
         match tokio::time::timeout(deadline, read_frame_body::<Request>(&mut recv, &prefix)).await {
             Ok(Ok(f)) => Ok((f, charge)),
             // The peer withdrew the request (`transport::Release`): nothing to do or answer.
-            Ok(Err(CallError::ReadChunk(quinn::ReadError::Reset(code))))
-                if code == VarInt::from_u32(WITHDRAWN) =>
-            {
+            Ok(Err(e)) if is_withdrawn(&e) => {
                 withdrawn = true;
                 Err(Response::error(ErrorCode::Malformed, "withdrawn"))
             }
@@ -577,6 +579,16 @@ async fn request<S: Service>(
     // answer, made large pulls markedly slower (measured with `edl-bench transport`: at 1 MiB
     // 2.0 ms per push+pull pair instead of 2.7 ms, at 16 MiB 29 ms instead of 36 ms).
     let _ = tokio::time::timeout(shared.budgets.frame_timeout, send.stopped()).await;
+}
+
+/// Whether reading a request failed because its sender withdrew it (`transport::Release`).
+fn is_withdrawn(e: &CallError) -> bool {
+    let reset = match e {
+        CallError::ReadChunk(quinn::ReadError::Reset(code))
+        | CallError::Read(quinn::ReadExactError::ReadError(quinn::ReadError::Reset(code))) => code,
+        _ => return false,
+    };
+    *reset == VarInt::from_u32(WITHDRAWN)
 }
 
 /// The wire code for a request that could not be read.

@@ -422,14 +422,6 @@ impl F32Run<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// The values, appended to `out` (tests and small runs).
-    pub fn extend_into(&self, out: &mut Vec<f32>) {
-        match self {
-            F32Run::Values(v) => out.extend_from_slice(v),
-            F32Run::Le(b) => out.extend(LeF32s(b).iter()),
-        }
-    }
 }
 
 /// Little-endian f32 bytes (a multiple of 4) at any alignment, read value by value.
@@ -620,7 +612,10 @@ mod tests {
                 let mut got = Vec::new();
                 while let Some(run) = runs.next(max) {
                     assert!(!run.is_empty() && run.len() <= max);
-                    run.extend_into(&mut got);
+                    match run {
+                        F32Run::Values(v) => got.extend_from_slice(v),
+                        F32Run::Le(b) => got.extend(LeF32s(b).iter()),
+                    }
                 }
                 assert_eq!(got, v, "skew {skew}, parts of {step}, runs of {max}");
             }

@@ -58,6 +58,16 @@ pub enum OptState {
 }
 
 impl OptState {
+    /// The state as a checkpoint holds it: first moment (momentum's velocity), second moment,
+    /// step count; empty where the optimizer keeps none.
+    pub fn moments(&self) -> (Vec<f32>, Vec<f32>, u64) {
+        match self {
+            OptState::Sgd => (Vec::new(), Vec::new(), 0),
+            OptState::Momentum { v } => (v.clone(), Vec::new(), 0),
+            OptState::Adam { m, v, t } => (m.clone(), v.clone(), *t),
+        }
+    }
+
     /// Fresh state for a chunk of `len` parameters.
     pub fn new(spec: &OptimizerSpec, len: usize) -> Self {
         match spec {
@@ -170,6 +180,24 @@ impl OptState {
     }
 }
 
+/// One optimizer of each kind, for tests.
+#[cfg(test)]
+pub(crate) fn one_of_each() -> [OptimizerSpec; 3] {
+    [
+        OptimizerSpec::Sgd { lr: 0.1 },
+        OptimizerSpec::Momentum {
+            lr: 0.1,
+            momentum: 0.9,
+        },
+        OptimizerSpec::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,19 +205,7 @@ mod tests {
     #[test]
     fn an_update_applied_in_pieces_equals_one_applied_whole() {
         let g: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
-        for spec in [
-            OptimizerSpec::Sgd { lr: 0.1 },
-            OptimizerSpec::Momentum {
-                lr: 0.1,
-                momentum: 0.9,
-            },
-            OptimizerSpec::Adam {
-                lr: 0.01,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-        ] {
+        for spec in one_of_each() {
             let (mut whole, mut pieces) = (OptState::new(&spec, 1000), OptState::new(&spec, 1000));
             let (mut p1, mut p2) = (vec![0.5f32; 1000], vec![0.5f32; 1000]);
             for _ in 0..3 {

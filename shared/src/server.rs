@@ -500,50 +500,46 @@ async fn request<S: Service>(
     in_flight: &Arc<AtomicU64>,
 ) {
     let deadline = shared.budgets.frame_timeout;
-    let mut withdrawn = false;
+    // `Err(None)`: the peer withdrew the request (`transport::Release`); nothing to answer.
     let read = async {
         let prefix =
             match tokio::time::timeout(deadline, read_prefix(&mut recv, &shared.limits)).await {
                 Ok(Ok(p)) => p,
-                Ok(Err(e)) if is_withdrawn(&e) => {
-                    withdrawn = true;
-                    return Err(Response::error(ErrorCode::Malformed, "withdrawn"));
+                Ok(Err(e)) => return Err(unread(&e)),
+                Err(_) => {
+                    return Err(Some(Response::error(
+                        ErrorCode::Malformed,
+                        "no frame in time",
+                    )));
                 }
-                Ok(Err(e)) => return Err(Response::error(read_error_code(&e), e.to_string())),
-                Err(_) => return Err(Response::error(ErrorCode::Malformed, "no frame in time")),
             };
         // Charge what the frame announces before anything is allocated for it.
         let charge = match shared.charge(in_flight, prefix.frame_len()) {
             Ok(c) => c,
             Err(why) => {
                 let _ = recv.stop(VarInt::from_u32(ErrorCode::Busy.as_u16().into()));
-                return Err(Response::error(ErrorCode::Busy, why));
+                return Err(Some(Response::error(ErrorCode::Busy, why)));
             }
         };
         match tokio::time::timeout(deadline, read_frame_body::<Request>(&mut recv, &prefix)).await {
             Ok(Ok(f)) => Ok((f, charge)),
-            // The peer withdrew the request (`transport::Release`): nothing to do or answer.
-            Ok(Err(e)) if is_withdrawn(&e) => {
-                withdrawn = true;
-                Err(Response::error(ErrorCode::Malformed, "withdrawn"))
-            }
-            Ok(Err(e)) => Err(Response::error(read_error_code(&e), e.to_string())),
+            Ok(Err(e)) => Err(unread(&e)),
             Err(_) => {
                 let _ = recv.stop(VarInt::from_u32(ErrorCode::Malformed.as_u16().into()));
-                Err(Response::error(
+                Err(Some(Response::error(
                     ErrorCode::Malformed,
                     format!("the frame did not arrive within {deadline:?}"),
-                ))
+                )))
             }
         }
     };
     let started = std::time::Instant::now();
     let reply = match read.await {
-        Err(_) if withdrawn => {
+        Err(None) => {
             debug!(name = %peer.name, "request withdrawn by the peer");
             return;
         }
-        Err(resp) => {
+        Err(Some(resp)) => {
             if let Response::Error { code, .. } = &resp {
                 METRICS.error(*code);
             }
@@ -581,14 +577,18 @@ async fn request<S: Service>(
     let _ = tokio::time::timeout(shared.budgets.frame_timeout, send.stopped()).await;
 }
 
-/// Whether reading a request failed because its sender withdrew it (`transport::Release`).
-fn is_withdrawn(e: &CallError) -> bool {
+/// The answer to a request that could not be read: none for one its sender withdrew
+/// (`transport::Release`), reset before it was complete.
+fn unread(e: &CallError) -> Option<Response> {
     let reset = match e {
         CallError::ReadChunk(quinn::ReadError::Reset(code))
-        | CallError::Read(quinn::ReadExactError::ReadError(quinn::ReadError::Reset(code))) => code,
-        _ => return false,
+        | CallError::Read(quinn::ReadExactError::ReadError(quinn::ReadError::Reset(code))) => {
+            Some(*code)
+        }
+        _ => None,
     };
-    *reset == VarInt::from_u32(WITHDRAWN)
+    (reset != Some(VarInt::from_u32(WITHDRAWN)))
+        .then(|| Response::error(read_error_code(e), e.to_string()))
 }
 
 /// The wire code for a request that could not be read.

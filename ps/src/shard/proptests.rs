@@ -351,7 +351,12 @@ fn without_load(mut snap: ShardCheckpoint) -> ShardCheckpoint {
 /// `payload` cut as QUIC might deliver it: parts of a length that varies with `seed`, most
 /// starting at an address not aligned for f32, some cutting a value in two.
 fn parts_of(payload: &[u8], seed: u64) -> Vec<Bytes> {
-    let size = 5 + (seed % 11) as usize * 3;
+    skewed_parts(payload, 5 + (seed % 11) as usize * 3)
+}
+
+/// `payload` in parts of `size` bytes (the last shorter), each starting at an address one byte
+/// later, modulo 4, than the last.
+fn skewed_parts(payload: &[u8], size: usize) -> Vec<Bytes> {
     payload
         .chunks(size)
         .enumerate()
@@ -894,19 +899,7 @@ fn a_span_outside_its_partition_is_refused() {
 fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
     const CHUNK: u32 = 50_000;
     let floats = (PARALLEL_APPLY_BYTES / 4) as u32 + 3 * CHUNK + 123;
-    for optimizer in [
-        OptimizerSpec::Sgd { lr: 0.5 },
-        OptimizerSpec::Momentum {
-            lr: 0.1,
-            momentum: 0.9,
-        },
-        OptimizerSpec::Adam {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        },
-    ] {
+    for optimizer in crate::optimizer::one_of_each() {
         let mut job = job(Consistency::Asp);
         job.tensors[0].shape = vec![floats];
         job.tensors[0].init = Init::Constant { value: 0.25 };
@@ -931,17 +924,8 @@ fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
             .map(|i| ((i % 97) as f32 - 48.0) / 64.0)
             .collect();
         let payload = f32s_to_bytes(&grads);
-        // Parts of about 64 KiB, each starting one byte later than the last.
-        let parts: Vec<Bytes> = payload
-            .chunks(65_001)
-            .enumerate()
-            .map(|(i, c)| {
-                let skew = i % 4;
-                let mut b = vec![0u8; skew];
-                b.extend_from_slice(c);
-                Bytes::from(b).slice(skew..)
-            })
-            .collect();
+        // Parts of about 64 KiB, as QUIC delivers large datagrams.
+        let parts = skewed_parts(&payload, 65_001);
         let chunks: Vec<ChunkRef> = (0..keys)
             .map(|k| ChunkRef {
                 key: Key(k),
@@ -976,11 +960,7 @@ fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
                 .find(|s| s.key == c.key.0)
                 .expect("the key's snapshot");
             assert_eq!(got.params, p, "{optimizer:?}, {}", c.key);
-            let (m, v, t) = match &opt {
-                OptState::Sgd => (Vec::new(), Vec::new(), 0),
-                OptState::Momentum { v } => (v.clone(), Vec::new(), 0),
-                OptState::Adam { m, v, t } => (m.clone(), v.clone(), *t),
-            };
+            let (m, v, t) = opt.moments();
             assert_eq!((&got.m, &got.v, got.t), (&m, &v, t), "{optimizer:?}");
         }
     }

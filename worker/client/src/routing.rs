@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use edl_shared::proto::frame::{Parts, Payload, extend_f32s, extend_finite_f32s};
+use edl_shared::proto::frame::{Parts, Payload, extend_f32s, extend_finite_f32s, first_non_finite};
 use edl_shared::proto::ids::{Clock, Key, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, KeyRange};
 use edl_shared::proto::{ErrorCode, KeyLayout, Request, Response, ShardMap};
@@ -409,21 +409,18 @@ impl Job {
         // before anything is sent; shared ones while QUIC sends them, each request completed
         // only once every part passed (`Gate`), and not at all here when one shard is asked
         // (it refuses a bad gradient whole; the index is then found here).
-        let shared_check = |link: &ShardLink| match &grads {
-            Grads::Shared(g) => link.flat.iter().try_for_each(|&(off, len)| {
-                check_finite(&g[off..off + len]).map_err(|e| match e {
-                    ClientError::NonFinite { index } => {
-                        ClientError::NonFinite { index: off + index }
+        let shared_check = match &grads {
+            Grads::Shared(g) => Some(|link: &ShardLink| {
+                link.flat.iter().try_for_each(|&(off, len)| {
+                    match first_non_finite(&g[off..off + len]) {
+                        Some(i) => Err(ClientError::NonFinite { index: off + i }),
+                        None => Ok(()),
                     }
-                    e => e,
                 })
             }),
-            Grads::Borrowed(_) => Ok(()),
-        };
-        let check: Option<&Check<'_>> = match &grads {
-            Grads::Shared(_) => Some(&shared_check),
             Grads::Borrowed(_) => None,
         };
+        let check = shared_check.as_ref().map(|c| c as &Check<'_>);
         let pushed = self
             .fan_out(
                 None,
@@ -652,14 +649,6 @@ impl<'a> Gate<'a> {
         });
     }
 
-    /// Waits for the verdict: whether to complete a request.
-    async fn pass(&self) -> bool {
-        let mut rx = self.verdict.subscribe();
-        // The sender lives as long as the gate: the wait ends only with a verdict.
-        let verdict = rx.wait_for(|v| *v != Verdict::Waiting).await;
-        verdict.is_ok_and(|v| *v == Verdict::Open)
-    }
-
     /// Withdraws every request still waiting: a check failed with `why`, or a request will
     /// not be sent complete.
     fn shut(&self, why: Option<ClientError>) {
@@ -682,9 +671,13 @@ impl<'a> Gate<'a> {
     }
 }
 
+/// A request waits for the gate's verdict: whether to complete it.
 impl Release for &Gate<'_> {
     async fn release(&self) -> bool {
-        self.pass().await
+        let mut rx = self.verdict.subscribe();
+        // The sender lives as long as the gate: the wait ends only with a verdict.
+        let verdict = rx.wait_for(|v| *v != Verdict::Waiting).await;
+        verdict.is_ok_and(|v| *v == Verdict::Open)
     }
 }
 

@@ -335,13 +335,23 @@ fn first_non_finite_le(values: &[[u8; 4]]) -> Option<usize> {
 
 /// The position of the first item whose f32 bits (`bits`) are a NaN or an infinity: its
 /// exponent bits are all ones.
-fn first_bad<T>(items: &[T], bits: impl Fn(&T) -> u32) -> Option<usize> {
-    const BLOCK: usize = 1024;
-    let bad = |x: &T| u32::from((bits(x) & 0x7f80_0000) == 0x7f80_0000);
-    items.chunks(BLOCK).enumerate().find_map(|(i, block)| {
-        let any = block.iter().fold(0u32, |acc, x| acc | bad(x));
-        (any != 0).then(|| i * BLOCK + block.iter().position(|x| bad(x) != 0).unwrap_or(0))
-    })
+fn first_bad<T, B: Fn(&T) -> u32>(items: &[T], bits: B) -> Option<usize> {
+    /// The search, compiled for the CPU's widest vector unit ([`crate::wide`]).
+    struct Search<'a, T, B>(&'a [T], B);
+    impl<T, B: Fn(&T) -> u32> crate::wide::Loop for Search<'_, T, B> {
+        type Out = Option<usize>;
+        #[inline(always)]
+        fn run(self) -> Option<usize> {
+            const BLOCK: usize = 1024;
+            let Search(items, bits) = self;
+            let bad = |x: &T| u32::from((bits(x) & 0x7f80_0000) == 0x7f80_0000);
+            items.chunks(BLOCK).enumerate().find_map(|(i, block)| {
+                let any = block.iter().fold(0u32, |acc, x| acc | bad(x));
+                (any != 0).then(|| i * BLOCK + block.iter().position(|x| bad(x) != 0).unwrap_or(0))
+            })
+        }
+    }
+    crate::wide::wide(Search(items, bits))
 }
 
 /// Checks a payload of f32 values for NaN and infinity while it is being received, each part
@@ -430,6 +440,7 @@ pub struct LeF32s<'a>(pub &'a [u8]);
 
 impl<'a> LeF32s<'a> {
     /// The values in order.
+    #[inline(always)]
     pub fn iter(self) -> impl Iterator<Item = f32> + 'a {
         self.0
             .as_chunks::<4>()

@@ -12,6 +12,7 @@ pub mod msg;
 pub mod order;
 pub mod place;
 pub mod sched;
+pub mod wide;
 
 pub use error::{ErrorCode, ProtoError};
 pub use frame::{Frame, FrameLimits, Parts, Payload};

@@ -2,6 +2,7 @@
 
 use edl_shared::proto::OptimizerSpec;
 use edl_shared::proto::frame::{F32Run, LeF32s};
+use edl_shared::proto::wide::{Loop, wide};
 
 /// A piece of a gradient as the optimizer reads it: values in place, or little-endian bytes at
 /// any alignment (a push's payload where QUIC delivered it).
@@ -12,7 +13,8 @@ pub trait Grad: Copy {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The values in order.
+    /// The values in order (inlined where it is called: [`OptState::apply_at`]'s loops are
+    /// compiled for wider vector units too).
     fn values(self) -> impl Iterator<Item = f32>;
 }
 
@@ -21,6 +23,7 @@ impl Grad for &[f32] {
         <[f32]>::len(self)
     }
 
+    #[inline(always)]
     fn values(self) -> impl Iterator<Item = f32> {
         self.iter().copied()
     }
@@ -31,6 +34,7 @@ impl Grad for LeF32s<'_> {
         self.0.len() / 4
     }
 
+    #[inline(always)]
     fn values(self) -> impl Iterator<Item = f32> {
         self.iter()
     }
@@ -122,8 +126,53 @@ impl OptState {
     }
 
     /// Applies the piece `g` of the update [`OptState::start`] began to the parameters
-    /// `p[at..at + g.len()]` of the chunk `p` (the caller validated the bounds).
+    /// `p[at..at + g.len()]` of the chunk `p` (the caller validated the bounds), with the
+    /// CPU's widest vector unit ([`wide`]).
     pub fn apply_at(
+        &mut self,
+        spec: &OptimizerSpec,
+        p: &mut [f32],
+        at: usize,
+        g: impl Grad,
+        scale: f32,
+    ) {
+        /// The update's loops as a [`Loop`].
+        struct Apply<'a, G> {
+            state: &'a mut OptState,
+            spec: &'a OptimizerSpec,
+            p: &'a mut [f32],
+            at: usize,
+            g: G,
+            scale: f32,
+        }
+        impl<G: Grad> Loop for Apply<'_, G> {
+            type Out = ();
+            #[inline(always)]
+            fn run(self) {
+                let Apply {
+                    state,
+                    spec,
+                    p,
+                    at,
+                    g,
+                    scale,
+                } = self;
+                state.apply_loops(spec, p, at, g, scale);
+            }
+        }
+        wide(Apply {
+            state: self,
+            spec,
+            p,
+            at,
+            g,
+            scale,
+        });
+    }
+
+    /// [`OptState::apply_at`]'s loops, inlined into each version [`wide`] compiles.
+    #[inline(always)]
+    fn apply_loops(
         &mut self,
         spec: &OptimizerSpec,
         p: &mut [f32],
@@ -217,6 +266,34 @@ mod tests {
             }
             assert_eq!(p1, p2, "{spec:?}");
             assert_eq!(whole, pieces, "{spec:?}");
+        }
+    }
+
+    #[test]
+    fn the_widened_update_equals_the_baseline_bit_for_bit() {
+        // An odd length leaves every vector width a tail; the bytes start off alignment.
+        let n = 1037;
+        let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.61).cos() * 3.0).collect();
+        let mut bytes = vec![0u8; 3];
+        bytes.extend(g.iter().flat_map(|v| v.to_le_bytes()));
+        let le = LeF32s(&bytes[3..]);
+        for spec in one_of_each() {
+            let (mut wide, mut base) = (OptState::new(&spec, n), OptState::new(&spec, n));
+            let (mut p1, mut p2) = (vec![0.25f32; n], vec![0.25f32; n]);
+            for step in 0..4 {
+                wide.start(&spec, n);
+                base.start(&spec, n);
+                if step % 2 == 0 {
+                    wide.apply_at(&spec, &mut p1, 0, g.as_slice(), 0.5);
+                    base.apply_loops(&spec, &mut p2, 0, g.as_slice(), 0.5);
+                } else {
+                    wide.apply_at(&spec, &mut p1, 0, le, 0.5);
+                    base.apply_loops(&spec, &mut p2, 0, le, 0.5);
+                }
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&p1), bits(&p2), "{spec:?}");
+            assert_eq!(wide, base, "{spec:?}");
         }
     }
 

@@ -136,30 +136,6 @@ impl OptState {
         g: impl Grad,
         scale: f32,
     ) {
-        /// The update's loops as a [`Loop`].
-        struct Apply<'a, G> {
-            state: &'a mut OptState,
-            spec: &'a OptimizerSpec,
-            p: &'a mut [f32],
-            at: usize,
-            g: G,
-            scale: f32,
-        }
-        impl<G: Grad> Loop for Apply<'_, G> {
-            type Out = ();
-            #[inline(always)]
-            fn run(self) {
-                let Apply {
-                    state,
-                    spec,
-                    p,
-                    at,
-                    g,
-                    scale,
-                } = self;
-                state.apply_loops(spec, p, at, g, scale);
-            }
-        }
         wide(Apply {
             state: self,
             spec,
@@ -169,20 +145,35 @@ impl OptState {
             scale,
         });
     }
+}
 
-    /// [`OptState::apply_at`]'s loops, inlined into each version [`wide`] compiles.
+/// [`OptState::apply_at`]'s arguments, whose [`Loop::run`] is the update: compiled into each
+/// version [`wide`] makes.
+struct Apply<'a, G> {
+    state: &'a mut OptState,
+    spec: &'a OptimizerSpec,
+    p: &'a mut [f32],
+    at: usize,
+    g: G,
+    scale: f32,
+}
+
+impl<G: Grad> Loop for Apply<'_, G> {
+    type Out = ();
+
     #[inline(always)]
-    fn apply_loops(
-        &mut self,
-        spec: &OptimizerSpec,
-        p: &mut [f32],
-        at: usize,
-        g: impl Grad,
-        scale: f32,
-    ) {
+    fn run(self) {
+        let Apply {
+            state,
+            spec,
+            p,
+            at,
+            g,
+            scale,
+        } = self;
         let range = at..at + Grad::len(&g);
         let p = &mut p[range.clone()];
-        match (spec, self) {
+        match (spec, state) {
             (OptimizerSpec::Sgd { lr }, OptState::Sgd) => {
                 let k = lr * scale;
                 // A learning rate of zero leaves every parameter as it is (the gradients are
@@ -269,6 +260,19 @@ mod tests {
         }
     }
 
+    /// The update as built, not through [`wide`].
+    fn baseline(state: &mut OptState, spec: &OptimizerSpec, p: &mut [f32], g: impl Grad) {
+        Apply {
+            state,
+            spec,
+            p,
+            at: 0,
+            g,
+            scale: 0.5,
+        }
+        .run();
+    }
+
     #[test]
     fn the_widened_update_equals_the_baseline_bit_for_bit() {
         // An odd length leaves every vector width a tail; the bytes start off alignment.
@@ -285,10 +289,10 @@ mod tests {
                 base.start(&spec, n);
                 if step % 2 == 0 {
                     wide.apply_at(&spec, &mut p1, 0, g.as_slice(), 0.5);
-                    base.apply_loops(&spec, &mut p2, 0, g.as_slice(), 0.5);
+                    baseline(&mut base, &spec, &mut p2, g.as_slice());
                 } else {
                     wide.apply_at(&spec, &mut p1, 0, le, 0.5);
-                    base.apply_loops(&spec, &mut p2, 0, le, 0.5);
+                    baseline(&mut base, &spec, &mut p2, le);
                 }
             }
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

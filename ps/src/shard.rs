@@ -50,8 +50,8 @@ static CORES: std::sync::LazyLock<usize> =
     std::sync::LazyLock::new(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
 
 /// The floats of `chunks`.
-fn floats_in(chunks: &[ChunkRef]) -> usize {
-    chunks.iter().map(|c| c.len as usize).sum()
+fn floats_in(chunks: &[ChunkRef]) -> u64 {
+    chunks.iter().map(|c| u64::from(c.len)).sum()
 }
 
 /// A chunk's parameters as the payload of a pull answer: on little-endian machines, the values
@@ -506,7 +506,7 @@ impl ShardState {
         let bad = |(code, msg): (ErrorCode, String)| {
             Refusal::new(code, format!("push from {worker}: {msg}"))
         };
-        let total: u64 = chunks.iter().map(|c| u64::from(c.len)).sum();
+        let total = floats_in(chunks);
         let bytes: u64 = payload.iter().map(|p| p.len() as u64).sum();
         if total * 4 != bytes {
             return Err(bad((
@@ -610,7 +610,8 @@ impl ShardState {
                 .clamp(1, chunks.len() - 1);
             let (first, second) = chunks.split_at(mine);
             let mut rest = F32Runs::new(payload);
-            rest.take(floats_in(first), |_, _| {});
+            // Within the payload, whose length was checked against the floats above.
+            rest.take(floats_in(first) as usize, |_, _| {});
             return std::thread::scope(|scope| {
                 let other = scope.spawn(|| self.apply_chunks(worker, clock, second, rest, claims));
                 let here = self.apply_chunks(worker, clock, first, F32Runs::new(payload), claims);

@@ -126,7 +126,10 @@ pub fn transport_table(r: &transport::Results) -> String {
         .map_or("QUIC default datagrams".to_string(), |n| {
             format!("{n}-byte datagrams")
         });
-    format!("transport, push+pull pairs, {dg}:\n{t}")
+    format!(
+        "transport, push+pull pairs, {dg}, AES-GCM from {}:\n{t}",
+        r.aead
+    )
 }
 
 /// The apply results.

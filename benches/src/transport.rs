@@ -72,6 +72,8 @@ pub struct Ratio {
 pub struct Results {
     /// The datagram size in use (`None`: QUIC's default).
     pub datagram: Option<u16>,
+    /// Whose AES-GCM encrypted the packets (`aws-lc` or `ring`).
+    pub aead: &'static str,
     /// Every measurement.
     pub rows: Vec<Row>,
     /// Per point, EDL over the baselines.
@@ -166,6 +168,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     let ratios = ratios(&rows);
     Ok(Results {
         datagram: plan.settings.datagram,
+        aead: plan.settings.aead.name(),
         rows,
         ratios,
     })

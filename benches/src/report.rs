@@ -500,11 +500,15 @@ even on a noisy machine, where absolute figures move from run to run.
   request/response streams with the same TLS 1.3 and transport settings (no framing, no
   optimizer; each side receives what it is sent into one buffer, as a real client and server
   must); TCP sends them over one plain connection per client and server. Gbit/s counts both
-  directions. With several shards the tensor is split evenly and the parts travel in
-  parallel, as EDL's client sends them. Tables are given for QUIC's default datagrams (safe on
-  any network) and for a fixed large datagram (loopback, jumbo frames). Whether striping a
-  request over several streams or connections pays is measured with bare quinn
-  (`--systems quinn,quinn-2streams,quinn-2conns`), outside `all`.
+  directions. The systems of a size are set up side by side and take turns, eight rounds
+  of their pairs in an order rotating by round, so that a stretch where the machine is slow
+  (another tenant, say) slows all of them alike. The AES-GCM in use is named with each
+  table (aws-lc's or ring's, whichever is faster on the CPU). With several shards the tensor
+  is split evenly and the parts travel in parallel, as EDL's client sends them. Tables are
+  given for QUIC's default datagrams (safe on any network) and for a fixed large datagram
+  (loopback, jumbo frames). Whether striping a request over several streams or connections
+  pays is measured with bare quinn (`--systems quinn,quinn-2streams,quinn-2conns`), outside
+  `all`.
 - **apply**: the server-side optimizer applied in place to 64 MiB of parameters, in GB/s of
   parameter plus gradient bytes, against a memcpy of the same bytes.
 - **scale**: synthetic workers against an in-process cluster, each with its own connections,

@@ -6,8 +6,15 @@
 //! One *pair* is a push of the tensor followed by a pull of it; with several shards, each
 //! request is split evenly and sent to every server in parallel, as EDL's client does. GB/s
 //! counts the bytes of both directions (2 × size per pair) over the wall time of all clients.
+//!
+//! The systems of a point are set up side by side and take turns: each runs its share of the
+//! pairs in [`ROUNDS`] rounds, in an order that rotates from round to round. A machine that
+//! slows down for a while (another tenant, a frequency change) slows every system alike, so
+//! the ratios of one run hold even where the machine's speed does not.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -124,6 +131,9 @@ impl Plan {
     }
 }
 
+/// Rounds the pairs of a point are split over (fewer when there are fewer pairs).
+pub const ROUNDS: usize = 8;
+
 /// Runs the plan.
 pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     let pki_dir = tempfile::tempdir()?;
@@ -132,36 +142,36 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     let mut rows = Vec::new();
     for &(clients, shards) in &plan.points {
         for &size in &plan.sizes {
-            let pairs = plan.pairs(size);
             let runs = |sys: &str| plan.systems.iter().any(|s| s == sys);
+            let mut ready: Vec<(&str, Ready)> = Vec::new();
             for (system, apply) in [("edl", true), ("edl-noopt", false)] {
                 if runs(system) {
-                    let edl = edl(size, (clients, shards), pairs, apply, &plan.settings)
+                    let r = edl(size, (clients, shards), apply, &plan.settings)
                         .await
                         .with_context(|| format!("{system} {size} B"))?;
-                    rows.push(edl.row(system, size, clients, shards));
+                    ready.push((system, r));
                 }
             }
             for (system, stripes) in QUINN {
                 if runs(system) {
-                    let q = quinn_pairs(
-                        &pki,
-                        size,
-                        (clients, shards),
-                        pairs,
-                        stripes,
-                        &plan.settings,
-                    )
-                    .await
-                    .with_context(|| format!("{system} {size} B"))?;
-                    rows.push(q.row(system, size, clients, shards));
+                    let r = quinn_pairs(&pki, size, (clients, shards), stripes, &plan.settings)
+                        .await
+                        .with_context(|| format!("{system} {size} B"))?;
+                    ready.push((system, r));
                 }
             }
             if runs("tcp") {
-                let t = tcp_pairs(size, clients, shards, pairs)
+                let r = tcp_pairs(size, clients, shards)
                     .await
                     .with_context(|| format!("tcp {size} B"))?;
-                rows.push(t.row("tcp", size, clients, shards));
+                ready.push(("tcp", r));
+            }
+            let measured = take_turns(&ready, clients, plan.pairs(size))
+                .await
+                .with_context(|| format!("{size} B, {clients}×{shards}"))?;
+            for ((system, r), m) in ready.into_iter().zip(measured) {
+                rows.push(m.row(system, size, clients, shards));
+                r.stop().await;
             }
         }
     }
@@ -172,6 +182,39 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
         rows,
         ratios,
     })
+}
+
+/// Warms every system up, then runs `pairs` pairs of each in [`ROUNDS`] rounds, the systems
+/// taking turns within a round and the first turn moving on by one each round.
+async fn take_turns(
+    ready: &[(&str, Ready)],
+    clients: usize,
+    pairs: usize,
+) -> anyhow::Result<Vec<Measured>> {
+    for (system, r) in ready {
+        for c in 0..clients {
+            for _ in 0..WARMUP {
+                (r.pair)(c)
+                    .await
+                    .with_context(|| format!("{system}, warming up"))?;
+            }
+        }
+    }
+    let mut measured: Vec<Measured> = ready.iter().map(|_| Measured::default()).collect();
+    let rounds = ROUNDS.min(pairs).max(1);
+    for round in 0..rounds {
+        // This round's share: the rounds' shares add up to `pairs`.
+        let n = pairs * (round + 1) / rounds - pairs * round / rounds;
+        for turn in 0..ready.len() {
+            let k = (round + turn) % ready.len();
+            let (system, r) = &ready[k];
+            let m = measure(clients, n, &r.pair)
+                .await
+                .with_context(|| format!("{system}, round {round}"))?;
+            measured[k].add(m);
+        }
+    }
+    Ok(measured)
 }
 
 fn ratios(rows: &[Row]) -> Vec<Ratio> {
@@ -201,12 +244,19 @@ fn ratios(rows: &[Row]) -> Vec<Ratio> {
 }
 
 /// Pair latencies of all clients, and the wall time they took together.
+#[derive(Default)]
 struct Measured {
     samples: Samples,
     wall: Duration,
 }
 
 impl Measured {
+    /// Adds another round's pairs.
+    fn add(&mut self, other: Measured) {
+        self.samples.extend(other.samples);
+        self.wall += other.wall;
+    }
+
     fn row(&self, system: &str, size: usize, clients: usize, shards: usize) -> Row {
         Row {
             system: system.into(),
@@ -224,21 +274,45 @@ impl Measured {
 /// Pairs run this many times before measuring (connections warm, windows open).
 const WARMUP: usize = 3;
 
-/// Runs `clients` copies of `pair` (each `pairs` times after a warm-up) at once.
-async fn measure<F, Fut>(clients: usize, pairs: usize, pair: F) -> anyhow::Result<Measured>
-where
-    F: Fn(usize) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
-{
-    for c in 0..clients {
-        for _ in 0..WARMUP {
-            pair(c).await?;
+/// One push+pull pair of a client.
+type PairFuture = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
+
+/// A system set up for a point: `pair(c)` runs one pair as client `c`.
+struct Ready {
+    pair: Box<dyn Fn(usize) -> PairFuture + Send + Sync>,
+    /// Takes down what the system started (servers, a cluster).
+    stop: Pin<Box<dyn Future<Output = ()> + Send>>,
+}
+
+impl Ready {
+    fn new<F, Fut>(pair: F, stop: impl Future<Output = ()> + Send + 'static) -> Ready
+    where
+        F: Fn(usize) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        Ready {
+            pair: Box::new(move |c| Box::pin(pair(c))),
+            stop: Box::pin(stop),
         }
     }
+
+    /// Ends the clients' connections, then the servers.
+    async fn stop(self) {
+        drop(self.pair);
+        self.stop.await;
+    }
+}
+
+/// Runs `clients` copies of `pair` (each `pairs` times) at once.
+async fn measure(
+    clients: usize,
+    pairs: usize,
+    pair: &(dyn Fn(usize) -> PairFuture + Send + Sync),
+) -> anyhow::Result<Measured> {
     let start = Instant::now();
     let mut set = JoinSet::new();
     for c in 0..clients {
-        let runs: Vec<Fut> = (0..pairs).map(|_| pair(c)).collect();
+        let runs: Vec<PairFuture> = (0..pairs).map(|_| pair(c)).collect();
         set.spawn(async move {
             let mut s = Samples::default();
             for run in runs {
@@ -265,10 +339,9 @@ where
 async fn edl(
     size: usize,
     (clients, shards): (usize, usize),
-    pairs: usize,
     apply: bool,
     settings: &TransportSettings,
-) -> anyhow::Result<Measured> {
+) -> anyhow::Result<Ready> {
     let floats = (size / 4).max(1);
     // Chunks of at most 256 KiB: large tensors spread over several keys per shard.
     let chunk = floats.min(64 << 10) as u32;
@@ -289,19 +362,20 @@ async fn edl(
     let outs: Vec<_> = (0..clients)
         .map(|_| Arc::new(tokio::sync::Mutex::new(vec![0f32; floats])))
         .collect();
-    let measured = measure(clients, pairs, |c| {
-        let (s, g, out) = (sessions[c].clone(), grads.clone(), outs[c].clone());
+    let mine = sessions.clone();
+    let pair = move |c: usize| {
+        let (s, g, out) = (mine[c].clone(), grads.clone(), outs[c].clone());
         async move {
             s.push_step_gradients(&g).await?;
             let mut out = out.lock().await;
             s.job().pull_all(&mut out, Clock(0)).await?;
             Ok(())
         }
-    })
-    .await?;
-    drop(sessions);
-    cluster.stop().await;
-    Ok(measured)
+    };
+    Ok(Ready::new(pair, async move {
+        drop(sessions);
+        cluster.stop().await;
+    }))
 }
 
 /// Bare quinn as the baseline, and striped: each part of a request split over 2 streams of
@@ -347,10 +421,9 @@ async fn quinn_pairs(
     pki: &PkiDir,
     size: usize,
     (clients, shards): (usize, usize),
-    pairs: usize,
     stripes: Stripes,
     settings: &TransportSettings,
-) -> anyhow::Result<Measured> {
+) -> anyhow::Result<Ready> {
     let (streams, endpoints) = (stripes.streams.max(1), stripes.endpoints.max(1));
     // Each shard's part, cut into one piece per stream and per connection.
     let piece = (size / shards / streams / endpoints).max(1);
@@ -378,17 +451,15 @@ async fn quinn_pairs(
         conns.push(Arc::new(mine));
     }
     let payload = Bytes::from(vec![1u8; piece]);
-    let measured = measure(clients, pairs, |c| {
+    let pair = move |c: usize| {
         let (conns, payload) = (conns[c].clone(), payload.clone());
         async move {
             fan(&conns, |conn| quinn_call(conn.clone(), 0, payload.clone())).await?;
             fan(&conns, |conn| quinn_call(conn.clone(), 1, payload.clone())).await?;
             Ok(())
         }
-    })
-    .await?;
-    servers.abort_all();
-    Ok(measured)
+    };
+    Ok(Ready::new(pair, async move { servers.abort_all() }))
 }
 
 async fn quinn_connect(
@@ -491,12 +562,7 @@ async fn quinn_server(ep: quinn::Endpoint, data: Bytes) {
 }
 
 /// Plain TCP on loopback: one connection per (client, server), the same requests in sequence.
-async fn tcp_pairs(
-    size: usize,
-    clients: usize,
-    shards: usize,
-    pairs: usize,
-) -> anyhow::Result<Measured> {
+async fn tcp_pairs(size: usize, clients: usize, shards: usize) -> anyhow::Result<Ready> {
     let part = (size / shards).max(1);
     let mut addrs = Vec::new();
     let mut servers = JoinSet::new();
@@ -516,17 +582,15 @@ async fn tcp_pairs(
         conns.push(Arc::new(per));
     }
     let payload = Arc::new(vec![1u8; part]);
-    let measured = measure(clients, pairs, |c| {
+    let pair = move |c: usize| {
         let (conns, payload) = (conns[c].clone(), payload.clone());
         async move {
             fan(&conns, |s| tcp_call(s.clone(), 0, payload.clone())).await?;
             fan(&conns, |s| tcp_call(s.clone(), 1, payload.clone())).await?;
             Ok(())
         }
-    })
-    .await?;
-    servers.abort_all();
-    Ok(measured)
+    };
+    Ok(Ready::new(pair, async move { servers.abort_all() }))
 }
 
 async fn tcp_call(

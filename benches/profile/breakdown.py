@@ -9,7 +9,8 @@ import collections
 import re
 import sys
 
-# (category, leaf pattern, caller pattern or None); the first that matches wins.
+# (category, leaf pattern, pattern of the leaf or a caller, or None); the first that matches
+# wins.
 RULES = [
     ("AES-GCM (QUIC packet protection)", r"aes|gcm|ghash|EVP_AEAD|HeaderProtection", None),
     ("copy into QUIC packets (send)", r"memcpy|memmove", r"write_stream_frames|poll_transmit|PacketBuilder"),
@@ -20,8 +21,10 @@ RULES = [
     ("kernel: UDP send and receive (copies, sockets)", r"rep_movs|copy_user|_copy_|skb|udp|ip_|sock|sendmsg|recvmsg|csum|nf_|dev_|napi|netif|loopback|__x64_sys|do_syscall|entry_SYSCALL", None),
     ("page faults (fresh memory)", r"clear_page|folio|page_fault|do_anonymous|huge_pmd", None),
     ("kernel: scheduling, interrupts, timers", r"spin|irq|schedule|futex|vdso|clock_gettime|put_user|check_object|entry_|exit_to_user|switch|hrtimer|rcu|epoll|ep_poll|wake", None),
-    ("finiteness checks (client and shard)", r"first_non_finite|FiniteScan", None),
-    ("optimizer (SGD)", r"OptState|apply_at", None),
+    # These loops run inside `edl_proto::wide`'s per-CPU versions: whose loop it is shows in
+    # the callers (or the inlined frames).
+    ("finiteness checks (client and shard)", r".", r"first_non_finite|FiniteScan|first_bad"),
+    ("optimizer (SGD)", r".", r"OptState|apply_at|apply_run|apply_chunks"),
     ("allocator", r"_mi_|mi_malloc|mi_free|malloc|free", None),
     ("quinn protocol logic", r"quinn", None),
     ("tokio scheduling", r"tokio", None),
@@ -45,7 +48,7 @@ def category(stack):
     for name, leaf_pat, caller_pat in RULES:
         if not re.search(leaf_pat, leaf):
             continue
-        if caller_pat is None or any(re.search(caller_pat, f) for f in stack[1:]):
+        if caller_pat is None or any(re.search(caller_pat, f) for f in stack):
             return name
     return "other"
 

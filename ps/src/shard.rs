@@ -1276,7 +1276,8 @@ pub async fn run(
     };
     let state = Arc::new(state);
     metrics::watch(&state);
-    info!(shard = %id, %addr, keys = state.num_keys(), "shard serving");
+    info!(shard = %id, %addr, keys = state.num_keys(), aes_gcm = settings.aead.name(),
+        "shard serving");
     let _ = tx.send(Some(state.clone()));
     let periodic = match (&config.checkpoint, config.checkpoint_every) {
         (Some(path), Some(every)) => {

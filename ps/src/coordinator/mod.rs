@@ -608,7 +608,7 @@ impl BoundCoordinator {
                 }
             })
         });
-        info!(addr = %self.addr, "coordinator serving");
+        info!(addr = %self.addr, aes_gcm = self.settings.aead.name(), "coordinator serving");
         let job = self.coordinator.job_name().to_string();
         edl_shared::serve(
             self.endpoint,

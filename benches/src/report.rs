@@ -503,7 +503,7 @@ even on a noisy machine, where absolute figures move from run to run.
   directions. The systems of a size are set up side by side and take turns, eight rounds
   of their pairs in an order rotating by round, so that a stretch where the machine is slow
   (another tenant, say) slows all of them alike. The AES-GCM in use is named with each
-  table (aws-lc's or ring's, whichever is faster on the CPU). With several shards the tensor
+  table (aws-lc's or ring's, picked by the CPU's features). With several shards the tensor
   is split evenly and the parts travel in parallel, as EDL's client sends them. Tables are
   given for QUIC's default datagrams (safe on any network) and for a fixed large datagram
   (loopback, jumbo frames). Whether striping a request over several streams or connections

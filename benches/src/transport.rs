@@ -362,9 +362,8 @@ async fn edl(
     let outs: Vec<_> = (0..clients)
         .map(|_| Arc::new(tokio::sync::Mutex::new(vec![0f32; floats])))
         .collect();
-    let mine = sessions.clone();
     let pair = move |c: usize| {
-        let (s, g, out) = (mine[c].clone(), grads.clone(), outs[c].clone());
+        let (s, g, out) = (sessions[c].clone(), grads.clone(), outs[c].clone());
         async move {
             s.push_step_gradients(&g).await?;
             let mut out = out.lock().await;
@@ -372,10 +371,8 @@ async fn edl(
             Ok(())
         }
     };
-    Ok(Ready::new(pair, async move {
-        drop(sessions);
-        cluster.stop().await;
-    }))
+    // `Ready::stop` drops the sessions (with `pair`) before the cluster stops.
+    Ok(Ready::new(pair, async move { cluster.stop().await }))
 }
 
 /// Bare quinn as the baseline, and striped: each part of a request split over 2 streams of

@@ -34,16 +34,27 @@ use crate::checkpoint::{self, CheckpointError, ChunkSnap, RangeExport, ShardChec
 use crate::ledger::{Claim, Ledgers};
 use crate::optimizer::OptState;
 
-/// Pushes of at least this many bytes are applied on two cores (ASP and SSP). At 16 MiB this
-/// took the update from about 2 ms to 1.2 ms of a push+pull pair (`edl-bench transport`, edl
-/// against edl-noopt); the threshold itself was not measured, only chosen so that starting a
-/// thread is small beside the update it shares.
+/// Pushes of at least this many bytes are applied on two cores (ASP and SSP) where one is
+/// spare (see [`SPLIT_BESIDE`]). At 16 MiB this took the update from about 2 ms to 1.2 ms of
+/// a push+pull pair on an Intel Xeon (`edl-bench transport`, edl against edl-noopt); on an AMD
+/// EPYC (Zen 3) VM it made no difference beyond the noise at 4 and 16 MiB. The threshold
+/// itself was not measured, only chosen so that starting a thread is small beside the update
+/// it shares.
 const PARALLEL_APPLY_BYTES: u64 = 4 << 20;
 
 /// The share of a two-core update (numerator, denominator) that the request's own thread
 /// applies: the other thread starts ~130 µs later (a new thread; measured at 16 MiB), so it
 /// gets less. At 16 MiB, 55% took the update's p50 from 1.16-1.20 ms (halves) to 1.02-1.14 ms.
 const HERE_SHARE: (u64, u64) = (11, 20);
+
+/// A large push is applied on two cores only when the shard's server has at most this many
+/// bytes in flight beside it (its header, small requests): with other pushes arriving or being
+/// applied, the second core is busy with them already, and a thread of the push's own only
+/// competes with them. Measured with `edl-bench scale --shards 1 --workers 1,6,8 --consistency
+/// asp` (4 MiB pushes; AMD EPYC Zen 3 VM, 2 cores), two runs each: splitting every large push,
+/// a transport ceiling of about 222 steps/s and 76-78% efficiency at 8 workers; splitting only
+/// beside nothing else, 258-260 steps/s and 79-88%; never splitting, 270 steps/s and 86-87%.
+const SPLIT_BESIDE: u64 = 64 << 10;
 
 /// The cores this process may use (read once: finding out reads the cgroup's files).
 static CORES: std::sync::LazyLock<usize> =
@@ -486,12 +497,13 @@ impl ShardState {
         span: Option<&DataSpan>,
     ) -> Result<Claim, Refusal> {
         let parts = [Bytes::copy_from_slice(payload)];
-        self.push_covering(epoch, worker, clock, chunks, &parts, span, &[])
+        self.push_covering(epoch, worker, clock, chunks, &parts, span, &[], true)
     }
 
     /// [`ShardState::push`] of a payload in the parts it arrived in, read where they lie
     /// (no reassembly), and of a sparse push: the span also counts for the keys in `covers`,
-    /// whose gradient is zero (none of it travels).
+    /// whose gradient is zero (none of it travels). `spare_core`: whether nothing else keeps
+    /// the machine's other core busy (a large update may then be applied on two).
     #[allow(clippy::too_many_arguments)]
     pub fn push_covering(
         &self,
@@ -502,6 +514,7 @@ impl ShardState {
         payload: &[Bytes],
         span: Option<&DataSpan>,
         covers: &[KeyRange],
+        spare_core: bool,
     ) -> Result<Claim, Refusal> {
         let bad = |(code, msg): (ErrorCode, String)| {
             Refusal::new(code, format!("push from {worker}: {msg}"))
@@ -596,9 +609,15 @@ impl ShardState {
         self.load.pushes.fetch_add(1, Ordering::Relaxed);
         self.load.bytes_in.fetch_add(bytes, Ordering::Relaxed);
         let claims = claims.as_ref();
-        // A large ASP/SSP update is applied on two cores, each taking a contiguous part of
-        // the chunks (no key is in both). BSP staging stays on one: it may refuse mid-way.
-        if !self.bsp() && bytes >= PARALLEL_APPLY_BYTES && *CORES > 1 && chunks.len() > 1 {
+        // A large ASP/SSP update is applied on two cores where one is spare, each taking a
+        // contiguous part of the chunks (no key is in both). BSP staging stays on one: it may
+        // refuse mid-way.
+        if !self.bsp()
+            && spare_core
+            && bytes >= PARALLEL_APPLY_BYTES
+            && *CORES > 1
+            && chunks.len() > 1
+        {
             let mut floats = 0u64;
             let mine = chunks
                 .iter()
@@ -1130,6 +1149,8 @@ impl Service for ShardService {
                 if epoch > st.map_epoch() && !st.holds(keys()) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }
+                let bytes = payload.0.iter().map(|p| p.len() as u64).sum::<u64>();
+                let spare_core = peer.server.in_flight() <= bytes + SPLIT_BESIDE;
                 st.push_covering(
                     epoch,
                     worker,
@@ -1138,6 +1159,7 @@ impl Service for ShardService {
                     &payload.0,
                     span.as_ref(),
                     &covers,
+                    spare_core,
                 )
                 .map(|_| Frame::new(Response::Ack))
                 .map_err(Response::from)

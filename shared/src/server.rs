@@ -35,6 +35,8 @@ pub struct Peer {
     pub job: String,
     /// Its address.
     pub addr: SocketAddr,
+    /// The bytes in flight on the server it reached.
+    pub server: ServerBytes,
 }
 
 /// A request handler.
@@ -104,10 +106,23 @@ const HELLO_LIMITS: FrameLimits = FrameLimits {
     max_payload: 0,
 };
 
-/// Bytes in flight on the whole server, in KiB permits (a semaphore counts in `u32`).
-struct ServerBytes {
+/// Bytes in flight on the whole server, in KiB permits (a semaphore counts in `u32`): every
+/// frame from the moment its prefix announced it until it was handled.
+#[derive(Clone, Debug)]
+pub struct ServerBytes {
     permits: Arc<Semaphore>,
     total_kib: u32,
+}
+
+impl ServerBytes {
+    /// The bytes of every frame being received or handled now, in whole KiB per frame.
+    pub fn in_flight(&self) -> u64 {
+        let free = self
+            .permits
+            .available_permits()
+            .min(self.total_kib as usize) as u64;
+        (u64::from(self.total_kib) - free) * 1024
+    }
 }
 
 fn kib(bytes: u64) -> u32 {
@@ -313,12 +328,7 @@ pub async fn serve<S: Service>(
     });
     METRICS.budget.set(settings.budgets.server_bytes as f64);
     metrics::watch(&shared, |s| {
-        let used = s.bytes.total_kib as usize
-            - s.bytes
-                .permits
-                .available_permits()
-                .min(s.bytes.total_kib as usize);
-        METRICS.in_flight.set(used as f64 * 1024.0);
+        METRICS.in_flight.set(s.bytes.in_flight() as f64);
     });
     let mut conns = tokio::task::JoinSet::new();
     loop {
@@ -370,7 +380,7 @@ async fn connection<S: Service>(
             return;
         }
     };
-    let peer = match peer_of(&conn, addr) {
+    let peer = match peer_of(&conn, addr, &shared.bytes) {
         Ok(p) => p,
         Err(why) => {
             warn!(%addr, %why, "refused peer");
@@ -599,7 +609,11 @@ fn read_error_code(e: &crate::transport::CallError) -> ErrorCode {
     }
 }
 
-fn peer_of(conn: &quinn::Connection, addr: SocketAddr) -> Result<Peer, String> {
+fn peer_of(
+    conn: &quinn::Connection,
+    addr: SocketAddr,
+    server: &ServerBytes,
+) -> Result<Peer, String> {
     let certs = conn
         .peer_identity()
         .and_then(|any| {
@@ -614,5 +628,41 @@ fn peer_of(conn: &quinn::Connection, addr: SocketAddr) -> Result<Peer, String> {
         name,
         job,
         addr,
+        server: server.clone(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_in_flight_count_each_charged_frame_until_it_is_dropped() {
+        let total_kib = 1024;
+        let shared = Shared {
+            limits: FrameLimits::default(),
+            budgets: Budgets::default(),
+            job: "default".into(),
+            bytes: ServerBytes {
+                permits: Arc::new(Semaphore::new(total_kib)),
+                total_kib: total_kib as u32,
+            },
+            identities: Arc::default(),
+        };
+        let seen = shared.bytes.clone();
+        let (a, b) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        assert_eq!(seen.in_flight(), 0);
+        let first = shared.charge(&a, 5000).expect("within the budget");
+        // In whole KiB per frame.
+        assert_eq!(seen.in_flight(), 5 << 10);
+        let second = shared.charge(&b, 300 << 10).expect("within the budget");
+        assert_eq!(seen.in_flight(), 305 << 10);
+        drop(first);
+        assert_eq!(seen.in_flight(), 300 << 10);
+        // A frame past the server's budget is refused and leaves nothing charged.
+        assert!(shared.charge(&a, 2 << 20).is_err());
+        assert_eq!(seen.in_flight(), 300 << 10);
+        drop(second);
+        assert_eq!(seen.in_flight(), 0);
+    }
 }

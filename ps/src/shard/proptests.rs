@@ -587,6 +587,7 @@ impl Harness {
                 &parts_of(payload, clock),
                 span,
                 &[],
+                true,
             )
             .map_err(|r| r.code);
         assert_eq!(got, want, "push of {chunks:?} at {clock} with {span:?}");
@@ -941,6 +942,7 @@ fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
                 &parts,
                 None,
                 &[],
+                true,
             )
             .expect("a valid push");
         }

@@ -51,9 +51,10 @@ const HERE_SHARE: (u64, u64) = (11, 20);
 /// bytes in flight beside it (its header, small requests): with other pushes arriving or being
 /// applied, the second core is busy with them already, and a thread of the push's own only
 /// competes with them. Measured with `edl-bench scale --shards 1 --workers 1,6,8 --consistency
-/// asp` (4 MiB pushes; AMD EPYC Zen 3 VM, 2 cores), two runs each: splitting every large push,
-/// a transport ceiling of about 222 steps/s and 76-78% efficiency at 8 workers; splitting only
-/// beside nothing else, 258-260 steps/s and 79-88%; never splitting, 270 steps/s and 86-87%.
+/// asp` (4 MiB pushes; AMD EPYC Zen 3 VM, 2 cores), two runs each, the ceiling worked out from
+/// the load column: splitting every large push, a transport ceiling of about 222 steps/s and
+/// 76-78% efficiency at 8 workers; splitting only beside nothing else, about 260 steps/s and
+/// 79-88%; never splitting, about 270 steps/s and 86-87%.
 const SPLIT_BESIDE: u64 = 64 << 10;
 
 /// The cores this process may use (read once: finding out reads the cgroup's files).
@@ -497,13 +498,14 @@ impl ShardState {
         span: Option<&DataSpan>,
     ) -> Result<Claim, Refusal> {
         let parts = [Bytes::copy_from_slice(payload)];
-        self.push_covering(epoch, worker, clock, chunks, &parts, span, &[], true)
+        self.push_covering(epoch, worker, clock, chunks, &parts, span, &[], 0)
     }
 
     /// [`ShardState::push`] of a payload in the parts it arrived in, read where they lie
     /// (no reassembly), and of a sparse push: the span also counts for the keys in `covers`,
-    /// whose gradient is zero (none of it travels). `spare_core`: whether nothing else keeps
-    /// the machine's other core busy (a large update may then be applied on two).
+    /// whose gradient is zero (none of it travels). `in_flight`: the bytes in flight on the
+    /// shard's server, this push's included (0 where unknown); a large update is applied on two
+    /// cores only if nothing else is (see [`SPLIT_BESIDE`]).
     #[allow(clippy::too_many_arguments)]
     pub fn push_covering(
         &self,
@@ -514,7 +516,7 @@ impl ShardState {
         payload: &[Bytes],
         span: Option<&DataSpan>,
         covers: &[KeyRange],
-        spare_core: bool,
+        in_flight: u64,
     ) -> Result<Claim, Refusal> {
         let bad = |(code, msg): (ErrorCode, String)| {
             Refusal::new(code, format!("push from {worker}: {msg}"))
@@ -612,6 +614,7 @@ impl ShardState {
         // A large ASP/SSP update is applied on two cores where one is spare, each taking a
         // contiguous part of the chunks (no key is in both). BSP staging stays on one: it may
         // refuse mid-way.
+        let spare_core = in_flight <= bytes + SPLIT_BESIDE;
         if !self.bsp()
             && spare_core
             && bytes >= PARALLEL_APPLY_BYTES
@@ -1149,8 +1152,6 @@ impl Service for ShardService {
                 if epoch > st.map_epoch() && !st.holds(keys()) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }
-                let bytes = payload.0.iter().map(|p| p.len() as u64).sum::<u64>();
-                let spare_core = peer.server.in_flight() <= bytes + SPLIT_BESIDE;
                 st.push_covering(
                     epoch,
                     worker,
@@ -1159,7 +1160,7 @@ impl Service for ShardService {
                     &payload.0,
                     span.as_ref(),
                     &covers,
-                    spare_core,
+                    peer.server.in_flight(),
                 )
                 .map(|_| Frame::new(Response::Ack))
                 .map_err(Response::from)

@@ -587,7 +587,7 @@ impl Harness {
                 &parts_of(payload, clock),
                 span,
                 &[],
-                true,
+                0,
             )
             .map_err(|r| r.code);
         assert_eq!(got, want, "push of {chunks:?} at {clock} with {span:?}");
@@ -942,7 +942,7 @@ fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
                 &parts,
                 None,
                 &[],
-                true,
+                0,
             )
             .expect("a valid push");
         }

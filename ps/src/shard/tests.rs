@@ -438,7 +438,7 @@ fn a_covering_push_records_its_span_for_keys_it_does_not_carry() {
             &[Bytes::copy_from_slice(payload)],
             span,
             covers,
-            true,
+            0,
         )
     };
     // Covering needs a span; a range past the job's keys is refused.

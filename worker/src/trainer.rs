@@ -3,12 +3,12 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
-use edl_client::{ClientError, Gradients, Job, Notices, RowGrads};
+use edl_client::{ClientError, Gradients, Holdings, Job, Notices, RowGrads, Session};
 use edl_shared::metrics::{self, Counter, Gauge, Histogram};
-use edl_shared::proto::msg::JobStatus;
+use edl_shared::proto::msg::{DataSpan, JobStatus};
 use edl_shared::proto::{JobConfig, ModelSpec};
 use edl_shared::shutdown::CancellationToken;
 use thiserror::Error;
@@ -36,6 +36,41 @@ pub enum TrainError {
     /// The job and the local dataset or model do not fit together.
     #[error("job does not fit this worker: {0}")]
     Mismatch(String),
+    /// The shutdown's grace period ran out before the worker had left the job (the
+    /// coordinator or a shard did not answer): what it still holds goes back to the pool only
+    /// when its heartbeat lease expires on the coordinator.
+    #[error(
+        "the shutdown grace period ({grace:?}) ran out before the coordinator answered this \
+         worker's leave; not handed back: {held}; the coordinator drops the worker and returns \
+         its data to the pool when its lease expires"
+    )]
+    Unreturned {
+        /// The grace period.
+        grace: Duration,
+        /// What the worker still holds, as its session saw it before the leave was sent.
+        held: Holdings,
+    },
+    /// The shutdown's grace period ran out while the worker was joining: the coordinator may
+    /// have registered it (it then counts the worker dead when its lease expires).
+    #[error(
+        "the shutdown grace period ({grace:?}) ran out while joining: the coordinator may \
+         have registered this worker, and then drops it when its lease expires"
+    )]
+    JoinUnfinished {
+        /// The grace period.
+        grace: Duration,
+    },
+}
+
+impl TrainError {
+    /// True when the shutdown's grace period ran out before the worker was out of the job
+    /// ([`TrainError::Unreturned`], [`TrainError::JoinUnfinished`]).
+    pub fn grace_ran_out(&self) -> bool {
+        matches!(
+            self,
+            TrainError::Unreturned { .. } | TrainError::JoinUnfinished { .. }
+        )
+    }
 }
 
 /// Knobs of a training run beyond the job config.
@@ -50,6 +85,13 @@ pub struct TrainOptions {
     pub spot: Option<tokio::sync::mpsc::UnboundedReceiver<Duration>>,
     /// Log a progress line (samples/s, loss) this often; `None` logs none.
     pub progress: Option<Duration>,
+    /// How long a shutdown may take once the token fires: the worker finishes its step,
+    /// commits and leaves within it even when the coordinator or a shard does not answer,
+    /// and otherwise ends with [`TrainError::Unreturned`]. The step and its commit get all of
+    /// it but the last half second (or half, if shorter), which is kept for leaving; a step
+    /// cut short is abandoned (its data returns to the pool when the worker leaves).
+    /// `None`: the job's lease (`JobConfig::lease_ms`).
+    pub grace: Option<Duration>,
 }
 
 /// A test aid that makes a worker a straggler: after each step's own work (pull, compute,
@@ -149,8 +191,70 @@ fn pass_on(notices: &Notices, notice: Duration) {
     });
 }
 
-/// Time kept in hand before a preemption deadline, for leaving.
+/// Time kept in hand before a preemption deadline, or the end of a shutdown's grace period,
+/// for leaving.
 const LEAVE_MARGIN: Duration = Duration::from_millis(500);
+
+/// The bound on a shutdown: once the token fires, the worker has `grace` to finish its step,
+/// commit and leave. The step and its commit get all of it but the time kept for leaving.
+struct Grace<'a> {
+    shutdown: &'a CancellationToken,
+    grace: Duration,
+    /// When the shutdown was first seen: the grace period counts from there.
+    since: OnceLock<tokio::time::Instant>,
+}
+
+impl<'a> Grace<'a> {
+    fn new(shutdown: &'a CancellationToken, grace: Duration) -> Self {
+        Grace {
+            shutdown,
+            grace,
+            since: OnceLock::new(),
+        }
+    }
+
+    /// Resolves once the shutdown has fired and only `left` of its grace period remains;
+    /// never without a shutdown.
+    async fn down_to(&self, left: Duration) {
+        self.shutdown.cancelled().await;
+        let since = *self.since.get_or_init(|| {
+            tracing::info!(
+                grace = ?self.grace,
+                "finishing the step, committing and leaving within the shutdown grace period"
+            );
+            tokio::time::Instant::now()
+        });
+        tokio::time::sleep_until(since + self.grace.saturating_sub(left)).await;
+    }
+
+    /// The time for finishing the step and committing is over.
+    async fn finishing_over(&self) {
+        self.down_to(LEAVE_MARGIN.min(self.grace / 2)).await;
+    }
+
+    /// The grace period is over.
+    async fn over(&self) {
+        self.down_to(Duration::ZERO).await;
+    }
+}
+
+/// Commits the last step without waiting for the others, unless the shutdown's time for
+/// finishing runs out first: then the commit's outcome stays unknown, and leaving settles it
+/// (the coordinator returns the uncommitted samples to the pool).
+async fn commit_last(
+    session: &mut Session,
+    span: DataSpan,
+    loss_sum: f64,
+    grace: &Grace<'_>,
+) -> Result<(), TrainError> {
+    tokio::select! {
+        r = session.commit_last(span, loss_sum) => Ok(r?),
+        _ = grace.finishing_over() => {
+            tracing::warn!("shutdown grace period: leaving without an answer to the last commit");
+            Ok(())
+        }
+    }
+}
 
 /// What a worker did.
 #[derive(Clone, Debug, Default)]
@@ -181,6 +285,11 @@ pub fn model_of(job: &JobConfig) -> Result<Mlp, TrainError> {
 /// fires (the current step is finished first) or `max_steps` is reached; then leaves. A dense
 /// model pulls and pushes the whole parameter vector each step; a sparse one only the rows
 /// its batch touches.
+///
+/// A shutdown is bounded by the options' `grace`: once `shutdown` fires, a worker that has
+/// not left by the end of it (the coordinator or a shard does not answer) returns
+/// [`TrainError::Unreturned`], which names what it still holds, or
+/// [`TrainError::JoinUnfinished`] while joining.
 pub async fn train<M: Model>(
     job: Job,
     model: &mut M,
@@ -200,7 +309,12 @@ pub async fn train<M: Model>(
     // Stop-free join: every slow thing happens before asking to be admitted, while the
     // others keep training: the model's warm-up here, the shard connections in `join`.
     model.warm_up(&spec, data)?;
-    let mut session = job.join().await?;
+    let lease = Duration::from_millis(u64::from(job.config().lease_ms));
+    let grace = Grace::new(&shutdown, opts.grace.unwrap_or(lease));
+    let mut session = tokio::select! {
+        r = job.join() => r?,
+        _ = grace.over() => return Err(TrainError::JoinUnfinished { grace: grace.grace }),
+    };
     let notices = session.notices();
     // Spot notices are passed on from a task of their own, so that one never interrupts a
     // request in flight (a partition leased by an abandoned request would stay leased).
@@ -275,17 +389,22 @@ pub async fn train<M: Model>(
             Ok::<_, TrainError>((stats, batch, &mut session))
         };
         tokio::pin!(step);
-        // A preemption deadline that comes before the step ends abandons it: its data is
-        // not committed, so it returns to the pool when the worker leaves (shards that
-        // already applied the push skip it when it is re-issued).
+        // A preemption deadline, or the end of a shutdown's time for finishing, that comes
+        // before the step ends abandons it: its data is not committed, so it returns to the
+        // pool when the worker leaves (shards that already applied the push skip it when it
+        // is re-issued).
         let done = tokio::select! {
-            r = &mut step => Some(r?),
-            _ = notices.expired(LEAVE_MARGIN) => None,
+            r = &mut step => Ok(r?),
+            _ = notices.expired(LEAVE_MARGIN) => Err("preemption deadline"),
+            _ = grace.finishing_over() => Err("shutdown grace period"),
         };
-        let Some((stats, batch, session)) = done else {
-            tracing::warn!("preemption deadline: abandoning the unfinished step and leaving");
-            summary.abandoned += 1;
-            break;
+        let (stats, batch, session) = match done {
+            Ok(done) => done,
+            Err(why) => {
+                tracing::warn!("{why}: abandoning the unfinished step and leaving");
+                summary.abandoned += 1;
+                break;
+            }
         };
         summary.steps += 1;
         summary.samples += stats.samples as u64;
@@ -299,11 +418,11 @@ pub async fn train<M: Model>(
         tokio::select! {
             r = session.commit(batch, stats.loss_sum) => { r?; }
             _ = shutdown.cancelled() => {
-                session.commit_last(span, stats.loss_sum).await?;
+                commit_last(session, span, stats.loss_sum, &grace).await?;
                 break;
             }
             _ = notices.expired(LEAVE_MARGIN) => {
-                session.commit_last(span, stats.loss_sum).await?;
+                commit_last(session, span, stats.loss_sum, &grace).await?;
                 break;
             }
         }
@@ -323,7 +442,14 @@ pub async fn train<M: Model>(
     if let Some(f) = forward {
         f.abort();
     }
-    session.leave().await?;
+    // Taken before the leave is sent: a leave abandoned midway leaves its outcome unknown.
+    let held = session.holdings();
+    tokio::select! {
+        r = session.leave() => r?,
+        _ = grace.over() => {
+            return Err(TrainError::Unreturned { grace: grace.grace, held });
+        }
+    }
     Ok(summary)
 }
 

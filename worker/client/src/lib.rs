@@ -62,7 +62,7 @@ mod spec;
 pub use grads::Gradients;
 pub use notice::Notices;
 use routing::Routing;
-pub use session::{Batch, RowGrads, Session};
+pub use session::{Batch, BatchState, Holdings, RowGrads, Session};
 pub use spec::{JobSpec, TensorView};
 
 /// Why a client operation failed.

@@ -13,7 +13,7 @@ use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::CallError;
 
 use super::routing::Grads;
-use super::{ClientError, Gradients, Job, JobSpec, retry_not_ready};
+use super::{ClientError, Gradients, Job, JobSpec, is_connection_failure, retry_not_ready};
 
 /// A mini-batch leased to this worker: a data span of an epoch and the sample indices it
 /// holds. It comes only from [`Session::next_batch`]; [`Session::push`] sends the gradient
@@ -82,6 +82,85 @@ pub(super) struct Feed {
     order: Option<(u32, Arc<Vec<u32>>)>,
     /// The batch handed out and not yet committed, and whether its gradient was pushed.
     outstanding: Option<(DataSpan, bool)>,
+    /// A partition lease was asked for and not answered (set while the request is out, so
+    /// it stays set when the call is abandoned).
+    leasing: bool,
+    /// A step report (a commit) was sent and not answered, likewise.
+    committing: bool,
+}
+
+/// What a session holds on the coordinator that leaving would hand back ([`Session::holdings`]).
+/// A worker that ends without leaving gets it back to the pool only when its heartbeat lease
+/// expires on the coordinator, which then counts the worker dead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holdings {
+    /// The worker's registration.
+    pub worker: WorkerId,
+    /// The leased partition's positions not yet committed (`start` is where the committed
+    /// samples end), if any: they return to the pool when the worker leaves or dies.
+    pub uncommitted: Option<DataSpan>,
+    /// How far the batch handed out last got, if it is not committed.
+    pub batch: Option<BatchState>,
+    /// A partition lease was asked for and not answered: the coordinator may hold one more
+    /// partition for this worker (it returns to the pool, whole, with the rest).
+    pub lease_unknown: bool,
+}
+
+/// How far an uncommitted batch got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchState {
+    /// Handed out; its gradient not pushed, or its push not answered by every shard (a shard
+    /// that applied it skips the span when it is re-issued).
+    Handed(DataSpan),
+    /// Its gradient pushed to every shard; not committed.
+    Pushed(DataSpan),
+    /// Its gradient pushed and its commit sent, with no answer: whether the coordinator has it
+    /// is unknown. If it has, those samples are done; if not, they return to the pool with
+    /// the rest (and the shards skip the gradient they applied when the span is re-issued).
+    CommitUnknown(DataSpan),
+}
+
+/// `epoch E partition P positions A..B`.
+fn span_text(s: &DataSpan) -> String {
+    format!(
+        "epoch {} partition {} positions {}..{}",
+        s.epoch, s.partition, s.start, s.end
+    )
+}
+
+impl std::fmt::Display for Holdings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}'s registration", self.worker)?;
+        if let Some(u) = &self.uncommitted {
+            write!(f, "; {} leased and not committed", span_text(u))?;
+        }
+        match &self.batch {
+            None => {}
+            Some(BatchState::Handed(s)) => write!(
+                f,
+                "; the last batch ({}) not pushed to every shard",
+                span_text(s)
+            )?,
+            Some(BatchState::Pushed(s)) => write!(
+                f,
+                "; the last batch ({}) pushed, not committed",
+                span_text(s)
+            )?,
+            Some(BatchState::CommitUnknown(s)) => write!(
+                f,
+                "; the last batch's commit ({}) unknown: sent, not answered",
+                span_text(s)
+            )?,
+        }
+        if self.lease_unknown {
+            write!(
+                f,
+                "; a partition lease asked for and not answered (one more partition may be \
+                 leased to it)"
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// A registered worker's session.
@@ -141,6 +220,38 @@ impl Session {
             state: self.notice.clone(),
             coordinator: self.job.coordinator.clone(),
             worker: self.worker,
+        }
+    }
+
+    /// What this session holds that [`Session::leave`] would hand back: its registration, the
+    /// uncommitted rest of its leased partition, how far its last batch got, and whether a
+    /// lease or a commit is still unanswered (a call abandoned midway, e.g. by a timeout,
+    /// leaves its outcome unknown). For a worker that must say what it could not return
+    /// before it exits.
+    pub fn holdings(&self) -> Holdings {
+        let feed = &self.feed;
+        let uncommitted = feed.part.and_then(|(part, next)| {
+            // The batch handed out last belongs to this partition: committing it was the
+            // last thing that moved the committed position.
+            let start = feed.outstanding.map_or(next, |(s, _)| s.start);
+            let end = part.start + part.len;
+            (start < end).then_some(DataSpan {
+                epoch: part.epoch,
+                partition: part.index,
+                start,
+                end,
+            })
+        });
+        let batch = feed.outstanding.map(|(span, pushed)| match pushed {
+            false => BatchState::Handed(span),
+            true if feed.committing => BatchState::CommitUnknown(span),
+            true => BatchState::Pushed(span),
+        });
+        Holdings {
+            worker: self.worker,
+            uncommitted,
+            batch,
+            lease_unknown: feed.leasing,
         }
     }
 
@@ -486,6 +597,7 @@ impl Session {
     ) -> Result<Clock, ClientError> {
         self.check_lost()?;
         let next = Clock(self.clock.0 + 1);
+        self.feed.committing = true;
         let resp = retry_not_ready(u32::MAX, || {
             self.job.coordinator.call(
                 Request::Clock {
@@ -501,6 +613,10 @@ impl Session {
             )
         })
         .await;
+        // An answer, even a refusal, settles the report; a failed connection does not.
+        if !matches!(&resp, Err(e) if is_connection_failure(e)) {
+            self.feed.committing = false;
+        }
         // A Clock retried after a long-poll timeout repeats only the wait: the coordinator
         // treats a report of the clock it already holds as a duplicate.
         let resp = match resp {
@@ -521,6 +637,16 @@ impl Session {
     /// Leases the next data partition. `None` means no data is left in any epoch.
     pub async fn next_partition(&mut self) -> Result<Option<Partition>, ClientError> {
         self.check_lost()?;
+        self.feed.leasing = true;
+        let r = self.lease_partition().await;
+        // An answer, even a refusal, settles the lease; a failed connection does not.
+        if !matches!(&r, Err(ClientError::Call(e)) if is_connection_failure(e)) {
+            self.feed.leasing = false;
+        }
+        r
+    }
+
+    async fn lease_partition(&mut self) -> Result<Option<Partition>, ClientError> {
         loop {
             let r = self
                 .job
@@ -551,6 +677,8 @@ impl Session {
     }
 
     /// Leaves gracefully: the coordinator stops counting this worker and returns its data.
+    /// A caller that may give up on the leave (a bounded shutdown) takes
+    /// [`Session::holdings`] first, to say what it could not hand back.
     pub async fn leave(self) -> Result<(), ClientError> {
         self.stop.cancel();
         let r = self

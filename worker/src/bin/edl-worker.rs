@@ -18,6 +18,9 @@ use edl_worker::trainer::{self, Slowdown, TrainOptions, TrainSummary};
 use edl_worker::workload::{MlpModel, Model, SparseSet};
 use edl_worker::{ClientConfig, Job};
 
+/// The exit status of a worker whose shutdown grace period ran out before it could leave.
+const EXIT_NOT_LEFT: i32 = 3;
+
 /// Large tensors are allocated and freed on every request; mimalloc keeps them off fresh
 /// pages (with glibc's allocator, page faults took a tenth of a 16 MiB push+pull).
 #[global_allocator]
@@ -73,6 +76,15 @@ struct Cli {
     /// abandoning the step if it cannot finish in time.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     preempt_notice: std::time::Duration,
+    /// How long a SIGTERM or SIGINT may take: the worker finishes its step, commits and
+    /// leaves within it, even when the coordinator or a shard does not answer (a step that
+    /// cannot finish in time is abandoned; its data returns to the pool). If it cannot leave
+    /// in time, it exits with status 3 and says on stderr what it could not hand back: its
+    /// registration, its leased and uncommitted data, whether its last commit arrived (the
+    /// coordinator returns them when the worker's lease expires). A second signal exits at
+    /// once (status 130). [default: the job's lease]
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    grace: Option<std::time::Duration>,
     /// The placement this worker was started for (placers such as edl-local pass it): once
     /// admitted, the worker it replaces, if any, is drained.
     #[arg(long, value_name = "ID")]
@@ -177,6 +189,7 @@ async fn main() -> anyhow::Result<()> {
                 None => Slowdown::new(cli.slowdown),
             },
             spot: Some(spot),
+            grace: cli.grace,
         },
         shutdown,
         backend: backend.name(),
@@ -270,7 +283,16 @@ impl Run {
         }
         tracing::info!(backend = self.backend, "worker prepared; asking to join");
         let s: TrainSummary =
-            trainer::train(self.job, model, data, self.opts, self.shutdown).await?;
+            match trainer::train(self.job, model, data, self.opts, self.shutdown).await {
+                Ok(s) => s,
+                Err(e) if e.grace_ran_out() => {
+                    // Exits at once: nothing is left to wait for, and the runtime's shutdown
+                    // must not wait on the calls that did not return.
+                    eprintln!("edl-worker: exiting with status {EXIT_NOT_LEFT}: {e}");
+                    std::process::exit(EXIT_NOT_LEFT);
+                }
+                Err(e) => return Err(e.into()),
+            };
         tracing::info!(
             steps = s.steps,
             samples = s.samples,

@@ -1,5 +1,8 @@
 //! Training progress for the person at the terminal: a live progress bar, or one plain line per
 //! finished epoch when the output is not a terminal (logs, CI) or the bar is turned off.
+//!
+//! Epochs count from 0, as `edlctl status`, the dashboard, the coordinator's API and the
+//! report do; the launcher says so by naming the range (`epoch 1 (of 0-2)`).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -171,12 +174,20 @@ enum Display {
     Lines { printed: usize },
 }
 
+/// How the launcher names epoch `e` of a job of `epochs`: counted from 0, with the range.
+pub fn epoch_label(e: u32, epochs: u32) -> String {
+    format!("epoch {e} (of 0-{})", epochs.saturating_sub(1))
+}
+
 /// The progress display of one run.
 #[derive(Debug)]
 pub struct Progress {
     display: Display,
     rate: Rate,
-    started: Instant,
+    /// When a status first showed training under way (an active worker or samples done).
+    began: Option<Instant>,
+    /// When the latest epoch shown was seen complete.
+    last_epoch: Option<Instant>,
 }
 
 impl Progress {
@@ -199,28 +210,50 @@ impl Progress {
         Ok(Progress {
             display,
             rate: Rate::default(),
-            started: Instant::now(),
+            began: None,
+            last_epoch: None,
         })
     }
 
-    /// Shows a status snapshot taken at `at`.
+    /// Shows a status snapshot taken at `at`. An epoch's time runs from the moment the one
+    /// before was seen complete (the first, from the first status showing training under
+    /// way), so that the epochs' times add up to the training time, to within the period of
+    /// the snapshots.
     pub fn update(&mut self, st: &JobStatus, at: Instant) {
+        for line in self.epoch_lines(st, at) {
+            eprintln!("{line}");
+        }
+    }
+
+    /// Updates the bar, or with plain output returns the lines of the epochs `st` shows
+    /// complete that were not shown yet.
+    fn epoch_lines(&mut self, st: &JobStatus, at: Instant) -> Vec<String> {
         let snap = Snapshot::of(st);
         let rate = self.rate.add(at, snap.done);
-        match &mut self.display {
+        if self.began.is_none() && (snap.active > 0 || snap.done > 0) {
+            self.began = Some(at);
+        }
+        let printed = match &mut self.display {
             Display::Bar(pb) => {
                 pb.set_length(snap.total);
                 pb.set_position(snap.done);
                 pb.set_message(bar_message(&snap, rate));
+                return Vec::new();
             }
-            Display::Lines { printed } => {
-                let elapsed = at.duration_since(self.started);
-                for e in completed_epochs(st).skip(*printed) {
-                    eprintln!("{}", epoch_line(e, snap.epochs, snap.active, rate, elapsed));
-                    *printed += 1;
-                }
-            }
+            Display::Lines { printed } => printed,
+        };
+        let began = self.began.unwrap_or(at);
+        let mut lines = Vec::new();
+        for e in completed_epochs(st).skip(*printed) {
+            let times = EpochTimes {
+                took: at.saturating_duration_since(self.last_epoch.unwrap_or(began)),
+                training: at.saturating_duration_since(began),
+            };
+            lines.push(epoch_line(e, snap.epochs, snap.active, rate, times));
+            self.last_epoch = Some(at);
+            *printed += 1;
         }
+        lines
     }
 
     /// Shows a line of text without disturbing the bar.
@@ -250,8 +283,8 @@ impl Progress {
 
 fn bar_message(s: &Snapshot, rate: Option<f64>) -> String {
     let mut msg = match s.epoch {
-        Some(e) => format!("epoch {}/{}", e + 1, s.epochs),
-        None => format!("epoch -/{}", s.epochs),
+        Some(e) => epoch_label(e, s.epochs),
+        None => format!("epoch - (of 0-{})", s.epochs.saturating_sub(1)),
     };
     if let Some(loss) = s.loss {
         msg.push_str(&format!("  loss {loss:.4}"));
@@ -263,21 +296,31 @@ fn bar_message(s: &Snapshot, rate: Option<f64>) -> String {
     msg
 }
 
+/// How long an epoch took, and the training time when it was done.
+#[derive(Clone, Copy, Debug)]
+struct EpochTimes {
+    /// From the previous epoch's end (the first's: the start of training) to its own.
+    took: Duration,
+    /// From the start of training to its end.
+    training: Duration,
+}
+
 fn epoch_line(
     e: &EpochStats,
     epochs: u32,
     active: usize,
     rate: Option<f64>,
-    elapsed: Duration,
+    times: EpochTimes,
 ) -> String {
     let loss = mean_loss(e).map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
     let rate = rate.map_or_else(|| "-".to_string(), |r| format!("{r:.0}"));
     format!(
-        "epoch {}/{epochs} done: {} samples, mean train loss {loss}, {active} workers active, \
-         {rate} samples/s, {:.1} s",
-        e.epoch + 1,
+        "{} done in {:.1} s ({:.1} s of training so far): {} samples, mean train loss {loss}, \
+         {active} workers active, {rate} samples/s",
+        epoch_label(e.epoch, epochs),
+        times.took.as_secs_f64(),
+        times.training.as_secs_f64(),
         e.samples,
-        elapsed.as_secs_f64()
     )
 }
 
@@ -377,6 +420,51 @@ mod tests {
         let moved = status(&[(60, 9.0)], 100, false);
         assert_eq!(w.check(&moved, t0 + Duration::from_secs(31)), None);
         assert!(w.check(&moved, t0 + Duration::from_secs(42)).is_some());
+    }
+
+    #[test]
+    fn epochs_count_from_0_and_lines_give_each_epoch_its_own_time() {
+        let st = status(&[(100, 50.0), (40, 8.0), (0, 0.0)], 100, false);
+        let s = Snapshot::of(&st);
+        assert_eq!(
+            bar_message(&s, Some(1234.4)),
+            "epoch 1 (of 0-2)  loss 0.2000  1 workers  1234 samples/s"
+        );
+        let fresh = Snapshot::of(&status(&[(0, 0.0), (0, 0.0)], 100, false));
+        assert!(bar_message(&fresh, None).starts_with("epoch - (of 0-1)"));
+        let times = EpochTimes {
+            took: Duration::from_millis(4_140),
+            training: Duration::from_millis(8_420),
+        };
+        assert_eq!(
+            epoch_line(&st.epochs[1], 3, 2, Some(980.0), times),
+            "epoch 1 (of 0-2) done in 4.1 s (8.4 s of training so far): 40 samples, mean train \
+             loss 0.2000, 2 workers active, 980 samples/s"
+        );
+
+        // Each epoch's time runs from the previous one's end; the first's from the first
+        // status that showed training (here an active worker, before any samples).
+        let mut p = Progress::new(false).expect("progress");
+        let t0 = Instant::now();
+        let mut lines_at = |st: JobStatus, at: Instant| p.epoch_lines(&st, at);
+        assert!(lines_at(status(&[(0, 0.0), (0, 0.0)], 100, false), t0).is_empty());
+        let one = lines_at(
+            status(&[(100, 1.0), (10, 1.0)], 100, false),
+            t0 + Duration::from_secs(3),
+        );
+        assert_eq!(one.len(), 1);
+        assert!(
+            one[0].starts_with("epoch 0 (of 0-1) done in 3.0 s (3.0 s "),
+            "{one:?}"
+        );
+        let two = lines_at(
+            status(&[(100, 1.0), (100, 1.0)], 100, true),
+            t0 + Duration::from_secs(8),
+        );
+        assert!(
+            two[0].starts_with("epoch 1 (of 0-1) done in 5.0 s (8.0 s "),
+            "{two:?}"
+        );
     }
 
     #[test]

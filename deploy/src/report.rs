@@ -382,8 +382,8 @@ impl fmt::Display for Report {
         for e in &self.epochs {
             write!(
                 f,
-                "  epoch {}: {} samples applied ({} duplicates, {} missing",
-                e.epoch + 1,
+                "  {}: {} samples applied ({} duplicates, {} missing",
+                crate::progress::epoch_label(e.epoch, self.epochs.len() as u32),
                 e.samples,
                 e.duplicates,
                 e.missing
@@ -412,6 +412,27 @@ impl fmt::Display for Report {
         if self.scenario.is_some() || !self.restarts.is_empty() {
             writeln!(f, "  membership: {}", self.membership)?;
         }
+        // The baseline first, so that the events' stalls below can be read against it.
+        let baseline = self
+            .stall_noise
+            .as_ref()
+            .filter(|_| !self.events.is_empty());
+        if let Some(n) = baseline {
+            write!(
+                f,
+                "    stall (how much longer than usual the others' step across an event took) \
+                 baseline {:.0} ms (p90 {:.0} ms) at {} moments without any event",
+                n.median_stall_ms, n.p90_stall_ms, n.moments
+            )?;
+            if let Some(step) = n.median_step_ms {
+                write!(f, " (a step took {step:.1} ms)")?;
+            }
+            writeln!(
+                f,
+                ":\n      the others' ordinary step-to-step variation; an event's stall at or below \
+                 it is no measurable stall, above it the excess is what the event cost"
+            )?;
+        }
         for k in &self.event_summary {
             write!(f, "    {:<5} x{}", k.kind, k.count)?;
             if let (Some(med), Some(max)) = (k.median_stall_ms, k.max_stall_ms) {
@@ -424,6 +445,21 @@ impl fmt::Display for Report {
                     write!(f, "; a step took {step:.1} ms")?;
                 }
                 write!(f, ")")?;
+                if let Some(n) = baseline {
+                    let base = n.median_stall_ms;
+                    if med <= base {
+                        write!(
+                            f,
+                            ", median within the {base:.0} ms baseline: none measurable"
+                        )?;
+                    } else {
+                        write!(
+                            f,
+                            ", median {:.0} ms above the {base:.0} ms baseline",
+                            med - base
+                        )?;
+                    }
+                }
             }
             if let Some(j) = k.median_join_latency_ms {
                 write!(f, "; join latency median {j:.0} ms")?;
@@ -432,20 +468,6 @@ impl fmt::Display for Report {
                 write!(f, "; range held median {med:.1} ms, max {max:.1} ms")?;
             }
             writeln!(f)?;
-        }
-        if let Some(n) = &self.stall_noise
-            && !self.events.is_empty()
-        {
-            write!(
-                f,
-                "    without any event the same measure gives: median {:.0} ms, p90 {:.0} ms \
-                 ({} moments",
-                n.median_stall_ms, n.p90_stall_ms, n.moments
-            )?;
-            if let Some(step) = n.median_step_ms {
-                write!(f, "; a step took {step:.1} ms")?;
-            }
-            writeln!(f, ")")?;
         }
         let shard_events: Vec<&EventReport> = self
             .events
@@ -581,6 +603,17 @@ mod tests {
                 bytes: Some(2048),
                 took_ms: Some(9.0),
             },
+            EventReport {
+                t_ms: 6000,
+                kind: "join".into(),
+                worker: "w3".into(),
+                step_ms: Some(12.0),
+                stall_ms: Some(1.0),
+                join_latency_ms: Some(300.0),
+                hold_ms: None,
+                bytes: None,
+                took_ms: None,
+            },
         ];
         let report = Report {
             test_accuracy: 0.86,
@@ -706,11 +739,14 @@ mod tests {
         let summary = report.to_string();
         assert!(summary.contains("test accuracy 0.8600"), "{summary}");
         assert!(
-            summary.contains("60000 samples applied (0 duplicates, 0 missing"),
+            summary.contains("  epoch 0 (of 0-0): 60000 samples applied (0 duplicates, 0 missing"),
             "{summary}"
         );
         assert!(
-            summary.contains("leave x1: stall median 2500 ms, max 2500 ms"),
+            summary.contains(
+                "leave x1: stall median 2500 ms, max 2500 ms (1 measured; a step took 12.0 ms), \
+                 median 2491 ms above the 9 ms baseline"
+            ),
             "{summary}"
         );
         assert!(
@@ -718,7 +754,24 @@ mod tests {
             "{summary}"
         );
         assert!(
-            summary.contains("without any event the same measure gives: median 9 ms, p90 31 ms"),
+            summary.contains(
+                "    stall (how much longer than usual the others' step across an event took) \
+                 baseline 9 ms (p90 31 ms) at 120 moments without any event (a step took 11.5 \
+                 ms):\n      the others' ordinary step-to-step variation; an event's stall at or \
+                 below it is no measurable stall, above it the excess is what the event cost\n"
+            ),
+            "{summary}"
+        );
+        assert!(
+            summary.contains(
+                "join  x1: stall median 1 ms, max 1 ms (1 measured; a step took 12.0 ms), \
+                 median within the 9 ms baseline: none measurable; join latency median 300 ms"
+            ),
+            "{summary}"
+        );
+        // The baseline comes before the events read against it.
+        assert!(
+            summary.find("baseline 9 ms (p90") < summary.find("leave x1"),
             "{summary}"
         );
         assert!(
@@ -727,8 +780,8 @@ mod tests {
         );
         assert!(
             summary.contains(
-                "move  x1: stall median 20 ms, max 20 ms (1 measured; a step took 12.0 ms); \
-                 range held median 4.5 ms, max 4.5 ms"
+                "move  x1: stall median 20 ms, max 20 ms (1 measured; a step took 12.0 ms), \
+                 median 11 ms above the 9 ms baseline; range held median 4.5 ms, max 4.5 ms"
             ),
             "{summary}"
         );

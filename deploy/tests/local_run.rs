@@ -75,3 +75,87 @@ async fn small_job_trains_evaluates_and_reports() {
         assert!(log.is_file(), "missing {}", log.display());
     }
 }
+
+/// Numbers of an epoch line: (the epoch's own time, the training time so far), in seconds.
+fn epoch_times(line: &str) -> (f64, f64) {
+    let num = |after: &str| -> f64 {
+        let rest = &line[line.find(after).expect(after) + after.len()..];
+        let end = rest.find(' ').expect("a number");
+        rest[..end].parse().expect("a number")
+    };
+    (num(" done in "), num(" s ("))
+}
+
+/// `edl-local` as its user runs it: epochs are counted from 0 as `edlctl status` counts them,
+/// and each epoch's line gives its own time (the times add up to the training time).
+#[test]
+fn edl_local_prints_each_epoch_with_its_own_time() {
+    if !common::have_dataset() {
+        return;
+    }
+    let bins = common::bin_dir();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let report = dir.path().join("report.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_edl-local"))
+        .args([
+            "--shards",
+            "1",
+            "--workers",
+            "2",
+            "--epochs",
+            "2",
+            "--consistency",
+            "asp",
+            "--train-samples",
+            "2048",
+            "--layers",
+            "784,32,10",
+            "--stall-timeout",
+            "60",
+            "--no-http",
+            "--no-progress",
+        ])
+        .arg("--report")
+        .arg(&report)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--bin-dir")
+        .arg(&bins)
+        .output()
+        .expect("edl-local runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.contains(" done in ")).collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(
+        lines[0].starts_with("epoch 0 (of 0-1) done in "),
+        "{stderr}"
+    );
+    assert!(
+        lines[1].starts_with("epoch 1 (of 0-1) done in "),
+        "{stderr}"
+    );
+    let (first, so_far) = epoch_times(lines[0]);
+    assert_eq!(first, so_far, "{stderr}");
+    let (second, total) = epoch_times(lines[1]);
+    // Each time is rounded to a tenth of a second.
+    assert!((first + second - total).abs() < 0.16, "{stderr}");
+
+    for e in 0..2 {
+        assert!(
+            stdout.contains(&format!(
+                "  epoch {e} (of 0-1): 2048 samples applied (0 duplicates, 0 missing"
+            )),
+            "{stdout}"
+        );
+    }
+    let r: edl_deploy::Report =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("report file"))
+            .expect("report JSON");
+    let epochs: Vec<u32> = r.epochs.iter().map(|e| e.epoch).collect();
+    assert_eq!(epochs, [0, 1]);
+}

@@ -330,7 +330,11 @@ pub struct EvalRecord {
     pub t_ms: u64,
     /// The name in the evaluator's certificate.
     pub name: String,
-    /// The slowest worker's clock the parameters were pulled through.
+    /// The job's minimum clock when the parameters were pulled (the status's `min_clock`:
+    /// every step through it of every worker training then was in them). The coordinator
+    /// raises a lower one to the previous evaluation's, so that it never goes backwards (once
+    /// no worker trains, the status's minimum is the last one seen while some did, which can
+    /// be older).
     pub clock: Clock,
     /// Fraction of the samples classified right (0 to 1).
     pub accuracy: f64,
@@ -371,9 +375,10 @@ pub struct JobHistory {
 /// A snapshot of the job for launchers and operators.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct JobStatus {
-    /// Shards that have joined.
+    /// Shard servers that have joined, removed ones included (the shard list says which are
+    /// active, standby or retired); the map forms when it reaches `shards_expected`.
     pub shards_joined: u32,
-    /// Shards the job waits for.
+    /// Shard servers the job waits for before it forms its shard map.
     pub shards_expected: u32,
     /// Samples the whole run will process (epochs x train samples).
     pub samples_total: u64,
@@ -383,7 +388,8 @@ pub struct JobStatus {
     pub epochs: Vec<EpochStats>,
     /// All workers ever registered.
     pub workers: Vec<WorkerStatus>,
-    /// The slowest active worker's clock.
+    /// The slowest training worker's clock; while no worker trains (all wait for data or
+    /// have left), a floor kept from earlier, which can lag the clocks the workers reached.
     pub min_clock: Clock,
     /// True once every partition of every epoch has been completed.
     pub finished: bool,
@@ -616,7 +622,8 @@ pub enum Request {
     Sched(crate::sched::SchedRequest),
     /// An evaluator reports the model's quality on held-out data.
     Evaluation {
-        /// The slowest worker's clock the evaluated parameters were pulled through.
+        /// The job's minimum clock when the evaluated parameters were pulled (see
+        /// [`EvalRecord::clock`]).
         clock: Clock,
         /// Fraction classified right (0 to 1).
         accuracy: f64,

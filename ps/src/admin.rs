@@ -3,6 +3,7 @@
 
 use bytes::Bytes;
 use edl_shared::Identity;
+use edl_shared::proto::ErrorCode;
 use edl_shared::proto::msg::{
     JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
 };
@@ -226,7 +227,8 @@ impl Admin {
     }
 
     /// One shard's row: for a shard not retired, its holdings and load, asked of the shard
-    /// itself (a shard that cannot be reached gives its error instead).
+    /// itself (a shard that cannot be reached gives its error instead; a standby shard that
+    /// has no assignment yet is [`ShardRow::unassigned`], not in error).
     pub async fn shard_row(&self, entry: &ShardEntry) -> (ShardRow, Option<String>) {
         let mut row = ShardRow {
             id: entry.id.0,
@@ -244,6 +246,10 @@ impl Admin {
                 (row, None)
             }
             Ok(other) => (row, Some(CallError::unexpected(&other).to_string())),
+            Err(e) if unassigned(entry, &e) => {
+                row.unassigned = true;
+                (row, None)
+            }
             Err(e) => (row, Some(e.to_string())),
         }
     }
@@ -303,6 +309,12 @@ impl Admin {
         })
         .await
     }
+}
+
+/// Whether `err`, the answer of the shard of `entry`, says that it has no assignment yet: a
+/// standby shard (holding no keys) answers so until the shard map forms.
+pub fn unassigned(entry: &ShardEntry, err: &CallError) -> bool {
+    entry.role == ShardRole::Standby && err.code() == Some(ErrorCode::NotReady)
 }
 
 fn role_name(role: ShardRole) -> &'static str {
@@ -406,8 +418,8 @@ pub struct StatusView {
     pub epochs: u32,
     /// Batch size.
     pub batch_size: u32,
-    /// Shards joined / expected.
-    pub shards: (u32, u32),
+    /// The shard servers by role.
+    pub shards: ShardCounts,
     /// Active workers.
     pub active_workers: usize,
     /// The slowest active worker's clock.
@@ -422,8 +434,8 @@ pub struct StatusView {
     pub loss: Option<f64>,
     /// Mean training loss of the latest epoch with samples.
     pub epoch_loss: Option<(u32, f64)>,
-    /// The latest evaluation: accuracy (0 to 1), loss, the clock it was pulled through and
-    /// how many seconds ago it was reported.
+    /// The latest evaluation: accuracy (0 to 1), loss, the job's minimum clock at its pull
+    /// and how many seconds ago it was reported.
     pub evaluation: Option<EvalView>,
     /// Seconds until the run ends at the current rate.
     pub eta_s: Option<f64>,
@@ -438,15 +450,74 @@ pub struct EvalView {
     pub accuracy: f64,
     /// Mean loss.
     pub loss: f64,
-    /// The slowest worker's clock the parameters were pulled through.
+    /// The job's minimum clock when the parameters were pulled (every step through it of
+    /// every worker training then was in them), never below an earlier evaluation's.
     pub clock: u64,
     /// Seconds since it was reported.
     pub age_s: f64,
 }
 
+/// The job's shard servers by role, for `edlctl status`.
+#[derive(Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ShardCounts {
+    /// Shards that hold keys.
+    pub active: u32,
+    /// Shards that joined and hold nothing: until the shard map forms every shard that has
+    /// joined, after that those waiting for `edlctl shard add`.
+    pub standby: u32,
+    /// Shards removed from the job.
+    pub retired: u32,
+    /// Shards the job waits for before it forms its shard map.
+    pub expected: u32,
+}
+
+impl ShardCounts {
+    /// Counts the coordinator's shard list; `expected` is the status's `shards_expected`.
+    pub fn new(list: &[ShardEntry], expected: u32) -> Self {
+        let count = |role| list.iter().filter(|e| e.role == role).count() as u32;
+        ShardCounts {
+            active: count(ShardRole::Active),
+            standby: count(ShardRole::Standby),
+            retired: count(ShardRole::Retired),
+            expected,
+        }
+    }
+
+    /// Whether the shard map has formed: once it has, some shard always holds keys.
+    pub fn formed(&self) -> bool {
+        self.active > 0
+    }
+}
+
+impl std::fmt::Display for ShardCounts {
+    /// `2 active, 1 standby, 1 retired` (roles without shards left out), or before the map
+    /// forms `1 of 2 joined (the shard map forms once all have)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if !self.formed() {
+            return write!(
+                f,
+                "{} of {} joined (the shard map forms once all have)",
+                self.standby, self.expected
+            );
+        }
+        write!(f, "{} active", self.active)?;
+        for (n, role) in [(self.standby, "standby"), (self.retired, "retired")] {
+            if n > 0 {
+                write!(f, ", {n} {role}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl StatusView {
-    /// Builds the view.
-    pub fn new(job: &JobConfig, st: &JobStatus, members: &[WorkerInfo]) -> Self {
+    /// Builds the view; `shards` is the coordinator's shard list.
+    pub fn new(
+        job: &JobConfig,
+        st: &JobStatus,
+        members: &[WorkerInfo],
+        shards: &[ShardEntry],
+    ) -> Self {
         let active: Vec<&WorkerInfo> = members
             .iter()
             .filter(|w| w.state == WorkerState::Active)
@@ -461,7 +532,7 @@ impl StatusView {
             consistency: job.consistency.to_string(),
             epochs: job.epochs,
             batch_size: job.batch_size,
-            shards: (st.shards_joined, st.shards_expected),
+            shards: ShardCounts::new(shards, st.shards_expected),
             active_workers: active.len(),
             min_clock: st.min_clock.0,
             max_clock: active.iter().map(|w| w.clock.0).max().unwrap_or(0),
@@ -607,6 +678,9 @@ pub struct ShardRow {
     pub addr: String,
     /// active, standby or retired.
     pub role: String,
+    /// A standby shard without its assignment yet (it joined before the shard map formed): it
+    /// holds and serves nothing until the map forms. Waiting, not unreachable.
+    pub unassigned: bool,
     /// Key ranges held, as `start..end`.
     pub ranges: Vec<String>,
     /// Keys held.

@@ -907,6 +907,8 @@ const MAX_STAGED_AHEAD: u64 = 16;
 
 /// How long a request routed with a newer map than a shard's waits for the shard to learn it.
 const EPOCH_WAIT: Duration = Duration::from_secs(5);
+/// What a shard answers (with `NotReady`) before the coordinator gave it its assignment.
+const UNASSIGNED: &str = "shard has no assignment yet";
 /// How long a retired shard keeps answering before it stops.
 const RETIRE_GRACE: Duration = Duration::from_secs(2);
 /// How long a shard keeps trying to hand a range to its destination before taking it back.
@@ -1078,10 +1080,7 @@ impl ShardService {
     /// certificate, if it is one.
     fn bad_token(&self, peer: &Peer, worker: WorkerId, token: &Token) -> Option<Response> {
         let Some(tokens) = self.tokens.get() else {
-            return Some(Response::error(
-                ErrorCode::NotReady,
-                "shard has no assignment yet",
-            ));
+            return Some(Response::error(ErrorCode::NotReady, UNASSIGNED));
         };
         if tokens.verify(worker, &peer.name, token) {
             return None;
@@ -1117,11 +1116,15 @@ impl Service for ShardService {
         {
             return Frame::new(refused);
         }
-        let Some(st) = self.ready().await else {
-            return Frame::new(Response::error(
-                ErrorCode::NotReady,
-                "shard has no assignment yet",
-            ));
+        // A request for the shard's keys may have raced its start, so it waits a while for
+        // the assignment; an operator asking how the shard stands is told at once that it has
+        // none yet (a shard that joined before the map formed waits for the others to join).
+        let st = match req {
+            Request::ShardStats => self.state.borrow().clone(),
+            _ => self.ready().await,
+        };
+        let Some(st) = st else {
+            return Frame::new(Response::error(ErrorCode::NotReady, UNASSIGNED));
         };
         let out = match req {
             Request::Pull {

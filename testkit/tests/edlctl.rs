@@ -1,11 +1,12 @@
 //! `edlctl` against a live in-process cluster: tables and JSON for every command, clear errors
-//! and non-zero exit codes.
+//! and non-zero exit codes; and against `edl-ps` processes whose shard map has not formed.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
 
-use edl_shared::proto::Consistency;
 use edl_shared::proto::msg::WorkerState;
+use edl_shared::proto::{Clock, Consistency};
 use edl_testkit::{TestCluster, counter_job};
 
 /// `edlctl`, built beside this test by `cargo test --workspace` (edl-ps's own tests need it).
@@ -58,8 +59,29 @@ async fn every_command_prints_a_table_and_json() -> anyhow::Result<()> {
     assert_eq!(status["active_workers"], 1);
     assert_eq!(status["max_clock"], 5);
     assert_eq!(status["consistency"], "asp");
+    assert_eq!(
+        status["shards"],
+        serde_json::json!({"active": 2, "standby": 0, "retired": 0, "expected": 2})
+    );
     let table = run(&cluster, &["status"]).await;
-    assert!(String::from_utf8_lossy(&table.stdout).contains("consistency"));
+    let text = String::from_utf8_lossy(&table.stdout).to_string();
+    assert!(text.contains("consistency"), "{text}");
+    assert_eq!(row(&text, "shards").as_deref(), Some("2 active"), "{text}");
+
+    // An evaluation's clock never goes backwards: the final one of a job (whose minimum
+    // clock can lag once no worker trains) shows at least the one before it.
+    let eval = cluster.connect("eval").await?;
+    eval.report_evaluation(Clock(5), 0.5, 1.0, 100).await?;
+    eval.report_evaluation(Clock(2), 0.75, 0.5, 100).await?;
+    let status = json(&run(&cluster, &["--json", "status"]).await);
+    assert_eq!(status["evaluation"]["clock"], 5, "{status}");
+    assert_eq!(status["evaluation"]["accuracy"], 0.75, "{status}");
+    let text = String::from_utf8_lossy(&run(&cluster, &["status"]).await.stdout).to_string();
+    let accuracy = row(&text, "accuracy").unwrap_or_default();
+    assert!(
+        accuracy.starts_with("75.00% (test loss 0.5000, pulled at min clock 5,"),
+        "{text}"
+    );
 
     let workers = json(&run(&cluster, &["workers", "--json"]).await);
     let row = &workers.as_array().expect("array")[0];
@@ -130,6 +152,7 @@ async fn resharding_commands_reshape_a_live_cluster() -> anyhow::Result<()> {
     let w = cluster.connect("w0").await?.register("w0").await?;
     w.push_step(&[-1.0; 256]).await?;
 
+    // A standby shard (joined after the map formed) answers, and is no error.
     let rows = json(&run(&cluster, &["shards", "--json"]).await);
     let roles: Vec<&str> = rows
         .as_array()
@@ -138,6 +161,13 @@ async fn resharding_commands_reshape_a_live_cluster() -> anyhow::Result<()> {
         .map(|r| r["role"].as_str().expect("role"))
         .collect();
     assert_eq!(roles, ["active", "active", "standby"]);
+    assert_eq!(rows[2]["error"], serde_json::Value::Null, "{rows}");
+    let status = String::from_utf8_lossy(&run(&cluster, &["status"]).await.stdout).to_string();
+    assert_eq!(
+        row(&status, "shards").as_deref(),
+        Some("2 active, 1 standby"),
+        "{status}"
+    );
 
     let added = json(&run(&cluster, &["--json", "shard", "add", &third.to_string()]).await);
     assert!(!added["moves"].as_array().expect("moves").is_empty());
@@ -170,6 +200,18 @@ async fn resharding_commands_reshape_a_live_cluster() -> anyhow::Result<()> {
     assert!(layout.iter().all(|l| l[0] != 0), "{removed}");
     let table = String::from_utf8_lossy(&run(&cluster, &["shards"]).await.stdout).to_string();
     assert!(table.contains("retired"), "{table}");
+    // Three joined, two expected: the status counts by role, never "3/2".
+    let status = json(&run(&cluster, &["--json", "status"]).await);
+    assert_eq!(
+        status["shards"],
+        serde_json::json!({"active": 2, "standby": 0, "retired": 1, "expected": 2})
+    );
+    let status = String::from_utf8_lossy(&run(&cluster, &["status"]).await.stdout).to_string();
+    assert_eq!(
+        row(&status, "shards").as_deref(),
+        Some("2 active, 1 retired"),
+        "{status}"
+    );
     let rows = json(&run(&cluster, &["shards", "--json"]).await);
     let keys: u64 = rows
         .as_array()
@@ -277,5 +319,139 @@ async fn elastic_commands_steer_a_live_job() -> anyhow::Result<()> {
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(err(&out).contains(says), "{args:?}: {}", err(&out));
     }
+    Ok(())
+}
+
+/// The value in the row `key` of the two-column table `text` (as `status` prints it: the key,
+/// spaces, the value).
+fn row(text: &str, key: &str) -> Option<String> {
+    text.lines().find_map(|l| {
+        let rest = l.trim_matches(|c| c == '│' || c == ' ').strip_prefix(key)?;
+        rest.starts_with("  ").then(|| rest.trim().to_string())
+    })
+}
+
+/// A server process of the test, killed when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `edl-ps ARGS` (built beside `edlctl`) with its log in `dir`.
+fn edl_ps(dir: &Path, log: &str, args: &[&str]) -> anyhow::Result<Server> {
+    let exe = edlctl().with_file_name("edl-ps");
+    let log = std::fs::File::create(dir.join(log))?;
+    let child = Command::new(exe)
+        .args(args)
+        .arg("--state-dir")
+        .arg(dir)
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?;
+    Ok(Server(child))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_waiting_for_the_map_stands_by() -> anyhow::Result<()> {
+    if !edlctl().exists() {
+        anyhow::bail!(
+            "{} is missing: run the tests with cargo test --workspace",
+            edlctl().display()
+        );
+    }
+    // A job of two shards with one joined: the map has not formed, and s0 waits for its
+    // assignment.
+    let dir = tempfile::tempdir()?;
+    let addr_file = dir.path().join("coordinator.addr");
+    let _coordinator = edl_ps(
+        dir.path(),
+        "coordinator.log",
+        &[
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--addr-file",
+            addr_file.to_str().expect("a UTF-8 path"),
+            "--counter",
+            "256",
+            "--chunk-size",
+            "64",
+            "--shards",
+            "2",
+            "--no-persist",
+        ],
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let coordinator = loop {
+        match std::fs::read_to_string(&addr_file) {
+            Ok(a) if !a.trim().is_empty() => break a.trim().to_string(),
+            _ if Instant::now() > deadline => anyhow::bail!("the coordinator did not start"),
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let _s0 = edl_ps(
+        dir.path(),
+        "s0.log",
+        &[
+            "shard",
+            "--coordinator",
+            &coordinator,
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            "s0",
+            "--no-checkpoint",
+        ],
+    )?;
+    let edlctl_at = |args: &[&str]| {
+        let mut cmd = Command::new(edlctl());
+        cmd.args(["--coordinator", &coordinator, "--state-dir"])
+            .arg(dir.path())
+            .args(args);
+        async move {
+            tokio::task::spawn_blocking(move || cmd.output().expect("edlctl runs"))
+                .await
+                .expect("join")
+        }
+    };
+    let rows = loop {
+        let rows = json(&edlctl_at(&["--json", "shards"]).await);
+        if !rows.as_array().expect("array").is_empty() {
+            break rows;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "s0 did not join");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Listed at once as standby, waiting, not unreachable; and `shards` succeeds.
+    assert_eq!(rows[0]["name"], "s0", "{rows}");
+    assert_eq!(rows[0]["role"], "standby", "{rows}");
+    assert_eq!(rows[0]["unassigned"], true, "{rows}");
+    assert_eq!(rows[0]["error"], serde_json::Value::Null, "{rows}");
+    let asked = Instant::now();
+    let table = edlctl_at(&["shards"]).await;
+    let text = String::from_utf8_lossy(&table.stdout).to_string();
+    assert!(table.status.success(), "{text}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "the shard answered at once"
+    );
+    assert!(text.contains("waits for the shard map to form"), "{text}");
+    assert!(!text.contains("unreachable"), "{text}");
+
+    let status = json(&edlctl_at(&["--json", "status"]).await);
+    assert_eq!(
+        status["shards"],
+        serde_json::json!({"active": 0, "standby": 1, "retired": 0, "expected": 2})
+    );
+    let text = String::from_utf8_lossy(&edlctl_at(&["status"]).await.stdout).to_string();
+    assert_eq!(
+        row(&text, "shards").as_deref(),
+        Some("1 of 2 joined (the shard map forms once all have)"),
+        "{text}"
+    );
     Ok(())
 }

@@ -47,7 +47,8 @@ enum Cmd {
     },
     /// Every worker: id, address, state, clock, steps/s, last heartbeat.
     Workers,
-    /// Every shard: address, key ranges, bytes held, load.
+    /// Every shard: address, role, key ranges, bytes held, load. Exits 1 if a shard could
+    /// not be reached (a standby shard waiting for the shard map to form is not unreachable).
     Shards,
     /// Ask a worker to leave after its current step (by id, or by the name of one active
     /// worker); its data goes back to the pool.
@@ -281,24 +282,26 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("connecting to the coordinator at {}", cli.coordinator))?;
     match cli.cmd {
         Cmd::Status => {
-            let (job, st, members) = (
+            let (job, st, members, shards) = (
                 admin.job().await?,
                 admin.status().await?,
                 admin.members().await?,
+                admin.shard_list().await?,
             );
-            let v = StatusView::new(&job, &st, &members);
+            let v = StatusView::new(&job, &st, &members, &shards);
             if cli.json {
                 return print_json(&v);
             }
             println!("{}", status_table(&v));
         }
         Cmd::Watch { every } => loop {
-            let (job, st, members) = (
+            let (job, st, members, shards) = (
                 admin.job().await?,
                 admin.status().await?,
                 admin.members().await?,
+                admin.shard_list().await?,
             );
-            let v = StatusView::new(&job, &st, &members);
+            let v = StatusView::new(&job, &st, &members, &shards);
             // Clear the terminal, then the status and the active workers.
             print!("\x1b[2J\x1b[H");
             println!(
@@ -427,6 +430,13 @@ async fn main() -> anyhow::Result<()> {
                         r.name.clone(),
                         r.addr.clone(),
                         r.role.clone(),
+                    ]),
+                    None if r.unassigned => t.add_row(vec![
+                        format!("s{}", r.id),
+                        r.name.clone(),
+                        r.addr.clone(),
+                        r.role.clone(),
+                        "none yet: waits for the shard map to form".into(),
                     ]),
                     None => t.add_row(vec![
                         format!("s{}", r.id),
@@ -869,7 +879,7 @@ fn status_table(v: &StatusView) -> Table {
     row("optimizer", v.optimizer.clone());
     row("consistency", v.consistency.clone());
     row("epochs × batch", format!("{} × {}", v.epochs, v.batch_size));
-    row("shards", format!("{}/{}", v.shards.0, v.shards.1));
+    row("shards", v.shards.to_string());
     row("active workers", v.active_workers.to_string());
     row(
         "clocks (min..max)",
@@ -904,7 +914,7 @@ fn status_table(v: &StatusView) -> Table {
             || "– (no evaluation yet: edl-worker --evaluate --every 30s)".to_string(),
             |e| {
                 format!(
-                    "{:.2}% (test loss {:.4}, clock {}, {:.0} s ago)",
+                    "{:.2}% (test loss {:.4}, pulled at min clock {}, {:.0} s ago)",
                     100.0 * e.accuracy,
                     e.loss,
                     e.clock,

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use edl_shared::http::{Pages, Reply};
+use edl_shared::proto::msg::ShardStats;
 use edl_shared::proto::{Request, Response};
 
 use super::Coordinator;
@@ -68,6 +69,18 @@ async fn shards(c: &Arc<Coordinator>) -> serde_json::Value {
             let ask = caller.call(&e.addr, Request::ShardStats, bytes::Bytes::new());
             let r = match tokio::time::timeout(SHARD_WAIT, ask).await {
                 Ok(Ok(Response::ShardStats(s))) => Ok(s),
+                // Waiting for the shard map to form, it holds and serves nothing.
+                Ok(Err(err)) if crate::admin::unassigned(&e, &err) => Ok(ShardStats {
+                    shard: e.id,
+                    ranges: Vec::new(),
+                    keys: 0,
+                    floats: 0,
+                    state_bytes: 0,
+                    pushes: 0,
+                    pulls: 0,
+                    bytes_in: 0,
+                    bytes_out: 0,
+                }),
                 Ok(Ok(_)) => Err("unexpected answer".to_string()),
                 Ok(Err(e)) => Err(e.to_string()),
                 Err(_) => Err(format!("no answer within {SHARD_WAIT:?}")),

@@ -207,8 +207,14 @@ impl History {
         self.settle(now_ms);
     }
 
-    /// Records an evaluation.
-    pub fn evaluation(&mut self, record: EvalRecord) {
+    /// Records an evaluation. Its clock is raised to the previous evaluation's if lower: the
+    /// parameters only move on, so what held at an earlier pull holds at this one, while the
+    /// job's minimum clock can fall back once no worker trains (see
+    /// [`EvalRecord::clock`]).
+    pub fn evaluation(&mut self, mut record: EvalRecord) {
+        if let Some(last) = self.evaluations.back() {
+            record.clock = record.clock.max(last.clock);
+        }
         if self.evaluations.len() >= MAX_EVALS {
             self.evaluations.pop_front();
         }
@@ -262,6 +268,7 @@ impl History {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use edl_shared::proto::ids::Clock;
 
     fn w(n: u64) -> WorkerId {
         WorkerId(n)
@@ -306,6 +313,27 @@ mod tests {
         assert_eq!(stalls.len(), 1);
         assert_eq!(stalls[0].0, EventKind::Join);
         assert!((stalls[0].1 - 300.0).abs() < 1e-9, "{stalls:?}");
+    }
+
+    #[test]
+    fn an_evaluation_clock_never_goes_backwards() {
+        let mut h = History::default();
+        let eval = |t_ms, clock| EvalRecord {
+            t_ms,
+            name: "eval".into(),
+            clock: Clock(clock),
+            accuracy: 0.5,
+            loss: 1.0,
+            samples: 100,
+        };
+        h.evaluation(eval(1_000, 2061));
+        // The final evaluation, once every worker waits for data: the job's minimum clock is
+        // the floor a drained worker left.
+        h.evaluation(eval(2_000, 1201));
+        assert_eq!(h.latest_evaluation().map(|e| e.clock), Some(Clock(2061)));
+        h.evaluation(eval(3_000, 2500));
+        let clocks: Vec<u64> = h.history(0).evaluations.iter().map(|e| e.clock.0).collect();
+        assert_eq!(clocks, [2061, 2061, 2500]);
     }
 
     #[test]

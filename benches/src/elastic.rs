@@ -510,6 +510,7 @@ mod tests {
             kind: EventKind::Join,
             worker: WorkerId(worker),
             name: name.into(),
+            detail: String::new(),
         }
     }
 

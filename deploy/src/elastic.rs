@@ -104,6 +104,36 @@ pub struct PreemptionReport {
     pub replacement_joined_ms: Option<u64>,
 }
 
+/// One worker the launcher killed (scenario `kill`, SIGKILL): how soon the coordinator
+/// declared it dead, and how it found out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeathReport {
+    /// The worker.
+    pub worker: String,
+    /// When the launcher sent SIGKILL.
+    pub killed_ms: Option<u64>,
+    /// When the coordinator declared it dead (or it left first).
+    pub dead_ms: Option<u64>,
+    /// Seconds from SIGKILL to the declaration.
+    pub detect_s: Option<f64>,
+    /// How the coordinator found out (the event's detail: its socket gone, or its lease).
+    pub how: String,
+}
+
+/// One worker the launcher stopped for a while (scenario `pause`): whether the coordinator
+/// wrongly declared it dead.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PauseReport {
+    /// The worker.
+    pub worker: String,
+    /// When the launcher sent SIGSTOP.
+    pub paused_ms: Option<u64>,
+    /// What the launcher did (`SIGSTOP for 2 s`).
+    pub detail: String,
+    /// When the coordinator declared it dead, if it did.
+    pub declared_dead_ms: Option<u64>,
+}
+
 /// The elastic part of a run's report.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ElasticReport {
@@ -117,6 +147,12 @@ pub struct ElasticReport {
     pub preemptions: Vec<PreemptionReport>,
     /// Active workers after each membership change: (milliseconds, count).
     pub active: Vec<(u64, u32)>,
+    /// Every worker killed with SIGKILL.
+    #[serde(default)]
+    pub deaths: Vec<DeathReport>,
+    /// Every worker paused with SIGSTOP.
+    #[serde(default)]
+    pub pauses: Vec<PauseReport>,
 }
 
 struct Trace<'a> {
@@ -328,12 +364,52 @@ impl ElasticReport {
                 }
             })
             .collect();
+        let deaths = actions
+            .iter()
+            .filter(|a| a.action == "kill")
+            .map(|a| {
+                let id = t.id_of(&a.worker);
+                let event = trace.events.iter().find(|e| {
+                    Some(e.worker) == id
+                        && matches!(e.kind, EventKind::Dead | EventKind::Leave)
+                        && a.t_ms.is_none_or(|k| e.t_ms + 1_000 >= k)
+                });
+                DeathReport {
+                    worker: a.worker.clone(),
+                    killed_ms: a.t_ms,
+                    dead_ms: event.map(|e| e.t_ms),
+                    detect_s: secs(a.t_ms, event.map(|e| e.t_ms)),
+                    how: event.map_or_else(
+                        || "never declared dead".into(),
+                        |e| match e.kind {
+                            EventKind::Leave => "left before it was killed".into(),
+                            _ => e.detail.clone(),
+                        },
+                    ),
+                }
+            })
+            .collect();
+        let pauses = actions
+            .iter()
+            .filter(|a| a.action == "pause")
+            .map(|a| {
+                let id = t.id_of(&a.worker);
+                PauseReport {
+                    worker: a.worker.clone(),
+                    paused_ms: a.t_ms,
+                    detail: a.detail.clone(),
+                    declared_dead_ms: id.and_then(|w| t.first(&[EventKind::Dead], w)),
+                }
+            })
+            .collect();
         ElasticReport {
             actions,
             placements: placed,
             stragglers,
             preemptions,
             active,
+            deaths,
+            pauses,
         }
     }
 }
@@ -392,6 +468,31 @@ impl std::fmt::Display for ElasticReport {
                 _ => writeln!(f, "; no substitute")?,
             }
         }
+        for d in &self.deaths {
+            write!(
+                f,
+                "  killed {} (SIGKILL at {}): ",
+                d.worker,
+                at(d.killed_ms)
+            )?;
+            match d.detect_s {
+                Some(s) => writeln!(f, "declared dead {s:.2} s later ({})", d.how)?,
+                None => writeln!(f, "{}", d.how)?,
+            }
+        }
+        for p in &self.pauses {
+            write!(
+                f,
+                "  paused {} ({} at {}): ",
+                p.worker,
+                p.detail,
+                at(p.paused_ms)
+            )?;
+            match p.declared_dead_ms {
+                Some(ms) => writeln!(f, "DECLARED DEAD at {}", at(Some(ms)))?,
+                None => writeln!(f, "not declared dead")?,
+            }
+        }
         for p in &self.placements {
             write!(f, "  placement {} ({}", p.id, p.what)?;
             if let Some(slot) = &p.slot {
@@ -428,6 +529,7 @@ mod tests {
             kind,
             worker: WorkerId(worker),
             name: name.into(),
+            detail: String::new(),
         }
     }
 

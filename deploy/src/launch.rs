@@ -118,13 +118,12 @@ pub fn coordinator_args(
         addr_file.as_os_str().to_owned(),
         "--shards".into(),
         shards.to_string().into(),
-        "--stragglers".into(),
-        stragglers.policy.to_string().into(),
-        "--straggler-factor".into(),
-        stragglers.factor.to_string().into(),
-        "--straggler-window".into(),
-        stragglers.window.to_string().into(),
     ];
+    args.extend(
+        edl_shared::cli::StragglerArgs::args_for(stragglers)
+            .into_iter()
+            .map(OsString::from),
+    );
     push_common(&mut args, state_dir, creds);
     args
 }

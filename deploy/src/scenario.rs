@@ -30,6 +30,11 @@
 //! action = "preempt"  # SIGUSR1: a spot notice (edl-local --preempt-notice long)
 //! worker = "w2"
 //! [[event]]
+//! at_s = 9.8
+//! action = "pause"    # SIGSTOP, then SIGCONT `for_s` later: a long GC pause or swapping
+//! worker = "w1"
+//! for_s = 2.0
+//! [[event]]
 //! at_s = 9.9
 //! action = "migrate"  # a new worker (in slot `to`, optional), then the old one drained
 //! worker = "w0"
@@ -157,6 +162,15 @@ pub enum Action {
         /// The slowdown factor.
         factor: f64,
     },
+    /// Stop this worker's process (SIGSTOP) and let it go on (SIGCONT) `for_s` seconds later,
+    /// as a long garbage-collection pause or swapping would: alive, but silent. A pause
+    /// shorter than the lease must not cost the worker its place.
+    Pause {
+        /// The worker's name.
+        worker: String,
+        /// Seconds it stays stopped.
+        for_s: f64,
+    },
     /// Send SIGUSR1 to this worker's process, as a cloud agent does on a spot-instance
     /// warning: it leaves within `edl-local --preempt-notice`; under straggler policy
     /// `replace` the coordinator asks for a substitute at once.
@@ -204,7 +218,10 @@ impl Action {
     pub fn is_elastic_event(&self) -> bool {
         matches!(
             self,
-            Action::Slow { .. } | Action::Preempt { .. } | Action::Migrate { .. }
+            Action::Slow { .. }
+                | Action::Pause { .. }
+                | Action::Preempt { .. }
+                | Action::Migrate { .. }
         )
     }
 
@@ -221,6 +238,7 @@ impl Action {
             Action::KillShard { .. } => "kill_shard",
             Action::RestartShard { .. } => "restart_shard",
             Action::Slow { .. } => "slow",
+            Action::Pause { .. } => "pause",
             Action::Preempt { .. } => "preempt",
             Action::Migrate { .. } => "migrate",
         }
@@ -240,6 +258,9 @@ impl fmt::Display for Action {
             Action::KillShard { shard } => write!(f, "kill -9 shard {shard}"),
             Action::RestartShard { shard } => write!(f, "restart shard {shard}"),
             Action::Slow { worker, factor } => write!(f, "slow {worker} {factor}x"),
+            Action::Pause { worker, for_s } => {
+                write!(f, "pause {worker} for {for_s} s (SIGSTOP, then SIGCONT)")
+            }
             Action::Preempt { worker } => write!(f, "preempt {worker} (SIGUSR1)"),
             Action::Migrate { worker, to: None } => write!(f, "migrate {worker}"),
             Action::Migrate {
@@ -286,12 +307,14 @@ struct RawEvent {
     range: Option<String>,
     to: Option<String>,
     factor: Option<f64>,
+    for_s: Option<f64>,
 }
 
 impl RawEvent {
     /// The optional fields that are set, by name.
-    fn fields(&self) -> [(&'static str, bool); 6] {
+    fn fields(&self) -> [(&'static str, bool); 7] {
         [
+            ("for_s", self.for_s.is_some()),
             ("count", self.count.is_some()),
             ("worker", self.worker.is_some()),
             ("shard", self.shard.is_some()),
@@ -425,7 +448,7 @@ impl Scenario {
             let action = e.action.ok_or_else(|| {
                 bad(
                     "missing field `action` (add, drain, kill, term, preempt, migrate, slow, \
-                     shard_add, shard_remove, move, kill_shard or restart_shard)"
+                     pause, shard_add, shard_remove, move, kill_shard or restart_shard)"
                         .into(),
                 )
             })?;
@@ -464,14 +487,14 @@ impl Scenario {
                     running.extend(names.iter().cloned());
                     Action::Add { names }
                 }
-                "slow" | "migrate" => {
+                "slow" | "migrate" | "pause" => {
                     if e.count.is_some() {
                         return Err(bad(format!("`count` applies to add only, not {action}")));
                     }
-                    only(if action == "slow" {
-                        &["worker", "factor"]
-                    } else {
-                        &["worker", "to"]
+                    only(match action.as_str() {
+                        "slow" => &["worker", "factor"],
+                        "pause" => &["worker", "for_s"],
+                        _ => &["worker", "to"],
                     })?;
                     let worker = e.worker.ok_or_else(|| {
                         bad(format!(
@@ -492,6 +515,16 @@ impl Scenario {
                             return Err(bad(format!("factor = {factor} must be 1 to 1000")));
                         }
                         Action::Slow { worker, factor }
+                    } else if action == "pause" {
+                        let for_s = e.for_s.ok_or_else(|| {
+                            bad("missing field `for_s` (seconds stopped, e.g. for_s = 2.0)".into())
+                        })?;
+                        if !(for_s.is_finite() && (0.0..=3600.0).contains(&for_s) && for_s > 0.0) {
+                            return Err(bad(format!(
+                                "for_s = {for_s} must be above 0, at most 3600"
+                            )));
+                        }
+                        Action::Pause { worker, for_s }
                     } else {
                         Action::Migrate { worker, to: e.to }
                     }
@@ -604,7 +637,7 @@ impl Scenario {
                 other => {
                     return Err(bad(format!(
                         "unknown action {other:?}; expected add, drain, kill, term, preempt, \
-                         migrate, slow, shard_add, shard_remove, move, kill_shard or \
+                         migrate, slow, pause, shard_add, shard_remove, move, kill_shard or \
                          restart_shard"
                     )));
                 }

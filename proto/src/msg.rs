@@ -118,7 +118,8 @@ pub enum WorkerState {
     Active,
     /// Left gracefully.
     Left,
-    /// Declared dead after its lease expired.
+    /// Declared dead: its lease expired, its socket was found gone, or it was dropped for
+    /// holding the others up (the event's detail says which).
     Dead,
 }
 
@@ -131,7 +132,8 @@ pub enum EventKind {
     Drain,
     /// Left gracefully.
     Leave,
-    /// Declared dead after its lease expired.
+    /// Declared dead: its lease expired, its socket was found gone, or it was dropped for
+    /// holding the others up (the event's detail says which).
     Dead,
     /// Flagged as a straggler (its step time against the others' passed the factor).
     Straggler,
@@ -141,6 +143,9 @@ pub enum EventKind {
     Preempt,
     /// A replacement for it was requested from the placer.
     ReplaceRequested,
+    /// It holds the minimum clock that others wait on (SSP, BSP) and has not finished a step
+    /// for longer than the job allows (idle, or stuck in its own code).
+    Stalled,
 }
 
 /// One membership event.
@@ -156,6 +161,9 @@ pub struct EventRecord {
     pub worker: WorkerId,
     /// The worker's name.
     pub name: String,
+    /// Why, where the event is a decision: a straggler's and the others' step times, how a
+    /// death was found, what a stalled worker holds up (empty otherwise).
+    pub detail: String,
 }
 
 /// One completed step: when the coordinator received a worker's clock report.
@@ -288,16 +296,51 @@ pub struct WorkerInfo {
     /// Median busy time of its recent steps in milliseconds (from the grant of one step to
     /// the report of the next: its own work, not the consistency wait); 0 before any.
     pub step_ms: f64,
+    /// The median of the other judged workers' median step times over the same window, in
+    /// milliseconds (0 while unknown): what its own is compared against.
+    pub others_ms: f64,
     /// Its median step time over the median of the other workers' (0 while unknown).
     pub straggler_score: f64,
     /// Flagged as a straggler.
     pub straggler: bool,
+    /// Where the straggler detector stands on it.
+    pub judged: Judgement,
+    /// Milliseconds it has held the minimum clock others wait on without finishing a step,
+    /// once that is past the job's stall report time.
+    pub stalled_ms: Option<u64>,
     /// Steps behind the most advanced counting worker (what its gradients lag under ASP).
     pub staleness: u64,
     /// Milliseconds left of a preemption notice, if it got one.
     pub notice_ms: Option<u64>,
     /// The placement it was started for, if any.
     pub placement: Option<u64>,
+}
+
+/// Where the straggler detector stands on a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Judgement {
+    /// Within its warm-up after admission, or without enough steps in the window yet.
+    Warming,
+    /// Judged, and not slow.
+    Ok,
+    /// Judged slow, not yet for long enough to be flagged.
+    Suspect,
+    /// Flagged as a straggler.
+    Flagged,
+    /// Not training (left, dead, waiting for data, or no other worker to compare with).
+    Unjudged,
+}
+
+impl std::fmt::Display for Judgement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Warming => "warming",
+            Self::Ok => "ok",
+            Self::Suspect => "suspect",
+            Self::Flagged => "straggler",
+            Self::Unjudged => "-",
+        })
+    }
 }
 
 /// One shard's holdings and load, for operators.
@@ -503,14 +546,10 @@ pub enum Request {
         /// Why.
         reason: String,
     },
-    /// Reads the straggler settings, changing the fields given.
+    /// Reads the straggler and stall settings, replacing them first when `set` is given.
     Stragglers {
-        /// A new policy.
-        policy: Option<crate::place::StragglerPolicy>,
-        /// A new factor.
-        factor: Option<f32>,
-        /// A new window.
-        window: Option<u32>,
+        /// The new settings (checked by the coordinator).
+        set: Option<crate::place::StragglerSettings>,
     },
     /// Reads parameters. The payload of the response holds the chunks in `Pulled` order.
     Pull {

@@ -48,25 +48,74 @@ impl FromStr for StragglerPolicy {
     }
 }
 
-/// How stragglers are found and what is done about them.
+/// How stragglers and stalls are found and what is done about them.
+///
+/// A worker's *step time* is its own work: from the grant of one step to the report of the
+/// next (pull, compute, push), never its wait for slower workers. A worker is judged on the
+/// median of its steps that ended within the last `window_ms` (at least its last
+/// [`StragglerSettings::MIN_STEPS`]), against the other judged workers' medians over the same
+/// stretch of time: a machine that slows everyone slows the reference too. It is flagged once
+/// its median has been more than `factor` times the reference, and more than `min_gap_ms`
+/// and the spread between the others' medians above it, at every judgement for
+/// [`StragglerSettings::confirm`]; it recovers once it has been below
+/// [`StragglerSettings::recover_factor`] as long. Steps within `warmup_ms` of its admission
+/// are not judged, nor counted in anyone's reference.
 #[derive(Clone, Copy, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct StragglerSettings {
     /// What to do with a flagged worker.
     pub policy: StragglerPolicy,
-    /// A worker is flagged when its median step time over the window is more than this many
-    /// times the median of the other workers' medians.
+    /// A worker is slow while its median step time is more than this many times the median
+    /// of the other workers' medians.
     pub factor: f32,
-    /// Steps in the window (a worker is judged only once it has taken this many).
-    pub window: u32,
+    /// The stretch of time, in milliseconds, whose steps a worker is judged on.
+    pub window_ms: u32,
+    /// A worker is slow only while its median exceeds the others' by at least this many
+    /// milliseconds: scheduling noise on a busy machine is not a straggler.
+    pub min_gap_ms: f32,
+    /// A worker is judged only from this many milliseconds after its admission (its first
+    /// steps pay for cold caches, first pulls and allocation).
+    pub warmup_ms: u32,
+    /// A worker that holds the minimum clock others wait on (SSP and BSP) without finishing a
+    /// step for this many milliseconds is reported by name (log, event, `edlctl workers`).
+    pub stall_ms: u32,
+    /// What is done about such a worker: 0 waits for it however long it takes; otherwise it
+    /// is dropped (as if dead: its data returns to the pool, the others go on) once it has
+    /// held the minimum this many milliseconds.
+    pub stall_drop_ms: u32,
 }
 
 impl StragglerSettings {
     /// The default factor.
     pub const FACTOR: f32 = 1.5;
-    /// The default window.
-    pub const WINDOW: u32 = 20;
+    /// The default window: a slowdown of 3x on a running worker is flagged about 0.75
+    /// window + confirmation after it begins, one of 2x about 0.67 window + confirmation.
+    pub const WINDOW_MS: u32 = 1_500;
+    /// The default minimum gap.
+    pub const MIN_GAP_MS: f32 = 2.0;
+    /// The default warm-up.
+    pub const WARMUP_MS: u32 = 2_000;
+    /// The default time before a stall is reported.
+    pub const STALL_MS: u32 = 10_000;
+    /// Steps a worker's window holds at least, however old (a slow model's steps can be
+    /// longer than the window), and that a worker needs before it is judged.
+    pub const MIN_STEPS: usize = 3;
 
-    /// Checks the settings: a factor above 1 (and finite), a window of 3 to 10,000 steps.
+    /// How long a worker must be judged slow (or recovered) at every judgement before it is
+    /// flagged (or unflagged): a fifth of the window, at least 100 ms.
+    pub fn confirm(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(u64::from((self.window_ms / 5).max(100)))
+    }
+
+    /// Below this many times the reference a flagged worker counts as recovered: halfway
+    /// between 1 and the factor, so that a worker near the threshold is not flagged and
+    /// unflagged by every other step.
+    pub fn recover_factor(&self) -> f32 {
+        1.0 + (self.factor - 1.0) / 2.0
+    }
+
+    /// Checks the settings: a factor above 1 (and finite), a window of 100 ms to 10 minutes,
+    /// a gap of 0 to 60 s, a warm-up of at most 10 minutes, a stall report after 100 ms to a
+    /// day, and a drop (if any) no sooner than the report.
     pub fn check(&self) -> Result<(), String> {
         if !(self.factor.is_finite() && self.factor > 1.0) {
             return Err(format!(
@@ -74,10 +123,35 @@ impl StragglerSettings {
                 self.factor
             ));
         }
-        if !(3..=10_000).contains(&self.window) {
+        if !(100..=600_000).contains(&self.window_ms) {
             return Err(format!(
-                "straggler window {} must be 3 to 10000 steps",
-                self.window
+                "straggler window {} ms must be 100 ms to 10 minutes",
+                self.window_ms
+            ));
+        }
+        if !(self.min_gap_ms.is_finite() && (0.0..=60_000.0).contains(&self.min_gap_ms)) {
+            return Err(format!(
+                "straggler minimum gap {} ms must be 0 to 60000 ms",
+                self.min_gap_ms
+            ));
+        }
+        if self.warmup_ms > 600_000 {
+            return Err(format!(
+                "straggler warm-up {} ms must be at most 10 minutes",
+                self.warmup_ms
+            ));
+        }
+        if !(100..=86_400_000).contains(&self.stall_ms) {
+            return Err(format!(
+                "stall report after {} ms must be 100 ms to a day",
+                self.stall_ms
+            ));
+        }
+        if self.stall_drop_ms != 0 && self.stall_drop_ms < self.stall_ms {
+            return Err(format!(
+                "a stalled worker is dropped after {} ms, before it is reported ({} ms): \
+                 drop after the report, or 0 to wait",
+                self.stall_drop_ms, self.stall_ms
             ));
         }
         Ok(())
@@ -89,7 +163,11 @@ impl Default for StragglerSettings {
         StragglerSettings {
             policy: StragglerPolicy::Ignore,
             factor: Self::FACTOR,
-            window: Self::WINDOW,
+            window_ms: Self::WINDOW_MS,
+            min_gap_ms: Self::MIN_GAP_MS,
+            warmup_ms: Self::WARMUP_MS,
+            stall_ms: Self::STALL_MS,
+            stall_drop_ms: 0,
         }
     }
 }
@@ -205,13 +283,45 @@ mod tests {
         }
         assert!("evict".parse::<StragglerPolicy>().is_err());
         assert!(StragglerSettings::default().check().is_ok());
-        for (factor, window) in [(1.0, 20), (f32::NAN, 20), (2.0, 2), (2.0, 10_001)] {
-            let s = StragglerSettings {
-                factor,
-                window,
-                ..StragglerSettings::default()
-            };
-            assert!(s.check().is_err(), "{factor} {window}");
+        let d = StragglerSettings::default();
+        let bad = [
+            StragglerSettings { factor: 1.0, ..d },
+            StragglerSettings {
+                factor: f32::NAN,
+                ..d
+            },
+            StragglerSettings { window_ms: 99, ..d },
+            StragglerSettings {
+                window_ms: 600_001,
+                ..d
+            },
+            StragglerSettings {
+                min_gap_ms: -1.0,
+                ..d
+            },
+            StragglerSettings {
+                min_gap_ms: f32::INFINITY,
+                ..d
+            },
+            StragglerSettings {
+                warmup_ms: 600_001,
+                ..d
+            },
+            StragglerSettings { stall_ms: 50, ..d },
+            StragglerSettings {
+                stall_drop_ms: d.stall_ms - 1,
+                ..d
+            },
+        ];
+        for s in bad {
+            assert!(s.check().is_err(), "{s:?}");
         }
+        let drop_later = StragglerSettings {
+            stall_drop_ms: d.stall_ms,
+            ..d
+        };
+        assert!(drop_later.check().is_ok());
+        assert_eq!(d.recover_factor(), 1.25);
+        assert_eq!(d.confirm().as_millis(), 300);
     }
 }

@@ -8,8 +8,8 @@ use edl_shared::proto::msg::{
     JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
 };
 use edl_shared::proto::{
-    JobConfig, ModelSpec, Placement, Request, Response, ShardMap, StragglerPolicy,
-    StragglerSettings, WorkerId, place::Resize,
+    JobConfig, ModelSpec, Placement, Request, Response, ShardMap, StragglerSettings, WorkerId,
+    place::Resize,
 };
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use serde::Serialize;
@@ -140,23 +140,25 @@ impl Admin {
         .map(|_| ())
     }
 
-    /// The straggler settings, after changing the fields given.
+    /// The straggler and stall settings, after `change` made its changes to them (read,
+    /// changed and written back; `None` only reads).
     pub async fn stragglers(
         &self,
-        policy: Option<StragglerPolicy>,
-        factor: Option<f32>,
-        window: Option<u32>,
+        change: Option<impl FnOnce(&mut StragglerSettings)>,
     ) -> Result<StragglerSettings, CallError> {
-        match self
-            .ask(Request::Stragglers {
-                policy,
-                factor,
-                window,
-            })
-            .await?
-        {
-            Response::Stragglers(s) => Ok(s),
-            other => Err(CallError::unexpected(&other)),
+        let ask = |set| async move {
+            match self.ask(Request::Stragglers { set }).await? {
+                Response::Stragglers(s) => Ok(s),
+                other => Err(CallError::unexpected(&other)),
+            }
+        };
+        let mut s = ask(None).await?;
+        match change {
+            None => Ok(s),
+            Some(change) => {
+                change(&mut s);
+                ask(Some(s)).await
+            }
         }
     }
 
@@ -578,10 +580,18 @@ pub struct WorkerRow {
     pub last_heartbeat_ms: u64,
     /// Median busy time of its recent steps (its own work, not consistency waits).
     pub step_ms: f64,
+    /// The median of the other workers' median step times over the same window: what its
+    /// own is compared against (0 while unknown).
+    pub others_ms: f64,
     /// Its median step time over the other workers' median (0 while unknown).
     pub straggler_score: f64,
     /// Flagged as a straggler.
     pub straggler: bool,
+    /// Where the straggler detector stands on it: warming, ok, suspect, straggler or `-`.
+    pub judged: String,
+    /// Milliseconds it has held the minimum clock others wait on without a step, once past
+    /// the job's stall report time.
+    pub stalled_ms: Option<u64>,
     /// Steps behind the most advanced worker (how stale its gradients are under ASP).
     pub staleness: u64,
     /// Milliseconds left of its preemption notice.
@@ -603,8 +613,11 @@ impl From<&WorkerInfo> for WorkerRow {
             samples: w.samples,
             last_heartbeat_ms: w.idle_ms,
             step_ms: w.step_ms,
+            others_ms: w.others_ms,
             straggler_score: w.straggler_score,
             straggler: w.straggler,
+            judged: w.judged.to_string(),
+            stalled_ms: w.stalled_ms,
             staleness: w.staleness,
             notice_ms: w.notice_ms,
             placement: w.placement,
@@ -756,8 +769,11 @@ mod tests {
             steps_per_s: 0.0,
             samples: 0,
             step_ms: 0.0,
+            others_ms: 0.0,
             straggler_score: 0.0,
             straggler: false,
+            judged: edl_shared::proto::msg::Judgement::Unjudged,
+            stalled_ms: None,
             staleness: 0,
             notice_ms: None,
             placement: None,

@@ -57,8 +57,10 @@ pub fn status(
             json!({
                 "id": w.id.to_string(), "name": w.name, "state": worker_state(w.state, w.draining),
                 "clock": w.clock.0, "steps_per_s": num(w.steps_per_s), "samples": w.samples,
-                "step_ms": num(w.step_ms), "straggler_score": num(w.straggler_score),
-                "straggler": w.straggler, "staleness": w.staleness, "idle_ms": w.idle_ms,
+                "step_ms": num(w.step_ms), "others_ms": num(w.others_ms),
+                "straggler_score": num(w.straggler_score), "straggler": w.straggler,
+                "judged": w.judged.to_string(), "stalled_ms": w.stalled_ms,
+                "staleness": w.staleness, "idle_ms": w.idle_ms,
             })
         })
         .collect();

@@ -95,7 +95,7 @@ impl BudgetArgs {
     }
 }
 
-/// How the coordinator finds stragglers and what it does about them.
+/// How the coordinator finds stragglers and stalled workers and what it does about them.
 #[derive(Clone, Debug, clap::Args)]
 pub struct StragglerArgs {
     /// What to do with a straggler: `ignore` (flag it only), `drop` (drain it) or `replace`
@@ -104,14 +104,52 @@ pub struct StragglerArgs {
     /// stragglers`.
     #[arg(long = "stragglers", default_value = "ignore", value_name = "POLICY")]
     pub policy: edl_proto::StragglerPolicy,
-    /// A worker is a straggler when its median step time over the window is more than this
-    /// many times the median of the other workers'. A step's time is the worker's own work
-    /// (pull, compute, push), not its wait for slower workers.
+    /// A worker is a straggler when its median step time over the window stays more than this
+    /// many times the median of the other workers' (for a fifth of the window). A step's time
+    /// is the worker's own work (pull, compute, push), not its wait for slower workers.
     #[arg(long, default_value_t = edl_proto::StragglerSettings::FACTOR, value_name = "X")]
     pub straggler_factor: f32,
-    /// Steps in the window a worker is judged over.
-    #[arg(long, default_value_t = edl_proto::StragglerSettings::WINDOW, value_name = "STEPS")]
-    pub straggler_window: u32,
+    /// The stretch of time whose steps a worker is judged on, the same for every worker, so
+    /// that a machine slowing everyone down slows the reference too (at least its last 3
+    /// steps however old).
+    #[arg(long, default_value = "1500ms", value_parser = humantime::parse_duration, value_name = "TIME")]
+    pub straggler_window: std::time::Duration,
+    /// A straggler's median must also exceed the others' by this much: scheduling noise of a
+    /// busy machine on short steps is not a straggler.
+    #[arg(long, default_value = "2ms", value_parser = humantime::parse_duration, value_name = "TIME")]
+    pub straggler_min_gap: std::time::Duration,
+    /// A worker's steps are judged only from this long after its admission.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration, value_name = "TIME")]
+    pub straggler_warmup: std::time::Duration,
+    /// Report a worker (log, event, `edlctl workers`) that holds the minimum clock others
+    /// wait on (SSP, BSP) without finishing a step for this long.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, value_name = "TIME")]
+    pub stall_report: std::time::Duration,
+    /// Drop such a worker once it has held the others up this long (its data returns to the
+    /// pool, as a dead worker's). `never` (the default) waits for it however long it takes.
+    #[arg(long, default_value = "never", value_name = "TIME")]
+    pub stall_drop: Never,
+}
+
+/// A duration, or `never` (`None`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Never(pub Option<std::time::Duration>);
+
+impl std::str::FromStr for Never {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Never, String> {
+        match s.trim() {
+            "never" => Ok(Never(None)),
+            d => humantime::parse_duration(d)
+                .map(|d| Never(Some(d)))
+                .map_err(|e| format!("{e} (a duration such as 60s, or never)")),
+        }
+    }
+}
+
+/// Milliseconds of a duration, saturated to `u32`.
+fn ms(d: std::time::Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 
 impl StragglerArgs {
@@ -120,10 +158,38 @@ impl StragglerArgs {
         let s = edl_proto::StragglerSettings {
             policy: self.policy,
             factor: self.straggler_factor,
-            window: self.straggler_window,
+            window_ms: ms(self.straggler_window),
+            min_gap_ms: self.straggler_min_gap.as_secs_f32() * 1000.0,
+            warmup_ms: ms(self.straggler_warmup),
+            stall_ms: ms(self.stall_report),
+            stall_drop_ms: self.stall_drop.0.map_or(0, ms),
         };
         s.check()?;
         Ok(s)
+    }
+
+    /// The flags that give `s` (for a launcher passing its settings on to a coordinator).
+    pub fn args_for(s: &edl_proto::StragglerSettings) -> Vec<String> {
+        let mut args = vec![
+            "--stragglers".into(),
+            s.policy.to_string(),
+            "--straggler-factor".into(),
+            s.factor.to_string(),
+            "--straggler-window".into(),
+            format!("{}ms", s.window_ms),
+            "--straggler-min-gap".into(),
+            format!("{}us", (s.min_gap_ms * 1000.0).round() as u64),
+            "--straggler-warmup".into(),
+            format!("{}ms", s.warmup_ms),
+            "--stall-report".into(),
+            format!("{}ms", s.stall_ms),
+            "--stall-drop".into(),
+        ];
+        args.push(match s.stall_drop_ms {
+            0 => "never".into(),
+            d => format!("{d}ms"),
+        });
+        args
     }
 }
 
@@ -156,5 +222,58 @@ impl MetricsArgs {
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
         }
         Ok(bound)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        stragglers: StragglerArgs,
+    }
+
+    fn parse(args: &[String]) -> Result<edl_proto::StragglerSettings, String> {
+        let argv = std::iter::once("edl".to_string()).chain(args.iter().cloned());
+        Flags::try_parse_from(argv)
+            .map_err(|e| e.to_string())?
+            .stragglers
+            .settings()
+    }
+
+    #[test]
+    fn straggler_flags_round_trip_through_args_for() {
+        let defaults = parse(&[]).expect("defaults");
+        assert_eq!(defaults, edl_proto::StragglerSettings::default());
+        let s = edl_proto::StragglerSettings {
+            policy: edl_proto::StragglerPolicy::Replace,
+            factor: 1.8,
+            window_ms: 2_500,
+            min_gap_ms: 0.5,
+            warmup_ms: 0,
+            stall_ms: 4_000,
+            stall_drop_ms: 30_000,
+        };
+        assert_eq!(parse(&StragglerArgs::args_for(&s)), Ok(s));
+        let waits = edl_proto::StragglerSettings {
+            stall_drop_ms: 0,
+            ..s
+        };
+        assert_eq!(parse(&StragglerArgs::args_for(&waits)), Ok(waits));
+        let early = ["--stall-report", "10s", "--stall-drop", "5s"].map(String::from);
+        assert!(
+            parse(&early)
+                .expect_err("a drop before the report")
+                .contains("before it is reported")
+        );
+        let bad = ["--stall-drop", "soon"].map(String::from);
+        assert!(
+            parse(&bad)
+                .expect_err("not a duration")
+                .contains("or never")
+        );
     }
 }

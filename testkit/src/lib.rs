@@ -90,6 +90,7 @@ impl TestCluster {
                 shards,
                 state_file: None,
                 stragglers: Default::default(),
+                probe_sockets: true,
             },
             "127.0.0.1:0".parse()?,
             &id,

@@ -257,8 +257,13 @@ async fn elastic_commands_steer_a_live_job() -> anyhow::Result<()> {
 
     let s = json(&run(&cluster, &["--json", "stragglers"]).await);
     assert_eq!(
-        (s["policy"].as_str(), s["window"].as_u64()),
-        (Some("ignore"), Some(20))
+        (s["policy"].as_str(), s["window_ms"].as_u64()),
+        (Some("ignore"), Some(1_500))
+    );
+    assert_eq!(
+        s["stall_drop_ms"],
+        serde_json::Value::Null,
+        "waits by default: {s}"
     );
     let s = json(
         &run(
@@ -270,6 +275,10 @@ async fn elastic_commands_steer_a_live_job() -> anyhow::Result<()> {
                 "replace",
                 "--factor",
                 "2",
+                "--window",
+                "2s",
+                "--stall-drop",
+                "1m",
             ],
         )
         .await,
@@ -277,6 +286,23 @@ async fn elastic_commands_steer_a_live_job() -> anyhow::Result<()> {
     assert_eq!(
         (s["policy"].as_str(), s["factor"].as_f64()),
         (Some("replace"), Some(2.0))
+    );
+    assert_eq!(
+        (s["window_ms"].as_u64(), s["stall_drop_ms"].as_u64()),
+        (Some(2_000), Some(60_000))
+    );
+    // Settings the coordinator refuses change nothing and say why.
+    let refused = run(&cluster, &["stragglers", "--stall-drop", "1s"]).await;
+    assert!(!refused.status.success());
+    assert!(
+        err(&refused).contains("before it is reported"),
+        "{}",
+        err(&refused)
+    );
+    let text_out = text(&run(&cluster, &["stragglers"]).await);
+    assert!(
+        text_out.contains("2000 ms windows") && text_out.contains("dropped after 60000 ms"),
+        "{text_out}"
     );
 
     // Growing by two makes two placements, pending until a placer starts workers.
@@ -297,6 +323,9 @@ async fn elastic_commands_steer_a_live_job() -> anyhow::Result<()> {
     let rows = json(&run(&cluster, &["--json", "workers"]).await);
     let left = rows[0]["notice_ms"].as_u64().expect("a notice");
     assert!((8_000..=10_000).contains(&left), "{rows}");
+    // No step yet: the straggler detector has not judged it.
+    assert_eq!(rows[0]["judged"], "warming", "{rows}");
+    assert_eq!(rows[0]["stalled_ms"], serde_json::Value::Null, "{rows}");
     assert!(text(&run(&cluster, &["workers"]).await).contains("preempted"));
     assert!(!w.drain_requested());
 

@@ -11,6 +11,7 @@ fn ev(t_ms: u64, requested_ms: u64, kind: EventKind, w: u64) -> EventRecord {
         kind,
         worker: WorkerId(w),
         name: format!("w{w}"),
+        detail: String::new(),
     }
 }
 

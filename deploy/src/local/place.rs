@@ -191,6 +191,29 @@ impl Launch<'_> {
                     .with_context(|| format!("writing {}", file.display()))?;
                 self.record_elastic(t_ms, "slow", &name, format!("{factor}x"));
             }
+            Action::Pause { worker, for_s } => {
+                let Some(w) = self.workers.current(worker) else {
+                    return Ok(Outcome::Skipped(format!("{worker} is not running")));
+                };
+                let pid = w.proc.pid();
+                if !w.proc.signal(Signal::SIGSTOP)? {
+                    return Ok(Outcome::Skipped(format!("{worker} had already exited")));
+                }
+                let name = w.proc.name().to_string();
+                // Let it go on later, whatever the launcher is doing then; a process that
+                // exited meanwhile (killed while stopped) is not there to continue.
+                if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+                    let pause = Duration::from_secs_f64(*for_s);
+                    tokio::spawn(async move {
+                        tokio::time::sleep(pause).await;
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid),
+                            Signal::SIGCONT,
+                        );
+                    });
+                }
+                self.record_elastic(t_ms, "pause", &name, format!("SIGSTOP for {for_s} s"));
+            }
             Action::Preempt { worker } => {
                 let Some(w) = self.workers.current(worker) else {
                     return Ok(Outcome::Skipped(format!("{worker} is not running")));
@@ -252,7 +275,13 @@ impl Launch<'_> {
         Ok(Outcome::Done)
     }
 
-    fn record_elastic(&mut self, t_ms: Option<u64>, action: &str, worker: &str, detail: String) {
+    pub(super) fn record_elastic(
+        &mut self,
+        t_ms: Option<u64>,
+        action: &str,
+        worker: &str,
+        detail: String,
+    ) {
         self.placer.actions.push(LauncherAction {
             t_ms,
             action: action.to_string(),

@@ -242,13 +242,20 @@ impl Launch<'_> {
                     return Ok(Outcome::Skipped(format!("{worker} had already exited")));
                 }
                 w.fate = fate;
+                // Kept with the elastic actions, for the time the coordinator took to find
+                // a killed worker dead.
+                let name = w.proc.name().to_string();
+                let t_ms = self.coordinator_now();
+                let what = if fate == Fate::Killed { "kill" } else { "term" };
+                self.record_elastic(t_ms, what, &name, format!("{signal}"));
                 self.progress
                     .println(&format!("edl-local: {at:.1} s: {}", ev.action));
                 Ok(Outcome::Done)
             }
-            Action::Slow { .. } | Action::Preempt { .. } | Action::Migrate { .. } => {
-                self.apply_elastic(ev).await
-            }
+            Action::Slow { .. }
+            | Action::Pause { .. }
+            | Action::Preempt { .. }
+            | Action::Migrate { .. } => self.apply_elastic(ev).await,
             _ => self.apply_shard(ev).await,
         }
     }

@@ -7,8 +7,8 @@
 use edl_proto::job::{RangeOwner, ShardInfo};
 use edl_proto::msg::{
     ChunkRef, DataSpan, EpochLedger, EpochStats, EvalRecord, EventKind, EventRecord, HistoryPoint,
-    JobHistory, JobStatus, JobTrace, KeyLoad, KeyRange, MoveReport, Partition, ShardEntry,
-    ShardRole, ShardStats, StepRecord, WorkerInfo, WorkerState, WorkerStatus,
+    JobHistory, JobStatus, JobTrace, Judgement, KeyLoad, KeyRange, MoveReport, Partition,
+    ShardEntry, ShardRole, ShardStats, StepRecord, WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_proto::place::{
     Placement, PlacementKind, PlacementState, ReplaceReason, Resize, StragglerPolicy,
@@ -257,15 +257,19 @@ fn event_record() -> BoxedStrategy<EventRecord> {
         Just(EventKind::Recovered),
         Just(EventKind::Preempt),
         Just(EventKind::ReplaceRequested),
+        Just(EventKind::Stalled),
     ];
-    (edgy_u64(), edgy_u64(), kind, worker_id(), text())
-        .prop_map(|(t_ms, requested_ms, kind, worker, name)| EventRecord {
-            t_ms,
-            requested_ms,
-            kind,
-            worker,
-            name,
-        })
+    (edgy_u64(), edgy_u64(), kind, worker_id(), text(), text())
+        .prop_map(
+            |(t_ms, requested_ms, kind, worker, name, detail)| EventRecord {
+                t_ms,
+                requested_ms,
+                kind,
+                worker,
+                name,
+                detail,
+            },
+        )
         .boxed()
 }
 
@@ -298,6 +302,41 @@ fn job_trace() -> BoxedStrategy<JobTrace> {
         .boxed()
 }
 
+fn straggler_settings() -> BoxedStrategy<StragglerSettings> {
+    (
+        straggler_policy(),
+        any::<f32>(),
+        any::<u32>(),
+        any::<f32>(),
+        any::<(u32, u32, u32)>(),
+    )
+        .prop_map(
+            |(policy, factor, window_ms, min_gap_ms, (warmup_ms, stall_ms, stall_drop_ms))| {
+                StragglerSettings {
+                    policy,
+                    factor,
+                    window_ms,
+                    min_gap_ms,
+                    warmup_ms,
+                    stall_ms,
+                    stall_drop_ms,
+                }
+            },
+        )
+        .boxed()
+}
+
+fn judgement() -> BoxedStrategy<Judgement> {
+    prop_oneof![
+        Just(Judgement::Warming),
+        Just(Judgement::Ok),
+        Just(Judgement::Suspect),
+        Just(Judgement::Flagged),
+        Just(Judgement::Unjudged),
+    ]
+    .boxed()
+}
+
 fn worker_info() -> BoxedStrategy<WorkerInfo> {
     (
         worker_id(),
@@ -317,6 +356,7 @@ fn worker_info() -> BoxedStrategy<WorkerInfo> {
             proptest::option::of(edgy_u64()),
             proptest::option::of(edgy_u64()),
         ),
+        (f64_no_nan(), judgement(), proptest::option::of(edgy_u64())),
     )
         .prop_map(
             |(
@@ -330,6 +370,7 @@ fn worker_info() -> BoxedStrategy<WorkerInfo> {
                 steps_per_s,
                 samples,
                 (step_ms, straggler_score, straggler, staleness, notice_ms, placement),
+                (others_ms, judged, stalled_ms),
             )| WorkerInfo {
                 id,
                 name,
@@ -341,8 +382,11 @@ fn worker_info() -> BoxedStrategy<WorkerInfo> {
                 steps_per_s,
                 samples,
                 step_ms,
+                others_ms,
                 straggler_score,
                 straggler,
+                judged,
+                stalled_ms,
                 staleness,
                 notice_ms,
                 placement,
@@ -522,16 +566,7 @@ pub fn request() -> BoxedStrategy<Request> {
         any::<u32>().prop_map(|workers| Request::Scale { workers }),
         Just(Request::Placements),
         (edgy_u64(), text()).prop_map(|(id, reason)| Request::PlacementFailed { id, reason }),
-        (
-            proptest::option::of(straggler_policy()),
-            proptest::option::of(any::<f32>()),
-            proptest::option::of(any::<u32>()),
-        )
-            .prop_map(|(policy, factor, window)| Request::Stragglers {
-                policy,
-                factor,
-                window,
-            }),
+        proptest::option::of(straggler_settings()).prop_map(|set| Request::Stragglers { set }),
         (map_epoch(), vec(key_range(), 0..8), clock()).prop_map(
             |(epoch, ranges, apply_through)| Request::Pull {
                 epoch,
@@ -646,13 +681,7 @@ pub fn response() -> BoxedStrategy<Response> {
                 drained,
                 cancelled,
             })),
-        (straggler_policy(), any::<f32>(), any::<u32>()).prop_map(|(policy, factor, window)| {
-            Response::Stragglers(StragglerSettings {
-                policy,
-                factor,
-                window,
-            })
-        }),
+        straggler_settings().prop_map(Response::Stragglers),
         (shard_id(), job_config(), any_shard_map(), token()).prop_map(
             |(shard, job, map, token_key)| Response::ShardAssigned {
                 shard,

@@ -112,6 +112,14 @@ struct CoordinatorArgs {
     /// changes, and at shutdown) and restores them on start.
     #[arg(long)]
     no_persist: bool,
+    /// Declare a worker dead only when its lease expires. By default a worker silent for
+    /// 250 ms gets a one-byte UDP datagram at its address every 100 ms, and is declared dead
+    /// at once if its host answers "port unreachable" (its process is gone): within a second
+    /// of a crash instead of a whole lease. A stopped or slow process still has its socket and
+    /// is never declared dead so. Turn it off where a NAT between workers and the coordinator
+    /// could answer so for a live worker.
+    #[arg(long)]
+    no_socket_probe: bool,
     /// Serve the live dashboard at http://ADDR/ (membership, throughput, loss and accuracy,
     /// shards, stragglers, events), its JSON API (/api/status, /api/history, /api/shards) and
     /// /metrics (e.g. 127.0.0.1:8080; port 0 picks one). Plain HTTP without authentication:
@@ -262,6 +270,7 @@ async fn main() -> anyhow::Result<()> {
                 shards: a.shards,
                 state_file,
                 stragglers: a.stragglers.settings().map_err(anyhow::Error::msg)?,
+                probe_sockets: !a.no_socket_probe,
             };
             let settings = TransportSettings {
                 budgets: a.budgets.budgets(),

@@ -67,9 +67,21 @@ enum Cmd {
         /// A worker is a straggler past this many times the others' median step time.
         #[arg(long)]
         factor: Option<f32>,
-        /// Steps a worker is judged over.
+        /// The stretch of time a worker's steps are judged over (e.g. 1500ms).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        window: Option<std::time::Duration>,
+        /// How much a straggler's median must also exceed the others' (e.g. 2ms).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        min_gap: Option<std::time::Duration>,
+        /// How long after its admission a worker is first judged (e.g. 2s).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        warmup: Option<std::time::Duration>,
+        /// Report a worker holding the others up (SSP, BSP) without a step this long.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        stall_report: Option<std::time::Duration>,
+        /// Drop a worker that held the others up this long (a duration, or `never`).
         #[arg(long)]
-        window: Option<u32>,
+        stall_drop: Option<edl_shared::cli::Never>,
     },
     /// Give a worker a preemption notice (as a spot instance gets): it finishes its step,
     /// commits and leaves before the notice runs out, abandoning the step if it cannot
@@ -243,6 +255,11 @@ fn print_reshard(v: &admin::ReshardView, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Milliseconds of a duration, saturated to `u32`.
+fn ms(d: std::time::Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
 fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
@@ -358,6 +375,7 @@ async fn main() -> anyhow::Result<()> {
                 "clock",
                 "steps/s",
                 "step",
+                "others",
                 "straggler",
                 "stale",
                 "samples",
@@ -368,6 +386,12 @@ async fn main() -> anyhow::Result<()> {
                 if let Some(n) = r.notice_ms {
                     state.push_str(&format!(" (preempted, {:.1} s left)", n as f64 / 1000.0));
                 }
+                if let Some(n) = r.stalled_ms {
+                    state.push_str(&format!(
+                        " (STALLED: holds the others up, no step for {:.1} s)",
+                        n as f64 / 1000.0
+                    ));
+                }
                 t.add_row(vec![
                     r.id.to_string(),
                     r.name.clone(),
@@ -376,11 +400,16 @@ async fn main() -> anyhow::Result<()> {
                     r.clock.to_string(),
                     format!("{:.1}", r.steps_per_s),
                     format!("{:.1} ms", r.step_ms),
-                    match (r.straggler, r.straggler_score) {
-                        _ if r.state == "left" || r.state == "dead" => "-".into(),
-                        (true, s) => format!("YES {s:.2}x"),
-                        (false, s) if s > 0.0 => format!("{s:.2}x"),
-                        _ => "-".into(),
+                    if r.others_ms > 0.0 {
+                        format!("{:.1} ms", r.others_ms)
+                    } else {
+                        "-".into()
+                    },
+                    match r.judged.as_str() {
+                        "straggler" => format!("YES {:.2}x", r.straggler_score),
+                        "suspect" => format!("suspect {:.2}x", r.straggler_score),
+                        "ok" => format!("{:.2}x", r.straggler_score),
+                        other => other.to_string(),
                     },
                     r.staleness.to_string(),
                     r.samples.to_string(),
@@ -518,22 +547,60 @@ async fn main() -> anyhow::Result<()> {
             policy,
             factor,
             window,
+            min_gap,
+            warmup,
+            stall_report,
+            stall_drop,
         } => {
+            let stall_drop = stall_drop.map(|d| d.0.map_or(0, ms));
+            let changes = policy.is_some()
+                || factor.is_some()
+                || window.is_some()
+                || min_gap.is_some()
+                || warmup.is_some()
+                || stall_report.is_some()
+                || stall_drop.is_some();
+            let change = changes.then_some(|s: &mut edl_shared::proto::StragglerSettings| {
+                s.policy = policy.unwrap_or(s.policy);
+                s.factor = factor.unwrap_or(s.factor);
+                s.window_ms = window.map_or(s.window_ms, ms);
+                s.min_gap_ms = min_gap.map_or(s.min_gap_ms, |d| d.as_secs_f32() * 1000.0);
+                s.warmup_ms = warmup.map_or(s.warmup_ms, ms);
+                s.stall_ms = stall_report.map_or(s.stall_ms, ms);
+                s.stall_drop_ms = stall_drop.unwrap_or(s.stall_drop_ms);
+            });
             let s = admin
-                .stragglers(policy, factor, window)
+                .stragglers(change)
                 .await
                 .context("changing the straggler settings")?;
             if cli.json {
                 return print_json(&serde_json::json!({
                     "policy": s.policy.to_string(),
                     "factor": s.factor,
-                    "window": s.window,
+                    "window_ms": s.window_ms,
+                    "min_gap_ms": s.min_gap_ms,
+                    "warmup_ms": s.warmup_ms,
+                    "stall_report_ms": s.stall_ms,
+                    "stall_drop_ms": (s.stall_drop_ms > 0).then_some(s.stall_drop_ms),
                 }));
             }
             println!(
-                "stragglers: policy {}, flagged past {}x the others' median step time over {} \
-                 steps",
-                s.policy, s.factor, s.window
+                "stragglers: policy {}; flagged past {}x the others' median step time (and {} ms \
+                 above it) over {} ms windows, held for {} ms; judged from {} ms after joining",
+                s.policy,
+                s.factor,
+                s.min_gap_ms,
+                s.window_ms,
+                s.confirm().as_millis(),
+                s.warmup_ms
+            );
+            let drop = match s.stall_drop_ms {
+                0 => "waited for".to_string(),
+                d => format!("dropped after {d} ms"),
+            };
+            println!(
+                "stalls: a worker holding the others up is reported after {} ms and {drop}",
+                s.stall_ms
             );
         }
         Cmd::Preempt { worker, notice } => {

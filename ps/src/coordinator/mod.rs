@@ -5,6 +5,7 @@
 pub mod data;
 mod http;
 mod metrics;
+mod probe;
 mod reshard;
 pub mod state;
 
@@ -40,9 +41,13 @@ pub struct CoordinatorConfig {
     pub shards: u32,
     /// Where the coordinator keeps its durable state; restored from on start if present.
     pub state_file: Option<PathBuf>,
-    /// How stragglers are found and handled (changeable at run time; a restart goes back to
-    /// these).
+    /// How stragglers and stalls are found and handled (changeable at run time; a restart
+    /// goes back to these).
     pub stragglers: StragglerSettings,
+    /// Declare a silent worker dead as soon as its socket is found gone (a datagram to its
+    /// address answered "port unreachable"), not only when its lease expires. Off where
+    /// workers sit behind a NAT that could answer so for a live one.
+    pub probe_sockets: bool,
 }
 
 /// Magic bytes of the coordinator's state file.
@@ -166,16 +171,46 @@ impl Coordinator {
         }
     }
 
-    /// Declares workers dead whose lease expired; returns how many.
+    /// Declares workers dead whose lease expired, and reports (or drops, as the job says)
+    /// workers that hold the others up; returns how many were declared dead or dropped.
     pub fn sweep(&self, now: Instant) -> usize {
-        let dead = self.lock().expire_leases(now);
+        let (dead, dropped, news) = {
+            let mut st = self.lock();
+            let dead = st.expire_leases(now);
+            let dropped = st.stalls(now);
+            (dead, dropped, st.take_news())
+        };
         for w in &dead {
             warn!(worker = %w, "lease expired: worker declared dead, its data returns to the pool");
         }
-        if !dead.is_empty() {
+        for line in &news {
+            warn!("{line}");
+        }
+        if !dead.is_empty() || !dropped.is_empty() || !news.is_empty() {
             self.bump();
         }
-        dead.len()
+        dead.len() + dropped.len()
+    }
+
+    /// Declares dead the workers whose sockets `probe` found gone; returns how many.
+    fn sweep_gone(&self, probe: &mut probe::Prober, now: Instant) -> usize {
+        let silent = self.lock().silent(now, probe::SILENT);
+        let gone = probe.check(&silent);
+        let mut n = 0;
+        for (worker, addr) in gone {
+            let detail = format!(
+                "its socket {addr} is gone (port unreachable) after {} ms of silence",
+                probe::SILENT.as_millis()
+            );
+            if self.lock().declare_dead(worker, now, detail) {
+                warn!(%worker, %addr, "socket gone: worker declared dead, its data returns to the pool");
+                n += 1;
+            }
+        }
+        if n > 0 {
+            self.bump();
+        }
+        n
     }
 
     /// A status snapshot.
@@ -378,26 +413,17 @@ impl Coordinator {
                     Err((code, msg)) => Response::error(code, msg),
                 }
             }
-            Request::Stragglers {
-                policy,
-                factor,
-                window,
-            } => {
+            Request::Stragglers { set } => {
                 let mut st = self.lock();
-                let mut s = st.stragglers();
-                s.policy = policy.unwrap_or(s.policy);
-                s.factor = factor.unwrap_or(s.factor);
-                s.window = window.unwrap_or(s.window);
-                if s == st.stragglers() {
-                    Response::Stragglers(s)
-                } else {
-                    match st.set_stragglers(s) {
+                match set.filter(|s| *s != st.stragglers()) {
+                    None => Response::Stragglers(st.stragglers()),
+                    Some(s) => match st.set_stragglers(s) {
                         Ok(()) => {
-                            info!(policy = %s.policy, factor = s.factor, window = s.window, by = %peer.name, "straggler settings changed");
+                            info!(settings = ?s, by = %peer.name, "straggler settings changed");
                             Response::Stragglers(s)
                         }
                         Err((code, msg)) => Response::error(code, msg),
-                    }
+                    },
                 }
             }
             Request::Leave { worker } => {
@@ -539,6 +565,7 @@ pub struct BoundCoordinator {
     pub addr: SocketAddr,
     endpoint: quinn::Endpoint,
     settings: TransportSettings,
+    probe_sockets: bool,
 }
 
 /// Binds a coordinator on `listen`.
@@ -548,6 +575,7 @@ pub fn bind(
     identity: &Identity,
     settings: TransportSettings,
 ) -> anyhow::Result<BoundCoordinator> {
+    let probe_sockets = config.probe_sockets;
     let coordinator = Coordinator::open(config)?;
     let _ = coordinator
         .caller
@@ -562,6 +590,7 @@ pub fn bind(
         addr,
         endpoint,
         settings,
+        probe_sockets,
     })
 }
 
@@ -582,12 +611,22 @@ impl BoundCoordinator {
         let lease = Duration::from_millis(u64::from(self.coordinator.lock().job().lease_ms));
         let c = self.coordinator.clone();
         let sweep_stop = shutdown.clone();
+        let probing = self.probe_sockets;
         let sweeper = tokio::spawn(async move {
-            let mut tick = tokio::time::interval((lease / 8).max(Duration::from_millis(20)));
+            let mut tick =
+                tokio::time::interval((lease / 8).clamp(Duration::from_millis(20), probe::TICK));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut prober = probe::Prober::default();
             loop {
                 tokio::select! {
                     _ = sweep_stop.cancelled() => break,
-                    _ = tick.tick() => { c.sweep(Instant::now()); }
+                    _ = tick.tick() => {
+                        let now = Instant::now();
+                        c.sweep(now);
+                        if probing {
+                            c.sweep_gone(&mut prober, now);
+                        }
+                    }
                 }
             }
         });

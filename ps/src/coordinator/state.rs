@@ -9,7 +9,7 @@ use edl_shared::proto::ids::{Clock, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::job::ShardInfo;
 use edl_shared::proto::msg::{
     DataSpan, EpochStats, EvalRecord, EventKind, EventRecord, JobHistory, JobStatus, JobTrace,
-    MoveReport, Partition, StepRecord, WorkerInfo, WorkerState, WorkerStatus,
+    Judgement, MoveReport, Partition, StepRecord, WorkerInfo, WorkerState, WorkerStatus,
 };
 use edl_shared::proto::place::{Placement, StragglerSettings};
 use edl_shared::proto::{ErrorCode, JobConfig, ShardMap};
@@ -322,7 +322,13 @@ impl CoordinatorState {
                     idle: false,
                     draining: w.draining,
                     restored: true,
-                    pace: Pace::default(),
+                    pace: Pace {
+                        busy_since: None,
+                        ..Pace::admitted(
+                            now,
+                            Duration::from_millis(u64::from(st.stragglers.warmup_ms)),
+                        )
+                    },
                 },
             );
         }
@@ -334,6 +340,17 @@ impl CoordinatorState {
     }
 
     fn event(&mut self, kind: EventKind, worker: WorkerId, requested: Instant) {
+        self.event_with(kind, worker, requested, String::new());
+    }
+
+    /// Records an event with the evidence for it.
+    fn event_with(
+        &mut self,
+        kind: EventKind,
+        worker: WorkerId,
+        requested: Instant,
+        detail: String,
+    ) {
         let name = self
             .workers
             .get(&worker)
@@ -348,6 +365,7 @@ impl CoordinatorState {
             kind,
             worker,
             name,
+            detail,
         };
         push_capped(
             &mut self.events,
@@ -496,10 +514,10 @@ impl CoordinatorState {
                 idle: false,
                 draining: false,
                 restored: false,
-                pace: Pace {
-                    busy_since: Some(now),
-                    ..Pace::default()
-                },
+                pace: Pace::admitted(
+                    now,
+                    Duration::from_millis(u64::from(self.stragglers.warmup_ms)),
+                ),
             },
         );
         self.event(EventKind::Join, id, requested);
@@ -564,22 +582,47 @@ impl CoordinatorState {
     /// Declares dead every active worker silent for longer than the lease.
     pub fn expire_leases(&mut self, now: Instant) -> Vec<WorkerId> {
         let lease = Duration::from_millis(u64::from(self.job.lease_ms));
-        let dead: Vec<WorkerId> = self
+        let dead: Vec<(WorkerId, Duration)> = self
             .workers
             .iter()
-            .filter(|(_, w)| {
-                w.state == WorkerState::Active && now.saturating_duration_since(w.last_seen) > lease
-            })
-            .map(|(id, _)| *id)
+            .filter(|(_, w)| w.state == WorkerState::Active)
+            .map(|(id, w)| (*id, now.saturating_duration_since(w.last_seen)))
+            .filter(|(_, silent)| *silent > lease)
             .collect();
-        for id in &dead {
-            self.retire(*id, WorkerState::Dead);
-            self.event(EventKind::Dead, *id, now);
+        for (id, silent) in &dead {
+            let detail = format!(
+                "lease expired: silent for {:.1} s (lease {:.1} s)",
+                silent.as_secs_f32(),
+                lease.as_secs_f32()
+            );
+            self.declare_dead(*id, now, detail);
         }
-        if !dead.is_empty() {
-            self.prune_departed();
+        dead.into_iter().map(|(id, _)| id).collect()
+    }
+
+    /// Declares an active worker dead now, for the reason given: it stops counting at once
+    /// and the uncommitted rest of its partitions returns to the pool. False if it was not
+    /// active.
+    pub fn declare_dead(&mut self, worker: WorkerId, now: Instant, detail: String) -> bool {
+        if self.active(worker).is_err() {
+            return false;
         }
-        dead
+        self.retire(worker, WorkerState::Dead);
+        self.event_with(EventKind::Dead, worker, now, detail);
+        self.prune_departed();
+        true
+    }
+
+    /// The active workers not heard from for longer than `after`, with the address each
+    /// registered from: whose sockets the service layer checks for.
+    pub fn silent(&self, now: Instant, after: Duration) -> Vec<(WorkerId, String)> {
+        self.workers
+            .iter()
+            .filter(|(_, w)| {
+                w.state == WorkerState::Active && now.saturating_duration_since(w.last_seen) > after
+            })
+            .map(|(id, w)| (*id, w.addr.clone()))
+            .collect()
     }
 
     /// Marks a worker as waiting for data: it stops counting in the consistency model, so
@@ -619,8 +662,10 @@ impl CoordinatorState {
                 w.idle = false;
                 w.clock = w.clock.max(min.unwrap_or(self.floor));
             }
-            // Waiting for data is not work.
+            // Waiting for data is neither work nor a stall.
             w.pace.busy_since = Some(now);
+            w.pace.progressed = Some(now);
+            w.pace.stalled = false;
             return Poll::Ready((Some(p), w.clock));
         }
         if finished {
@@ -811,8 +856,15 @@ impl CoordinatorState {
                     steps_per_s: recent as f64 / span_s,
                     samples: w.samples,
                     step_ms: f64::from(w.pace.median),
+                    others_ms: f64::from(w.pace.others),
                     straggler_score: w.pace.score,
                     straggler: w.pace.flagged,
+                    judged: if w.counts() && !w.draining {
+                        w.pace.judgement(now)
+                    } else {
+                        Judgement::Unjudged
+                    },
+                    stalled_ms: self.stalled_for(*id, now),
                     staleness: if w.counts() { self.staleness(*id) } else { 0 },
                     notice_ms: w
                         .pace

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use edl_shared::proto::ErrorCode;
 use edl_shared::proto::ids::WorkerId;
-use edl_shared::proto::msg::{EventKind, WorkerState};
+use edl_shared::proto::msg::{EventKind, Judgement, WorkerState};
 use edl_shared::proto::place::{
     Placement, PlacementKind, PlacementState, ReplaceReason, Resize, StragglerPolicy,
     StragglerSettings,
@@ -25,24 +25,84 @@ pub const MAX_NOTICE: Duration = Duration::from_secs(24 * 3600);
 /// The longest slot name and placer's failure reason kept.
 const MAX_TEXT: usize = 256;
 
-/// A worker's recent steps, for its straggler score.
+/// A worker's recent steps, for its straggler score, and its progress, for stall reports.
 #[derive(Debug, Default)]
 pub(super) struct Pace {
     /// When its current step began: the grant of the previous one, its admission, or the
     /// lease of a partition after waiting for data. Consistency waits are not work.
     pub busy_since: Option<Instant>,
-    /// Busy milliseconds of its last steps, up to the window.
-    pub recent: VecDeque<f32>,
-    /// The median of `recent`.
+    /// Steps that end before this are not judged (its warm-up after admission).
+    pub warm_from: Option<Instant>,
+    /// Its steps in the window (at least the last [`StragglerSettings::MIN_STEPS`]): when
+    /// each ended and its busy milliseconds.
+    pub recent: VecDeque<(Instant, f32)>,
+    /// The median of `recent` at its last step.
     pub median: f32,
+    /// The reference it was last judged against: the median of the others' medians (0 while
+    /// unknown).
+    pub others: f32,
     /// Its median over the others' (0 while unknown).
     pub score: f64,
+    /// Judged slow at every judgement since then.
+    pub suspect_since: Option<Instant>,
+    /// Judgements in a row that found it slow.
+    pub slow_streak: u32,
+    /// Flagged and judged recovered at every judgement since then.
+    pub recovering_since: Option<Instant>,
     /// Flagged as a straggler.
     pub flagged: bool,
+    /// When its clock last moved: admission, a step, or data after waiting for it.
+    pub progressed: Option<Instant>,
+    /// Reported as holding the others up since its last progress.
+    pub stalled: bool,
     /// The deadline of a preemption notice.
     pub notice: Option<Instant>,
     /// The placement it was started for.
     pub placement: Option<u64>,
+}
+
+impl Pace {
+    /// A worker's pace from its admission at `now`: busy from now, judged after `warmup`.
+    pub fn admitted(now: Instant, warmup: Duration) -> Pace {
+        Pace {
+            busy_since: Some(now),
+            warm_from: now.checked_add(warmup),
+            progressed: Some(now),
+            ..Pace::default()
+        }
+    }
+
+    /// Forgets its steps and judgement (the window changed length).
+    fn reset(&mut self) {
+        self.recent.clear();
+        self.median = 0.0;
+        self.others = 0.0;
+        self.score = 0.0;
+        self.suspect_since = None;
+        self.slow_streak = 0;
+        self.recovering_since = None;
+        self.flagged = false;
+    }
+
+    /// Judged: past its warm-up with enough steps in its window.
+    fn judged(&self) -> bool {
+        self.recent.len() >= StragglerSettings::MIN_STEPS
+    }
+
+    /// Where the detector stands on it.
+    pub fn judgement(&self, now: Instant) -> Judgement {
+        if self.flagged {
+            Judgement::Flagged
+        } else if self.suspect_since.is_some() {
+            Judgement::Suspect
+        } else if !self.judged() || self.warm_from.is_some_and(|t| now < t) {
+            Judgement::Warming
+        } else if self.score > 0.0 {
+            Judgement::Ok
+        } else {
+            Judgement::Unjudged
+        }
+    }
 }
 
 /// The median of a few values (the upper one of an even count).
@@ -56,19 +116,19 @@ fn median(values: impl Iterator<Item = f32>) -> Option<f32> {
     Some(*m)
 }
 
+/// Steps a window keeps at most, whatever their age (a bound on memory per worker).
+const MAX_WINDOW_STEPS: usize = 10_000;
+
 impl CoordinatorState {
-    /// Sets how stragglers are found and handled.
+    /// Sets how stragglers and stalls are found and handled.
     pub fn set_stragglers(&mut self, s: StragglerSettings) -> Result<(), Refusal> {
         s.check().map_err(|e| (ErrorCode::InvalidRequest, e))?;
-        let window_changed = s.window != self.stragglers.window;
+        let window_changed = s.window_ms != self.stragglers.window_ms;
         self.stragglers = s;
         if window_changed {
             // Windows change length: judge everyone afresh.
             for w in self.workers.values_mut() {
-                w.pace.recent.clear();
-                w.pace.median = 0.0;
-                w.pace.score = 0.0;
-                w.pace.flagged = false;
+                w.pace.reset();
             }
         }
         Ok(())
@@ -94,49 +154,108 @@ impl CoordinatorState {
 
     /// Records a step's busy time and judges the worker; called by `advance`.
     pub(super) fn paced(&mut self, worker: WorkerId, now: Instant) {
-        let window = self.stragglers.window as usize;
+        let s = self.stragglers;
+        let window = Duration::from_millis(u64::from(s.window_ms));
         let Some(w) = self.workers.get_mut(&worker) else {
             return;
         };
+        w.pace.progressed = Some(now);
+        w.pace.stalled = false;
         let Some(since) = w.pace.busy_since.take() else {
             return;
         };
-        let busy = now.saturating_duration_since(since).as_secs_f32() * 1000.0;
-        w.pace.recent.push_back(busy);
-        while w.pace.recent.len() > window {
-            w.pace.recent.pop_front();
-        }
-        w.pace.median = median(w.pace.recent.iter().copied()).unwrap_or(0.0);
-        if w.pace.recent.len() < window {
+        if w.pace.warm_from.is_some_and(|t| now < t) {
             return;
         }
-        let mine = w.pace.median;
-        // Judged against the workers that train now and have a full window of their own.
-        let reference = median(
-            self.workers
-                .iter()
-                .filter(|(id, o)| {
-                    **id != worker && o.counts() && !o.draining && o.pace.recent.len() >= window
-                })
-                .map(|(_, o)| o.pace.median),
-        );
-        let Some(reference) = reference.filter(|r| *r > 0.0) else {
+        let busy = now.saturating_duration_since(since).as_secs_f32() * 1000.0;
+        let p = &mut w.pace;
+        p.recent.push_back((now, busy));
+        let horizon = now.checked_sub(window);
+        while p.recent.len() > MAX_WINDOW_STEPS
+            || (p.recent.len() > StragglerSettings::MIN_STEPS
+                && horizon.is_some_and(|h| p.recent.front().is_some_and(|(t, _)| *t < h)))
+        {
+            p.recent.pop_front();
+        }
+        p.median = median(p.recent.iter().map(|(_, ms)| *ms)).unwrap_or(0.0);
+        if !p.judged() {
+            return;
+        }
+        let mine = p.median;
+        // Judged against the workers that train now, are judged themselves and stepped
+        // within the same window: the same stretch of the machine's time.
+        let others: Vec<(WorkerId, f32)> = self
+            .workers
+            .iter()
+            .filter(|(id, o)| {
+                **id != worker
+                    && o.counts()
+                    && !o.draining
+                    && o.pace.judged()
+                    && o.pace
+                        .recent
+                        .back()
+                        .is_some_and(|(t, _)| horizon.is_none_or(|h| *t >= h))
+            })
+            .map(|(id, o)| (*id, o.pace.median))
+            .collect();
+        let reference = median(others.iter().map(|(_, m)| *m)).filter(|r| *r > 0.0);
+        let w = self.workers.get_mut(&worker).expect("judged above");
+        let Some(reference) = reference else {
+            // Nobody to compare with: no judgement, and none pending.
+            w.pace.score = 0.0;
+            w.pace.others = 0.0;
+            w.pace.suspect_since = None;
+            w.pace.slow_streak = 0;
             return;
         };
+        // The noise on this machine now: how far below the reference the others spread.
+        let lowest = others.iter().map(|(_, m)| *m).fold(reference, f32::min);
+        let gap = (s.min_gap_ms).max(reference - lowest);
         let score = f64::from(mine) / f64::from(reference);
-        let factor = f64::from(self.stragglers.factor);
-        let w = self.workers.get_mut(&worker).expect("judged above");
-        w.pace.score = score;
-        if !w.pace.flagged && score > factor && !w.draining {
-            w.pace.flagged = true;
+        let slow = score > f64::from(s.factor) && mine - reference > gap;
+        let p = &mut w.pace;
+        p.score = score;
+        p.others = reference;
+        if slow {
+            p.suspect_since.get_or_insert(now);
+            p.slow_streak = p.slow_streak.saturating_add(1);
+        } else {
+            p.suspect_since = None;
+            p.slow_streak = 0;
+        }
+        let confirmed = |since: Option<Instant>| {
+            since.is_some_and(|t| now.saturating_duration_since(t) >= s.confirm())
+        };
+        if !p.flagged && !w.draining && p.slow_streak >= 2 && confirmed(p.suspect_since) {
+            p.flagged = true;
+            p.recovering_since = None;
             let name = w.name.clone();
-            self.event(EventKind::Straggler, worker, now);
+            let held = p
+                .suspect_since
+                .map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f32());
+            let steps = p.recent.len();
+            let them: Vec<String> = others
+                .iter()
+                .map(|(id, m)| {
+                    let name = self.workers.get(id).map_or("?", |o| o.name.as_str());
+                    format!("{name} {m:.1}")
+                })
+                .collect();
+            let detail = format!(
+                "median {mine:.1} ms over its last {steps} steps against the others' \
+                 {reference:.1} ms ({}): {score:.2}x > {}x and {:.1} ms above (needed {gap:.1}), \
+                 for {held:.2} s",
+                them.join(", "),
+                s.factor,
+                mine - reference,
+            );
+            self.event_with(EventKind::Straggler, worker, now, detail.clone());
             self.news.push(format!(
-                "straggler: {worker} ({name}) takes {mine:.1} ms per step, {score:.2}x the \
-                 others' {reference:.1} ms over {window} steps; policy {}",
-                self.stragglers.policy
+                "straggler: {worker} ({name}): {detail}; policy {}",
+                s.policy
             ));
-            match self.stragglers.policy {
+            match s.policy {
                 StragglerPolicy::Ignore => {}
                 StragglerPolicy::Drop => {
                     let _ = self.drain(worker);
@@ -147,13 +266,94 @@ impl CoordinatorState {
                     self.replace(worker, ReplaceReason::Straggler, None, now);
                 }
             }
-        } else if w.pace.flagged && score <= factor {
-            w.pace.flagged = false;
-            self.event(EventKind::Recovered, worker, now);
-            self.news.push(format!(
-                "{worker} is no longer a straggler ({score:.2}x the others)"
-            ));
+        } else if p.flagged {
+            if score < f64::from(s.recover_factor()) {
+                p.recovering_since.get_or_insert(now);
+            } else {
+                p.recovering_since = None;
+            }
+            if confirmed(p.recovering_since) {
+                p.flagged = false;
+                p.recovering_since = None;
+                let detail = format!(
+                    "median {mine:.1} ms against the others' {reference:.1} ms: {score:.2}x < {}x",
+                    s.recover_factor()
+                );
+                self.event_with(EventKind::Recovered, worker, now, detail.clone());
+                self.news
+                    .push(format!("{worker} is no longer a straggler: {detail}"));
+            }
         }
+    }
+
+    /// Reports (and, if the job says so, drops) workers that hold the minimum clock others
+    /// wait on (SSP, BSP) without finishing a step for longer than the settings allow; called
+    /// by the service layer's sweep. Returns the workers dropped.
+    pub fn stalls(&mut self, now: Instant) -> Vec<WorkerId> {
+        let Some(s) = self.job.consistency.staleness() else {
+            return Vec::new();
+        };
+        let Some(min) = self.min_active_clock() else {
+            return Vec::new();
+        };
+        let waiting: Vec<String> = self
+            .workers
+            .values()
+            .filter(|w| w.counts() && !w.draining && w.clock.0 > min.0.saturating_add(s))
+            .map(|w| w.name.clone())
+            .collect();
+        if waiting.is_empty() {
+            return Vec::new();
+        }
+        let report = Duration::from_millis(u64::from(self.stragglers.stall_ms));
+        let drop_after = (self.stragglers.stall_drop_ms > 0)
+            .then(|| Duration::from_millis(u64::from(self.stragglers.stall_drop_ms)));
+        let holding: Vec<(WorkerId, Duration)> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.counts() && w.clock == min)
+            .filter_map(|(id, w)| {
+                let held = now.saturating_duration_since(w.pace.progressed?);
+                (held >= report).then_some((*id, held))
+            })
+            .collect();
+        let mut dropped = Vec::new();
+        for (id, held) in holding {
+            let Some(w) = self.workers.get_mut(&id) else {
+                continue;
+            };
+            let what = format!(
+                "holds the minimum clock {} without finishing a step for {:.1} s; {} \
+                 worker(s) wait on it ({})",
+                min.0,
+                held.as_secs_f32(),
+                waiting.len(),
+                waiting.join(", ")
+            );
+            if !w.pace.stalled {
+                w.pace.stalled = true;
+                let name = w.name.clone();
+                let policy = match drop_after {
+                    None => "policy wait: the others wait for it".to_string(),
+                    Some(d) => format!("policy drop: dropped after {:.1} s", d.as_secs_f32()),
+                };
+                self.news
+                    .push(format!("stalled: {id} ({name}) {what}; {policy}"));
+                self.event_with(EventKind::Stalled, id, now, what.clone());
+            }
+            if drop_after.is_some_and(|d| held >= d) {
+                self.declare_dead(id, now, format!("dropped: it {what}"));
+                dropped.push(id);
+            }
+        }
+        dropped
+    }
+
+    /// How long `worker` has held the others up without progress, once reported.
+    pub(super) fn stalled_for(&self, worker: WorkerId, now: Instant) -> Option<u64> {
+        let w = self.workers.get(&worker)?;
+        let since = w.pace.progressed.filter(|_| w.pace.stalled)?;
+        Some(now.saturating_duration_since(since).as_millis() as u64)
     }
 
     /// Asks the placer for a worker to replace `old` (unless one is already pending).

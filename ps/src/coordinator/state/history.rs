@@ -89,6 +89,7 @@ pub fn kind_name(kind: EventKind) -> &'static str {
         EventKind::Recovered => "recovered",
         EventKind::Preempt => "preempt",
         EventKind::ReplaceRequested => "replace_requested",
+        EventKind::Stalled => "stalled",
     }
 }
 

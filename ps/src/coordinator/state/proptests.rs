@@ -513,8 +513,9 @@ impl Harness {
             Op::Policy { policy } => {
                 let s = StragglerSettings {
                     policy: *policy,
-                    factor: 1.5,
-                    window: 3,
+                    window_ms: 100,
+                    warmup_ms: 0,
+                    ..StragglerSettings::default()
                 };
                 self.st.set_stragglers(s).expect("valid settings");
             }

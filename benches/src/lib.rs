@@ -5,6 +5,7 @@
 //! table and can write JSON; `edl-bench all` regenerates `BENCHMARKS.md`.
 
 pub mod apply;
+pub mod detect;
 pub mod elastic;
 pub mod load;
 pub mod plots;

@@ -465,6 +465,7 @@ pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
     // is written here.
     md.push('\n');
     md.push_str(LOAD_METHOD);
+    md.push_str(&detect_section(dir));
     let path = dir.join("BENCHMARKS.md");
     std::fs::write(&path, md).with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -555,7 +556,76 @@ even on a noisy machine, where absolute figures move from run to run.
   consistency model costs in samples to reach the target more than a speed-up.
 ";
 
-/// What `edl-bench load` measures and how; `BENCHMARKS.md` ends with it.
+/// Where `edl-bench detect` keeps its tables (BENCHMARKS.md includes them).
+pub const DETECT: &str = "benches/detect.md";
+
+/// What `edl-bench detect` measures and how: the heading BENCHMARKS.md's last section starts
+/// with, followed by the tables of [`DETECT`].
+const DETECT_METHOD: &str = "\
+## Failure and straggler detection
+
+`edl-bench all` does not run this one either: it starts whole jobs with `edl-local` (release
+binaries next to `edl-bench`), 34 of them, and takes about 11 minutes.
+
+```sh
+cargo build --release -p edl-ps -p edl-worker -p edl-benches
+target/release/edl-bench detect [--runs 20] [--json detect.json]
+```
+
+Every run is a real job on this machine: a coordinator, 2 shard servers and 3 workers as
+processes, training the default MLP (784-256-128-10, batch 64) on Fashion-MNIST for 6 epochs
+or the sparse logistic regression on agaricus for 60 (`deploy/data`), with the detector's
+default settings. *False flags* are counted over runs of identical workers, rotating through
+the MLP under ASP, SSP(2) and BSP and the logistic regression under ASP, every other round
+beside 2 threads spinning on the CPU (other tenants): any straggler flag there is false.
+*Slowdowns*: worker w1 is made 1.5, 2 or 3 times slower (`edl-worker --slowdown-file`, the
+scenario's `slow`) 5 s into training, past the 2 s warm-up; the time is from the launcher's
+write of the factor (in the coordinator's clock) to the flag, and includes up to 250 ms for
+the worker to read it and the step it was in. *Deaths*: w1 is SIGKILLed 4 s into training
+and w2 stopped with SIGSTOP for 2 s at 6 s (less than the 3 s lease); the time is from
+SIGKILL to the coordinator's `dead` event, whose detail says how it was found (its socket
+gone, or its lease), and a paused worker declared dead would be a false death.
+";
+
+/// The detection section of BENCHMARKS.md: its method and, if `edl-bench detect` has run,
+/// its tables.
+fn detect_section(dir: &Path) -> String {
+    let tables = std::fs::read_to_string(dir.join(DETECT)).unwrap_or_else(|_| {
+        format!("\n(not measured yet: `edl-bench detect` writes `{DETECT}`)\n")
+    });
+    format!("\n{DETECT_METHOD}\n{}\n", tables.trim_end())
+}
+
+/// Writes `edl-bench detect`'s `table` (measured in `seconds`) to `dir/`[`DETECT`] and puts
+/// it into `dir/BENCHMARKS.md` in place of the section there, if the file exists.
+pub fn write_detect(table: &str, seconds: f64, dir: &Path) -> anyhow::Result<()> {
+    let path = dir.join(DETECT);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    let text = format!(
+        "Machine: {}. The run took {:.1} minutes.\n\n```text\n{}\n```\n",
+        machine(),
+        seconds / 60.0,
+        table.trim_end()
+    );
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    let md_path = dir.join("BENCHMARKS.md");
+    if let Ok(md) = std::fs::read_to_string(&md_path) {
+        let heading = DETECT_METHOD.lines().next().unwrap_or_default();
+        let kept = match md.find(heading) {
+            Some(i) => md[..i].trim_end().to_string(),
+            None => md.trim_end().to_string(),
+        };
+        let updated = format!("{kept}\n{}", detect_section(dir));
+        std::fs::write(&md_path, updated)
+            .with_context(|| format!("writing {}", md_path.display()))?;
+    }
+    Ok(())
+}
+
+/// What `edl-bench load` measures and how; near the end of `BENCHMARKS.md`.
 const LOAD_METHOD: &str = "\
 ## Load
 

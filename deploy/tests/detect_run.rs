@@ -5,46 +5,9 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use edl_deploy::{Report, Scenario, ScenarioFile};
 use edl_shared::proto::Consistency;
-
-/// Threads that keep every core busy until dropped: other tenants of the machine.
-struct Hogs {
-    stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Hogs {
-    fn start(n: usize) -> Hogs {
-        let stop = Arc::new(AtomicBool::new(false));
-        let threads = (0..n)
-            .map(|_| {
-                let stop = stop.clone();
-                std::thread::spawn(move || {
-                    let mut x = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        for i in 0..100_000u64 {
-                            x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005) ^ i);
-                        }
-                    }
-                })
-            })
-            .collect();
-        Hogs { stop, threads }
-    }
-}
-
-impl Drop for Hogs {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
-}
+use edl_testkit::tenants::{AGARICUS_SAMPLES, Hogs, logreg_job};
 
 /// The straggler episodes of a run, as lines for a failure message.
 fn flags(r: &Report) -> Vec<String> {
@@ -101,25 +64,12 @@ async fn identical_workers_beside_cpu_hogs_are_never_flagged() {
     }
     // The sparse logistic regression (short steps, each touching other rows) under ASP.
     let dir = tempfile::tempdir().expect("tempdir");
-    let job = dir.path().join("logreg.toml");
-    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/agaricus");
-    std::fs::write(
-        &job,
-        format!(
-            "[model]\nkind = \"logreg\"\nfeatures = \"auto\"\n[optimizer]\nkind = \"sgd\"\n\
-             lr = 0.5\n[training]\nconsistency = \"asp\"\nbatch_size = 8\nepochs = 12\n\
-             samples = \"auto\"\npartition_size = 512\nchunk_size = 1\n[data]\n\
-             format = \"libsvm\"\ntrain = {:?}\ntest = {:?}\n",
-            data.join("agaricus.txt.train"),
-            data.join("agaricus.txt.test")
-        ),
-    )
-    .expect("job file");
+    let job = logreg_job(dir.path(), 12).expect("job file");
     let mut cfg = plain(dir.path(), 3);
     cfg.job = Some(job);
     let r = common::run(&cfg).await;
     println!("logreg: {} s, {:?}", r.train_wall_s, flags(&r));
-    exact(&r, 6_513);
+    exact(&r, AGARICUS_SAMPLES);
     assert!(r.elastic.stragglers.is_empty(), "logreg: {:?}", flags(&r));
 }
 

@@ -121,7 +121,7 @@ pub fn history(h: &JobHistory, trace: &JobTrace) -> Value {
         .map(|e| {
             json!({
                 "t_ms": e.t_ms, "kind": crate::coordinator::state::kind_name(e.kind),
-                "worker": e.worker.to_string(), "name": e.name,
+                "worker": e.worker.to_string(), "name": e.name, "detail": e.detail,
             })
         })
         .collect();

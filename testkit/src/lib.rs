@@ -25,6 +25,7 @@ use edl_worker::{ClientConfig, Job, Session};
 use tokio::task::JoinSet;
 
 pub mod synthetic;
+pub mod tenants;
 
 /// A running in-process cluster. Dropping it stops every server.
 pub struct TestCluster {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use edl_benches::{apply, elastic, load, report, scale, transport, tta};
+use edl_benches::{apply, detect, elastic, load, report, scale, transport, tta};
 use edl_shared::proto::Consistency;
 use edl_shared::transport::TransportSettings;
 use edl_worker::data::DEFAULT_DATA_DIR;
@@ -134,6 +134,34 @@ enum Cmd {
         /// Where `edl-ps` is [default: next to edl-bench].
         #[arg(long)]
         bin_dir: Option<PathBuf>,
+    },
+    /// The detectors with real processes (edl-local: 2 shards, 3 workers): false straggler
+    /// flags over runs of identical workers (MLP under ASP, SSP(2), BSP and a sparse LR, every
+    /// other round beside CPU hogs), time to flag a worker slowed 1.5x, 2x and 3x, and time to
+    /// declare a SIGKILLed worker dead (a SIGSTOPped one must not be). Writes its tables to
+    /// `OUT/benches/detect.md`, which BENCHMARKS.md includes (updated in place too).
+    Detect {
+        /// Runs of identical workers [default: 20; 2 with --quick].
+        #[arg(long)]
+        runs: Option<usize>,
+        /// Runs per slowdown factor [default: 3; 1 with --quick].
+        #[arg(long)]
+        slow_runs: Option<usize>,
+        /// Runs that kill a worker and pause another [default: 5; 1 with --quick].
+        #[arg(long)]
+        death_runs: Option<usize>,
+        /// Only these slowdown factors (e.g. `2,3`).
+        #[arg(long, value_delimiter = ',')]
+        factors: Vec<f64>,
+        /// Directory with the Fashion-MNIST idx files.
+        #[arg(long, default_value = DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+        /// Where `edl-ps` and `edl-worker` are [default: next to edl-bench].
+        #[arg(long)]
+        bin_dir: Option<PathBuf>,
+        /// Where BENCHMARKS.md is.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
     },
     /// Everything; rewrites BENCHMARKS.md and the plots under `--out`.
     All {
@@ -341,6 +369,35 @@ async fn main() -> anyhow::Result<()> {
             write_json(&cli.json, &r)?;
             let failures = r.failures();
             anyhow::ensure!(failures.is_empty(), "{}", failures.join("; "));
+        }
+        Cmd::Detect {
+            runs,
+            slow_runs,
+            death_runs,
+            factors,
+            data_dir,
+            bin_dir,
+            out,
+        } => {
+            let mut plan = detect::Plan::standard(cli.quick, data_dir.clone());
+            plan.runs = runs.unwrap_or(plan.runs);
+            plan.slow_runs = slow_runs.unwrap_or(plan.slow_runs);
+            plan.death_runs = death_runs.unwrap_or(plan.death_runs);
+            if !factors.is_empty() {
+                plan.factors = factors.clone();
+            }
+            plan.bin_dir = bin_dir.clone();
+            let started = std::time::Instant::now();
+            let r = detect::run(&plan).await?;
+            let table = detect::table(&r);
+            println!("{table}");
+            write_json(&cli.json, &r)?;
+            report::write_detect(&table, started.elapsed().as_secs_f64(), out)?;
+            println!(
+                "wrote {} and updated {}",
+                out.join(report::DETECT).display(),
+                out.join("BENCHMARKS.md").display()
+            );
         }
         Cmd::Apply => {
             let rows = apply_run(cli.quick);

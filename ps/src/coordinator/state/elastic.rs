@@ -183,19 +183,20 @@ impl CoordinatorState {
         }
         let mine = p.median;
         // Judged against the workers that train now, are judged themselves and stepped
-        // within the same window: the same stretch of the machine's time.
+        // lately: within the window, or within two of their own steps where those are longer
+        // than the window (a slow model), so that a worker that stopped stepping does not
+        // stand for the machine's present.
+        let recent = |o: &Pace| {
+            o.recent.back().is_some_and(|(t, _)| {
+                let lately = window.max(Duration::from_secs_f32(2.0 * o.median.max(0.0) / 1000.0));
+                now.saturating_duration_since(*t) <= lately
+            })
+        };
         let others: Vec<(WorkerId, f32)> = self
             .workers
             .iter()
             .filter(|(id, o)| {
-                **id != worker
-                    && o.counts()
-                    && !o.draining
-                    && o.pace.judged()
-                    && o.pace
-                        .recent
-                        .back()
-                        .is_some_and(|(t, _)| horizon.is_none_or(|h| *t >= h))
+                **id != worker && o.counts() && !o.draining && o.pace.judged() && recent(&o.pace)
             })
             .map(|(id, o)| (*id, o.pace.median))
             .collect();

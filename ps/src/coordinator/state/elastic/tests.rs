@@ -552,3 +552,12 @@ fn silent_workers_are_listed_for_probing_and_declared_dead_with_the_reason() {
     assert_eq!(dead, vec![ids[0]]);
     assert!(details(&st, EventKind::Dead)[1].starts_with("lease expired"));
 }
+
+#[test]
+fn a_slow_model_with_steps_longer_than_the_window_is_still_judged() {
+    // Steps of 1 to 3 s against a 500 ms window: each worker's window keeps its last 3 steps,
+    // and the others count as stepping lately within two of their own steps.
+    let (mut st, ids, t) = cluster(3, StragglerPolicy::Ignore);
+    rounds(&mut st, &ids, &[1_000.0, 1_000.0, 3_000.0], t, 6);
+    assert_eq!(events(&st, EventKind::Straggler), vec![ids[2]]);
+}

@@ -348,3 +348,23 @@ pub fn have_fashion_mnist() -> bool {
     eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
     false
 }
+
+/// Polls `f` every 20 ms until it gives a value, for up to `limit`: waiting for an event with
+/// a deadline, never a fixed sleep.
+pub async fn until<T, F, Fut>(limit: std::time::Duration, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await? {
+            return Ok(v);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "gave up after {limit:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

@@ -12,7 +12,7 @@ use edl_shared::proto::msg::{EventKind, JobTrace};
 use edl_shared::proto::{Consistency, StragglerPolicy, StragglerSettings};
 use edl_shared::shutdown::CancellationToken;
 use edl_testkit::synthetic::{SleepModel, Units, run_placer, spawn_worker, synthetic_job};
-use edl_testkit::{TestCluster, assert_exactly_once};
+use edl_testkit::{TestCluster, assert_exactly_once, until};
 use edl_worker::Job;
 use edl_worker::trainer::{Slowdown, TrainSummary};
 
@@ -59,25 +59,6 @@ fn first_event_since(
         .iter()
         .find(|e| e.kind == kind && e.worker == worker && e.t_ms >= since)
         .map(|e| e.t_ms)
-}
-
-/// Polls `f` every 50 ms until it gives a value, for up to `limit`.
-async fn until<T, F, Fut>(limit: Duration, mut f: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = f().await? {
-            return Ok(v);
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "gave up after {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// What one straggler run measured.

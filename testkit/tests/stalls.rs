@@ -9,29 +9,10 @@ use edl_shared::proto::msg::{EventKind, WorkerState};
 use edl_shared::proto::{Consistency, StragglerSettings};
 use edl_shared::shutdown::CancellationToken;
 use edl_testkit::synthetic::{SleepModel, spawn_worker, synthetic_job};
-use edl_testkit::{TestCluster, assert_exactly_once};
+use edl_testkit::{TestCluster, assert_exactly_once, until};
 use edl_worker::trainer::Slowdown;
 
 const SAMPLES: u32 = 2_048;
-
-/// Polls `f` every 20 ms until it gives a value, for up to `limit`.
-async fn until<T, F, Fut>(limit: Duration, mut f: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = f().await? {
-            return Ok(v);
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "gave up after {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_session_under_ssp_is_named_then_dropped_by_the_timeout_policy()

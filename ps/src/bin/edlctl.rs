@@ -58,7 +58,8 @@ enum Cmd {
     },
     /// Make every shard write a checkpoint now (parameters, optimizer state, data ledger).
     Checkpoint,
-    /// Show or change how stragglers are found and handled (flags left out keep their value).
+    /// Show or change how stragglers and stalled workers are found and handled (flags left
+    /// out keep their value).
     Stragglers {
         /// ignore (flag only), drop (drain the straggler) or replace (start a replacement
         /// through the placer, then drain the straggler).

@@ -157,10 +157,17 @@ async fn shards_are_added_moved_killed_restarted_and_removed_while_training() {
     for kind in ["shard_add", "kill_shard", "restart_shard", "shard_remove"] {
         assert!(event(kind).stall_ms.is_some(), "{:?}", event(kind));
     }
-    // Nobody steps while s0 is away (0.3 s): the kill is measured at or after the moment the
-    // launcher sent SIGKILL, in the coordinator's time.
+    // Nobody steps while s0 is away: the kill is measured at or after the moment the launcher
+    // sent SIGKILL, in the coordinator's time, and its stall covers most of the time s0 was
+    // away. That is 0.3 s by the scenario, less when the kill came late: each event waits for
+    // the one before it, and on a loaded machine the move before the kill can take long
+    // enough to push the kill close to the restart (seen once: the stall under 200 ms).
     let kill = event("kill_shard");
-    assert!(kill.stall_ms.is_some_and(|s| s > 200.0), "{kill:?}");
+    let away = event("restart_shard").t_ms.saturating_sub(kill.t_ms) as f64;
+    assert!(
+        kill.stall_ms.is_some_and(|s| s > 0.6 * away.min(350.0)),
+        "{kill:?} (s0 away for {away} ms)"
+    );
     let summary = r
         .event_summary
         .iter()

@@ -283,7 +283,6 @@ pub fn table(r: &Results) -> String {
         "workload", "runs", "hogs", "training s (med)", "flags"
     );
     let mut workloads: Vec<&str> = r.identical.iter().map(|i| i.workload.as_str()).collect();
-    workloads.dedup();
     workloads.sort_unstable();
     workloads.dedup();
     for w in workloads {

@@ -24,7 +24,7 @@ const SETTLE_MS: u64 = 1_000;
 pub struct LauncherAction {
     /// When, in milliseconds since the coordinator started (`None` before the first status).
     pub t_ms: Option<u64>,
-    /// `slow`, `preempt` or `migrate`.
+    /// `slow`, `pause`, `preempt`, `migrate`, `kill` or `term`.
     pub action: String,
     /// The worker process it acted on.
     pub worker: String,
@@ -137,7 +137,7 @@ pub struct PauseReport {
 /// The elastic part of a run's report.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ElasticReport {
-    /// What the launcher did (scenario slow, preempt, migrate).
+    /// What the launcher did (scenario slow, pause, preempt, migrate, kill, term).
     pub actions: Vec<LauncherAction>,
     /// Every placement the coordinator made.
     pub placements: Vec<PlacementReport>,
@@ -369,10 +369,9 @@ impl ElasticReport {
             .filter(|a| a.action == "kill")
             .map(|a| {
                 let id = t.id_of(&a.worker);
+                // Its departure, as `Trace::left` finds it, with the event's detail.
                 let event = trace.events.iter().find(|e| {
-                    Some(e.worker) == id
-                        && matches!(e.kind, EventKind::Dead | EventKind::Leave)
-                        && a.t_ms.is_none_or(|k| e.t_ms + 1_000 >= k)
+                    Some(e.worker) == id && matches!(e.kind, EventKind::Dead | EventKind::Leave)
                 });
                 DeathReport {
                     worker: a.worker.clone(),

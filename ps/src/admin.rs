@@ -140,11 +140,11 @@ impl Admin {
         .map(|_| ())
     }
 
-    /// The straggler and stall settings, after `change` made its changes to them (read,
-    /// changed and written back; `None` only reads).
+    /// The straggler and stall settings after `change` (read, changed, and written back only
+    /// if it changed anything: a change that leaves them as they are only reads).
     pub async fn stragglers(
         &self,
-        change: Option<impl FnOnce(&mut StragglerSettings)>,
+        change: impl FnOnce(&mut StragglerSettings),
     ) -> Result<StragglerSettings, CallError> {
         let ask = |set| async move {
             match self.ask(Request::Stragglers { set }).await? {
@@ -152,13 +152,13 @@ impl Admin {
                 other => Err(CallError::unexpected(&other)),
             }
         };
-        let mut s = ask(None).await?;
-        match change {
-            None => Ok(s),
-            Some(change) => {
-                change(&mut s);
-                ask(Some(s)).await
-            }
+        let now = ask(None).await?;
+        let mut s = now;
+        change(&mut s);
+        if s == now {
+            Ok(now)
+        } else {
+            ask(Some(s)).await
         }
     }
 

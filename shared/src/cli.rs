@@ -147,8 +147,8 @@ impl std::str::FromStr for Never {
     }
 }
 
-/// Milliseconds of a duration, saturated to `u32`.
-fn ms(d: std::time::Duration) -> u32 {
+/// Milliseconds of a duration, saturated to `u32` (as the straggler settings keep them).
+pub fn ms(d: std::time::Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 

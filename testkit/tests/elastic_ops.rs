@@ -86,7 +86,7 @@ async fn straggler_run(policy: StragglerPolicy, factor: f64) -> anyhow::Result<S
     let cluster = TestCluster::start(job, 2).await?;
     let admin = cluster.admin().await?;
     admin
-        .stragglers(Some(|s: &mut StragglerSettings| s.policy = policy))
+        .stragglers(|s: &mut StragglerSettings| s.policy = policy)
         .await?;
     let model = SleepModel {
         step: STEP,
@@ -328,9 +328,7 @@ async fn a_notice_shorter_than_a_step_abandons_it_and_loses_nothing() -> anyhow:
     let cluster = TestCluster::start(job, 2).await?;
     let admin = cluster.admin().await?;
     admin
-        .stragglers(Some(|s: &mut StragglerSettings| {
-            s.policy = StragglerPolicy::Replace
-        }))
+        .stragglers(|s: &mut StragglerSettings| s.policy = StragglerPolicy::Replace)
         .await?;
     let model = SleepModel {
         step: STEP,

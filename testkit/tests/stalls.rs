@@ -25,10 +25,10 @@ async fn an_idle_session_under_ssp_is_named_then_dropped_by_the_timeout_policy()
     let admin = cluster.admin().await?;
     let observer = cluster.connect("observer").await?;
     admin
-        .stragglers(Some(|s: &mut StragglerSettings| {
+        .stragglers(|s: &mut StragglerSettings| {
             s.stall_ms = 1_000;
             s.stall_drop_ms = 0;
-        }))
+        })
         .await?;
     // The idle session joins first, so it holds the minimum clock from the start.
     let idle = cluster.connect("idle").await?.register("idle").await?;
@@ -83,7 +83,7 @@ async fn an_idle_session_under_ssp_is_named_then_dropped_by_the_timeout_policy()
     // The policy changed at run time: drop after 2 s. The idle session is dropped as dead
     // (its data, none, returns to the pool) and the worker trains the job to its end.
     admin
-        .stragglers(Some(|s: &mut StragglerSettings| s.stall_drop_ms = 2_000))
+        .stragglers(|s: &mut StragglerSettings| s.stall_drop_ms = 2_000)
         .await?;
     let dead = until(Duration::from_secs(10), || async {
         let trace = observer.trace().await?;

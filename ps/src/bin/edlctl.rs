@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use edl_ps::admin::{self, Admin, ShardRow, StatusView, WorkerRow};
 use edl_ps::cluster::{JobRow, SlotRow};
-use edl_shared::cli::IdentityArgs;
+use edl_shared::cli::{IdentityArgs, ms};
 use edl_shared::proto::msg::WorkerState;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, telemetry};
@@ -254,11 +254,6 @@ fn print_reshard(v: &admin::ReshardView, json: bool) -> anyhow::Result<()> {
     }
     println!("shard map e{}:\n{t}", v.epoch);
     Ok(())
-}
-
-/// Milliseconds of a duration, saturated to `u32`.
-fn ms(d: std::time::Duration) -> u32 {
-    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 
 fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
@@ -554,14 +549,7 @@ async fn main() -> anyhow::Result<()> {
             stall_drop,
         } => {
             let stall_drop = stall_drop.map(|d| d.0.map_or(0, ms));
-            let changes = policy.is_some()
-                || factor.is_some()
-                || window.is_some()
-                || min_gap.is_some()
-                || warmup.is_some()
-                || stall_report.is_some()
-                || stall_drop.is_some();
-            let change = changes.then_some(|s: &mut edl_shared::proto::StragglerSettings| {
+            let change = |s: &mut edl_shared::proto::StragglerSettings| {
                 s.policy = policy.unwrap_or(s.policy);
                 s.factor = factor.unwrap_or(s.factor);
                 s.window_ms = window.map_or(s.window_ms, ms);
@@ -569,7 +557,7 @@ async fn main() -> anyhow::Result<()> {
                 s.warmup_ms = warmup.map_or(s.warmup_ms, ms);
                 s.stall_ms = stall_report.map_or(s.stall_ms, ms);
                 s.stall_drop_ms = stall_drop.unwrap_or(s.stall_drop_ms);
-            });
+            };
             let s = admin
                 .stragglers(change)
                 .await

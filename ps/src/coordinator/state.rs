@@ -860,7 +860,7 @@ impl CoordinatorState {
                     straggler_score: w.pace.score,
                     straggler: w.pace.flagged,
                     judged: if w.counts() && !w.draining {
-                        w.pace.judgement(now)
+                        w.pace.judgement()
                     } else {
                         Judgement::Unjudged
                     },

@@ -43,10 +43,9 @@ pub(super) struct Pace {
     pub others: f32,
     /// Its median over the others' (0 while unknown).
     pub score: f64,
-    /// Judged slow at every judgement since then.
+    /// Judged slow at every judgement since then (a flag needs a later judgement, at least
+    /// the confirmation time after it).
     pub suspect_since: Option<Instant>,
-    /// Judgements in a row that found it slow.
-    pub slow_streak: u32,
     /// Flagged and judged recovered at every judgement since then.
     pub recovering_since: Option<Instant>,
     /// Flagged as a straggler.
@@ -79,23 +78,22 @@ impl Pace {
         self.others = 0.0;
         self.score = 0.0;
         self.suspect_since = None;
-        self.slow_streak = 0;
         self.recovering_since = None;
         self.flagged = false;
     }
 
-    /// Judged: past its warm-up with enough steps in its window.
+    /// Judged: enough steps in its window (none are recorded during its warm-up).
     fn judged(&self) -> bool {
         self.recent.len() >= StragglerSettings::MIN_STEPS
     }
 
     /// Where the detector stands on it.
-    pub fn judgement(&self, now: Instant) -> Judgement {
+    pub fn judgement(&self) -> Judgement {
         if self.flagged {
             Judgement::Flagged
         } else if self.suspect_since.is_some() {
             Judgement::Suspect
-        } else if !self.judged() || self.warm_from.is_some_and(|t| now < t) {
+        } else if !self.judged() {
             Judgement::Warming
         } else if self.score > 0.0 {
             Judgement::Ok
@@ -207,7 +205,6 @@ impl CoordinatorState {
             w.pace.score = 0.0;
             w.pace.others = 0.0;
             w.pace.suspect_since = None;
-            w.pace.slow_streak = 0;
             return;
         };
         // The noise on this machine now: how far below the reference the others spread.
@@ -220,15 +217,13 @@ impl CoordinatorState {
         p.others = reference;
         if slow {
             p.suspect_since.get_or_insert(now);
-            p.slow_streak = p.slow_streak.saturating_add(1);
         } else {
             p.suspect_since = None;
-            p.slow_streak = 0;
         }
         let confirmed = |since: Option<Instant>| {
             since.is_some_and(|t| now.saturating_duration_since(t) >= s.confirm())
         };
-        if !p.flagged && !w.draining && p.slow_streak >= 2 && confirmed(p.suspect_since) {
+        if !p.flagged && !w.draining && confirmed(p.suspect_since) {
             p.flagged = true;
             p.recovering_since = None;
             let name = w.name.clone();
@@ -297,39 +292,47 @@ impl CoordinatorState {
         let Some(min) = self.min_active_clock() else {
             return Vec::new();
         };
-        let waiting: Vec<String> = self
-            .workers
-            .values()
-            .filter(|w| w.counts() && !w.draining && w.clock.0 > min.0.saturating_add(s))
-            .map(|w| w.name.clone())
-            .collect();
-        if waiting.is_empty() {
-            return Vec::new();
-        }
         let report = Duration::from_millis(u64::from(self.stragglers.stall_ms));
         let drop_after = (self.stragglers.stall_drop_ms > 0)
             .then(|| Duration::from_millis(u64::from(self.stragglers.stall_drop_ms)));
+        // Only a worker at the minimum past the report time holds anyone up long enough to
+        // say so (ordinarily nobody: then nothing more is looked at).
         let holding: Vec<(WorkerId, Duration)> = self
             .workers
             .iter()
             .filter(|(_, w)| w.counts() && w.clock == min)
             .filter_map(|(id, w)| {
                 let held = now.saturating_duration_since(w.pace.progressed?);
-                (held >= report).then_some((*id, held))
+                let act = !w.pace.stalled || drop_after.is_some_and(|d| held >= d);
+                (held >= report && act).then_some((*id, held))
             })
             .collect();
+        if holding.is_empty() {
+            return Vec::new();
+        }
+        let waiting: Vec<&str> = self
+            .workers
+            .values()
+            .filter(|w| w.counts() && !w.draining && w.clock.0 > min.0.saturating_add(s))
+            .map(|w| w.name.as_str())
+            .collect();
+        if waiting.is_empty() {
+            return Vec::new();
+        }
+        let waiting = format!(
+            "{} worker(s) wait on it ({})",
+            waiting.len(),
+            waiting.join(", ")
+        );
         let mut dropped = Vec::new();
         for (id, held) in holding {
             let Some(w) = self.workers.get_mut(&id) else {
                 continue;
             };
             let what = format!(
-                "holds the minimum clock {} without finishing a step for {:.1} s; {} \
-                 worker(s) wait on it ({})",
+                "holds the minimum clock {} without finishing a step for {:.1} s; {waiting}",
                 min.0,
                 held.as_secs_f32(),
-                waiting.len(),
-                waiting.join(", ")
             );
             if !w.pace.stalled {
                 w.pace.stalled = true;

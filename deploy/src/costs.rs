@@ -349,35 +349,13 @@ pub fn epoch_reports(
     st.epochs
         .iter()
         .map(|e| {
-            let per_shard: Vec<EpochLedger> = ledgers
-                .iter()
-                .map(|(_, l)| {
-                    l.iter()
-                        .find(|x| x.epoch == e.epoch)
-                        .cloned()
-                        .unwrap_or(EpochLedger {
-                            epoch: e.epoch,
-                            applied: 0,
-                            duplicates: 0,
-                            missing: u64::from(train_samples),
-                            skipped_pushes: 0,
-                        })
-                })
-                .collect();
+            let worst = edl_ps::ledger::worst_case(ledgers, e.epoch, train_samples);
             EpochReport {
                 epoch: e.epoch,
-                samples: per_shard.iter().map(|l| l.applied).min().unwrap_or(0),
-                duplicates: per_shard.iter().map(|l| l.duplicates).max().unwrap_or(0),
-                missing: per_shard
-                    .iter()
-                    .map(|l| l.missing)
-                    .max()
-                    .unwrap_or(u64::from(train_samples)),
-                skipped_pushes: per_shard
-                    .iter()
-                    .map(|l| l.skipped_pushes)
-                    .max()
-                    .unwrap_or(0),
+                samples: worst.applied,
+                duplicates: worst.duplicates,
+                missing: worst.missing,
+                skipped_pushes: worst.skipped_pushes,
                 reported_samples: e.samples,
                 train_loss: if e.samples > 0 {
                     e.loss_sum / e.samples as f64

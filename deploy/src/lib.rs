@@ -2,9 +2,9 @@
 //! (coordinator, shards, workers, then an evaluator) and reports how it went; it is the library
 //! behind the `edl-local` binary.
 //!
-//! The pieces are split by concern: [`launch`] finds the binaries and builds each process's
-//! command line (the cluster scheduler starts jobs with it too), [`procs`] starts, watches and
-//! stops child processes,
+//! The pieces are split by concern: `edl_launch` (below this crate, shared with the cluster
+//! scheduler) finds the binaries, builds each process's command line and starts, watches and
+//! stops child processes;
 //! [`scenario`] reads the timed membership changes and shard events a run replays,
 //! [`progress`] shows how training is going, [`costs`] works out what each event and key-range
 //! move cost from the coordinator's trace, [`plot`] draws the run over time, [`elastic`] what stragglers, preemptions and
@@ -12,10 +12,8 @@
 
 pub mod costs;
 pub mod elastic;
-pub mod launch;
 pub mod local;
 pub mod plot;
-pub mod procs;
 pub mod progress;
 pub mod report;
 pub mod scenario;

@@ -399,11 +399,18 @@ impl fmt::Display for Report {
                 "  warning: the coordinator did not see every epoch completed"
             )?;
         }
-        writeln!(
-            f,
-            "  test accuracy {:.4} (mean loss {:.4} on {} test images)",
-            self.test_accuracy, self.test_loss, self.test_samples
-        )?;
+        if self.test_samples == 0 {
+            writeln!(
+                f,
+                "  no test evaluation (the job's own program reported none to the coordinator)"
+            )?;
+        } else {
+            writeln!(
+                f,
+                "  test accuracy {:.4} (mean loss {:.4} on {} test images)",
+                self.test_accuracy, self.test_loss, self.test_samples
+            )?;
+        }
         writeln!(
             f,
             "  throughput {:.0} samples/s ({} samples in {:.1} s of training); {:.1} s in all",

@@ -115,6 +115,8 @@ pub struct JobRecord {
     pub ledger: Option<LedgerSummary>,
     /// Why it failed or was cancelled; empty otherwise.
     pub message: String,
+    /// What its workers run: the job file's `[worker]` command, or `edl-worker`.
+    pub runs: String,
 }
 
 /// A worker slot (a GPU, or a CPU stand-in) and who holds it.

@@ -343,6 +343,46 @@ impl Ledgers {
     }
 }
 
+/// The worst case over the shards' ledgers of `epoch`: the fewest samples applied, the most
+/// duplicates, misses and skipped pushes. A shard without an entry for it counts as having
+/// applied none of its `train_samples`.
+pub fn worst_case(
+    ledgers: &[(edl_shared::proto::ShardId, Vec<EpochLedger>)],
+    epoch: u32,
+    train_samples: u32,
+) -> EpochLedger {
+    let none = EpochLedger {
+        epoch,
+        applied: 0,
+        duplicates: 0,
+        missing: u64::from(train_samples),
+        skipped_pushes: 0,
+    };
+    let per_shard: Vec<EpochLedger> = ledgers
+        .iter()
+        .map(|(_, l)| {
+            l.iter()
+                .find(|x| x.epoch == epoch)
+                .cloned()
+                .unwrap_or_else(|| none.clone())
+        })
+        .collect();
+    if per_shard.is_empty() {
+        return none;
+    }
+    EpochLedger {
+        epoch,
+        applied: per_shard.iter().map(|l| l.applied).min().unwrap_or(0),
+        duplicates: per_shard.iter().map(|l| l.duplicates).max().unwrap_or(0),
+        missing: per_shard.iter().map(|l| l.missing).max().unwrap_or(0),
+        skipped_pushes: per_shard
+            .iter()
+            .map(|l| l.skipped_pushes)
+            .max()
+            .unwrap_or(0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

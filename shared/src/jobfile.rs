@@ -22,7 +22,9 @@
 //! ```
 //!
 //! A `custom` model lists its tensors as `[[tensor]]` tables (`name`, `shape`, `init` and, for
-//! some inits, `scale` or `value`). Settings left out take the defaults of
+//! some inits, `scale` or `value`). A `[worker]` table says what the job's workers run (see
+//! [`WorkerSpec`]; without one they run `edl-worker`), for the placers: [`parse`] and [`load`]
+//! give the coordinator's view and skip it, [`parse_file`] and [`load_file`] keep it. Settings left out take the defaults of
 //! `edl-ps coordinator`'s flags, so a file and the flags describe the same job. Relative data
 //! paths are resolved against the job file's directory.
 
@@ -40,6 +42,10 @@ use toml::de::{DeTable, DeValue};
 
 use crate::libsvm;
 use crate::units::human_bytes;
+
+mod worker;
+
+pub use worker::{MAX_GPUS, WorkerSpec};
 
 /// The settings a job takes when its file (or `edl-ps coordinator`'s and `edl-local`'s flags,
 /// which use these as their defaults) leaves them out.
@@ -102,20 +108,74 @@ pub enum JobFileError {
     },
 }
 
-/// Reads and parses a job file (see [`parse`]).
+/// A whole job file: the job the coordinator runs and what its workers run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobFile {
+    /// The job (the coordinator's part).
+    pub job: JobConfig,
+    /// The `[worker]` table (the placers' part); the default runs `edl-worker`.
+    pub worker: WorkerSpec,
+}
+
+impl JobFile {
+    /// The file as text that [`parse_file`] reads back to an equal [`JobFile`] (see
+    /// [`to_toml`]).
+    pub fn to_toml(&self) -> String {
+        let mut out = to_toml(&self.job);
+        // Writing to a String cannot fail.
+        let _ = worker::write_worker(&mut out, &self.worker);
+        out
+    }
+}
+
+/// Reads and parses a job file for the coordinator (see [`parse`]).
 pub fn load(path: &Path) -> Result<JobConfig, JobFileError> {
+    load_file(path).map(|f| f.job)
+}
+
+/// Reads and parses a whole job file (see [`parse_file`]).
+pub fn load_file(path: &Path) -> Result<JobFile, JobFileError> {
     let text = std::fs::read_to_string(path).map_err(|source| JobFileError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    parse(&text, path)
+    parse_file(&text, path)
 }
 
-/// Parses and validates a job file's text. `path` names the file in messages and anchors
-/// relative data paths; the training data is read only for `auto` counts.
+/// Parses and validates a job file's text for the coordinator: the job, with the `[worker]`
+/// table checked but left out (see [`parse_file`]). `path` names the file in messages and
+/// anchors relative data paths; the training data is read only for `auto` counts.
 pub fn parse(text: &str, path: &Path) -> Result<JobConfig, JobFileError> {
+    parse_file(text, path).map(|f| f.job)
+}
+
+/// Reads a job file's `[worker]` table alone (the file must be valid TOML with known tables;
+/// the job itself is not checked, and no data is read).
+pub fn load_worker(path: &Path) -> Result<WorkerSpec, JobFileError> {
+    let text = std::fs::read_to_string(path).map_err(|source| JobFileError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let cx = Cx { text: &text, path };
+    let raw: RawJob = toml::from_str(&text).map_err(|e| cx.toml_error(&e))?;
+    Ok(raw
+        .worker
+        .as_ref()
+        .map(|w| cx.worker(w))
+        .transpose()?
+        .unwrap_or_default())
+}
+
+/// Parses and validates a whole job file's text: the job and its `[worker]` table.
+pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
     let cx = Cx { text, path };
     let raw: RawJob = toml::from_str(text).map_err(|e| cx.toml_error(&e))?;
+    let worker = raw
+        .worker
+        .as_ref()
+        .map(|w| cx.worker(w))
+        .transpose()?
+        .unwrap_or_default();
     let data = raw.data.as_ref().map(|d| cx.data(d)).transpose()?;
     let mut counts = Counts {
         train: match (&data, &raw.data) {
@@ -144,7 +204,7 @@ pub fn parse(text: &str, path: &Path) -> Result<JobConfig, JobFileError> {
     if let Some(t) = &raw.training {
         cx.training(t.get_ref(), &mut counts, &mut job)?;
     }
-    Ok(job)
+    Ok(JobFile { job, worker })
 }
 
 /// Writes a job as a job file that [`parse`] reads back to an equal [`JobConfig`]: a `custom`
@@ -179,6 +239,7 @@ struct RawJob {
     training: Option<Spanned<RawTraining>>,
     data: Option<Spanned<RawData>>,
     tensor: Option<Spanned<Vec<Spanned<RawTensor>>>>,
+    worker: Option<Spanned<worker::RawWorker>>,
 }
 
 #[derive(Deserialize)]

@@ -56,7 +56,10 @@ async fn the_custom_model_example_trains_exactly_once() -> anyhow::Result<()> {
     let mut workers = tokio::task::JoinSet::new();
     for i in 0..2 {
         let (cfg, train) = (cluster.client_config(&format!("w{i}"))?, train.clone());
-        workers.spawn(async move { two_layer::train(&cfg, &train, |_| Ok(())).await });
+        workers.spawn(async move {
+            let job = edl_worker::client::Job::connect(&cfg).await?;
+            two_layer::train(job, &train, false, |_| Ok(())).await
+        });
     }
     let mut steps = 0;
     while let Some(r) = workers.join_next().await {

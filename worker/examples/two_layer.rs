@@ -1,12 +1,22 @@
 //! Bring your own model: a two-layer network, defined here, trained on Fashion-MNIST with the
 //! client API. The job (`deploy/jobs/two-layer.toml`) holds `fc1.weight` [784, H], `fc1.bias`
-//! [H], `fc2.weight` [H, 10] and `fc2.bias` [10], found by name. Start it, then run workers:
+//! [H], `fc2.weight` [H, 10] and `fc2.bias` [10], found by name, and its `[worker]` table runs
+//! this program. As a job of its own, or beside others on the scheduler:
 //!
-//!     edl-ps coordinator --job deploy/jobs/two-layer.toml --shards 1 &
-//!     edl-ps shard --name s0 &
-//!     cargo run --release -p edl-worker --example two_layer -- w1
+//!     cargo build --release -p edl-worker --example two_layer
+//!     edl-local --job deploy/jobs/two-layer.toml --workers 2
+//!     edlctl job submit deploy/jobs/two-layer.toml --workers 2
+//!
+//! It speaks the process contract (`edl_shared::contract`): a placer gives it the coordinator,
+//! its certificate and its placement in `EDL_*` variables, and SIGTERM drains it. By hand,
+//! against a coordinator and shard started with `edl-ps`:
+//!
+//!     EDL_COORDINATOR=127.0.0.1:7070 EDL_STATE_DIR=edl-state EDL_NAME=w1 \
+//!         target/release/examples/two_layer
 
-use edl_shared::{Role, pki::PkiDir, proto::Clock};
+use std::time::Duration;
+
+use edl_shared::proto::Clock;
 use edl_worker::client::{Batch, ClientConfig, ClientError, Job, TensorView};
 use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet};
 
@@ -86,18 +96,21 @@ impl TwoLayer {
     }
 }
 
-/// Joins the job and trains until its data is done or a drain, then leaves; returns the
-/// steps taken. `seen` sees each batch first (a test logs them).
+/// Joins `job` and trains until its data is done or a drain (a SIGTERM too, with `signals`),
+/// then leaves; returns the steps taken. `seen` sees each batch first (a test logs them).
 pub async fn train(
-    cfg: &ClientConfig,
+    job: Job,
     data: &ImageSet,
+    signals: bool,
     mut seen: impl FnMut(&Batch) -> anyhow::Result<()>,
 ) -> anyhow::Result<u64> {
-    let job = Job::connect(cfg).await?;
     let model = TwoLayer::of(&job)?;
     let mut params = vec![0f32; job.spec().param_count()];
     let (mut grads, mut x, mut y) = (params.clone(), Vec::new(), Vec::new());
     let mut session = job.join().await?; // stop-free: admitted once prepared
+    if signals {
+        session.leave_on_signals(Duration::from_secs(30))?;
+    }
     let mut steps = 0;
     while let Some(batch) = session.next_batch().await? {
         seen(&batch)?;
@@ -125,25 +138,36 @@ pub async fn accuracy(cfg: &ClientConfig, test: &ImageSet) -> anyhow::Result<f64
     Ok(correct as f64 / test.len() as f64)
 }
 
+/// Trains as a placer started it; the training data is the job's `[data]` (Fashion-MNIST's
+/// default place without one).
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let name = std::env::args().nth(1).unwrap_or_else(|| "w1".into());
-    let coordinator = std::env::var("EDL_COORDINATOR").unwrap_or_else(|_| "127.0.0.1:7070".into());
-    let state = std::env::var("EDL_STATE_DIR").unwrap_or_else(|_| "edl-state".into());
-    let identity = PkiDir::new(state.as_ref()).ensure(Role::Worker, &name)?;
-    let cfg = ClientConfig {
-        coordinator,
-        identity,
-        settings: Default::default(),
+    let job = Job::from_env().await?;
+    let train_data = match &job.config().data {
+        Some(d) => std::path::PathBuf::from(&d.train),
+        None => std::path::Path::new(DEFAULT_DATA_DIR).join("train"),
     };
-    let dir = std::path::Path::new(DEFAULT_DATA_DIR);
-    let steps = train(
-        &cfg,
-        &ImageSet::load_prefix(&dir.join("train"))?,
-        |_| Ok(()),
-    )
-    .await?;
-    let acc = accuracy(&cfg, &ImageSet::load_prefix(&dir.join("t10k"))?).await?;
-    println!("{name}: {steps} steps; test accuracy of the job's parameters {acc:.4}");
+    let test_data = job.config().data.as_ref().map(|d| d.test.clone());
+    let steps = train(job, &ImageSet::load_prefix(&train_data)?, true, |_| Ok(())).await?;
+    eprintln!("{steps} steps");
+    // Report how the job's parameters do on its test data (the last worker's report, made
+    // when the job has finished, is of the final model).
+    if let Some(test) = test_data.filter(|t| !t.is_empty()) {
+        let env = edl_shared::contract::WorkerEnv::from_env()?;
+        let job = Job::connect(&ClientConfig::from_contract(&env)?).await?;
+        let test = ImageSet::load_prefix(std::path::Path::new(&test))?;
+        let mut params = vec![0f32; job.spec().param_count()];
+        let status = job.pull_current(&mut params).await?;
+        let (loss, correct) = TwoLayer::of(&job)?.step(&params, test.images(), test.labels(), None);
+        let n = test.len() as f64;
+        job.report_evaluation(
+            status.min_clock,
+            correct as f64 / n,
+            loss / n,
+            test.len() as u64,
+        )
+        .await?;
+        eprintln!("test accuracy {:.4}", correct as f64 / n);
+    }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The cluster `edl-bench load` measures: a coordinator and shard servers started as separate
 //! `edl-ps` processes on loopback, as a real deployment runs them (and as `edl-local` does,
-//! with its process handling from [`edl_deploy::procs`]), so that each server's memory can be
+//! with its process handling from [`edl_launch::procs`]), so that each server's memory can be
 //! read from `/proc` and nothing the load generator does shares their runtime.
 
 use std::ffi::OsString;
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use edl_deploy::local::fresh_state_dir;
-use edl_deploy::procs::{Proc, Spawn, Stopped};
+use edl_launch::procs::{Proc, Spawn, Stopped};
 use edl_shared::pki::PkiDir;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Identity, Role};
@@ -166,7 +166,7 @@ impl Cluster {
             program: "/bin/sh".into(),
             args: argv,
             log: self.state_dir.join("logs").join(format!("{name}.log")),
-            capture_stdout: false,
+            ..Spawn::default()
         })?;
         // The pid is written before the server starts, so it is there once the address is.
         let addr = proc

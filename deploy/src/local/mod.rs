@@ -27,6 +27,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use edl_shared::Role;
+use edl_shared::contract::{Credentials, WorkerEnv};
+use edl_shared::jobfile::WorkerSpec;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::{EpochLedger, JobHistory, JobStatus, JobTrace};
 use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec, ShardId};
@@ -41,18 +43,18 @@ use crate::costs::{
     ShardAction, epoch_reports, event_costs, kind_summaries, shard_costs, shard_quiet_spans,
     stall_noise,
 };
-use crate::procs::{Proc, Spawn, Stopped, failure_message};
 use crate::progress::{Progress, StallWatch, active_workers, worker_states};
 use crate::report::{
     Evaluation, Report, RestartReport, ShardLayout, SkippedEvent, TraceDump, throughput,
 };
 use crate::scenario::{Scenario, worker_name};
+use edl_launch::procs::{Proc, Spawn, Stopped, failure_message};
 use edl_ps::admin::Admin;
 use play::Player;
 use shards::Shards;
 use workers::{Fate, WorkerProc, Workers};
 
-use crate::launch::{self as launch, Binaries};
+use edl_launch::launch::{self as launch, Binaries};
 pub use setup::fresh_state_dir;
 use setup::issue_certificates;
 
@@ -175,7 +177,15 @@ impl LocalConfig {
     /// (epochs, consistency, optimizer, batch size, samples, lease, layers, seed) are taken
     /// from it, so that the report says what ran.
     pub fn from_job_file(mut self, file: &Path) -> anyhow::Result<LocalConfig> {
-        let job = edl_shared::jobfile::load(file)?;
+        let edl_shared::jobfile::JobFile { job, worker } = edl_shared::jobfile::load_file(file)?;
+        if job.model == ModelSpec::Custom && worker.is_builtin() {
+            bail!(
+                "{}: the model is custom (defined by the job's own program) and the file names \
+                 no program for its workers: add a [worker] table with command = [...] \
+                 (edl-worker trains only the built-in models, mlp and logreg)",
+                file.display()
+            );
+        }
         self.epochs = job.epochs;
         self.consistency = job.consistency;
         self.optimizer = job.optimizer.clone();
@@ -253,6 +263,12 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
     std::fs::create_dir_all(&logs)
         .with_context(|| format!("cannot create log directory {}", logs.display()))?;
     let launcher = issue_certificates(&state_dir, cfg)?;
+    // What the workers run: the job file's [worker] table (checked with the file), or
+    // edl-worker.
+    let worker = match &cfg.job {
+        Some(file) => edl_shared::jobfile::load_worker(file)?,
+        None => WorkerSpec::default(),
+    };
 
     let mut run = Launch {
         cfg,
@@ -270,6 +286,7 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         shard_actions: Vec::new(),
         clock: None,
         placer: place::Placer::new(cfg),
+        worker,
     };
     run.progress.println(&format!(
         "edl-local: state and logs in {}",
@@ -421,6 +438,8 @@ struct Launch<'a> {
     clock: Option<(u64, Instant)>,
     /// Slots, placements fulfilled and the elastic actions carried out.
     placer: place::Placer,
+    /// What the workers run.
+    worker: WorkerSpec,
 }
 
 impl Launch<'_> {
@@ -591,9 +610,28 @@ impl Launch<'_> {
             None => Vec::new(),
         };
         self.progress.finish(&status);
-        self.progress
-            .println("edl-local: training done; evaluating on the test set");
-        let evaluation = self.evaluate(&coordinator).await?;
+        if self.worker.is_builtin() {
+            self.progress
+                .println("edl-local: training done; evaluating on the test set");
+        }
+        let evaluation = if self.worker.is_builtin() {
+            self.evaluate(&coordinator).await?
+        } else {
+            // edl-worker cannot evaluate the job's own model: the run reports the latest
+            // evaluation the job's program sent, if any.
+            status.evaluation.as_ref().map_or(
+                Evaluation {
+                    test_accuracy: 0.0,
+                    test_loss: 0.0,
+                    test_samples: 0,
+                },
+                |e| Evaluation {
+                    test_accuracy: e.accuracy,
+                    test_loss: e.loss,
+                    test_samples: e.samples,
+                },
+            )
+        };
         // After the evaluation, so that the history holds it.
         let history = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.history(0))
             .await
@@ -675,7 +713,7 @@ impl Launch<'_> {
             program: self.bins.ps.clone(),
             args,
             log: self.logs.join("coordinator.log"),
-            capture_stdout: false,
+            ..Spawn::default()
         })?);
 
         let addr = proc
@@ -731,6 +769,9 @@ impl Launch<'_> {
         self.pki
             .ensure(Role::Worker, name)
             .with_context(|| format!("issuing the certificate of worker/{name}"))?;
+        if !self.worker.is_builtin() {
+            return self.spawn_program(name, stands_for, slot, placement.map(|(id, _)| id));
+        }
         let mut args = self.worker_args(&coordinator, name, false);
         args.extend([
             "--preempt-notice".into(),
@@ -750,13 +791,66 @@ impl Launch<'_> {
             args,
             name: name.to_string(),
             program: self.bins.worker.clone(),
-            capture_stdout: false,
+            ..Spawn::default()
         })?;
         self.workers.push(WorkerProc {
             proc,
             stands_for: stands_for.to_string(),
             slot,
             placement: placement.map(|(id, _)| id),
+            exited_ms: None,
+            fate: Fate::Trains,
+        });
+        Ok(())
+    }
+
+    /// Starts worker `name` as the job file's `[worker]` program, in the job file's folder,
+    /// with the process contract's environment (the run's development PKI as its state
+    /// directory).
+    fn spawn_program(
+        &mut self,
+        name: &str,
+        stands_for: &str,
+        slot: String,
+        placement: Option<u64>,
+    ) -> anyhow::Result<()> {
+        let coordinator = self
+            .coordinator_addr
+            .context("workers cannot start before the coordinator")?;
+        let file = self
+            .cfg
+            .job
+            .as_deref()
+            .context("a [worker] program needs a job file")?;
+        let workdir = file.parent().unwrap_or(Path::new("."));
+        let env = WorkerEnv {
+            coordinators: vec![coordinator.to_string()],
+            credentials: Credentials::StateDir(self.state_dir.clone()),
+            job: edl_shared::pki::DEFAULT_JOB.to_string(),
+            name: name.to_string(),
+            placement,
+            devices: None,
+        };
+        let w = launch::WorkerLaunch {
+            spec: &self.worker,
+            workdir,
+            env,
+            data_dir: &self.cfg.data_dir,
+            state_dir: &self.state_dir,
+            worker_args: &[],
+        };
+        let spawn = launch::worker_spawn(
+            &self.bins,
+            &w,
+            name.to_string(),
+            self.logs.join(format!("{name}.log")),
+        );
+        let proc = Proc::spawn(spawn)?;
+        self.workers.push(WorkerProc {
+            proc,
+            stands_for: stands_for.to_string(),
+            slot,
+            placement,
             exited_ms: None,
             fate: Fate::Trains,
         });
@@ -796,6 +890,7 @@ impl Launch<'_> {
             args: self.worker_args(coordinator, EVALUATOR_NAME, true),
             log: self.logs.join("eval.log"),
             capture_stdout: true,
+            ..Spawn::default()
         })?;
         let log = eval.log().to_path_buf();
         // Dropping the evaluator's handle on a timeout kills it.

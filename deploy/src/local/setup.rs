@@ -66,7 +66,7 @@ pub(super) fn issue_certificates(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::launch::Binaries;
+    use edl_launch::launch::Binaries;
     use edl_shared::proto::Consistency;
 
     #[test]

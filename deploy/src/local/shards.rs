@@ -22,9 +22,9 @@ use nix::sys::signal::Signal;
 use super::Launch;
 use super::play::{KILL_WAIT, Outcome, coordinator_ms, ms};
 use crate::costs::ShardAction;
-use crate::procs::{Proc, Spawn};
 use crate::report::ShardLayout;
 use crate::scenario::{Action, ScenarioEvent, shard_name};
+use edl_launch::procs::{Proc, Spawn};
 
 /// How long a new shard may take to be listed by the coordinator at start-up.
 const SHARD_JOIN: Duration = Duration::from_secs(30);
@@ -148,12 +148,12 @@ impl Launch<'_> {
             .ensure(Role::Shard, name)
             .with_context(|| format!("issuing the certificate of shard/{name}"))?;
         let addr_file = self.addr_file(name);
-        crate::launch::remove_stale(&addr_file)?;
+        edl_launch::launch::remove_stale(&addr_file)?;
         let log = match self.shards.starts(name) {
             0 => format!("{name}.log"),
             n => format!("{name}-restart{n}.log"),
         };
-        let mut args = crate::launch::shard_args(
+        let mut args = edl_launch::launch::shard_args(
             &coordinator,
             name,
             listen,
@@ -161,13 +161,13 @@ impl Launch<'_> {
             &addr_file,
             None,
         );
-        args.extend(crate::launch::metrics_args(&self.state_dir, name));
+        args.extend(edl_launch::launch::metrics_args(&self.state_dir, name));
         let proc = Proc::spawn(Spawn {
             log: self.logs.join(log),
             name: name.to_string(),
             program: self.bins.ps.clone(),
             args,
-            capture_stdout: false,
+            ..Spawn::default()
         })?;
         self.shards.list.push(ShardProc {
             proc,

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
-use crate::procs::Proc;
 use crate::report::WorkerProcess;
+use edl_launch::procs::Proc;
 
 /// What the launcher did to a worker, which says how it may end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,7 +2,9 @@
 //! every batch it is handed (epoch, span and sample indices, one line each, flushed), so that
 //! a test can kill it and compare the indices another process gets for the same span.
 //!
-//! Usage: `edl-test-worker COORDINATOR STATE_DIR NAME LOG`
+//! Usage: `edl-test-worker COORDINATOR STATE_DIR NAME LOG`, or with no arguments as a job's
+//! `[worker]` program: connected by the process contract's environment, honouring SIGTERM,
+//! logging nothing.
 
 use std::io::Write;
 
@@ -19,6 +21,13 @@ mod two_layer;
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.is_empty() {
+        let job = edl_worker::client::Job::from_env().await?;
+        let data = ImageSet::load_prefix(&std::path::Path::new(DEFAULT_DATA_DIR).join("train"))?;
+        let steps = two_layer::train(job, &data, true, |_| Ok(())).await?;
+        eprintln!("edl-test-worker: {steps} steps");
+        return Ok(());
+    }
     let [coordinator, state, name, log] = &args[..] else {
         anyhow::bail!("usage: edl-test-worker COORDINATOR STATE_DIR NAME LOG");
     };
@@ -30,7 +39,8 @@ async fn main() -> anyhow::Result<()> {
     };
     let data = ImageSet::load_prefix(&std::path::Path::new(DEFAULT_DATA_DIR).join("train"))?;
     let mut log = std::fs::File::create(log).with_context(|| format!("creating {log}"))?;
-    two_layer::train(&cfg, &data, |batch| {
+    let job = edl_worker::client::Job::connect(&cfg).await?;
+    two_layer::train(job, &data, false, |batch| {
         let s = batch.span();
         let indices: Vec<String> = batch.indices().iter().map(u32::to_string).collect();
         writeln!(

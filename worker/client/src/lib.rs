@@ -53,6 +53,7 @@ use edl_shared::transport::{CallError, Conn, Release, Sink, TransportSettings, c
 use thiserror::Error;
 
 pub mod blocking;
+mod contract;
 mod grads;
 mod notice;
 mod routing;
@@ -122,6 +123,10 @@ pub enum ClientError {
     /// The blocking client could not start its runtime.
     #[error("cannot start the client runtime: {0}")]
     Runtime(String),
+    /// The worker's set-up failed: the process contract's environment, its credentials or its
+    /// signal handlers.
+    #[error("{0}")]
+    Setup(String),
 }
 
 impl ClientError {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use edl_deploy::launch::Binaries;
+use edl_launch::Binaries;
 use edl_sched::cluster::kube::{KubePlacer, KubeSettings};
 use edl_sched::cluster::server::SchedService;
 use edl_sched::cluster::{Cluster, LocalPlacer, Placer, Scheduler};

@@ -12,6 +12,7 @@
 //! # [[slot]]
 //! # name = "gpu0"
 //! # host = "localhost"
+//! # gpu = 0                 # its worker sees this device alone (CUDA_VISIBLE_DEVICES)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -45,16 +46,10 @@ struct Raw {
 struct RawSlot {
     name: String,
     host: Option<String>,
+    gpu: Option<u32>,
 }
 
-/// A worker slot: a GPU, or a CPU stand-in.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Slot {
-    /// Its name, unique in the cluster.
-    pub name: String,
-    /// The host it is on.
-    pub host: String,
-}
+pub use edl_launch::{LOCAL_HOST, Slot};
 
 /// A checked cluster file.
 #[derive(Clone, Debug)]
@@ -79,9 +74,6 @@ pub struct Cluster {
     /// The slots.
     pub slots: Vec<Slot>,
 }
-
-/// The host of slots declared by count.
-pub const LOCAL_HOST: &str = "localhost";
 
 impl Cluster {
     /// Reads and checks a cluster file.
@@ -122,6 +114,7 @@ impl Cluster {
                     .map(|i| Slot {
                         name: format!("slot{i}"),
                         host: LOCAL_HOST.into(),
+                        devices: None,
                     })
                     .collect()
             }
@@ -139,6 +132,7 @@ impl Cluster {
                     out.push(Slot {
                         name: s.name,
                         host: s.host.unwrap_or_else(|| LOCAL_HOST.into()),
+                        devices: s.gpu.map(|g| vec![g]),
                     });
                 }
                 out

@@ -15,15 +15,16 @@
 //!
 //! Processes reach each other by Service DNS name (`<service>.<namespace>.svc`). The scheduler
 //! reaches a job's coordinator at its Service's ClusterIP, so it must run inside the cluster.
-//! Pods run the `edl-ps` and `edl-worker` programs found on the image's `PATH`, keep their
-//! state in an `emptyDir`, and never restart: a server pod that ends fails its job, as a server
-//! process does with [`super::placer::LocalPlacer`].
+//! Servers run the `edl-ps` program found on the image's `PATH`. Workers run what their job
+//! file's `[worker]` table says: its `command` in its `image` (in the image's working
+//! directory), or `edl-worker` in the cluster's image, with the process contract's environment
+//! (`edl_shared::contract`; the certificates as mounted files) and the table's `env`, asking
+//! for its `gpus` (default: one when the settings ask for GPUs). Pods keep their state in an
+//! `emptyDir` and never restart: a server pod that ends fails its job, as a server process
+//! does with `edl_launch::LocalPlacer`.
 //!
-//! The [`Placer`] trait is partly synchronous, so [`KubePlacer::start_worker`],
-//! [`KubePlacer::stop_worker`] and [`KubePlacer::exited`] start API calls on the runtime and
-//! return at once: a worker whose pod cannot be created is reported by `exited` as failed, and
-//! `exited` reports what the previous listing of the pods found. [`KubePlacer::adopt`] cannot
-//! wait for the API server either: it reports nothing gone, and later listings do.
+//! Every call waits for the API server: a worker whose pod cannot be created is an error of
+//! [`Placer::start_worker`], and [`Placer::exited`] lists the pods (at most once a second).
 //!
 //! Not handled: a pod that never starts (unschedulable, image not pulled) holds its slot and
 //! is not reported; ended pods stay, for `kubectl logs`, until their job is stopped. The
@@ -35,16 +36,18 @@ use std::ffi::OsString;
 use std::fmt::Debug;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use edl_deploy::launch::{self, Creds};
+use edl_launch::launch::{self, Creds};
+use edl_launch::{Exit, JobLaunch, LOCAL_HOST, Placer, ProcRecord, STOP_GRACE, Slot};
 use edl_shared::Role;
+use edl_shared::contract::WorkerEnv;
+use edl_shared::jobfile::WorkerSpec;
 use edl_shared::proto::StragglerSettings;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
-    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
     PersistentVolumeClaimVolumeSource, Pod, PodSpec, ResourceRequirements, Secret,
     SecretVolumeSource, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
@@ -55,11 +58,6 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::runtime::Handle;
-
-use super::config::{LOCAL_HOST, Slot};
-use super::placer::{Exit, JobLaunch, Placer, STOP_GRACE};
-use super::state::ProcRecord;
 
 /// The Kubernetes version of the API types (`k8s-openapi` feature `v1_37`).
 pub const K8S_VERSION: &str = "1.37.0";
@@ -69,7 +67,7 @@ pub const COORDINATOR_PORT: u16 = 7070;
 pub const SHARD_PORT: u16 = 7071;
 /// The program serving coordinators and shards, on the image's `PATH`.
 pub const PS_PROGRAM: &str = "edl-ps";
-/// The worker program, on the image's `PATH`.
+/// The worker program of built-in models, on the image's `PATH`.
 pub const WORKER_PROGRAM: &str = "edl-worker";
 /// Where a pod's Secret is mounted: `ca.pem`, `cert.pem`, `key.pem`.
 pub const PKI_DIR: &str = "/etc/edl/pki";
@@ -110,9 +108,11 @@ const STOP_WAIT: Duration = Duration::from_secs(30);
 pub struct KubeSettings {
     /// The namespace of every object.
     pub namespace: String,
-    /// The container image, with `edl-ps` and `edl-worker` on its `PATH`.
+    /// The container image, with `edl-ps` and `edl-worker` on its `PATH` (a job's `[worker]
+    /// image` replaces it for its workers).
     pub image: String,
-    /// Whether each worker asks for one GPU (`nvidia.com/gpu: 1`).
+    /// Whether each worker asks for one GPU (`nvidia.com/gpu: 1`) unless its job file's
+    /// `[worker] gpus` says otherwise.
     pub gpus: bool,
     /// Where workers read their data inside their containers (the cluster file's `data_dir`).
     pub data_dir: PathBuf,
@@ -345,53 +345,86 @@ impl KubeSettings {
         )
     }
 
-    /// The pod of worker `worker` of `job` in `slot` for placement `placement`: one GPU when
-    /// the settings ask for GPUs, on the slot's host unless it is `localhost`.
-    pub fn worker_pod(&self, job: &str, worker: &str, slot: &Slot, placement: u64) -> Pod {
-        let mut args = launch::worker_args(
-            &UNSET,
-            worker,
-            &self.data_dir,
-            Path::new(STATE_DIR),
-            Some(&mounted_creds()),
-            false,
-        );
+    /// The pod of worker `worker` of `job` in `slot` for placement `placement`, running what
+    /// `spec` says: on the slot's host unless it is `localhost`, with the devices it asks for.
+    pub fn worker_pod(
+        &self,
+        job: &str,
+        worker: &str,
+        spec: &WorkerSpec,
+        slot: &Slot,
+        placement: u64,
+    ) -> Pod {
         let coordinator = self.service_addr(job, "coordinator", COORDINATOR_PORT);
-        set_flag(&mut args, "--coordinator", &coordinator);
-        args.extend(["--placement".into(), placement.to_string().into()]);
-        args.extend(self.worker_args.iter().map(Into::into));
-        let mut pod = self.pod(
-            job,
-            worker,
-            Role::Worker,
-            WORKER_PROGRAM,
-            strings(args),
-            None,
-        );
+        let (program, args) = match spec.command.split_first() {
+            Some((program, rest)) => (program.clone(), rest.to_vec()),
+            None => {
+                let mut args = launch::worker_args(
+                    &UNSET,
+                    worker,
+                    &self.data_dir,
+                    Path::new(STATE_DIR),
+                    Some(&mounted_creds()),
+                    false,
+                );
+                set_flag(&mut args, "--coordinator", &coordinator);
+                args.extend(["--placement".into(), placement.to_string().into()]);
+                args.extend(self.worker_args.iter().map(Into::into));
+                (WORKER_PROGRAM.to_string(), strings(args))
+            }
+        };
+        let contract = WorkerEnv {
+            coordinators: vec![coordinator],
+            credentials: mounted_creds().contract(),
+            job: job.to_string(),
+            name: worker.to_string(),
+            placement: Some(placement),
+            // The device plugin picks the devices and sets what the container sees.
+            devices: None,
+        };
+        let mut env: Vec<EnvVar> = contract
+            .vars()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string_lossy().into_owned()))
+            .chain(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())))
+            .map(|(name, value)| EnvVar {
+                name,
+                value: Some(value),
+                ..EnvVar::default()
+            })
+            .collect();
+        env.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut pod = self.pod(job, worker, Role::Worker, &program, args, None);
         pod.metadata
             .labels
             .get_or_insert_default()
             .insert(SLOT_LABEL.into(), dns_label(&slot.name));
-        let Some(spec) = pod.spec.as_mut() else {
+        let gpus = spec.gpus.unwrap_or(u32::from(self.gpus));
+        let image = spec.image.clone();
+        let Some(pod_spec) = pod.spec.as_mut() else {
             return pod;
         };
-        spec.termination_grace_period_seconds = Some(WORKER_GRACE.as_secs() as i64);
+        pod_spec.termination_grace_period_seconds = Some(WORKER_GRACE.as_secs() as i64);
         if slot.host != LOCAL_HOST {
-            spec.node_selector = Some(BTreeMap::from([(
+            pod_spec.node_selector = Some(BTreeMap::from([(
                 "kubernetes.io/hostname".into(),
                 slot.host.clone(),
             )]));
         }
-        if self.gpus
-            && let Some(c) = spec.containers.first_mut()
-        {
-            c.resources = Some(ResourceRequirements {
-                limits: Some(BTreeMap::from([(
-                    "nvidia.com/gpu".into(),
-                    Quantity("1".into()),
-                )])),
-                ..ResourceRequirements::default()
-            });
+        if let Some(c) = pod_spec.containers.first_mut() {
+            c.env = Some(env);
+            if let Some(image) = image {
+                c.image = Some(image);
+            }
+            if gpus > 0 {
+                c.resources = Some(ResourceRequirements {
+                    limits: Some(BTreeMap::from([(
+                        "nvidia.com/gpu".into(),
+                        Quantity(gpus.to_string()),
+                    )])),
+                    ..ResourceRequirements::default()
+                });
+            }
         }
         if let Some(claim) = &self.data_claim {
             add_volume(
@@ -535,28 +568,23 @@ fn failure(pod: &Pod, ns: &str) -> String {
 struct Tracked {
     job: String,
     name: String,
-    /// Its create call has returned (always, for pods taken back).
-    created: bool,
     /// It was asked to leave.
     stopping: bool,
     /// An earlier scheduler started it.
     adopted: bool,
 }
 
-/// What the placer and its background calls share.
+/// The pods started or taken back, by pod name, and the ends found and not yet reported.
 #[derive(Debug, Default)]
-struct Shared {
-    /// By pod name.
-    pods: HashMap<String, Tracked>,
-    /// Ends found, for the next [`KubePlacer::exited`].
+struct Pods {
+    tracked: HashMap<String, Tracked>,
     exits: Vec<Exit>,
-    polling: bool,
     last_poll: Option<Instant>,
 }
 
-impl Shared {
+impl Pods {
     fn end(&mut self, pod: &str, ok: bool, what: impl FnOnce(&Tracked) -> String) {
-        if let Some(t) = self.pods.remove(pod) {
+        if let Some(t) = self.tracked.remove(pod) {
             let what = what(&t);
             self.exits.push(Exit {
                 job: t.job,
@@ -566,10 +594,42 @@ impl Shared {
             });
         }
     }
-}
 
-fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
-    shared.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Records what a listing of the tracked pods found: those in phase `Succeeded` or
+    /// `Failed`, and those gone.
+    fn listed(&mut self, pods: &[Pod], ns: &str) {
+        let mut seen = HashSet::new();
+        for pod in pods {
+            let name = pod.name_any();
+            match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
+                Some("Succeeded") => self.end(&name, true, |_| "exited".into()),
+                Some("Failed") => self.end(&name, false, |_| failure(pod, ns)),
+                _ => {}
+            }
+            seen.insert(name);
+        }
+        let gone: Vec<String> = self
+            .tracked
+            .keys()
+            .filter(|n| !seen.contains(*n))
+            .cloned()
+            .collect();
+        for name in gone {
+            let ok = self
+                .tracked
+                .get(&name)
+                .is_some_and(|t| t.stopping || t.adopted);
+            self.end(&name, ok, |t| {
+                if t.stopping {
+                    "stopped (its pod was deleted)".into()
+                } else if t.adopted {
+                    "exited (status unknown: adopted, its pod is gone)".into()
+                } else {
+                    "its pod is gone (deleted or evicted)".into()
+                }
+            });
+        }
+    }
 }
 
 /// Runs jobs as pods in one namespace of a Kubernetes cluster.
@@ -579,8 +639,7 @@ fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
 pub struct KubePlacer {
     client: Client,
     settings: KubeSettings,
-    rt: Handle,
-    shared: Arc<Mutex<Shared>>,
+    pods: Pods,
 }
 
 impl Debug for KubePlacer {
@@ -592,16 +651,13 @@ impl Debug for KubePlacer {
 }
 
 impl KubePlacer {
-    /// A placer creating objects through `client` as `settings` say. Call it on the tokio
-    /// runtime the scheduler runs on: its background calls are started there.
-    pub fn new(client: Client, settings: KubeSettings) -> anyhow::Result<KubePlacer> {
-        let rt = Handle::try_current().context("the Kubernetes placer needs a tokio runtime")?;
-        Ok(KubePlacer {
+    /// A placer creating objects through `client` as `settings` say.
+    pub fn new(client: Client, settings: KubeSettings) -> KubePlacer {
+        KubePlacer {
             client,
             settings,
-            rt,
-            shared: Arc::default(),
-        })
+            pods: Pods::default(),
+        }
     }
 
     /// A placer with the client of the environment: the pod's service account inside a
@@ -610,7 +666,7 @@ impl KubePlacer {
         let client = Client::try_default()
             .await
             .context("cannot configure a Kubernetes client")?;
-        KubePlacer::new(client, settings)
+        Ok(KubePlacer::new(client, settings))
     }
 
     fn api<K>(&self) -> Api<K>
@@ -621,17 +677,26 @@ impl KubePlacer {
         Api::namespaced(self.client.clone(), &self.settings.namespace)
     }
 
-    fn track(&self, job: &str, name: &str, created: bool, adopted: bool) {
-        lock(&self.shared).pods.insert(
+    fn track(&mut self, job: &str, name: &str, adopted: bool) {
+        self.pods.tracked.insert(
             pod_name(job, name),
             Tracked {
                 job: job.to_string(),
                 name: name.to_string(),
-                created,
                 stopping: false,
                 adopted,
             },
         );
+    }
+
+    /// Lists the pods matching `selector`.
+    async fn list(&self, selector: &str) -> anyhow::Result<Vec<Pod>> {
+        let list = self
+            .api::<Pod>()
+            .list(&ListParams::default().labels(selector))
+            .await
+            .with_context(|| format!("listing the pods of {selector}"))?;
+        Ok(list.items)
     }
 
     /// The ClusterIP of Service `name`, once the API server has given it one.
@@ -781,94 +846,12 @@ where
     }
 }
 
-/// Creates a worker's Secret and pod; a failure ends the worker (reported by `exited`).
-async fn create_worker(
-    secrets: Api<Secret>,
-    pods: Api<Pod>,
-    shared: Arc<Mutex<Shared>>,
-    secret: Secret,
-    pod: Pod,
-) {
-    let name = pod.name_any();
-    let made = async {
-        apply(&secrets, &secret).await?;
-        create_pod(&pods, &pod).await
-    }
-    .await;
-    // Whether it was asked to leave meanwhile; None: it is no longer tracked, its job stopped.
-    let stopping = {
-        let mut s = lock(&shared);
-        match made {
-            Ok(()) => s.pods.get_mut(&name).map(|t| {
-                t.created = true;
-                t.stopping
-            }),
-            Err(e) => {
-                s.end(&name, false, |_| format!("cannot start: {e:#}"));
-                Some(false)
-            }
-        }
-    };
-    match stopping {
-        Some(false) => {}
-        Some(true) => delete_one(pods, name, WORKER_GRACE).await,
-        None => {
-            // Created after stop_job looked: remove what it missed.
-            delete_one(pods, name, Duration::ZERO).await;
-            delete_one(secrets, secret.name_any(), Duration::ZERO).await;
-        }
-    }
-}
-
-/// Lists the pods of the tracked jobs and records those that ended: in phase `Succeeded` or
-/// `Failed`, or gone (`created` names the pods created before the listing began).
-async fn poll(
-    api: Api<Pod>,
-    shared: Arc<Mutex<Shared>>,
-    ns: String,
-    selector: String,
-    created: Vec<String>,
-) {
-    let listed = api.list(&ListParams::default().labels(&selector)).await;
-    let mut s = lock(&shared);
-    s.polling = false;
-    let pods = match listed {
-        Ok(l) => l.items,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot list the jobs' pods");
-            return;
-        }
-    };
-    let mut seen = HashSet::new();
-    for pod in &pods {
-        let name = pod.name_any();
-        match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
-            Some("Succeeded") => s.end(&name, true, |_| "exited".into()),
-            Some("Failed") => s.end(&name, false, |_| failure(pod, &ns)),
-            _ => {}
-        }
-        seen.insert(name);
-    }
-    for name in created.iter().filter(|n| !seen.contains(*n)) {
-        let ok = s.pods.get(name).is_some_and(|t| t.stopping || t.adopted);
-        s.end(name, ok, |t| {
-            if t.stopping {
-                "stopped (its pod was deleted)".into()
-            } else if t.adopted {
-                "exited (status unknown: adopted, its pod is gone)".into()
-            } else {
-                "its pod is gone (deleted or evicted)".into()
-            }
-        });
-    }
-}
-
 impl Placer for KubePlacer {
     async fn start_servers(
         &mut self,
         job: &JobLaunch,
     ) -> anyhow::Result<(SocketAddr, Vec<ProcRecord>)> {
-        let s = &self.settings;
+        let s = self.settings.clone();
         let job_toml = std::fs::read_to_string(job.job_file())
             .with_context(|| format!("reading {}", job.job_file().display()))?;
         apply(&self.api(), &s.job_config_map(&job.name, &job_toml)).await?;
@@ -887,7 +870,7 @@ impl Placer for KubePlacer {
                 coordinator_svc = Some(svc);
             }
             create_pod(&self.api(), &pod).await?;
-            self.track(&job.name, &name, true, false);
+            self.track(&job.name, &name, false);
             records.push(ProcRecord {
                 name,
                 pid: 0,
@@ -901,10 +884,9 @@ impl Placer for KubePlacer {
         Ok((SocketAddr::new(ip, COORDINATOR_PORT), records))
     }
 
-    /// Reads the worker's certificates, then creates its Secret and pod in the background:
-    /// returns at once, with pid 0. The worker reaches the coordinator by its Service's DNS
-    /// name, not by `coordinator`.
-    fn start_worker(
+    /// Creates the worker's Secret and pod (pid 0). The worker reaches the coordinator by its
+    /// Service's DNS name, not by `coordinator`.
+    async fn start_worker(
         &mut self,
         job: &JobLaunch,
         _coordinator: &SocketAddr,
@@ -913,15 +895,15 @@ impl Placer for KubePlacer {
         placement: u64,
     ) -> anyhow::Result<ProcRecord> {
         let secret = self.secret_of(job, Role::Worker, name)?;
-        let pod = self.settings.worker_pod(&job.name, name, slot, placement);
-        self.track(&job.name, name, false, false);
-        self.rt.spawn(create_worker(
-            self.api(),
-            self.api(),
-            self.shared.clone(),
-            secret,
-            pod,
-        ));
+        let pod = self
+            .settings
+            .worker_pod(&job.name, name, &job.worker, slot, placement);
+        apply(&self.api(), &secret).await?;
+        if let Err(e) = create_pod(&self.api(), &pod).await {
+            delete_one(self.api::<Secret>(), secret.name_any(), Duration::ZERO).await;
+            return Err(e);
+        }
+        self.track(&job.name, name, false);
         Ok(ProcRecord {
             name: name.to_string(),
             pid: 0,
@@ -931,59 +913,42 @@ impl Placer for KubePlacer {
 
     /// Deletes the worker's pod with a grace period of [`WORKER_GRACE`]: Kubernetes sends
     /// SIGTERM, the worker finishes its step and leaves.
-    fn stop_worker(&mut self, job: &str, name: &str) {
+    async fn stop_worker(&mut self, job: &str, name: &str) {
         let pod = pod_name(job, name);
-        let mut s = lock(&self.shared);
-        let Some(t) = s.pods.get_mut(&pod) else {
+        let Some(t) = self.pods.tracked.get_mut(&pod) else {
             return;
         };
-        if t.stopping {
+        if std::mem::replace(&mut t.stopping, true) {
             return;
         }
-        t.stopping = true;
-        // A pod still being created is deleted once created (see create_worker).
-        if t.created {
-            drop(s);
-            self.rt
-                .spawn(delete_one(self.api::<Pod>(), pod, WORKER_GRACE));
-        }
+        delete_one(self.api::<Pod>(), pod, WORKER_GRACE).await;
     }
 
-    /// The pods found ended by the previous listing; starts the next listing (at most one a
-    /// second).
-    fn exited(&mut self) -> Vec<Exit> {
-        let mut s = lock(&self.shared);
-        let out = std::mem::take(&mut s.exits);
-        let due = s.last_poll.is_none_or(|t| t.elapsed() >= POLL);
-        if s.polling || !due || s.pods.is_empty() {
-            return out;
+    /// The pods found ended: lists the tracked jobs' pods (at most once a second).
+    async fn exited(&mut self) -> Vec<Exit> {
+        let due = self.pods.last_poll.is_none_or(|t| t.elapsed() >= POLL);
+        if due && !self.pods.tracked.is_empty() {
+            self.pods.last_poll = Some(Instant::now());
+            let jobs: HashSet<String> = self
+                .pods
+                .tracked
+                .values()
+                .map(|t| dns_label(&t.job))
+                .collect();
+            let jobs: Vec<String> = jobs.into_iter().collect();
+            let selector = format!("{}={},{JOB_LABEL} in ({})", APP.0, APP.1, jobs.join(","));
+            match self.list(&selector).await {
+                Ok(pods) => self.pods.listed(&pods, &self.settings.namespace),
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "cannot list the jobs' pods"),
+            }
         }
-        let jobs: HashSet<String> = s.pods.values().map(|t| dns_label(&t.job)).collect();
-        let jobs: Vec<String> = jobs.into_iter().collect();
-        let selector = format!("{}={},{JOB_LABEL} in ({})", APP.0, APP.1, jobs.join(","));
-        let created = s
-            .pods
-            .iter()
-            .filter(|(_, t)| t.created)
-            .map(|(n, _)| n.clone())
-            .collect();
-        s.polling = true;
-        s.last_poll = Some(Instant::now());
-        drop(s);
-        self.rt.spawn(poll(
-            self.api(),
-            self.shared.clone(),
-            self.settings.namespace.clone(),
-            selector,
-            created,
-        ));
-        out
+        std::mem::take(&mut self.pods.exits)
     }
 
     /// Deletes the job's pods, workers first, then servers, each with a grace period of
     /// [`STOP_GRACE`] and waited for; then its Services, Secrets and ConfigMap.
     async fn stop_job(&mut self, job: &str) {
-        lock(&self.shared).pods.retain(|_, t| t.job != job);
+        self.pods.tracked.retain(|_, t| t.job != job);
         let all = job_selector(job);
         let workers = format!("{all},{ROLE_LABEL}={}", Role::Worker);
         let pods = self.api::<Pod>();
@@ -1003,13 +968,33 @@ impl Placer for KubePlacer {
         }
     }
 
-    /// Takes the job's pods back without asking the API server (this call cannot wait):
-    /// returns no names, and the next listings by [`KubePlacer::exited`] report those gone.
-    fn adopt(&mut self, job: &str, procs: &[ProcRecord]) -> Vec<String> {
+    /// Takes the job's pods back: returns the names of those that are gone or ended (all of
+    /// them when the pods cannot be listed: the scheduler then fails the job).
+    async fn adopt(&mut self, job: &str, procs: &[ProcRecord]) -> Vec<String> {
+        let pods = match self.list(&job_selector(job)).await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(job, error = %format!("{e:#}"), "cannot take the job's pods back");
+                return procs.iter().map(|p| p.name.clone()).collect();
+            }
+        };
+        let mut gone = Vec::new();
         for p in procs {
-            self.track(job, &p.name, true, true);
+            let name = pod_name(job, &p.name);
+            let running = pods.iter().any(|pod| {
+                pod.name_any() == name
+                    && !matches!(
+                        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        Some("Succeeded" | "Failed")
+                    )
+            });
+            if running {
+                self.track(job, &p.name, true);
+            } else {
+                gone.push(p.name.clone());
+            }
         }
-        Vec::new()
+        gone
     }
 
     /// Does nothing: pods run on without the scheduler.
@@ -1019,6 +1004,7 @@ impl Placer for KubePlacer {
 #[cfg(test)]
 mod tests {
     use std::convert::Infallible;
+    use std::sync::{Arc, Mutex};
 
     use serde_json::{Value, json};
 
@@ -1039,6 +1025,7 @@ mod tests {
         Slot {
             name: "gpu0".into(),
             host: host.into(),
+            devices: None,
         }
     }
 
@@ -1186,7 +1173,7 @@ mod tests {
     #[test]
     fn worker_pod() {
         let s = settings();
-        let pod = to_json(&s.worker_pod("j1", "p7", &slot("node-a"), 7));
+        let pod = to_json(&s.worker_pod("j1", "p7", &WorkerSpec::default(), &slot("node-a"), 7));
         assert_eq!(pod["metadata"]["name"], "j1-p7");
         let labels = &pod["metadata"]["labels"];
         assert_eq!(labels["app"], "edl");
@@ -1225,7 +1212,13 @@ mod tests {
             data_claim: None,
             ..settings()
         };
-        let pod = to_json(&plain.worker_pod("My_Job", "p1", &slot(LOCAL_HOST), 1));
+        let pod = to_json(&plain.worker_pod(
+            "My_Job",
+            "p1",
+            &WorkerSpec::default(),
+            &slot(LOCAL_HOST),
+            1,
+        ));
         let name = pod["metadata"]["name"].as_str().expect("name");
         assert!(
             name.starts_with("my-job-") && name.ends_with("-p1"),
@@ -1311,11 +1304,17 @@ mod tests {
             ("pod-shard", to_json(&s.shard_pod("j1", "s0"))),
             (
                 "pod-worker-gpu",
-                to_json(&s.worker_pod("j1", "p7", &slot("node-a"), 7)),
+                to_json(&s.worker_pod("j1", "p7", &WorkerSpec::default(), &slot("node-a"), 7)),
             ),
             (
                 "pod-worker-local",
-                to_json(&plain.worker_pod("My_Job.2", "p1", &slot(LOCAL_HOST), 1)),
+                to_json(&plain.worker_pod(
+                    "My_Job.2",
+                    "p1",
+                    &WorkerSpec::default(),
+                    &slot(LOCAL_HOST),
+                    1,
+                )),
             ),
         ];
         let mut files = Vec::new();
@@ -1355,8 +1354,6 @@ mod tests {
         /// By (resource, name).
         objects: Mutex<BTreeMap<(String, String), Value>>,
         next_ip: Mutex<u8>,
-        /// How long creating a pod takes.
-        pod_delay: Mutex<Duration>,
         /// The names deleted, in order.
         deleted: Mutex<Vec<String>>,
     }
@@ -1515,10 +1512,6 @@ mod tests {
             let fake = fake.clone();
             async move {
                 let (parts, body) = req.into_parts();
-                if parts.method == http::Method::POST && parts.uri.path().ends_with("/pods") {
-                    let delay = *fake.pod_delay.lock().expect("lock");
-                    tokio::time::sleep(delay).await;
-                }
                 let body = body.collect_bytes().await.expect("a request body");
                 let (code, v) = fake.handle(parts.method.as_str(), &parts.uri, &body);
                 let body = kube::client::Body::from(serde_json::to_vec(&v).expect("JSON"));
@@ -1539,7 +1532,7 @@ mod tests {
         let mut out = Vec::new();
         while out.len() < n {
             assert!(Instant::now() < deadline, "only {out:?}");
-            out.extend(placer.exited());
+            out.extend(placer.exited().await);
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         out
@@ -1563,6 +1556,8 @@ mod tests {
             name: "j1".into(),
             dir: dir.path().join("j1"),
             shards: 1,
+            worker: WorkerSpec::default(),
+            workdir: dir.path().into(),
         };
         std::fs::create_dir_all(job.pki()).expect("pki dir");
         std::fs::write(job.job_file(), "[model]\n").expect("job file");
@@ -1583,7 +1578,7 @@ mod tests {
             std::fs::write(&c.key, format!("KEY {n}")).expect("key");
         }
         let fake = Arc::new(Fake::default());
-        let mut placer = KubePlacer::new(fake_client(fake.clone()), settings()).expect("placer");
+        let mut placer = KubePlacer::new(fake_client(fake.clone()), settings());
 
         let (addr, procs) = placer.start_servers(&job).await.expect("servers");
         assert_eq!(addr, SocketAddr::from(([10, 96, 0, 1], COORDINATOR_PORT)));
@@ -1598,10 +1593,11 @@ mod tests {
         for (i, w) in ["p1", "p2", "p3"].into_iter().enumerate() {
             let rec = placer
                 .start_worker(&job, &addr, w, &slot("node-a"), i as u64 + 1)
+                .await
                 .expect("worker");
             assert_eq!((rec.pid, rec.slot.as_deref()), (0, Some("gpu0")));
         }
-        until("the workers' pods", || fake.names("pods").len() == 5).await;
+        assert_eq!(fake.names("pods").len(), 5);
         let secret =
             fake.objects.lock().expect("lock")[&("secrets".into(), "j1-p1-pki".into())].clone();
         assert_eq!(secret["data"]["cert.pem"], "Q0VSVCBwMQ=="); // "CERT p1"
@@ -1614,7 +1610,7 @@ mod tests {
         assert!(got[1].what.contains("gone"), "{}", got[1].what);
 
         // A worker asked to leave: its pod is deleted, then reported stopped.
-        placer.stop_worker("j1", "p3");
+        placer.stop_worker("j1", "p3").await;
         until("p3 deleted", || {
             !fake.names("pods").contains(&"j1-p3".into())
         })
@@ -1628,55 +1624,87 @@ mod tests {
         assert_eq!((got[0].name.as_str(), got[0].ok), ("s0", false));
         assert!(got[0].what.contains("exit code 3"), "{}", got[0].what);
         tokio::time::sleep(POLL * 2).await;
-        let again: Vec<Exit> = placer.exited().into_iter().chain(placer.exited()).collect();
+        let mut again = placer.exited().await;
+        again.extend(placer.exited().await);
         assert!(again.is_empty(), "{again:?}");
 
-        // A pod that cannot be created (the name is taken) is reported failed.
+        // A pod that cannot be created (the name is taken) is an error, and leaves no Secret.
         fake.objects.lock().expect("lock").insert(
             ("pods".into(), "j1-p4".into()),
             json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "j1-p4"}}),
         );
-        placer
+        let e = placer
             .start_worker(&job, &addr, "p4", &slot("node-a"), 4)
-            .expect("worker");
-        let got = exits(&mut placer, 1).await;
-        assert_eq!((got[0].name.as_str(), got[0].ok), ("p4", false));
-        assert!(got[0].what.contains("cannot start"), "{}", got[0].what);
+            .await
+            .expect_err("the pod's name is taken");
+        assert!(format!("{e:#}").contains("creating pod j1-p4"), "{e:#}");
+        assert!(!fake.names("secrets").contains(&"j1-p4-pki".into()));
         fake.remove("pods", "j1-p4");
 
-        // Taken back after a restart: a pod that is gone is reported.
-        let mut back = KubePlacer::new(fake_client(fake.clone()), settings()).expect("placer");
+        // Taken back after a restart: a pod that is gone is named at once.
+        let mut back = KubePlacer::new(fake_client(fake.clone()), settings());
         let recs = [("coordinator", None), ("p1", Some("gpu0"))].map(|(n, s)| ProcRecord {
             name: n.into(),
             pid: 0,
             slot: s.map(Into::into),
         });
         fake.remove("pods", "j1-p1");
-        assert!(back.adopt("j1", &recs).is_empty());
-        let got = exits(&mut back, 1).await;
-        assert_eq!((got[0].name.as_str(), got[0].ok), ("p1", true), "{got:?}");
+        assert_eq!(back.adopt("j1", &recs).await, ["p1"]);
+        assert!(back.exited().await.is_empty(), "the coordinator runs");
 
-        // Asked to leave while its pod is being created: deleted once created.
-        *fake.pod_delay.lock().expect("lock") = Duration::from_millis(300);
+        // A job's own program in its own image, with the contract's environment.
+        let custom = JobLaunch {
+            worker: WorkerSpec {
+                command: vec!["python3".into(), "train.py".into()],
+                image: Some("registry.example/edl-torch:1".into()),
+                gpus: Some(2),
+                env: [("OMP_NUM_THREADS".to_string(), "1".to_string())].into(),
+            },
+            ..job.clone()
+        };
         placer
-            .start_worker(&job, &addr, "p5", &slot("node-a"), 5)
+            .start_worker(&custom, &addr, "p5", &slot("node-a"), 5)
+            .await
             .expect("worker");
-        placer.stop_worker("j1", "p5");
+        let pod = fake.objects.lock().expect("lock")[&("pods".into(), "j1-p5".into())].clone();
+        let c = &pod["spec"]["containers"][0];
+        assert_eq!(c["image"], "registry.example/edl-torch:1");
+        assert_eq!(c["command"], json!(["python3"]));
+        assert_eq!(c["args"], json!(["train.py"]));
+        assert_eq!(c["resources"], json!({"limits": {"nvidia.com/gpu": "2"}}));
+        let env: BTreeMap<String, String> = c["env"]
+            .as_array()
+            .expect("env")
+            .iter()
+            .map(|v| {
+                (
+                    v["name"].as_str().unwrap_or("").into(),
+                    v["value"].as_str().unwrap_or("").into(),
+                )
+            })
+            .collect();
+        assert_eq!(env["EDL_COORDINATOR"], "j1-coordinator.edl.svc:7070");
+        assert_eq!(env["EDL_CERT"], "/etc/edl/pki/cert.pem");
+        assert_eq!(
+            (env["EDL_JOB"].as_str(), env["EDL_NAME"].as_str()),
+            ("j1", "p5")
+        );
+        assert_eq!(env["EDL_PLACEMENT"], "5");
+        assert_eq!(env["OMP_NUM_THREADS"], "1");
+
+        // Asked to leave: its pod is deleted, then reported stopped.
+        placer.stop_worker("j1", "p5").await;
         let deleted = || fake.deleted.lock().expect("lock").clone();
-        until("p5 deleted", || deleted().contains(&"j1-p5".into())).await;
+        assert!(deleted().contains(&"j1-p5".into()));
         let got = exits(&mut placer, 1).await;
         assert_eq!((got[0].name.as_str(), got[0].ok), ("p5", true), "{got:?}");
 
-        // Its job stopped while its pod is being created: removed once created.
+        // The job stopped: every object goes.
         placer
             .start_worker(&job, &addr, "p6", &slot("node-a"), 6)
+            .await
             .expect("worker");
         placer.stop_job("j1").await;
-        until("p6 removed", || {
-            let gone = ["j1-p6", "j1-p6-pki"].map(|n| deleted().contains(&n.into()));
-            gone == [true, true]
-        })
-        .await;
         for res in ["pods", "services", "secrets", "configmaps"] {
             assert!(fake.names(res).is_empty(), "{res}: {:?}", fake.names(res));
         }

@@ -1,7 +1,8 @@
 //! The cluster scheduler service (`edl-sched`): a pool of worker slots ([`config`]), jobs
 //! submitted with `edlctl job submit` and kept durably ([`state`]), the same policies as the
 //! simulator deciding each job's size, stop-free resizes through each job's coordinator, and
-//! a [`placer::Placer`] that starts the processes ([`placer::LocalPlacer`] on this machine).
+//! a [`Placer`] that starts the processes ([`LocalPlacer`] on this machine, [`kube::KubePlacer`]
+//! as pods). The placer seam and the local placer live below, in `edl_launch`.
 //!
 //! Isolation: every job's certificates carry the job's name, so a job's servers refuse the
 //! certificates of any other job (and of the scheduler's own clients); a job's owner gets an
@@ -9,11 +10,10 @@
 
 pub mod config;
 pub mod kube;
-pub mod placer;
 pub mod run;
 pub mod server;
 pub mod state;
 
 pub use config::Cluster;
-pub use placer::{LocalPlacer, Placer};
+pub use edl_launch::{LocalPlacer, Placer};
 pub use run::Scheduler;

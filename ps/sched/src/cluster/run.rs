@@ -20,11 +20,11 @@ use edl_shared::transport::TransportSettings;
 use tokio::sync::mpsc;
 
 use super::config::{Cluster, Slot};
-use super::placer::{JobLaunch, Placer};
 use super::server::Ask;
 use super::state::{Event, EventLog, Job, ProcRecord, Saved, State};
 use crate::policy::{JobView, Policy, Tiresias};
 use crate::speed::Speedup;
+use edl_launch::{Exit, JobLaunch, Placer};
 
 /// How often the loop looks at jobs and processes.
 const TICK: Duration = Duration::from_millis(250);
@@ -73,7 +73,7 @@ pub struct Scheduler<P: Placer> {
     /// SIGTERM would end a worker at once).
     stopping: std::collections::HashSet<(String, String)>,
     /// Exits seen while starting a job, for the next [`Scheduler::reap`].
-    exits: Vec<super::placer::Exit>,
+    exits: Vec<Exit>,
     /// Workers of each job that failed in a row (a worker that exits cleanly resets it).
     failures: HashMap<String, u32>,
     last_tick: Instant,
@@ -125,11 +125,32 @@ impl<P: Placer> Scheduler<P> {
         self.dir.join("jobs").join(name)
     }
 
-    fn launch(&self, name: &str) -> JobLaunch {
-        JobLaunch {
+    /// What a placer needs to know of job `name`: its worker program comes from the job file
+    /// the scheduler wrote (counts resolved, so reading it scans no data).
+    fn launch(&self, name: &str) -> anyhow::Result<JobLaunch> {
+        let dir = self.job_dir(name);
+        let file = edl_shared::jobfile::load_file(&dir.join("job.toml"))?;
+        let workdir = self
+            .saved
+            .job(name)
+            .map(|j| PathBuf::from(&j.file_dir))
+            .unwrap_or_else(|| dir.clone());
+        Ok(JobLaunch {
             name: name.to_string(),
-            dir: self.job_dir(name),
+            dir,
             shards: self.cluster.shards,
+            worker: file.worker,
+            workdir,
+        })
+    }
+
+    /// The credential files of `role/name` in job `job`'s directory.
+    fn creds(&self, job: &str, role: Role, name: &str) -> edl_launch::Creds {
+        let pki = edl_shared::pki::PkiDir::new(&self.job_dir(job));
+        edl_launch::Creds {
+            ca: pki.ca_cert(),
+            cert: pki.node_cert(role, name),
+            key: pki.node_key(role, name),
         }
     }
 
@@ -180,7 +201,7 @@ impl<P: Placer> Scheduler<P> {
 
     /// The scheduler's own (admin) identity in job `job`.
     fn identity_in(&self, job: &str) -> anyhow::Result<edl_shared::Identity> {
-        let c = self.launch(job).creds(Role::Admin, SCHED_NAME);
+        let c = self.creds(job, Role::Admin, SCHED_NAME);
         Ok(edl_shared::pki::load_identity(&c.ca, &c.cert, &c.key)?)
     }
 
@@ -189,7 +210,7 @@ impl<P: Placer> Scheduler<P> {
     async fn adopt(&mut self) {
         for name in self.running_jobs() {
             let procs = self.procs_of(&name);
-            let gone = self.placer.adopt(&name, &procs);
+            let gone = self.placer.adopt(&name, &procs).await;
             for p in procs.iter().filter(|p| gone.contains(&p.name)) {
                 self.forget_proc(&name, &p.name);
             }
@@ -390,25 +411,31 @@ impl<P: Placer> Scheduler<P> {
         // Relative data paths resolve against the submitter's directory; the file the
         // coordinator reads has them absolute.
         let anchor = Path::new(&s.file_dir).join("job.toml");
-        let job = edl_shared::jobfile::parse(&s.job_file, &anchor)
+        let file = edl_shared::jobfile::parse_file(&s.job_file, &anchor)
             .map_err(|e| bad(format!("the job file: {e}")))?;
-        if job.model == edl_shared::proto::ModelSpec::Custom {
+        if file.job.model == edl_shared::proto::ModelSpec::Custom && file.worker.is_builtin() {
             return Err(bad(
-                "the job's model is custom (defined by its application): edl-sched starts \
-                 edl-worker, which trains the built-in models (mlp, logreg)",
+                "the job's model is custom (defined by its application) and its job file names \
+                 no program for its workers: add a [worker] table with command = [...] \
+                 (edl-worker trains only the built-in models, mlp and logreg)",
             ));
         }
         let dir = self.job_dir(&name);
-        let written = std::fs::create_dir_all(&dir).and_then(|()| {
-            std::fs::write(dir.join("job.toml"), edl_shared::jobfile::to_toml(&job))
-        });
+        let written = std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::write(dir.join("job.toml"), file.to_toml()));
         if let Err(e) = written {
             return Err((
                 ErrorCode::Internal,
                 format!("cannot write {}: {e}", dir.display()),
             ));
         }
-        let job = Job::new(name.clone(), who.to_string(), s, now_ms());
+        let job = Job::new(
+            name.clone(),
+            who.to_string(),
+            s,
+            file.worker.describe(),
+            now_ms(),
+        );
         let record = job.record(&dir);
         self.saved.jobs.push(job);
         self.log(&name, "submit", None, None, None);
@@ -446,7 +473,7 @@ impl<P: Placer> Scheduler<P> {
     /// Frees the slots of workers that exited; a job whose server exited has failed.
     async fn reap(&mut self) {
         let mut exits = std::mem::take(&mut self.exits);
-        exits.extend(self.placer.exited());
+        exits.extend(self.placer.exited().await);
         for e in exits {
             let Some(j) = self.saved.job(&e.job) else {
                 continue;
@@ -552,10 +579,13 @@ impl<P: Placer> Scheduler<P> {
         })
         .await
         .context("timed out")??;
-        let epochs = edl_deploy::costs::epoch_reports(&status, &ledgers, samples);
-        Ok(epochs.iter().fold((0, 0, 0), |(a, d, m), e| {
-            (a + e.samples, d + e.duplicates, m + e.missing)
-        }))
+        Ok(status
+            .epochs
+            .iter()
+            .map(|e| edl_ps::ledger::worst_case(&ledgers, e.epoch, samples))
+            .fold((0, 0, 0), |(a, d, m), e| {
+                (a + e.applied, d + e.duplicates, m + e.missing)
+            }))
     }
 
     /// Ends a job: stops its processes, frees its slots, records why.
@@ -665,7 +695,7 @@ impl<P: Placer> Scheduler<P> {
 
     /// Issues the job's certificates and starts its servers; connects to its coordinator.
     async fn start_job(&mut self, name: &str) -> anyhow::Result<()> {
-        let l = self.launch(name);
+        let l = self.launch(name)?;
         let pki = l.pki();
         std::fs::create_dir_all(&pki).with_context(|| format!("creating {}", pki.display()))?;
         std::fs::copy(self.pki.ca_cert(), pki.join("ca.pem"))
@@ -703,7 +733,8 @@ impl<P: Placer> Scheduler<P> {
             {
                 break;
             }
-            self.exits.extend(self.placer.exited());
+            let exited = self.placer.exited().await;
+            self.exits.extend(exited);
             if let Some(e) = self.exits.iter().find(|e| e.job == name) {
                 anyhow::bail!("{} {}", e.name, e.what);
             }
@@ -739,7 +770,7 @@ impl<P: Placer> Scheduler<P> {
                     // Shrunk before its worker registered: the worker is not wanted.
                     if self.stopping.insert((name.clone(), worker.clone())) {
                         tracing::info!(job = %name, worker, "placement cancelled; stopping");
-                        self.placer.stop_worker(&name, &worker);
+                        self.placer.stop_worker(&name, &worker).await;
                     }
                     continue;
                 }
@@ -749,7 +780,7 @@ impl<P: Placer> Scheduler<P> {
                 let Some(slot) = self.free_slot(p.slot.as_deref()) else {
                     continue;
                 };
-                if let Err(e) = self.start_worker(&name, &worker, &slot, p.id) {
+                if let Err(e) = self.start_worker(&name, &worker, &slot, p.id).await {
                     tracing::warn!(job = %name, worker, error = %format!("{e:#}"), "cannot start");
                     if let Some(a) = self.admins.get(&name) {
                         let _ =
@@ -770,14 +801,14 @@ impl<P: Placer> Scheduler<P> {
             .cloned()
     }
 
-    fn start_worker(
+    async fn start_worker(
         &mut self,
         job: &str,
         worker: &str,
         slot: &Slot,
         id: u64,
     ) -> anyhow::Result<()> {
-        let l = self.launch(job);
+        let l = self.launch(job)?;
         let c = l.creds(Role::Worker, worker);
         self.pki
             .issue_to(Role::Worker, worker, job, &[], &c.cert, &c.key)
@@ -791,7 +822,8 @@ impl<P: Placer> Scheduler<P> {
             .context("the coordinator's address")?;
         let rec: ProcRecord = self
             .placer
-            .start_worker(&l, &coordinator, worker, slot, id)?;
+            .start_worker(&l, &coordinator, worker, slot, id)
+            .await?;
         self.log(job, "take", Some(&slot.name), Some(worker), None);
         tracing::info!(job, worker, slot = %slot.name, placement = id, "started a worker");
         if let Some(j) = self.saved.job_mut(job) {

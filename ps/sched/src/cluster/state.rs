@@ -47,16 +47,7 @@ impl From<State> for JobState {
     }
 }
 
-/// A process the scheduler started for a job.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ProcRecord {
-    /// Its name in the job (`coordinator`, `s0`, `p3`).
-    pub name: String,
-    /// Its process id (to take it back after a scheduler restart).
-    pub pid: u32,
-    /// The slot a worker holds; servers hold none.
-    pub slot: Option<String>,
-}
+pub use edl_launch::ProcRecord;
 
 /// A job, as saved.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -67,6 +58,10 @@ pub struct Job {
     pub owner: String,
     /// The job file's text.
     pub job_file: String,
+    /// What its workers run (see `WorkerSpec::describe`); empty in state saved before it was
+    /// recorded.
+    #[serde(default)]
+    pub runs: String,
     /// Where relative data paths resolve.
     pub file_dir: String,
     /// Workers asked for.
@@ -113,10 +108,11 @@ pub struct Job {
 
 impl Job {
     /// A queued job from a submission.
-    pub fn new(name: String, owner: String, s: Submission, now_ms: u64) -> Job {
+    pub fn new(name: String, owner: String, s: Submission, runs: String, now_ms: u64) -> Job {
         Job {
             name,
             owner,
+            runs,
             job_file: s.job_file,
             file_dir: s.file_dir,
             workers: s.workers,
@@ -175,6 +171,7 @@ impl Job {
                     missing,
                 }),
             message: self.message.clone(),
+            runs: self.runs.clone(),
         }
     }
 }
@@ -371,6 +368,7 @@ mod tests {
                 max_workers: 4,
                 priority: 0,
             },
+            "python3 train.py".into(),
             5,
         ));
         s.next_job = 2;

@@ -18,7 +18,7 @@ use tokio::process::{Child, Command};
 const TAIL_BYTES: u64 = 16 * 1024;
 
 /// How a child should be started.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Spawn {
     /// A short name for messages, such as `s0` or `coordinator`.
     pub name: String,
@@ -30,6 +30,10 @@ pub struct Spawn {
     pub log: PathBuf,
     /// Pipe stdout to the launcher instead of the log, for children that print a result.
     pub capture_stdout: bool,
+    /// Variables added to the launcher's environment.
+    pub env: Vec<(String, OsString)>,
+    /// The working directory; `None`: the launcher's.
+    pub dir: Option<PathBuf>,
 }
 
 /// A running (or finished) child process and where its output goes.
@@ -83,6 +87,10 @@ impl Proc {
         // Every process of a local run talks over loopback, which carries large datagrams.
         if std::env::var_os(DATAGRAM_ENV).is_none() {
             cmd.env(DATAGRAM_ENV, LOOPBACK_DATAGRAM.to_string());
+        }
+        cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
+        if let Some(dir) = &spec.dir {
+            cmd.current_dir(dir);
         }
         let child = cmd
             .spawn()
@@ -292,6 +300,7 @@ mod tests {
             args: vec!["-c".into(), script.into()],
             log: dir.join(format!("{name}.log")),
             capture_stdout,
+            ..Spawn::default()
         }
     }
 

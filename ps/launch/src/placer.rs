@@ -1,24 +1,27 @@
-//! The seam between the scheduler and where processes run. The scheduler decides which job
-//! gets how many slots, issues the certificates and resizes jobs through their coordinators
-//! (stop-free: `Scale` makes placements, drains the extra workers); a [`Placer`] starts and
-//! stops the processes. [`LocalPlacer`] runs them on this machine with the launcher pieces
-//! `edl-local` uses ([`edl_deploy::launch`], [`edl_deploy::procs`]).
+//! The seam between a launcher and where processes run. A launcher (the cluster scheduler
+//! `edl-sched`, the tests) decides which job gets how many slots, issues the certificates and
+//! resizes jobs through their coordinators; a [`Placer`] starts and stops the processes:
+//! [`LocalPlacer`] on this machine, `edl-sched`'s Kubernetes placer as pods. Workers run what
+//! their job file's `[worker]` table says ([`crate::launch::worker_spawn`]), with the process
+//! contract's environment ([`edl_shared::contract`]).
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use edl_deploy::launch::{self, Binaries, Creds};
-use edl_deploy::procs::{Proc, Spawn, Stopped};
 use edl_shared::Role;
+use edl_shared::contract::WorkerEnv;
+use edl_shared::jobfile::WorkerSpec;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::StragglerSettings;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
 
-use super::config::Slot;
-use super::state::ProcRecord;
+use crate::launch::{self, Binaries, Creds, WorkerLaunch};
+use crate::procs::{Proc, Spawn, Stopped};
 
 /// How long a coordinator may take to write its address.
 const COORDINATOR_START: Duration = Duration::from_secs(30);
@@ -26,6 +29,31 @@ const COORDINATOR_START: Duration = Duration::from_secs(30);
 const ADDR_CHECK: Duration = Duration::from_millis(5);
 /// How long a process gets after SIGTERM before it is killed.
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
+/// The host name of slots on the launcher's own machine.
+pub const LOCAL_HOST: &str = "localhost";
+
+/// A worker slot: a GPU, or a CPU stand-in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slot {
+    /// Its name, unique in the cluster.
+    pub name: String,
+    /// The host it is on.
+    pub host: String,
+    /// The devices it stands for (`CUDA_VISIBLE_DEVICES` of its worker); `None` for a CPU
+    /// stand-in.
+    pub devices: Option<Vec<u32>>,
+}
+
+/// A process a placer started for a job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProcRecord {
+    /// Its name in the job (`coordinator`, `s0`, `p3`).
+    pub name: String,
+    /// Its process id (to take it back after a launcher restart); 0 for a pod.
+    pub pid: u32,
+    /// The slot a worker holds; servers hold none.
+    pub slot: Option<String>,
+}
 
 /// What a placer needs to know of a job.
 #[derive(Clone, Debug)]
@@ -36,6 +64,10 @@ pub struct JobLaunch {
     pub dir: PathBuf,
     /// Shard servers.
     pub shards: u32,
+    /// What its workers run.
+    pub worker: WorkerSpec,
+    /// The folder of the job file as submitted: a worker command's working directory.
+    pub workdir: PathBuf,
 }
 
 impl JobLaunch {
@@ -64,6 +96,25 @@ impl JobLaunch {
     pub fn logs(&self) -> PathBuf {
         self.dir.join("logs")
     }
+
+    /// The contract's environment of worker `name` in `slot` for `placement`, reaching the
+    /// coordinator at `coordinator`, with its certificate from the job's directory.
+    pub fn worker_env(
+        &self,
+        coordinator: String,
+        name: &str,
+        slot: &Slot,
+        placement: u64,
+    ) -> WorkerEnv {
+        WorkerEnv {
+            coordinators: vec![coordinator],
+            credentials: self.creds(Role::Worker, name).contract(),
+            job: self.name.clone(),
+            name: name.to_string(),
+            placement: Some(placement),
+            devices: slot.devices.clone(),
+        }
+    }
 }
 
 /// A process that ended.
@@ -88,7 +139,9 @@ pub trait Placer: Send {
         job: &JobLaunch,
     ) -> impl Future<Output = anyhow::Result<(SocketAddr, Vec<ProcRecord>)>> + Send;
 
-    /// Starts worker `name` of `job` (at `coordinator`) in `slot` for placement `placement`.
+    /// Starts worker `name` of `job` (at `coordinator`) in `slot` for placement `placement`,
+    /// running what the job's `[worker]` table says; returns once it is started (or, for a
+    /// pod, created).
     fn start_worker(
         &mut self,
         job: &JobLaunch,
@@ -96,23 +149,27 @@ pub trait Placer: Send {
         name: &str,
         slot: &Slot,
         placement: u64,
-    ) -> anyhow::Result<ProcRecord>;
+    ) -> impl Future<Output = anyhow::Result<ProcRecord>> + Send;
 
     /// Asks worker `name` of `job` to leave (SIGTERM: it finishes its step, or, not admitted
     /// yet, simply ends); it is reported by [`Placer::exited`] once gone.
-    fn stop_worker(&mut self, job: &str, name: &str);
+    fn stop_worker(&mut self, job: &str, name: &str) -> impl Future<Output = ()> + Send;
 
     /// The processes that ended since the last call.
-    fn exited(&mut self) -> Vec<Exit>;
+    fn exited(&mut self) -> impl Future<Output = Vec<Exit>> + Send;
 
     /// Stops every process of `job` (SIGTERM, then SIGKILL after a grace period).
     fn stop_job(&mut self, job: &str) -> impl Future<Output = ()> + Send;
 
-    /// Takes back the processes of `job` that an earlier scheduler started; returns the
+    /// Takes back the processes of `job` that an earlier launcher started; returns the
     /// names of those no longer running.
-    fn adopt(&mut self, job: &str, procs: &[ProcRecord]) -> Vec<String>;
+    fn adopt(
+        &mut self,
+        job: &str,
+        procs: &[ProcRecord],
+    ) -> impl Future<Output = Vec<String>> + Send;
 
-    /// Lets every process run on after the scheduler exits.
+    /// Lets every process run on after the launcher exits.
     fn detach_all(&mut self);
 }
 
@@ -120,7 +177,7 @@ pub trait Placer: Send {
 #[derive(Debug)]
 enum Handle {
     Child(Box<Proc>),
-    Adopted { pid: i32 },
+    Adopted { pid: i32, name: String },
 }
 
 #[derive(Debug)]
@@ -130,14 +187,26 @@ struct Local {
     handle: Handle,
 }
 
-/// Whether `pid` still runs an EDL program (a pid reused by another program does not count).
-fn alive(pid: i32) -> bool {
+/// Whether `pid` still runs process `name` of `job`: an EDL server, or a worker program
+/// started with the contract's `EDL_JOB` and `EDL_NAME` (a pid reused by another program does
+/// not count).
+fn alive(pid: i32, job: &str, name: &str) -> bool {
+    use edl_shared::contract;
     if kill(Pid::from_raw(pid), None).is_err() {
         return false;
     }
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|c| String::from_utf8_lossy(&c).contains("edl-"))
-        .unwrap_or(false)
+    let server = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| String::from_utf8_lossy(&c).contains("edl-ps"));
+    let markers = [
+        format!("{}={job}", contract::JOB),
+        format!("{}={name}", contract::NAME),
+    ];
+    server
+        || std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|e| {
+            markers
+                .iter()
+                .all(|m| e.split(|&b| b == 0).any(|var| var == m.as_bytes()))
+        })
 }
 
 /// Runs jobs as processes on this machine.
@@ -145,19 +214,19 @@ fn alive(pid: i32) -> bool {
 pub struct LocalPlacer {
     bins: Binaries,
     data_dir: PathBuf,
-    worker_args: Vec<String>,
+    worker_args: Vec<std::ffi::OsString>,
     stragglers: StragglerSettings,
     procs: Vec<Local>,
 }
 
 impl LocalPlacer {
-    /// A placer starting `bins`; workers read `data_dir` unless their job names its data, and
-    /// get `worker_args` on top.
+    /// A placer starting `bins`; `edl-worker` workers read `data_dir` unless their job names
+    /// its data, and get `worker_args` on top.
     pub fn new(bins: Binaries, data_dir: PathBuf, worker_args: Vec<String>) -> LocalPlacer {
         LocalPlacer {
             bins,
             data_dir,
-            worker_args,
+            worker_args: worker_args.into_iter().map(Into::into).collect(),
             // Stragglers are the scheduler's concern only through slots: flag, never act.
             stragglers: StragglerSettings::default(),
             procs: Vec::new(),
@@ -207,7 +276,7 @@ impl Placer for LocalPlacer {
                 program: self.bins.ps.clone(),
                 args,
                 log: log_of(job, "coordinator"),
-                capture_stdout: false,
+                ..Spawn::default()
             },
         )?;
         let mut records = vec![ProcRecord {
@@ -245,7 +314,7 @@ impl Placer for LocalPlacer {
                     program: self.bins.ps.clone(),
                     args,
                     log: log_of(job, &name),
-                    capture_stdout: false,
+                    ..Spawn::default()
                 },
             )?;
             records.push(ProcRecord {
@@ -257,7 +326,7 @@ impl Placer for LocalPlacer {
         Ok((addr, records))
     }
 
-    fn start_worker(
+    async fn start_worker(
         &mut self,
         job: &JobLaunch,
         coordinator: &SocketAddr,
@@ -265,27 +334,21 @@ impl Placer for LocalPlacer {
         slot: &Slot,
         placement: u64,
     ) -> anyhow::Result<ProcRecord> {
-        let mut args = launch::worker_args(
-            coordinator,
-            name,
-            &self.data_dir,
-            &job.dir,
-            Some(&job.creds(Role::Worker, name)),
-            false,
+        let w = WorkerLaunch {
+            spec: &job.worker,
+            workdir: &job.workdir,
+            env: job.worker_env(coordinator.to_string(), name, slot, placement),
+            data_dir: &self.data_dir,
+            state_dir: &job.dir,
+            worker_args: &self.worker_args,
+        };
+        let spawn = launch::worker_spawn(
+            &self.bins,
+            &w,
+            format!("{}/{name}", job.name),
+            log_of(job, name),
         );
-        args.extend(["--placement".into(), placement.to_string().into()]);
-        args.extend(self.worker_args.iter().map(Into::into));
-        let pid = self.spawn(
-            job,
-            name,
-            Spawn {
-                name: format!("{}/{name}", job.name),
-                program: self.bins.worker.clone(),
-                args,
-                log: log_of(job, name),
-                capture_stdout: false,
-            },
-        )?;
+        let pid = self.spawn(job, name, spawn)?;
         Ok(ProcRecord {
             name: name.to_string(),
             pid,
@@ -293,7 +356,7 @@ impl Placer for LocalPlacer {
         })
     }
 
-    fn stop_worker(&mut self, job: &str, name: &str) {
+    async fn stop_worker(&mut self, job: &str, name: &str) {
         let Some(p) = self
             .procs
             .iter_mut()
@@ -303,7 +366,7 @@ impl Placer for LocalPlacer {
         };
         let sent = match &mut p.handle {
             Handle::Child(proc) => proc.signal(Signal::SIGTERM).map_err(|e| format!("{e:#}")),
-            Handle::Adopted { pid } => kill(Pid::from_raw(*pid), Signal::SIGTERM)
+            Handle::Adopted { pid, .. } => kill(Pid::from_raw(*pid), Signal::SIGTERM)
                 .map(|()| true)
                 .map_err(|e| e.to_string()),
         };
@@ -312,7 +375,7 @@ impl Placer for LocalPlacer {
         }
     }
 
-    fn exited(&mut self) -> Vec<Exit> {
+    async fn exited(&mut self) -> Vec<Exit> {
         let mut out = Vec::new();
         self.procs.retain_mut(|p| {
             let ended = match &mut p.handle {
@@ -322,9 +385,8 @@ impl Placer for LocalPlacer {
                     Ok(None) => None,
                     Err(e) => Some((false, format!("{e:#}"))),
                 },
-                Handle::Adopted { pid } => {
-                    (!alive(*pid)).then(|| (true, "exited (status unknown: adopted)".into()))
-                }
+                Handle::Adopted { pid, name } => (!alive(*pid, &p.job, name))
+                    .then(|| (true, "exited (status unknown: adopted)".into())),
             };
             match ended {
                 Some((ok, what)) => {
@@ -357,14 +419,14 @@ impl Placer for LocalPlacer {
                     Ok(_) => {}
                     Err(e) => tracing::warn!(job, name = %p.name, error = %e, "cannot stop"),
                 },
-                Handle::Adopted { pid } => {
+                Handle::Adopted { pid, name } => {
                     let pid = *pid;
                     let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
                     let deadline = tokio::time::Instant::now() + STOP_GRACE;
-                    while alive(pid) && tokio::time::Instant::now() < deadline {
+                    while alive(pid, job, name) && tokio::time::Instant::now() < deadline {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
-                    if alive(pid) {
+                    if alive(pid, job, name) {
                         let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
                     }
                 }
@@ -372,14 +434,17 @@ impl Placer for LocalPlacer {
         }
     }
 
-    fn adopt(&mut self, job: &str, procs: &[ProcRecord]) -> Vec<String> {
+    async fn adopt(&mut self, job: &str, procs: &[ProcRecord]) -> Vec<String> {
         let mut gone = Vec::new();
         for p in procs {
             match i32::try_from(p.pid) {
-                Ok(pid) if alive(pid) => self.procs.push(Local {
+                Ok(pid) if alive(pid, job, &p.name) => self.procs.push(Local {
                     job: job.to_string(),
                     name: p.name.clone(),
-                    handle: Handle::Adopted { pid },
+                    handle: Handle::Adopted {
+                        pid,
+                        name: p.name.clone(),
+                    },
                 }),
                 _ => gone.push(p.name.clone()),
             }

@@ -1,7 +1,7 @@
 //! `edl-ps`: runs an EDL coordinator or shard server, or manages the cluster CA.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -10,7 +10,9 @@ use edl_ps::shard::{self, ShardConfig};
 use edl_shared::cli::{BudgetArgs, IdentityArgs, MetricsArgs, StragglerArgs};
 use edl_shared::jobfile::defaults;
 use edl_shared::pki::PkiDir;
-use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
+use edl_shared::proto::{
+    Consistency, DataFormat, DataSpec, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec,
+};
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, shutdown, telemetry};
 
@@ -44,13 +46,18 @@ enum Cmd {
 #[derive(Subcommand, Debug)]
 enum JobCmd {
     /// Validate a job file and print the job it resolves to: the tensor table, the total
-    /// parameters, bytes and keys. Exits non-zero, naming the line and field, if invalid.
+    /// parameters, bytes and keys. Exits non-zero, naming the line and field, if invalid, or
+    /// naming the files missing if its `[data]` is not there.
     Check {
         /// The job file (TOML; examples in deploy/jobs/).
         file: PathBuf,
         /// Print the resolved job as a job file instead (`auto` counts filled in).
         #[arg(long)]
         toml: bool,
+        /// Do not check that the `[data]` train and test paths exist here (for data that only
+        /// the workers' hosts hold).
+        #[arg(long)]
+        no_data_check: bool,
     },
 }
 
@@ -212,13 +219,76 @@ fn write_addr(file: &Option<PathBuf>, addr: SocketAddr) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What is missing of a job's data, as (field, message): the files a worker would look for
+/// and not find. An idx path is a prefix, `PREFIX-images-idx3-ubyte` and
+/// `PREFIX-labels-idx1-ubyte`, each raw or with `.gz` (as `edl-worker` finds them); a LIBSVM
+/// path is the file.
+fn missing_data(data: &DataSpec) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    for (field, path) in [("data.train", &data.train), ("data.test", &data.test)] {
+        if path.is_empty() {
+            continue;
+        }
+        let path = Path::new(path);
+        let why = match data.format {
+            DataFormat::LibSvm if path.is_dir() => {
+                format!("{} is a directory, not a LIBSVM file", path.display())
+            }
+            DataFormat::LibSvm if !path.is_file() => {
+                format!("LIBSVM file {} not found", path.display())
+            }
+            DataFormat::LibSvm => continue,
+            DataFormat::Idx => {
+                let dir = path.parent().unwrap_or(Path::new("."));
+                let stem = path.file_name().unwrap_or_default().to_string_lossy();
+                let absent: Vec<String> = ["images-idx3-ubyte", "labels-idx1-ubyte"]
+                    .iter()
+                    .map(|kind| format!("{stem}-{kind}"))
+                    .filter(|f| !dir.join(f).is_file() && !dir.join(format!("{f}.gz")).is_file())
+                    .map(|f| dir.join(f).display().to_string())
+                    .collect();
+                if absent.is_empty() {
+                    continue;
+                }
+                let mut why = format!(
+                    "{} not found (nor with .gz): the idx prefix {} names \
+                     PREFIX-images-idx3-ubyte and PREFIX-labels-idx1-ubyte",
+                    absent.join(" and "),
+                    path.display()
+                );
+                if path.is_dir() {
+                    why.push_str(&format!(
+                        "; {} is a directory: name the files' prefix in it, e.g. {}",
+                        path.display(),
+                        path.join("train").display()
+                    ));
+                }
+                why
+            }
+        };
+        out.push((field, why));
+    }
+    out
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     telemetry::init("info");
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Job(JobCmd::Check { file, toml }) => {
+        Cmd::Job(JobCmd::Check {
+            file,
+            toml,
+            no_data_check,
+        }) => {
             let job = edl_shared::jobfile::load(&file)?;
+            if let Some(data) = job.data.as_ref().filter(|_| !no_data_check) {
+                let missing: Vec<String> = missing_data(data)
+                    .iter()
+                    .map(|(field, why)| format!("{}: {field}: {why}", file.display()))
+                    .collect();
+                anyhow::ensure!(missing.is_empty(), "{}", missing.join("\n"));
+            }
             if toml {
                 print!("{}", edl_shared::jobfile::to_toml(&job));
             } else {

@@ -284,11 +284,16 @@ fn secs(v: f64, flag: &str) -> anyhow::Result<std::time::Duration> {
 async fn main() -> anyhow::Result<()> {
     telemetry::init("warn");
     let cli = Cli::parse();
+    if let Cmd::Job { cmd } = cli.cmd {
+        // Before the identity and the scheduler: a mistake in a job file is reported with its
+        // line whether or not a scheduler answers.
+        let ask = JobAsk::new(cmd)?;
+        let identity = cli.identity.identity(Role::Admin, &cli.name)?;
+        return job_cmd(&cli.scheduler, &identity, ask, cli.json).await;
+    }
     let identity = cli.identity.identity(Role::Admin, &cli.name)?;
-    match cli.cmd {
-        Cmd::Job { cmd } => return job_cmd(&cli.scheduler, &identity, cmd, cli.json).await,
-        Cmd::Slots => return slots_cmd(&cli.scheduler, &identity, cli.json).await,
-        _ => {}
+    if matches!(cli.cmd, Cmd::Slots) {
+        return slots_cmd(&cli.scheduler, &identity, cli.json).await;
     }
     let admin = Admin::connect(&cli.coordinator, &identity, TransportSettings::default())
         .await
@@ -780,34 +785,36 @@ fn opt_s(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |s| format!("{s:.1} s"))
 }
 
-async fn job_cmd(
-    addr: &str,
-    identity: &edl_shared::Identity,
-    cmd: JobCmd,
-    json: bool,
-) -> anyhow::Result<()> {
-    let sched = scheduler(addr, identity).await?;
-    let record = match cmd {
-        JobCmd::Submit {
-            file,
-            job,
-            workers,
-            min,
-            max,
-            priority,
-        } => {
-            // Checked here, so that a mistake is reported with its line before anything is
-            // queued; the scheduler checks it again.
-            edl_shared::jobfile::load(&file)?;
-            let text = std::fs::read_to_string(&file)
-                .with_context(|| format!("reading {}", file.display()))?;
-            let abs = std::path::absolute(&file).unwrap_or_else(|_| file.clone());
-            let dir = abs
-                .parent()
-                .map(|d| d.display().to_string())
-                .unwrap_or_default();
-            sched
-                .submit_job(edl_shared::proto::sched::Submission {
+/// What `edlctl job` asks the scheduler, a submitted job file read and checked.
+enum JobAsk {
+    Submit(edl_shared::proto::sched::Submission),
+    List,
+    Show(String),
+    Cancel(String),
+}
+
+impl JobAsk {
+    /// Reads and checks a submitted job file, so that a mistake is reported with its line
+    /// (`file:line: field: message`) before anything is asked; the scheduler checks it again.
+    fn new(cmd: JobCmd) -> anyhow::Result<JobAsk> {
+        Ok(match cmd {
+            JobCmd::Submit {
+                file,
+                job,
+                workers,
+                min,
+                max,
+                priority,
+            } => {
+                let text = std::fs::read_to_string(&file)
+                    .with_context(|| format!("reading {}", file.display()))?;
+                edl_shared::jobfile::parse(&text, &file)?;
+                let abs = std::path::absolute(&file).unwrap_or_else(|_| file.clone());
+                let dir = abs
+                    .parent()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default();
+                JobAsk::Submit(edl_shared::proto::sched::Submission {
                     name: job.unwrap_or_default(),
                     job_file: text,
                     file_dir: dir,
@@ -816,11 +823,26 @@ async fn job_cmd(
                     max_workers: max.unwrap_or(workers.saturating_mul(2)),
                     priority,
                 })
-                .await?
-        }
-        JobCmd::Show { job } => sched.show_job(&job).await?,
-        JobCmd::Cancel { job } => sched.cancel_job(&job).await?,
-        JobCmd::List => {
+            }
+            JobCmd::List => JobAsk::List,
+            JobCmd::Show { job } => JobAsk::Show(job),
+            JobCmd::Cancel { job } => JobAsk::Cancel(job),
+        })
+    }
+}
+
+async fn job_cmd(
+    addr: &str,
+    identity: &edl_shared::Identity,
+    ask: JobAsk,
+    json: bool,
+) -> anyhow::Result<()> {
+    let sched = scheduler(addr, identity).await?;
+    let record = match ask {
+        JobAsk::Submit(submission) => sched.submit_job(submission).await?,
+        JobAsk::Show(job) => sched.show_job(&job).await?,
+        JobAsk::Cancel(job) => sched.cancel_job(&job).await?,
+        JobAsk::List => {
             let rows: Vec<JobRow> = sched
                 .jobs()
                 .await?
@@ -862,6 +884,9 @@ async fn job_cmd(
         format!("{} ({}..{})", row.workers, row.min_workers, row.max_workers),
     ]);
     t.add_row(vec!["priority".into(), row.priority.to_string()]);
+    if !row.runs.is_empty() {
+        t.add_row(vec!["workers run".into(), row.runs.clone()]);
+    }
     t.add_row(vec!["last growth took".into(), opt_s(row.resize_cost_s)]);
     t.add_row(vec![
         "slots".into(),
@@ -889,11 +914,13 @@ async fn job_cmd(
             ),
         ]);
     }
-    if !row.message.is_empty() {
-        t.add_row(vec!["message".into(), row.message.clone()]);
-    }
     t.add_row(vec!["directory".into(), row.dir.clone()]);
     println!("{t}");
+    // Below the table, wrapped: a failure's message runs to hundreds of columns and lines of
+    // a log, which would stretch every row of the table.
+    if !row.message.is_empty() {
+        println!("message:\n{}", wrap(&row.message, "  ", MESSAGE_WIDTH));
+    }
     if let Some(c) = &row.coordinator {
         let pki = edl_shared::pki::PkiDir::new(std::path::Path::new(&row.dir));
         println!(
@@ -904,6 +931,40 @@ async fn job_cmd(
         );
     }
     Ok(())
+}
+
+/// The columns a job's message is wrapped to.
+const MESSAGE_WIDTH: usize = 100;
+
+/// `text` wrapped at spaces to `width` columns, each line indented by `indent`. A line keeps
+/// its own leading spaces (a log's quoted lines stay indented), also on the lines it wraps to;
+/// a word longer than a line is left whole, so that a path can still be copied.
+fn wrap(text: &str, indent: &str, width: usize) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        let body = line.trim_start();
+        let lead = format!("{indent}{}", &line[..line.len() - body.len()]);
+        let mut col = 0;
+        for word in body.split_whitespace() {
+            let n = word.chars().count();
+            if col > 0 && col + 1 + n > width {
+                out.push('\n');
+                col = 0;
+            }
+            if col == 0 {
+                out.push_str(&lead);
+                col = lead.chars().count();
+            } else {
+                out.push(' ');
+                col += 1;
+            }
+            out.push_str(word);
+            col += n;
+        }
+        out.push('\n');
+    }
+    out.truncate(out.trim_end().len());
+    out
 }
 
 async fn slots_cmd(addr: &str, identity: &edl_shared::Identity, json: bool) -> anyhow::Result<()> {

@@ -5,8 +5,14 @@
 //! waits on the network releases the GIL, and checks for Ctrl-C (and other Python signals)
 //! every 50 ms while it waits, so an interrupted call raises `KeyboardInterrupt` at once.
 //!
+//! A session can be asked to leave (`Session.stop`, what SIGTERM does in a program that honours
+//! the process contract): a `next_batch` waiting for data then ends at once, and every other call
+//! is bounded by the grace period it was given, as `edl-worker`'s are. A preemption notice
+//! (`Session.preempt`, SIGUSR1's) is passed on to the coordinator in the background.
+//!
 //! The Python half (`python/edl/`) adds the conveniences: NumPy sample indices, the batch
-//! iterator, `with` for a session that always leaves, torch tensors and modules.
+//! iterator, `with` for a session that always leaves, the process contract's environment and
+//! signals, torch tensors, modules and data loaders.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -15,16 +21,17 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
-use edl_client::{Batch as ClientBatch, ClientConfig, ClientError, RowGrads};
-use edl_shared::Role;
-use edl_shared::pki::{PkiDir, load_identity};
+use edl_client::{Batch as ClientBatch, ClientConfig, ClientError, Notices, RowGrads};
+use edl_shared::pki::{Identity, PkiDir, load_identity};
 use edl_shared::proto::ids::{Clock, WorkerId};
+use edl_shared::proto::order::epoch_order;
 use edl_shared::transport::TransportSettings;
+use edl_shared::{PkiError, Role};
 use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyString};
 use tokio::runtime::Runtime;
 
 create_exception!(
@@ -39,6 +46,20 @@ create_exception!(
 /// How often a waiting call looks for Ctrl-C.
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
+/// Time kept in hand before a leave deadline (the end of a stop's grace period, or of a
+/// preemption notice) for leaving, as `edl-worker` keeps it.
+const LEAVE_MARGIN: Duration = Duration::from_millis(500);
+
+/// An `EdlError` of the binding's own (no server code): `kind` names the cause.
+fn binding_error(py: Python<'_>, kind: &str, message: String) -> PyErr {
+    let err = EdlError::new_err(message);
+    let value = err.value(py);
+    // Plain attributes on a fresh exception object: setting them cannot fail.
+    let _ = value.setattr("code", py.None());
+    let _ = value.setattr("kind", kind);
+    err
+}
+
 fn edl_error(py: Python<'_>, e: ClientError) -> PyErr {
     let kind = match &e {
         ClientError::Call(_) => "Call",
@@ -51,6 +72,7 @@ fn edl_error(py: Python<'_>, e: ClientError) -> PyErr {
         ClientError::RowShape { .. } => "RowShape",
         ClientError::Batch(_) => "Batch",
         ClientError::Runtime(_) => "Runtime",
+        ClientError::Setup(_) => "Setup",
     };
     let code = e.code().map(|c| format!("{c:?}"));
     let err = EdlError::new_err(e.to_string());
@@ -242,7 +264,7 @@ fn role_of(role: &str) -> PyResult<Role> {
     }
 }
 
-fn settings(reconnect_s: Option<f64>) -> PyResult<TransportSettings> {
+fn settings(reconnect_s: Option<f64>, datagram: Option<u16>) -> PyResult<TransportSettings> {
     let mut s = TransportSettings::default();
     if let Some(secs) = reconnect_s {
         s.reconnect = Some(Duration::try_from_secs_f64(secs).map_err(|e| {
@@ -251,16 +273,43 @@ fn settings(reconnect_s: Option<f64>) -> PyResult<TransportSettings> {
             ))
         })?);
     }
+    if let Some(n) = datagram {
+        // Without it, the default (EDL_DATAGRAM's size if set, else QUIC's) stays.
+        s = s.with_datagram(Some(n));
+    }
     Ok(s)
+}
+
+fn credentials_error(e: PkiError) -> PyErr {
+    PyValueError::new_err(format!("cannot load the credentials: {e}"))
+}
+
+/// Refuses credentials of another job than `job` (when given), before any connection: the
+/// job's servers would refuse them with a less telling `WrongJob`.
+fn check_job(identity: &Identity, job: Option<&str>) -> PyResult<()> {
+    match job {
+        Some(want) if !want.is_empty() && identity.job != want => {
+            Err(PyValueError::new_err(format!(
+                "the certificate of {}/{} belongs to job {:?}, not to job {want:?} (EDL_JOB)",
+                identity.role, identity.name, identity.job
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A tensor as Python sees it: (name, shape, offset, floats).
 type TensorRow = (String, Vec<u32>, usize, usize);
 
+/// A data span as Python sees it: (epoch, partition, start, end).
+type SpanRow = (u32, u32, u32, u32);
+
 /// A connection to a running job (the coordinator and every shard).
 #[pyclass(module = "edl._edl")]
 struct Job {
     rt: Arc<Runtime>,
+    /// The job named in this client's certificate.
+    job_name: String,
     /// Taken by `join`.
     inner: Mutex<Option<edl_client::Job>>,
 }
@@ -268,9 +317,11 @@ struct Job {
 impl Job {
     fn connect(py: Python<'_>, cfg: ClientConfig) -> PyResult<Job> {
         let rt = runtime()?;
+        let job_name = cfg.identity.job.clone();
         let inner = wait(py, &rt, edl_client::Job::connect(&cfg))?;
         Ok(Job {
             rt,
+            job_name,
             inner: Mutex::new(Some(inner)),
         })
     }
@@ -289,9 +340,11 @@ impl Job {
 impl Job {
     /// Connects to the coordinator at `coordinator` with a certificate signed by the job's CA
     /// (`cert`, `key`: PEM files; `ca`: the cluster CA). Waits for the coordinator to answer
-    /// (at most `reconnect` seconds when given) and for the shard map.
+    /// (at most `reconnect` seconds when given) and for the shard map. `datagram` fixes the
+    /// QUIC datagram size (65000 on loopback); `job`, when given, must be the certificate's.
     #[new]
-    #[pyo3(signature = (coordinator, cert, key, ca, reconnect=None))]
+    #[pyo3(signature = (coordinator, cert, key, ca, reconnect=None, datagram=None, job=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         coordinator: String,
@@ -299,21 +352,25 @@ impl Job {
         key: PathBuf,
         ca: PathBuf,
         reconnect: Option<f64>,
+        datagram: Option<u16>,
+        job: Option<String>,
     ) -> PyResult<Job> {
-        let identity = load_identity(&ca, &cert, &key)
-            .map_err(|e| PyValueError::new_err(format!("cannot load the credentials: {e}")))?;
+        let identity = load_identity(&ca, &cert, &key).map_err(credentials_error)?;
+        check_job(&identity, job.as_deref())?;
         let cfg = ClientConfig {
             coordinator,
             identity,
-            settings: settings(reconnect)?,
+            settings: settings(reconnect, datagram)?,
         };
         Job::connect(py, cfg)
     }
 
     /// Connects with the development PKI of a local run's state directory (`edl-local`,
-    /// `edl-ps --state-dir`): the certificate `ROLE/NAME` there, created if missing.
+    /// `edl-ps --state-dir`): the certificate `ROLE/NAME` there, created if missing (for job
+    /// `job` when given, else the PKI's default job).
     #[staticmethod]
-    #[pyo3(signature = (coordinator, state_dir, name, role="worker", reconnect=None))]
+    #[pyo3(signature = (coordinator, state_dir, name, role="worker", reconnect=None, datagram=None, job=None))]
+    #[allow(clippy::too_many_arguments)]
     fn local(
         py: Python<'_>,
         coordinator: String,
@@ -321,16 +378,54 @@ impl Job {
         name: &str,
         role: &str,
         reconnect: Option<f64>,
+        datagram: Option<u16>,
+        job: Option<String>,
     ) -> PyResult<Job> {
-        let identity = PkiDir::new(&state_dir)
-            .ensure(role_of(role)?, name)
-            .map_err(|e| PyValueError::new_err(format!("cannot load the credentials: {e}")))?;
+        let pki = PkiDir::new(&state_dir);
+        let role = role_of(role)?;
+        let identity = match job.as_deref().filter(|j| !j.is_empty()) {
+            None => pki.ensure(role, name),
+            Some(j) => {
+                // A placer that names the job may not have issued the certificate yet.
+                let missing =
+                    !pki.node_cert(role, name).exists() || !pki.node_key(role, name).exists();
+                pki.init_ca()
+                    .and_then(|_| {
+                        if missing {
+                            pki.issue(role, name, j, &[])
+                        } else {
+                            Ok(())
+                        }
+                    })
+                    .and_then(|()| pki.load(role, name))
+            }
+        }
+        .map_err(credentials_error)?;
+        check_job(&identity, job.as_deref())?;
         let cfg = ClientConfig {
             coordinator,
             identity,
-            settings: settings(reconnect)?,
+            settings: settings(reconnect, datagram)?,
         };
         Job::connect(py, cfg)
+    }
+
+    /// The job named in this client's certificate (`default` for one issued without).
+    #[getter]
+    fn job(&self) -> String {
+        self.job_name.clone()
+    }
+
+    /// Names the placement this worker was started for (`EDL_PLACEMENT`): once the session is
+    /// admitted, the coordinator counts the placement done and drains the worker it replaces,
+    /// if any. Call before `join`.
+    fn for_placement(&self, placement: Option<u64>) -> PyResult<()> {
+        let mut g = lock(&self.inner);
+        let job = g.take().ok_or_else(|| {
+            PyRuntimeError::new_err("this Job has joined; name its placement before join()")
+        })?;
+        *g = Some(job.for_placement(placement));
+        Ok(())
     }
 
     /// The model's tensors: a list of (name, shape, offset, floats), in the flat parameter
@@ -485,8 +580,90 @@ impl Job {
             clock: AtomicU64::new(inner.clock().0),
             left: AtomicBool::new(false),
             broken: Mutex::new(None),
+            stop: Arc::new(Stop::default()),
+            preempted: Arc::new(Mutex::new(None)),
+            order: Mutex::new(None),
             inner: Mutex::new(Some(inner)),
         })
+    }
+}
+
+/// A request to leave: once asked, a waiting `next_batch` ends, and every call must be done by
+/// the deadline (less [`LEAVE_MARGIN`], which is the leave's).
+#[derive(Debug, Default)]
+struct Stop {
+    asked: AtomicBool,
+    deadline: Mutex<Option<Instant>>,
+    changed: tokio::sync::Notify,
+}
+
+impl Stop {
+    fn asked(&self) -> bool {
+        self.asked.load(Ordering::SeqCst)
+    }
+
+    /// Asks to leave within `grace` (None: without a deadline); an earlier deadline told before
+    /// is kept.
+    fn ask(&self, grace: Option<Duration>) {
+        self.asked.store(true, Ordering::SeqCst);
+        if let Some(d) = grace.and_then(|g| Instant::now().checked_add(g)) {
+            let mut g = lock(&self.deadline);
+            *g = Some(g.map_or(d, |old| old.min(d)));
+        }
+        self.changed.notify_waiters();
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        *lock(&self.deadline)
+    }
+}
+
+/// How a call raced against the session's leave notices ended.
+enum Bounded<T> {
+    /// It finished (with its own result).
+    Done(T),
+    /// A `next_batch` given up because the session is asked to leave: no batch.
+    Stopped,
+    /// The leave deadline came first: the call was abandoned midway.
+    Overrun,
+}
+
+/// Runs `fut` until it finishes or the session must move on: a stop request ends it at once
+/// when `ends_on_stop` (a `next_batch`: leaving at once mid-lease is safe, the leave returns
+/// every lease), and the earliest leave deadline (a stop's grace, a preemption notice), less
+/// `margin`, abandons it. Without either it is `fut` itself.
+async fn bounded<T>(
+    fut: impl Future<Output = Result<T, ClientError>>,
+    stop: &Stop,
+    notices: &Notices,
+    ends_on_stop: bool,
+    margin: Duration,
+) -> Result<Bounded<T>, ClientError> {
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        let changed = stop.changed.notified();
+        let mut changed = std::pin::pin!(changed);
+        changed.as_mut().enable();
+        if ends_on_stop && stop.asked() {
+            return Ok(Bounded::Stopped);
+        }
+        let stop_at = stop
+            .deadline()
+            .map(|d| tokio::time::Instant::from_std(d.checked_sub(margin).unwrap_or(d)));
+        let over = async {
+            match stop_at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = &mut fut => return r.map(Bounded::Done),
+            _ = over => return Ok(Bounded::Overrun),
+            _ = notices.expired(margin) => {
+                return Ok(if ends_on_stop { Bounded::Stopped } else { Bounded::Overrun });
+            }
+            _ = &mut changed => {}
+        }
     }
 }
 
@@ -499,6 +676,7 @@ struct Batch {
     committed: AtomicBool,
     indices: Vec<u32>,
     epoch: u32,
+    span: SpanRow,
     clock: u64,
 }
 
@@ -514,6 +692,12 @@ impl Batch {
     #[getter]
     fn epoch(&self) -> u32 {
         self.epoch
+    }
+
+    /// The data span: (epoch, partition, start, end), positions in the epoch's order.
+    #[getter]
+    fn span(&self) -> SpanRow {
+        self.span
     }
 
     /// The step (clock) the batch's gradient belongs to.
@@ -560,6 +744,13 @@ struct Session {
     /// Why the session cannot go on (a lease or commit whose outcome is unknown); only
     /// `leave` is left to do.
     broken: Mutex<Option<String>>,
+    /// Asked to leave (`stop`), with a deadline; read and set without the session's lock.
+    stop: Arc<Stop>,
+    /// What became of the last preemption notice passed on: None while none was, or while
+    /// it is on its way; an error's text if the coordinator could not be told.
+    preempted: Arc<Mutex<Option<Result<(), String>>>>,
+    /// The epoch order last used by `upcoming`, by epoch.
+    order: Mutex<Option<(u32, Arc<Vec<u32>>)>>,
     /// Taken by `leave`.
     inner: Mutex<Option<edl_client::Session>>,
 }
@@ -579,6 +770,42 @@ impl Session {
     /// Records that the session cannot go on.
     fn break_off(&self, why: &str) {
         *lock(&self.broken) = Some(why.to_string());
+    }
+
+    /// Waits for `fut` (a step's call: `what`), bounded by the session's leave deadline (less
+    /// the leave's margin); a call abandoned for it leaves the session only `leave()`, as does
+    /// one interrupted (Ctrl-C) when `interrupt_breaks` (its outcome is then unknown).
+    fn step_call<T, F>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        interrupt_breaks: bool,
+        fut: F,
+    ) -> PyResult<T>
+    where
+        T: Send,
+        F: Future<Output = Result<T, ClientError>> + Send,
+    {
+        let fut = bounded(fut, &self.stop, &self.notices, false, LEAVE_MARGIN);
+        match wait_call(py, &self.rt, fut) {
+            Ok(Bounded::Done(v)) => Ok(v),
+            Ok(Bounded::Stopped | Bounded::Overrun) => {
+                let why = format!("a {what}() ran past the session's leave deadline");
+                self.break_off(&why);
+                Err(binding_error(
+                    py,
+                    "Overrun",
+                    format!("{why} (the grace period of a stop, or a preemption notice)"),
+                ))
+            }
+            Err(Failed::Interrupted(e)) => {
+                if interrupt_breaks {
+                    self.break_off(&format!("a {what}() was interrupted"));
+                }
+                Err(e)
+            }
+            Err(Failed::Client(e)) => Err(e),
+        }
     }
 }
 
@@ -629,28 +856,181 @@ impl Session {
         (t.sent, t.received, t.requests)
     }
 
-    /// The next mini-batch, or None when the job's data is done. The last batch must have been
-    /// committed first.
-    fn next_batch(&self, py: Python<'_>) -> PyResult<Option<Batch>> {
+    /// The next mini-batch, or None when the job's data is done, or once the session is asked
+    /// to leave (`stop`, a preemption notice's deadline). The last batch must have been
+    /// committed first. `force` hands out the next batch of the leased partition even after
+    /// a stop (for a step whose samples were loaded already).
+    #[pyo3(signature = (force=false))]
+    fn next_batch(&self, py: Python<'_>, force: bool) -> PyResult<Option<Batch>> {
         let mut g = self.claim()?;
         let s = live(&mut g)?;
-        let b = match wait_call(py, &self.rt, s.next_batch()) {
-            Ok(b) => b,
-            Err(Failed::Interrupted(e)) => {
-                // The coordinator may have leased data this session never learned of.
-                self.break_off("a next_batch() was interrupted");
-                return Err(e);
+        let b = if force {
+            match wait_call(py, &self.rt, s.next_batch()) {
+                Ok(b) => b,
+                Err(Failed::Interrupted(e)) => {
+                    self.break_off("a next_batch() was interrupted");
+                    return Err(e);
+                }
+                Err(Failed::Client(e)) => return Err(e),
             }
-            Err(Failed::Client(e)) => return Err(e),
+        } else {
+            let fut = bounded(
+                s.next_batch(),
+                &self.stop,
+                &self.notices,
+                true,
+                LEAVE_MARGIN,
+            );
+            match wait_call(py, &self.rt, fut) {
+                Ok(Bounded::Done(b)) => b,
+                Ok(Bounded::Stopped | Bounded::Overrun) => {
+                    // Given up midway, a lease may have been granted that this session never
+                    // learned of: only the leave, which returns every lease, is left.
+                    self.break_off("the session was asked to leave");
+                    return Ok(None);
+                }
+                Err(Failed::Interrupted(e)) => {
+                    // The coordinator may have leased data this session never learned of.
+                    self.break_off("a next_batch() was interrupted");
+                    return Err(e);
+                }
+                Err(Failed::Client(e)) => return Err(e),
+            }
         };
         self.clock.store(s.clock().0, Ordering::Relaxed);
-        Ok(b.map(|b| Batch {
-            indices: b.indices().to_vec(),
-            epoch: b.epoch(),
-            clock: b.clock().0,
-            inner: Mutex::new(Some(b)),
-            committed: AtomicBool::new(false),
+        Ok(b.map(|b| {
+            let span = b.span();
+            Batch {
+                indices: b.indices().to_vec(),
+                epoch: b.epoch(),
+                span: (span.epoch, span.partition, span.start, span.end),
+                clock: b.clock().0,
+                inner: Mutex::new(Some(b)),
+                committed: AtomicBool::new(false),
+            }
         }))
+    }
+
+    /// The batches the leased partition still holds after the one handed out last, as
+    /// `next_batch` will hand them out: a list of ((epoch, partition, start, end), indices).
+    /// Empty when the partition is used up (the next batch needs a new lease). Nothing is
+    /// leased or sent: the indices are the epoch's order over each span.
+    fn upcoming(&self) -> PyResult<Vec<(SpanRow, Vec<u32>)>> {
+        let g = claim(&self.inner, "session")?;
+        let s = g.as_ref().ok_or_else(left)?;
+        let h = s.holdings();
+        let Some(rest) = h.uncommitted else {
+            return Ok(Vec::new());
+        };
+        // The rest of the partition starts after the batch handed out last, if it is not
+        // committed yet; where the committed samples end otherwise.
+        let from = match h.batch {
+            Some(
+                edl_client::BatchState::Handed(b)
+                | edl_client::BatchState::Pushed(b)
+                | edl_client::BatchState::CommitUnknown(b),
+            ) if b.epoch == rest.epoch && b.partition == rest.partition => b.end,
+            _ => rest.start,
+        };
+        let cfg = self.job.config();
+        let batch_size = cfg.batch_size.max(1);
+        let order = {
+            let mut o = lock(&self.order);
+            match &*o {
+                Some((e, order)) if *e == rest.epoch => order.clone(),
+                _ => {
+                    let order = Arc::new(epoch_order(cfg.seed, rest.epoch, cfg.train_samples));
+                    *o = Some((rest.epoch, order.clone()));
+                    order
+                }
+            }
+        };
+        let mut out = Vec::new();
+        let mut at = from;
+        while at < rest.end {
+            let end = at.saturating_add(batch_size).min(rest.end);
+            let indices = order
+                .get(at as usize..end as usize)
+                .ok_or_else(|| {
+                    PyRuntimeError::new_err(format!(
+                        "positions {at}..{end} are outside an epoch of {} samples",
+                        order.len()
+                    ))
+                })?
+                .to_vec();
+            out.push(((rest.epoch, rest.partition, at, end), indices));
+            at = end;
+        }
+        Ok(out)
+    }
+
+    /// Asks the session to leave within `grace` seconds (None: no deadline): a `next_batch`
+    /// returns None from now on (one waiting for data at once), and the step under way must
+    /// finish (its calls are abandoned past the deadline less half a second, which the leave
+    /// keeps). Needs no lock: a signal handler may call it while another call waits.
+    #[pyo3(signature = (grace=None))]
+    fn stop(&self, grace: Option<f64>) -> PyResult<()> {
+        let grace = grace
+            .map(|g| {
+                Duration::try_from_secs_f64(g).map_err(|e| {
+                    PyValueError::new_err(format!(
+                        "grace must be a non-negative number of seconds: {e}"
+                    ))
+                })
+            })
+            .transpose()?;
+        self.stop.ask(grace);
+        Ok(())
+    }
+
+    /// True once `stop` was called.
+    #[getter]
+    fn stopping(&self) -> bool {
+        self.stop.asked()
+    }
+
+    /// A preemption notice this worker got itself (SIGUSR1 from a cloud agent): it must be
+    /// gone within `notice` seconds. The coordinator is told in the background (this returns
+    /// at once); it then asks for a substitute and drains this worker once one is admitted,
+    /// or drains it at once without a replacement policy. Calls are bounded by the deadline,
+    /// and `next_batch` returns None once it nears.
+    fn preempt(&self, notice: f64) -> PyResult<()> {
+        let notice = Duration::try_from_secs_f64(notice).map_err(|e| {
+            PyValueError::new_err(format!(
+                "notice must be a non-negative number of seconds: {e}"
+            ))
+        })?;
+        let n = self.notices.clone();
+        let outcome = self.preempted.clone();
+        *lock(&outcome) = None;
+        self.rt.spawn(async move {
+            let r = n.preempt(notice).await.map_err(|e| e.to_string());
+            *lock(&outcome) = Some(r);
+        });
+        Ok(())
+    }
+
+    /// What became of the last preemption notice passed on: None while none was sent or it
+    /// is on its way, True once the coordinator has it, or the reason it could not be told
+    /// (the worker then leaves after its step anyway).
+    #[getter]
+    fn preempted(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        Ok(match &*lock(&self.preempted) {
+            None => None,
+            Some(Ok(())) => Some(PyBool::new(py, true).to_owned().into_any().unbind()),
+            Some(Err(e)) => Some(PyString::new(py, e).into_any().unbind()),
+        })
+    }
+
+    /// Seconds left before this worker must be gone (a stop's grace or a preemption notice,
+    /// whichever ends first), or None without a deadline.
+    #[getter]
+    fn deadline(&self) -> Option<f64> {
+        let d = match (self.stop.deadline(), self.notices.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }?;
+        Some(d.saturating_duration_since(Instant::now()).as_secs_f64())
     }
 
     /// Pulls every parameter into `out` (a writable float32 buffer of `param_count` floats),
@@ -659,7 +1039,8 @@ impl Session {
         let mut out = Floats::get(out, "out", Some(self.job.param_count()), true)?;
         let out = out.as_mut();
         let mut g = self.claim()?;
-        wait(py, &self.rt, live(&mut g)?.pull(out))
+        let s = live(&mut g)?;
+        self.step_call(py, "pull", false, s.pull(out))
     }
 
     /// Pushes the gradient of `batch` from `grads` (a float32 buffer of `param_count` floats).
@@ -670,7 +1051,8 @@ impl Session {
         let guard = claim(&batch.inner, "batch")?;
         let b = guard.as_ref().ok_or_else(committed_already)?;
         let mut g = self.claim()?;
-        wait(py, &self.rt, live(&mut g)?.push(b, grads))
+        let s = live(&mut g)?;
+        self.step_call(py, "push", false, s.push(b, grads))
     }
 
     /// Pulls rows `rows` of tensor `tensor` into `out` (rows x the tensor's row length floats).
@@ -684,7 +1066,8 @@ impl Session {
         let mut out = Floats::get(out, "out", None, true)?;
         let out = out.as_mut();
         let mut g = self.claim()?;
-        wait(py, &self.rt, live(&mut g)?.pull_rows(tensor, &rows, out))
+        let s = live(&mut g)?;
+        self.step_call(py, "pull_rows", false, s.pull_rows(tensor, &rows, out))
     }
 
     /// Pushes the gradient of `batch` for rows `rows` of tensor `tensor` only (`values`: rows x
@@ -707,7 +1090,8 @@ impl Session {
             values,
         }];
         let mut g = self.claim()?;
-        wait(py, &self.rt, live(&mut g)?.push_rows(b, &grads))
+        let s = live(&mut g)?;
+        self.step_call(py, "push_rows", false, s.push_rows(b, &grads))
     }
 
     /// Commits `batch` (its samples are done; `loss_sum` is the sum of their losses) and waits
@@ -722,23 +1106,59 @@ impl Session {
         s.check_commit(b).map_err(|e| edl_error(py, e))?;
         let b = slot.take().ok_or_else(committed_already)?;
         drop(slot);
-        if let Err(e) = wait_call(py, &self.rt, s.commit(b, loss_sum)) {
+        let r = self.step_call(py, "commit", true, s.commit(b, loss_sum));
+        if r.is_err() {
             self.break_off("a commit() failed or was interrupted midway");
-            return Err(e.into());
         }
+        r?;
         batch.committed.store(true, Ordering::Relaxed);
         let c = s.clock().0;
         self.clock.store(c, Ordering::Relaxed);
         Ok(c)
     }
 
+    /// Reports an evaluation of the parameters pulled through `clock` to the coordinator
+    /// (`edlctl status` and the dashboard show the latest).
+    fn report_evaluation(
+        &self,
+        py: Python<'_>,
+        clock: u64,
+        accuracy: f64,
+        loss: f64,
+        samples: u64,
+    ) -> PyResult<()> {
+        let job = self.job.clone();
+        wait(py, &self.rt, async move {
+            job.report_evaluation(Clock(clock), accuracy, loss, samples)
+                .await
+        })
+    }
+
     /// Leaves gracefully: uncommitted data returns to the pool. Leaving twice does nothing.
+    /// After `stop` or a preemption notice the leave must be done by the deadline: if it is
+    /// not, EdlError (kind "Unreturned") says what the coordinator still holds for this worker
+    /// (it returns it when the worker's lease expires).
     fn leave(&self, py: Python<'_>) -> PyResult<()> {
         let Some(s) = claim(&self.inner, "session")?.take() else {
             return Ok(());
         };
         self.left.store(true, Ordering::Relaxed);
-        wait(py, &self.rt, s.leave())
+        let holdings = s.holdings();
+        match wait_call(
+            py,
+            &self.rt,
+            bounded(s.leave(), &self.stop, &self.notices, false, Duration::ZERO),
+        )? {
+            Bounded::Done(()) => Ok(()),
+            Bounded::Stopped | Bounded::Overrun => Err(binding_error(
+                py,
+                "Unreturned",
+                format!(
+                    "could not leave by the deadline; the coordinator holds until the worker's \
+                     lease expires: {holdings}"
+                ),
+            )),
+        }
     }
 
     /// Measures the binding's cost: runs `steps` steps (next batch, pull into `params`, push

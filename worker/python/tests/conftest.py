@@ -59,9 +59,9 @@ def make_cluster(tmp_path):
         c.stop()
 
 
-def spawn_worker(cluster, name, *args, env=None):
+def spawn_worker(cluster, name, *args, env=None, placement=None):
     """Starts tests/worker.py as worker `name` (args: its pause per step)."""
-    return cluster.spawn([sys.executable, WORKER, *args], name, env=env)
+    return cluster.spawn([sys.executable, WORKER, *args], name, env=env, placement=placement)
 
 
 def exact(ledgers, samples, epochs):

@@ -76,7 +76,7 @@ def test_batches_cover_every_epoch_exactly_once(cluster):
     grads = np.zeros(job.param_count, np.float32)
     with job.join() as s:
         for batch in s.batches():
-            assert batch.indices.dtype == np.uint32 and len(batch) == 8
+            assert batch.indices.dtype == np.int64 and len(batch) == 8
             seen[batch.epoch] += batch.indices.tolist()
             s.push(batch, grads)
             s.commit(batch, 0.0)

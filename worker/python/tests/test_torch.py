@@ -3,12 +3,15 @@ DataLoader loop over ElasticSampler."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import optional  # noqa: E402
+from conftest import HERE, exact, job_text, optional  # noqa: E402
 
 torch = optional("torch")
 from torch import nn  # noqa: E402
@@ -16,6 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import edl.local  # noqa: E402
 import edl.torch  # noqa: E402
+import torch_worker  # noqa: E402
+from test_elastic import wait_until  # noqa: E402
+
+TORCH_WORKER = HERE / "torch_worker.py"
 
 
 class Net(nn.Module):
@@ -98,7 +105,7 @@ def test_a_mismatched_module_is_refused(make_cluster):
         edl.torch.Parameters(Net(d=21), job)
 
 
-def test_a_dataloader_over_elastic_sampler_trains_exactly_once(make_cluster):
+def test_a_dataloader_over_elastic_sampler_trains_exactly_once_per_epoch(make_cluster):
     torch.manual_seed(0)
     n, epochs = 600, 4
     x = torch.randn(n, 20)
@@ -106,26 +113,121 @@ def test_a_dataloader_over_elastic_sampler_trains_exactly_once(make_cluster):
     dataset = TensorDataset(x, y)
     model = Net()
     c = make_cluster(edl.torch.job_from_module(model, samples=n, lr=0.5, batch_size=20,
-                                               epochs=epochs, consistency="asp"))
+                                               epochs=epochs, consistency="asp",
+                                               partition_size=100))
     job = c.job("py1")
     params = edl.torch.Parameters(model, job)
-    seen = {e: [] for e in range(epochs)}
+    seen = {}
     with job.join() as s:
         sampler = edl.torch.ElasticSampler(s)
-        for xb, yb in DataLoader(dataset, batch_sampler=sampler):
-            batch = sampler.batch
-            assert torch.equal(xb, x[torch.from_numpy(batch.indices.astype(np.int64))])
-            seen[batch.epoch] += batch.indices.tolist()
-            params.pull(s)
-            loss = nn.functional.cross_entropy(model(xb), yb)
-            params.zero_grad()
-            loss.backward()
-            params.push(s, batch)
-            s.commit(batch, loss.item() * len(yb))
+        assert len(sampler) == 30  # 600 samples in batches of 20
+        for epoch in sampler.epochs():  # a per-epoch loop sees each epoch once, in order
+            assert epoch not in seen and sampler.epoch == epoch
+            seen[epoch] = []
+            for xb, yb in DataLoader(dataset, batch_sampler=sampler):
+                batch = sampler.batch
+                assert batch.epoch == epoch and batch.indices.dtype == np.int64
+                assert torch.equal(xb, x[batch.indices])  # torch indexes with the indices
+                seen[epoch] += batch.indices.tolist()
+                params.pull(s)
+                loss = nn.functional.cross_entropy(model(xb), yb)
+                params.zero_grad()
+                loss.backward()
+                params.push(s, batch)
+                s.commit(batch, loss.item() * len(yb))
+        assert sampler.done
+    assert list(seen) == list(range(epochs))
     for e in range(epochs):
         assert sorted(seen[e]) == list(range(n)), e
     st = c.admin().status()
     losses = [loss_sum / samples for _, samples, loss_sum in st["epochs"]]
     assert losses[-1] < 0.6 * losses[0], losses
-    exact_rows = c.admin().ledgers()
-    assert all((r["applied"], r["duplicates"], r["missing"]) == (n, 0, 0) for r in exact_rows)
+    exact(c.admin().ledgers(), n, epochs)
+
+
+def test_a_loader_with_two_workers_trains_each_epoch_exactly_once(make_cluster):
+    # The loader's processes load batches ahead (the sampler hands out the leased partition's
+    # next spans before the ones before them are committed); the session commits in order.
+    n, epochs = 960, 2
+    c = make_cluster(job_text(samples=n, epochs=epochs, batch=16, partition=160,
+                              tensors=(("0.weight", (16, 20)), ("0.bias", (16,)),
+                                       ("2.weight", (3, 16)), ("2.bias", (3,)))))
+    job = c.job("py1")
+    net = torch_worker.model()
+    params = edl.torch.Parameters(net, job)
+    seen, depths, passes = {}, [], []
+    main = os.getpid()
+    with job.join() as s:
+        sampler = edl.torch.ElasticSampler(s)
+        loader = sampler.loader(Loaded(n), num_workers=2)
+        for epoch in sampler.epochs():
+            passes.append(epoch)
+            for (xb, yb), pids in loader:
+                batch = sampler.batch
+                depths.append(len(sampler._queue))
+                # Loaded in the loader's processes, and the samples of exactly this batch.
+                assert main not in pids.tolist()
+                want = torch.stack([Loaded(n)[int(i)][0][0] for i in batch.indices])
+                assert torch.equal(xb, want)
+                seen.setdefault(batch.epoch, []).extend(batch.indices.tolist())
+                params.pull(s)
+                loss = nn.functional.cross_entropy(net(xb), yb)
+                params.zero_grad()
+                loss.backward()
+                params.push(s, batch)
+                s.commit(batch, loss.item() * len(yb))
+    assert passes == [0, 1]
+    for e in range(epochs):
+        assert sorted(seen[e]) == list(range(n)), e  # no duplicates, none missing
+    assert max(depths) >= 3, depths  # batches were loaded ahead of their commits
+    exact(c.admin().ledgers(), n, epochs)
+
+
+class Loaded(torch_worker.Data):
+    """torch_worker's samples, each with the pid of the process that loaded it."""
+
+    def __getitem__(self, i):
+        return super().__getitem__(i), os.getpid()
+
+
+def test_workers_killed_or_stopped_with_batches_loaded_ahead_lose_nothing(make_cluster,
+                                                                          tmp_path):
+    # a is SIGKILLed and b is SIGTERMed, each with batches loaded ahead by its loader's
+    # processes; c trains the rest. Every sample is applied once per epoch on every shard.
+    n, epochs = 2048, 2
+    c = make_cluster(job_text(samples=n, epochs=epochs, batch=16, partition=256, lease_ms=60_000,
+                              tensors=(("0.weight", (16, 20)), ("0.bias", (16,)),
+                                       ("2.weight", (3, 16)), ("2.bias", (3,)))))
+    admin = c.admin()
+    logs = {w: tmp_path / f"{w}.steps" for w in "abc"}
+
+    def start(name):
+        env = {"EDL_STEPS_FILE": str(logs[name]), "EDL_TEST_SAMPLES": str(n)}
+        return c.spawn([sys.executable, TORCH_WORKER, "0.001", "0.02"], name, env=env)
+
+    def steps(name):
+        return [ln.split() for ln in logs[name].read_text().splitlines()] \
+            if logs[name].exists() else []
+
+    def ahead(name):
+        return any(int(row[1]) >= 3 for row in steps(name)[5:])
+
+    a = start("a")
+    wait_until("a trains with batches loaded ahead", lambda: ahead("a"), timeout=120)
+    a.kill()
+    assert a.wait(timeout=10) == -signal.SIGKILL
+    b = start("b")
+    wait_until("b trains with batches loaded ahead", lambda: ahead("b"), timeout=120)
+    b.send_signal(signal.SIGTERM)
+    assert b.wait(timeout=30) == 0, c.log("b")
+    st = admin.status()
+    assert {n: s for _, n, s, _ in st["workers"]} == {"a": "Dead", "b": "Left"}, st["workers"]
+    assert c.log("b").rstrip().endswith("done"), c.log("b")  # it left its `with` cleanly
+    c3 = start("c")
+    c.wait_finished(timeout=300, admin=admin)
+    assert c3.wait(timeout=60) == 0, c.log("c")
+    exact(admin.ledgers(), n, epochs)
+    # b and c, which left or finished cleanly, logged each of their commits: none twice.
+    for e in range(epochs):
+        done = [int(i) for w in "bc" for row in steps(w) if int(row[0]) == e for i in row[2:]]
+        assert len(done) == len(set(done)), e

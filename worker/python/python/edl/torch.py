@@ -19,20 +19,31 @@ Train (any number of these processes, joining and leaving while the job runs)::
             session.commit(batch, loss.item() * len(batch))
 
 With a `DataLoader` over a map-style dataset, `ElasticSampler(session)` is the batch sampler
-and its `.batch` the batch being trained.
+and its `.batch` the batch being trained; `sampler.loader(dataset, num_workers=2)` loads
+batches ahead in worker processes, and `sampler.epochs()` gives the loop its epochs::
+
+    sampler = edl.torch.ElasticSampler(session)
+    loader = sampler.loader(train_set, num_workers=2)
+    for epoch in sampler.epochs():
+        for x, y in loader:                          # one epoch's pass
+            batch = sampler.batch
+            ...
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
+from collections import deque
 from typing import Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from . import Batch, Session, Spec
 
-__all__ = ["ElasticSampler", "Parameters", "job_from_module"]
+__all__ = ["ElasticLoader", "ElasticSampler", "Parameters", "job_from_module"]
 
 
 def _fan_in(shape) -> int:
@@ -173,17 +184,235 @@ class Parameters:
             p.grad = view
 
 
-class ElasticSampler(Sampler):
-    """A batch sampler for `DataLoader(dataset, batch_sampler=ElasticSampler(session))`: the
-    loader yields the samples of each batch the job leases to this worker, and `.batch` is that
-    batch (push and commit it). Keep `num_workers=0`: loader processes would lease batches
-    ahead, before the current one is committed."""
+class _Entry:
+    """A batch handed to the loader: its span and indices, and the leased batch once the
+    session handed it out (None while it is only the leased partition's next span)."""
 
-    def __init__(self, session: Session):
+    __slots__ = ("span", "indices", "batch")
+
+    def __init__(self, span, indices: list[int], batch: Batch | None):
+        self.span = tuple(span)
+        self.indices = indices
+        self.batch = batch
+
+
+class ElasticSampler(Sampler):
+    """A batch sampler over the data the job leases to this worker, for a `DataLoader` over
+    any map-style dataset; `.batch` is the batch of the samples the loader gave last (push and
+    commit it before the next).
+
+    With `num_workers > 0` use the loader it makes, `sampler.loader(dataset, num_workers=2,
+    ...)` (an `ElasticLoader`, a `DataLoader`); with `num_workers=0` a plain
+    `DataLoader(dataset, batch_sampler=sampler)` does too. A per-epoch loop::
+
+        sampler = edl.torch.ElasticSampler(session)
+        loader = sampler.loader(train_set, num_workers=2)
+        for epoch in sampler.epochs():            # until the data is done or the worker
+            for x, y in loader:                   # should leave; one pass = one epoch
+                batch = sampler.batch
+                ...                               # pull, step, push(batch), commit(batch)
+            test(epoch)
+
+    The loader's workers load batches ahead: the sampler hands out the leased partition's
+    next batches before the ones before them are committed (their spans and indices are
+    known: the epoch's order over the partition, as `session.upcoming()` gives them); each is
+    handed out by the session, and so pushed and committed, strictly in order, when the loop
+    takes it (`.batch`). A new partition is leased only once everything handed out is
+    committed, as a lease may wait for data that others hold; the `ElasticLoader` then starts
+    its workers on the next partition without ending the pass (the first batch after a
+    partition's end is loaded while the loop waits). A worker killed with batches loaded ahead
+    leaves them uncommitted: the rest of its partition returns to the pool from the last
+    commit, exactly once as always; so does a drain or SIGTERM, after which no more batches are
+    given out.
+
+    A pass ends where the next batch belongs to a later epoch (a span re-issued from an earlier
+    epoch, after another worker died, joins the pass under way), so `epoch` is the pass's
+    epoch. `len()` is the job's batches per epoch, all workers together: one worker's exact
+    count when it trains alone, an upper bound when it shares the job.
+    """
+
+    def __init__(self, session: Session, ahead: bool = True):
         self.session = session
-        self.batch: Batch | None = None
+        #: Hand out the leased partition's next batches before the ones before them are
+        #: committed (for a loader with workers); False: one at a time.
+        self.ahead = ahead
+        #: The epoch of the pass under way (or about to start), None before the first lease.
+        self.epoch: int | None = None
+        #: True once the job's data is done.
+        self.done = False
+        self._queue: deque[_Entry] = deque()  # handed to the loader, not yet committed
+        self._ahead: deque[_Entry] = deque()  # the leased partition's next spans
+        self._held: Batch | None = None  # leased, opening the next pass
+        self._last: Batch | None = None
+        self._paused = False
+        self._wrapped = False
+
+    def __len__(self) -> int:
+        cfg = self.session.config
+        samples, part = int(cfg["samples"]), int(cfg["partition_size"]) or int(cfg["samples"])
+        size = max(1, int(cfg["batch_size"]))
+        full, rest = divmod(samples, part)
+        return full * -(-part // size) + -(-rest // size)
+
+    def loader(self, dataset, **kwargs) -> "ElasticLoader":
+        """A `DataLoader` of `dataset` over this sampler (`kwargs`: DataLoader's, e.g.
+        `num_workers`, `pin_memory`, `collate_fn`), which resumes its workers at partition
+        boundaries."""
+        return ElasticLoader(dataset, self, **kwargs)
+
+    def _drop_committed(self) -> None:
+        while self._queue and self._queue[0].batch is not None and self._queue[0].batch.committed:
+            self._last = self._queue.popleft().batch
+
+    def _uncommitted(self) -> bool:
+        self._drop_committed()
+        return bool(self._queue)
+
+    def _requeue(self) -> None:
+        """Spans given to a loader that dropped them (a pass left early): handed out again
+        first."""
+        unhanded = [e for e in self._queue if e.batch is None]
+        if unhanded:
+            self._queue = deque(e for e in self._queue if e.batch is not None)
+            self._ahead.extendleft(reversed(unhanded))
+
+    def _lease(self) -> Batch | None:
+        """The next batch from a new lease (nothing may be uncommitted), None when the data
+        is done or the worker should leave."""
+        b = self.session.next_batch()
+        if b is None and not self.session.should_leave:
+            self.done = True
+        return b
+
+    def _next_epoch(self) -> int | None:
+        """The epoch of the next pass, leasing its first batch if need be."""
+        if self._held is None and not self._ahead:
+            if self._uncommitted():
+                raise RuntimeError(_COMMIT_FIRST)
+            self._held = self._lease()
+        if self._held is not None:
+            return self._held.epoch
+        return self._ahead[0].span[0] if self._ahead else None
+
+    def epochs(self) -> Iterator[int]:
+        """The epoch of each pass to come, until the job's data is done or this worker should
+        leave (drained, stopped, preempted): iterate the loader once per epoch yielded."""
+        while not (self.done or self.session.should_leave):
+            self._requeue()
+            epoch = self._next_epoch()
+            if epoch is None:
+                return
+            self.epoch = epoch
+            yield epoch
 
     def __iter__(self) -> Iterator[list[int]]:
-        for b in self.session.batches():
-            self.batch = b
-            yield b.indices.tolist()
+        self._requeue()
+        if not self._paused:  # a new pass, not one resumed after a partition's end
+            self.epoch = (self._held.epoch if self._held is not None
+                          else self._ahead[0].span[0] if self._ahead else None)
+        self._paused = False
+        while not self.session.should_leave:
+            if self._ahead:
+                e = self._ahead.popleft()
+                self._queue.append(e)
+                yield e.indices
+                continue
+            if self._uncommitted():
+                # Everything leased is handed out and some of it is not committed yet: a lease
+                # now could wait for data while holding it (at the job's end, forever).
+                if not self._wrapped:
+                    raise RuntimeError(_COMMIT_FIRST)
+                self._paused = True
+                return
+            b, self._held = (self._held or self._lease()), None
+            if b is None:
+                return
+            if self.epoch is None:
+                self.epoch = b.epoch
+            elif b.epoch > self.epoch:
+                self._held = b  # opens the next pass
+                return
+            self._queue.append(_Entry(b.span, b._b.indices, b))
+            if self.ahead:
+                self._ahead.extend(_Entry(span, idx, None) for span, idx in self.session.upcoming())
+            yield self._queue[-1].indices
+
+    @property
+    def batch(self) -> Batch | None:
+        """The batch of the samples the loader gave last, to push and commit: the first one
+        handed to the loader and not committed yet (once all are, the last committed)."""
+        self._drop_committed()
+        if not self._queue:
+            return self._last
+        e = self._queue[0]
+        if e.batch is None:
+            # The session hands it out now that the one before is committed: the leased
+            # partition's next span, which the loader's samples came from.
+            b = self.session.next_batch(force=True)
+            if b is None or tuple(b.span) != e.span:
+                raise RuntimeError(
+                    f"the session handed out {None if b is None else tuple(b.span)}, not the "
+                    f"span {e.span} the loader was given"
+                )
+            e.batch = b
+        return e.batch
+
+
+class _LoaderInit:
+    """A loader process's start: closes the UDP sockets it inherited from the worker (its QUIC
+    endpoints; a forked process shares them), then runs the user's `worker_init_fn`. A worker
+    process killed with SIGKILL is then gone with its socket, so the coordinator's probe finds
+    it dead at once, instead of once its loader processes notice and exit."""
+
+    def __init__(self, then=None):
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+            try:
+                s = socket.socket(fileno=int(name))
+            except (OSError, ValueError):
+                continue  # not a socket (or the listing's own descriptor, closed by now)
+            if s.type == socket.SOCK_DGRAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                s.close()
+            else:
+                s.detach()
+        if self.then is not None:
+            self.then(worker_id)
+
+
+_COMMIT_FIRST = (
+    "the batches handed out are not all committed: commit each batch before the loader's next "
+    "one; with DataLoader(num_workers > 0) iterate sampler.loader(dataset, num_workers=N) (an "
+    "ElasticLoader), which waits for the commits at a partition's end"
+)
+
+
+class ElasticLoader(DataLoader):
+    """A `DataLoader` over an `ElasticSampler` (`sampler.loader(dataset, ...)`): one epoch per
+    iteration, its workers (`num_workers`, kept across passes) loading the leased partition's
+    batches ahead; at a partition's end it waits until the loop has committed what it was given,
+    leases the next partition and goes on, within the same pass. It stops handing out batches
+    once the worker should leave (drained, SIGTERM, preempted)."""
+
+    def __init__(self, dataset, sampler: ElasticSampler, **kwargs):
+        for k in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if k in kwargs:
+                raise TypeError(f"ElasticLoader takes no {k}: the job's data decides it")
+        if kwargs.get("num_workers", 0) > 0:
+            kwargs.setdefault("persistent_workers", True)
+            kwargs["worker_init_fn"] = _LoaderInit(kwargs.get("worker_init_fn"))
+        super().__init__(dataset, batch_sampler=sampler, **kwargs)
+        sampler._wrapped = True
+
+    def __iter__(self):
+        sampler: ElasticSampler = self.batch_sampler
+        while True:
+            for item in super().__iter__():
+                yield item
+                if sampler.session.should_leave:
+                    return
+            if not sampler._paused:
+                return
+            if sampler._uncommitted():
+                raise RuntimeError(_COMMIT_FIRST)

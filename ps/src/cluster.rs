@@ -108,6 +108,9 @@ pub struct JobRow {
     pub ledger: Option<LedgerRow>,
     /// Why it failed or was cancelled.
     pub message: String,
+    /// What its workers run: the job file's `[worker]` command, or `edl-worker`.
+    #[serde(default)]
+    pub runs: String,
 }
 
 /// A finished job's data ledger.
@@ -159,6 +162,7 @@ impl JobRow {
             dir: j.dir.clone(),
             ledger: j.ledger.map(LedgerRow::from),
             message: j.message.clone(),
+            runs: j.runs.clone(),
         }
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! Usage: `edl-test-worker COORDINATOR STATE_DIR NAME LOG`, or with no arguments as a job's
 //! `[worker]` program: connected by the process contract's environment, honouring SIGTERM,
-//! logging nothing.
+//! logging nothing, pausing `EDL_TEST_STEP_MS` before each step.
 
 use std::io::Write;
 
@@ -22,9 +22,19 @@ mod two_layer;
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.is_empty() {
+        // EDL_TEST_STEP_MS: a pause before each step, so that a test's job lives long enough
+        // to be resized, killed and migrated.
+        let pause = match std::env::var("EDL_TEST_STEP_MS") {
+            Ok(ms) => std::time::Duration::from_millis(ms.parse().context("EDL_TEST_STEP_MS")?),
+            Err(_) => std::time::Duration::ZERO,
+        };
         let job = edl_worker::client::Job::from_env().await?;
         let data = ImageSet::load_prefix(&std::path::Path::new(DEFAULT_DATA_DIR).join("train"))?;
-        let steps = two_layer::train(job, &data, true, |_| Ok(())).await?;
+        let steps = two_layer::train(job, &data, true, |_| {
+            std::thread::sleep(pause);
+            Ok(())
+        })
+        .await?;
         eprintln!("edl-test-worker: {steps} steps");
         return Ok(());
     }

@@ -42,6 +42,9 @@ const MAX_WORKERS: u32 = 4096;
 const MAX_JOBS: usize = 100_000;
 /// A job fails when this many of its workers fail in a row.
 const WORKER_FAILURES: u32 = 3;
+/// How long a job's size is asked for again after one of its workers failed: longer than
+/// any job's lease (the coordinator counts a dead worker until it expires).
+const RESCALE_FOR: Duration = Duration::from_secs(60);
 
 /// Unix milliseconds now.
 pub fn now_ms() -> u64 {
@@ -67,8 +70,10 @@ pub struct Scheduler<P: Placer> {
     policy: Box<dyn Policy + Send>,
     /// Admin connections to running jobs' coordinators.
     admins: HashMap<String, Admin>,
-    /// Jobs whose size must be asked for again (a worker failed to start).
-    rescale: Vec<String>,
+    /// Jobs whose size must be asked for again until the coordinator places a worker for it,
+    /// or until the deadline: a worker of theirs failed, and the coordinator counts a dead
+    /// worker until its lease expires, so one request right away would place nothing.
+    rescale: HashMap<String, Instant>,
     /// Workers asked to leave because their placement was cancelled (asked once: a second
     /// SIGTERM would end a worker at once).
     stopping: std::collections::HashSet<(String, String)>,
@@ -110,7 +115,7 @@ impl<P: Placer> Scheduler<P> {
             placer,
             policy,
             admins: HashMap::new(),
-            rescale: Vec::new(),
+            rescale: HashMap::new(),
             stopping: Default::default(),
             exits: Vec::new(),
             failures: HashMap::new(),
@@ -504,7 +509,8 @@ impl<P: Placer> Scheduler<P> {
                     {
                         let _ = tokio::time::timeout(CALL, a.placement_failed(id, &e.what)).await;
                     }
-                    self.rescale.push(e.job.clone());
+                    self.rescale
+                        .insert(e.job.clone(), Instant::now() + RESCALE_FOR);
                 }
             } else {
                 self.end_job(&e.job, State::Failed, format!("{} {}", e.name, e.what))
@@ -648,14 +654,17 @@ impl<P: Placer> Scheduler<P> {
             &views,
             &Speedup::Linear,
         );
-        let rescale = std::mem::take(&mut self.rescale);
         for (k, &i) in live.iter().enumerate() {
             let name = self.saved.jobs[i].name.clone();
             let (old, state) = (self.saved.jobs[i].alloc, self.saved.jobs[i].state);
             let new = sizes[k];
-            if new == old && !(rescale.contains(&name) && state == State::Running) {
+            if new == old {
+                if state == State::Running && self.rescale.contains_key(&name) {
+                    self.replace_failed(&name, new).await;
+                }
                 continue;
             }
+            self.rescale.remove(&name);
             if state == State::Queued {
                 if new == 0 {
                     continue;
@@ -690,6 +699,26 @@ impl<P: Placer> Scheduler<P> {
                 Ok(Err(e)) => tracing::warn!(job = %name, error = %e, "cannot resize"),
                 Err(_) => tracing::warn!(job = %name, "the resize request timed out"),
             }
+        }
+    }
+
+    /// Asks job `name`'s coordinator for `size` workers again after a worker failed: done
+    /// once it places one (the dead worker no longer counts) or [`RESCALE_FOR`] has passed.
+    async fn replace_failed(&mut self, name: &str, size: u32) {
+        let Some(admin) = self.admins.get(name) else {
+            self.rescale.remove(name);
+            return;
+        };
+        let placed = match tokio::time::timeout(CALL, admin.scale(size)).await {
+            Ok(Ok(r)) => !r.placed.is_empty(),
+            _ => false,
+        };
+        let expired = self.rescale.get(name).is_none_or(|d| Instant::now() >= *d);
+        if placed || expired {
+            self.rescale.remove(name);
+        }
+        if placed {
+            tracing::info!(job = %name, workers = size, "a failed worker is being replaced");
         }
     }
 

@@ -67,7 +67,7 @@ pub struct Scheduler<P: Placer> {
     saved: Saved,
     events: EventLog,
     placer: P,
-    policy: Box<dyn Policy + Send>,
+    policy: Box<dyn Policy + Send + Sync>,
     /// Admin connections to running jobs' coordinators.
     admins: HashMap<String, Admin>,
     /// Jobs whose size must be asked for again until the coordinator places a worker for it,
@@ -96,7 +96,7 @@ impl<P: Placer> Scheduler<P> {
         let pki = PkiDir::new(dir);
         pki.init_ca()
             .with_context(|| format!("creating the cluster CA in {}", dir.display()))?;
-        let policy: Box<dyn Policy + Send> = match cluster.policy.as_str() {
+        let policy: Box<dyn Policy + Send + Sync> = match cluster.policy.as_str() {
             "fifo" => Box::new(crate::policy::Fifo),
             "tiresias" => Box::new(Tiresias {
                 threshold: cluster.tiresias_threshold.as_secs_f64(),

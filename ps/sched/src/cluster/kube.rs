@@ -1021,6 +1021,21 @@ mod tests {
         }
     }
 
+    /// A job's own program: a command in its own image, with its env and two GPUs.
+    fn program() -> WorkerSpec {
+        WorkerSpec {
+            command: vec![
+                "python3".into(),
+                "train.py".into(),
+                "--lr".into(),
+                "0.1".into(),
+            ],
+            env: [("OMP_NUM_THREADS".to_string(), "1".to_string())].into(),
+            image: Some("registry.example/edl-torch:1".into()),
+            gpus: Some(2),
+        }
+    }
+
     fn slot(host: &str) -> Slot {
         Slot {
             name: "gpu0".into(),
@@ -1315,6 +1330,10 @@ mod tests {
                     &slot(LOCAL_HOST),
                     1,
                 )),
+            ),
+            (
+                "pod-worker-program",
+                to_json(&s.worker_pod("j1", "p8", &program(), &slot("node-a"), 8)),
             ),
         ];
         let mut files = Vec::new();
@@ -1654,12 +1673,7 @@ mod tests {
 
         // A job's own program in its own image, with the contract's environment.
         let custom = JobLaunch {
-            worker: WorkerSpec {
-                command: vec!["python3".into(), "train.py".into()],
-                image: Some("registry.example/edl-torch:1".into()),
-                gpus: Some(2),
-                env: [("OMP_NUM_THREADS".to_string(), "1".to_string())].into(),
-            },
+            worker: program(),
             ..job.clone()
         };
         placer
@@ -1670,7 +1684,7 @@ mod tests {
         let c = &pod["spec"]["containers"][0];
         assert_eq!(c["image"], "registry.example/edl-torch:1");
         assert_eq!(c["command"], json!(["python3"]));
-        assert_eq!(c["args"], json!(["train.py"]));
+        assert_eq!(c["args"], json!(["train.py", "--lr", "0.1"]));
         assert_eq!(c["resources"], json!({"limits": {"nvidia.com/gpu": "2"}}));
         let env: BTreeMap<String, String> = c["env"]
             .as_array()

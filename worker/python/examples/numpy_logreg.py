@@ -101,6 +101,7 @@ def launch() -> None:
         workers = {n: cluster.spawn(me, n) for n in ("py0", "py1")}
         admin = cluster.admin()
         while admin.status()["samples_done"] < 20000:
+            cluster.check(admin)  # workers that all died say why, instead of a hang
             time.sleep(0.2)
         print("py2 joins")
         workers["py2"] = cluster.spawn(me, "py2")
@@ -116,8 +117,6 @@ def launch() -> None:
 
 
 if __name__ == "__main__":
-    # Loopback: large UDP datagrams, as edl-local sets them (README, Speed).
-    os.environ.setdefault("EDL_DATAGRAM", "65000")
     import edl.local  # noqa: F401  (launch mode)
 
     work() if "EDL_COORDINATOR" in os.environ else launch()

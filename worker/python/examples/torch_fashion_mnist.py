@@ -63,8 +63,7 @@ def work() -> None:
         print(f"joined as worker {session.worker}", flush=True)
         for batch in session.batches():
             params.pull(session)
-            idx = torch.from_numpy(batch.indices.astype("int64"))
-            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss = F.cross_entropy(model(x[batch.indices]), y[batch.indices])
             params.zero_grad()
             loss.backward()
             params.push(session, batch)
@@ -129,6 +128,7 @@ def launch(args) -> None:
         for _ in range(args.workers):
             spawn()
         while admin.status()["samples_done"] == 0:
+            cluster.check(admin)  # a worker that cannot start says why, instead of a hang
             time.sleep(0.05)
         t0 = time.monotonic()
         plan = [] if args.no_churn else [(0.2, "join"), (0.45, "drain"), (0.65, "kill")]
@@ -148,6 +148,7 @@ def launch(args) -> None:
                     workers[victim].send_signal(signal.SIGKILL)
                     print(f"{done:.0%}: {victim} killed (SIGKILL); {spawn()} replaces it",
                           flush=True)
+            cluster.check(admin)
             time.sleep(0.1)
         wall = time.monotonic() - t0
         for name, p in workers.items():
@@ -175,6 +176,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Loopback: large UDP datagrams, as edl-local sets them (README, Speed).
-    os.environ.setdefault("EDL_DATAGRAM", "65000")
     main()

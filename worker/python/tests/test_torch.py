@@ -3,20 +3,23 @@ DataLoader loop over ElasticSampler."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
+import tomllib
 
 import numpy as np
 import pytest
 
-from conftest import HERE, exact, job_text, optional  # noqa: E402
+from conftest import HERE, exact, job_text, optional, require_data  # noqa: E402
 
 torch = optional("torch")
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+import edl.data  # noqa: E402
 import edl.local  # noqa: E402
 import edl.torch  # noqa: E402
 import torch_worker  # noqa: E402
@@ -231,3 +234,37 @@ def test_workers_killed_or_stopped_with_batches_loaded_ahead_lose_nothing(make_c
     for e in range(epochs):
         done = [int(i) for w in "bc" for row in steps(w) if int(row[0]) == e for i in row[2:]]
         assert len(done) == len(set(done)), e
+
+
+CNN = HERE.parent / "examples" / "fashion_cnn"
+
+
+def test_the_cnn_examples_job_file_is_its_net_with_a_worker_table():
+    require_data(edl.data.FASHION_MNIST / "train-images-idx3-ubyte")
+    train = example_module(CNN / "train.py")
+    committed = tomllib.loads((CNN / "job.toml").read_text())
+    written = tomllib.loads(train.job_text(train.Net()))
+    for table in ("model", "optimizer", "training", "tensor"):
+        assert committed[table] == written[table], table
+    assert committed["worker"]["command"][:2] == ["python3", "train.py"]
+    # It is a job edl-ps takes, [worker] table included.
+    assert "fc1.weight" in edl.local.check_job(CNN / "job.toml")
+
+
+def test_the_cnn_example_trains_exactly_once_with_two_loader_processes():
+    require_data(edl.data.FASHION_MNIST / "train-images-idx3-ubyte")
+    out = subprocess.run(
+        [sys.executable, CNN / "train.py", "--local", "--samples", "1024", "--num-workers", "2",
+         "--no-test"], capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "w0: exit 0" in out.stdout and "ledger: 1 shard-epochs, exact" in out.stdout, out.stdout
+    assert "trained 1024 samples" in out.stdout and "test accuracy" in out.stdout, out.stdout
+
+
+def example_module(path):
+    """An example script, imported as a module (its `__main__` part does not run)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

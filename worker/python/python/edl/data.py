@@ -34,9 +34,10 @@ def _idx(raw: bytes, dims: int, what: Path) -> np.ndarray:
     return body.reshape(shape)
 
 
-def load_idx(prefix) -> tuple[np.ndarray, np.ndarray]:
-    """Images (n x pixels, float32, standardized) and labels (n, int64) from
-    `PREFIX-images-idx3-ubyte[.gz]` and `PREFIX-labels-idx1-ubyte[.gz]`."""
+def load_idx_bytes(prefix) -> tuple[np.ndarray, np.ndarray]:
+    """Images as they are stored (n x height x width, uint8, writable) and labels (n, int64)
+    from `PREFIX-images-idx3-ubyte[.gz]` and `PREFIX-labels-idx1-ubyte[.gz]`: for a dataset
+    that transforms each sample as it loads it."""
     prefix = Path(prefix)
     images_path = prefix.with_name(prefix.name + "-images-idx3-ubyte")
     labels_path = prefix.with_name(prefix.name + "-labels-idx1-ubyte")
@@ -44,6 +45,14 @@ def load_idx(prefix) -> tuple[np.ndarray, np.ndarray]:
     labels = _idx(_read(labels_path), 1, labels_path)
     if len(pixels) != len(labels):
         raise ValueError(f"{len(pixels)} images but {len(labels)} labels under {prefix}")
+    # A copy: the file's bytes are read-only, which torch.from_numpy warns about.
+    return pixels.copy(), labels.astype(np.int64)
+
+
+def load_idx(prefix) -> tuple[np.ndarray, np.ndarray]:
+    """Images (n x pixels, float32, standardized) and labels (n, int64) from
+    `PREFIX-images-idx3-ubyte[.gz]` and `PREFIX-labels-idx1-ubyte[.gz]`."""
+    pixels, labels = load_idx_bytes(prefix)
     # The set's own pixel statistics from a histogram of the 256 values (no float64 copy of
     # the set), then float32 arithmetic, as data.rs does.
     counts = np.bincount(pixels.ravel(), minlength=256).astype(np.float64)
@@ -56,11 +65,15 @@ def load_idx(prefix) -> tuple[np.ndarray, np.ndarray]:
     x /= np.float32(255.0)
     x -= np.float32(mean)
     x /= np.float32(std)
-    return x, labels.astype(np.int64)
+    return x, labels
+
+
+def fashion_mnist_dir(root=None) -> Path:
+    """Where Fashion-MNIST is: `root`, else $EDL_DATA_DIR, else Debian's location."""
+    return Path(root or os.environ.get("EDL_DATA_DIR") or FASHION_MNIST)
 
 
 def fashion_mnist(split: str = "train", root=None) -> tuple[np.ndarray, np.ndarray]:
-    """Fashion-MNIST's `train` (60,000) or `t10k` (10,000) split; `root` defaults to
-    $EDL_DATA_DIR or Debian's location."""
-    root = Path(root or os.environ.get("EDL_DATA_DIR") or FASHION_MNIST)
-    return load_idx(root / split)
+    """Fashion-MNIST's `train` (60,000) or `t10k` (10,000) split, standardized; `root`
+    defaults to $EDL_DATA_DIR or Debian's location."""
+    return load_idx(fashion_mnist_dir(root) / split)

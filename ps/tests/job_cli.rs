@@ -355,3 +355,44 @@ async fn job_submit_sends_a_checked_file_and_show_keeps_a_failure_readable() {
     );
     stop.cancel();
 }
+
+#[test]
+fn job_check_says_what_the_workers_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("job.toml");
+    let check = |body: &str| {
+        std::fs::write(&file, body).expect("writes the job");
+        let out = job_check(&file, &[]);
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
+    };
+    let (ok, out, err) = check(JOB);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("workers run: edl-worker (built-in model)"),
+        "{out}"
+    );
+
+    let program = format!("{JOB}\n[worker]\ncommand = [\"python3\", \"train.py\", \"a b\"]\n");
+    let (ok, out, err) = check(&program);
+    assert!(ok, "{err}");
+    assert!(out.contains("workers run: python3 train.py 'a b'"), "{out}");
+    // --toml keeps the table.
+    let toml = job_check(&file, &["--toml"]);
+    assert!(
+        text(&toml.stdout).contains("[worker]\ncommand = [\"python3\", \"train.py\", \"a b\"]")
+    );
+
+    let custom = "[model]\nkind = \"custom\"\n\n[[tensor]]\nname = \"w\"\nshape = [4]\n\
+                  init = \"zeros\"\n";
+    let (ok, out, err) = check(custom);
+    assert!(ok, "{err}");
+    assert!(out.contains("workers: none named"), "{out}");
+
+    let reserved = format!("{JOB}\n[worker]\nenv = {{ EDL_PLACEMENT = \"3\" }}\n");
+    let (ok, _, err) = check(&reserved);
+    assert!(!ok);
+    assert!(
+        err.contains("job.toml:10: worker.env.EDL_PLACEMENT"),
+        "{err}"
+    );
+}

@@ -281,7 +281,8 @@ async fn main() -> anyhow::Result<()> {
             toml,
             no_data_check,
         }) => {
-            let job = edl_shared::jobfile::load(&file)?;
+            let whole = edl_shared::jobfile::load_file(&file)?;
+            let job = &whole.job;
             if let Some(data) = job.data.as_ref().filter(|_| !no_data_check) {
                 let missing: Vec<String> = missing_data(data)
                     .iter()
@@ -290,10 +291,20 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::ensure!(missing.is_empty(), "{}", missing.join("\n"));
             }
             if toml {
-                print!("{}", edl_shared::jobfile::to_toml(&job));
+                print!("{}", whole.to_toml());
             } else {
                 println!("{}: valid", file.display());
-                print!("{}", edl_shared::jobfile::describe(&job));
+                print!("{}", edl_shared::jobfile::describe(job));
+                let custom = job.model == edl_shared::proto::ModelSpec::Custom;
+                if custom && whole.worker.is_builtin() {
+                    println!(
+                        "workers: none named (edl-worker cannot train a custom model; add a \
+                         [worker] table with command = [...] to run it under edl-local or \
+                         edl-sched, or start your program by hand)"
+                    );
+                } else {
+                    println!("workers run: {}", whole.worker.describe());
+                }
             }
         }
         Cmd::Coordinator(a) => {

@@ -4,6 +4,7 @@ DataLoader loop over ElasticSampler."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -268,3 +269,68 @@ def example_module(path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+CHURN = """
+[[event]]
+at_s = 1.0
+action = "add"      # w2
+count = 1
+
+[[event]]
+at_s = 3.0
+action = "term"
+worker = "w0"
+
+[[event]]
+at_s = 5.0
+action = "preempt"
+worker = "w1"
+
+[[event]]
+at_s = 6.0
+action = "add"      # w3, w4
+count = 2
+
+[[event]]
+at_s = 11.0
+action = "kill"
+worker = "w2"
+"""
+
+
+def test_edl_local_runs_a_python_program_of_the_job_file_through_churn(tmp_path):
+    # The placer starts the job file's [worker] program under the process contract: a
+    # PyTorch worker with two loader processes; SIGTERM, SIGUSR1 and SIGKILL each land on
+    # one with batches loaded ahead. At least 21 s of training (steps of 50 ms, at most 3
+    # workers at once), so that w2, started at 1 s, has joined (however slowly) by its kill.
+    n = 20480
+    job = tmp_path / "job.toml"
+    job.write_text(
+        job_text(samples=n, epochs=1, batch=16, partition=256,
+                 tensors=(("0.weight", (16, 20)), ("0.bias", (16,)), ("2.weight", (3, 16)),
+                          ("2.bias", (3,))))
+        + f'\n[worker]\ncommand = ["{sys.executable}", "{TORCH_WORKER}", "0.0005", "0.05"]\n'
+        + f'env = {{ EDL_TEST_SAMPLES = "{n}", EDL_STEPS_FILE = "steps.log" }}\n'
+    )
+    scenario = tmp_path / "churn.toml"
+    scenario.write_text(CHURN)
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [edl.local.find_binary("edl-local"), "--job", job, "--workers", "2", "--scenario",
+         scenario, "--report", report, "--state-dir", tmp_path / "state"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "RUST_BACKTRACE": "0"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(report.read_text())
+    assert r["finished"] and r["shutdown_problems"] == [], r
+    assert [(e["samples"], e["duplicates"], e["missing"]) for e in r["epochs"]] == [(n, 0, 0)]
+    fates = {w["name"]: (w["fate"], w["exit_code"], w["signal"]) for w in r["worker_processes"]}
+    assert fates == {"w0": ("termed", 0, None), "w1": ("preempted", 0, None),
+                     "w2": ("killed", None, 9), "w3": ("none", 0, None),
+                     "w4": ("none", 0, None)}, fates
+    # Found dead by its socket, which its loader processes no longer hold.
+    assert "port unreachable" in r["elastic"]["deaths"][0]["how"], r["elastic"]["deaths"]
+    # Every worker ran in the job file's folder and loaded batches ahead of its commits.
+    rows = [ln.split() for ln in (tmp_path / "steps.log").read_text().splitlines()]
+    assert max(int(row[1]) for row in rows) >= 3

@@ -13,8 +13,10 @@
 # target/gpu-check/. The device machines we borrow cannot reach crates.io: build there first
 # with `deploy/gpu/check.sh --build-only` on a machine that can, carry the five binaries
 # target/gpu-check/{edl-cuda-agreement,edl-gpu-bench,edl-local,edl-ps,edl-worker} (about
-# 29 MiB together; not the whole folder, which holds the build's intermediates) with the
-# working tree, and run it with EDL_CHECK_PREBUILT=1.
+# 35 MiB together; not the whole folder, which holds the build's intermediates) and
+# target/gpu-check/lib (the shared libraries they need that a bare machine lacks, such as
+# fontconfig for edl-local's plots; 2 MiB) with the working tree, and run it with
+# EDL_CHECK_PREBUILT=1.
 #
 # Environment: OUT (where results go), EDL_CHECK_PREBUILT=1 (skip the build and use the
 # binaries already in target/gpu-check), EDL_DATA_DIR (Fashion-MNIST idx files; without them a
@@ -118,9 +120,18 @@ else
 fi
 
 if [ "${1:-}" = --build-only ]; then
-  say "built into $BIN; carry it to the GPU machine and run with EDL_CHECK_PREBUILT=1"
+  # The device machines are bare: edl-local's plots link fontconfig and freetype, which they
+  # lack. Keep the libraries the binaries need beside them, but not the C library's own.
+  mkdir -p "$BIN/lib"
+  for b in "$BIN"/edl-local "$BIN"/edl-ps "$BIN"/edl-worker; do
+    ldd "$b" 2>/dev/null | awk '$3 ~ /^\// {print $3}'
+  done | sort -u | grep -Ev '/(libc|libm|libgcc_s|libpthread|libdl|librt|ld-linux[^/]*)\.so' |
+    while read -r lib; do cp -L "$lib" "$BIN/lib/"; done
+  say "built into $BIN (with $(ls "$BIN/lib" | wc -l) libraries in $BIN/lib); carry its five binaries and lib/ to the GPU machine and run with EDL_CHECK_PREBUILT=1"
   exit "$FAILED"
 fi
+# Libraries carried with prebuilt binaries (see --build-only).
+[ -d "$BIN/lib" ] && export LD_LIBRARY_PATH="$PWD/$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 # --- 2. Agreement tests --------------------------------------------------------------------
 say "CPU-vs-GPU agreement tests"

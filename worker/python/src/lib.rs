@@ -1135,22 +1135,33 @@ impl Session {
     }
 
     /// Leaves gracefully: uncommitted data returns to the pool. Leaving twice does nothing.
-    /// After `stop` or a preemption notice the leave must be done by the deadline: if it is
-    /// not, EdlError (kind "Unreturned") says what the coordinator still holds for this worker
-    /// (it returns it when the worker's lease expires).
+    /// After `stop` or a preemption notice the leave must be done by the deadline (it gets
+    /// half a second at least, even past it): if it is not, EdlError (kind "Unreturned") says
+    /// what the coordinator still holds for this worker (it returns it when the worker's
+    /// lease expires).
     fn leave(&self, py: Python<'_>) -> PyResult<()> {
         let Some(s) = claim(&self.inner, "session")?.take() else {
             return Ok(());
         };
         self.left.store(true, Ordering::Relaxed);
         let holdings = s.holdings();
-        match wait_call(
-            py,
-            &self.rt,
-            bounded(s.leave(), &self.stop, &self.notices, false, Duration::ZERO),
-        )? {
-            Bounded::Done(()) => Ok(()),
-            Bounded::Stopped | Bounded::Overrun => Err(binding_error(
+        let until = match (self.stop.deadline(), self.notices.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+        .map(|d| tokio::time::Instant::from_std(d.max(Instant::now() + LEAVE_MARGIN)));
+        let leave = async move {
+            match until {
+                None => s.leave().await.map(Some),
+                Some(at) => Ok(tokio::time::timeout_at(at, s.leave())
+                    .await
+                    .ok()
+                    .transpose()?),
+            }
+        };
+        match wait_call(py, &self.rt, leave)? {
+            Some(()) => Ok(()),
+            None => Err(binding_error(
                 py,
                 "Unreturned",
                 format!(

@@ -161,3 +161,23 @@ def cluster_env(make_cluster):
     c.job("w1")  # issues worker/w1 in the state directory (job "default")
     env = {k: v for k, v in c.env("w1").items() if k.startswith("EDL_")}
     return c, env
+
+
+def test_a_stop_that_cannot_leave_in_its_grace_says_what_it_holds(make_cluster, tmp_path):
+    # The coordinator is gone: the step's commit cannot finish, nor can the leave. The worker
+    # gives up after its grace period (the job's lease, 2 s) and names what it still holds.
+    c = make_cluster(job_text(samples=100_000, batch=16, partition=1024, lease_ms=2000))
+    steps = tmp_path / "a.steps"
+    a = spawn_worker(c, "a", "0.05", env={"EDL_STEPS_FILE": str(steps)})
+    wait_until("a trains", lambda: steps_of(steps) >= 3)
+    c.procs["coordinator"].kill()
+    c.procs["coordinator"].wait()
+    t = time.monotonic()
+    a.send_signal(signal.SIGTERM)
+    code = a.wait(timeout=30)
+    took = time.monotonic() - t
+    log = c.log("a")
+    assert code == 1, log
+    assert "could not leave by the deadline" in log and "registration" in log, log
+    assert "leased and not committed" in log, log
+    assert 1.5 < took < 10, took  # its grace (2 s), not the transport's timeouts

@@ -153,7 +153,7 @@ def work(args) -> None:
             dt = time.monotonic() - t0
             print(f"{name}: epoch {epoch}: {seen} samples in {dt:.1f} s, "
                   f"{seen / max(dt, 1e-9):.0f} samples/s", flush=True)
-            if test is not None:
+            if test is not None and not session.should_leave:  # leaving: within its grace
                 params.pull(session)
                 acc, test_loss = evaluate(model, test)
                 session.report_evaluation(acc, test_loss, len(test))

@@ -23,7 +23,8 @@ use edl_worker::data::DEFAULT_DATA_DIR;
 struct Cli {
     /// Run this job file (TOML; examples in deploy/jobs/) instead of an MLP job described by
     /// the flags below: its model, optimizer, consistency, batch size, epochs, samples and
-    /// data. Its model must be one edl-worker trains (mlp, logreg).
+    /// data. Its workers run the file's [worker] command (in the file's folder, with the
+    /// process contract's EDL_* environment) or else edl-worker, which trains mlp and logreg.
     #[arg(long, value_name = "FILE", conflicts_with_all = [
         "epochs", "consistency", "optimizer", "batch_size", "train_samples", "lease_ms",
         "layers", "seed",

@@ -97,6 +97,9 @@ async fn a_killed_worker_is_dead_within_a_second_and_a_paused_one_is_not() {
     // The default lease (3 s): longer than the pause, and much longer than the second a
     // death may take to be found.
     cfg.lease_ms = 3_000;
+    // Training must outlast the pause at 5 s with room to spare: 2 epochs once ended at 4.5 s
+    // on an idle machine (the pause was then skipped); 5 take 10 s or more there.
+    cfg.epochs = 5;
     cfg.scenario = Some(ScenarioFile {
         scenario: Scenario::parse(KILL_AND_PAUSE, 3, 2).expect("scenario"),
         path: dir.path().join("scenario.toml"),

@@ -187,16 +187,20 @@ struct Local {
     handle: Handle,
 }
 
-/// Whether `pid` still runs process `name` of `job`: an EDL server, or a worker program
-/// started with the contract's `EDL_JOB` and `EDL_NAME` (a pid reused by another program does
-/// not count).
+/// Whether `pid` still runs process `name` of `job`: `edl-ps` or `edl-worker`, or a worker
+/// program started with the contract's `EDL_JOB` and `EDL_NAME` (a pid reused by another
+/// program does not count).
 fn alive(pid: i32, job: &str, name: &str) -> bool {
     use edl_shared::contract;
     if kill(Pid::from_raw(pid), None).is_err() {
         return false;
     }
-    let server = std::fs::read(format!("/proc/{pid}/cmdline"))
-        .is_ok_and(|c| String::from_utf8_lossy(&c).contains("edl-ps"));
+    // edl-worker too: one an earlier scheduler started before workers got the contract's
+    // environment.
+    let server = std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+        let c = String::from_utf8_lossy(&c);
+        c.contains("edl-ps") || c.contains("edl-worker")
+    });
     let markers = [
         format!("{}={job}", contract::JOB),
         format!("{}={name}", contract::NAME),

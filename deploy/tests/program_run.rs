@@ -31,23 +31,6 @@ action = "kill"
 worker = "w1"
 "#;
 
-fn job_file(dir: &std::path::Path, program: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("custom.toml");
-    let text = format!(
-        "[model]\nkind = \"custom\"\n\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n\n[training]\n\
-         consistency = \"ssp:2\"\nsamples = {SAMPLES}\nepochs = 1\nbatch_size = 64\n\
-         partition_size = 512\nlease_ms = 1000\n\n\
-         [[tensor]]\nname = \"fc1.weight\"\nshape = [784, 32]\ninit = \"glorot_uniform\"\n\n\
-         [[tensor]]\nname = \"fc1.bias\"\nshape = [32]\ninit = \"zeros\"\n\n\
-         [[tensor]]\nname = \"fc2.weight\"\nshape = [32, 10]\ninit = \"glorot_uniform\"\n\n\
-         [[tensor]]\nname = \"fc2.bias\"\nshape = [10]\ninit = \"zeros\"\n\n\
-         [worker]\ncommand = [{:?}]\nenv = {{ EDL_TEST_STEP_MS = \"20\" }}\n",
-        program.display().to_string()
-    );
-    std::fs::write(&path, text).expect("write the job file");
-    path
-}
-
 #[tokio::test]
 async fn a_job_files_program_trains_through_churn_exactly_once() {
     if !common::have_dataset() {
@@ -55,13 +38,13 @@ async fn a_job_files_program_trains_through_churn_exactly_once() {
     }
     let _one = common::ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let program = common::bin_dir().join("edl-test-worker");
-    assert!(
-        program.is_file(),
-        "{} is missing: build the workspace",
-        program.display()
+    let file = edl_testkit::test_worker_job(
+        dir.path(),
+        &common::bin_dir(),
+        SAMPLES,
+        20,
+        "consistency = \"ssp:2\"\npartition_size = 512\nlease_ms = 1000",
     );
-    let file = job_file(dir.path(), &program);
     let cfg = common::scenario_config(dir.path(), SCENARIO, 5, false, 2)
         .from_job_file(&file)
         .expect("the job file");

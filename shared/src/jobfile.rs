@@ -118,6 +118,16 @@ pub struct JobFile {
 }
 
 impl JobFile {
+    /// Why no placer can start this job's workers, if none can: a custom model whose file
+    /// names no `[worker]` program (`edl-worker` trains only the built-in models).
+    pub fn unplaceable(&self) -> Option<&'static str> {
+        (self.job.model == ModelSpec::Custom && self.worker.is_builtin()).then_some(
+            "the model is custom (defined by the job's own program) and the file names no \
+             program for its workers: add a [worker] table with command = [...] (edl-worker \
+             trains only the built-in models, mlp and logreg)",
+        )
+    }
+
     /// The file as text that [`parse_file`] reads back to an equal [`JobFile`] (see
     /// [`to_toml`]).
     pub fn to_toml(&self) -> String {
@@ -158,24 +168,14 @@ pub fn load_worker(path: &Path) -> Result<WorkerSpec, JobFileError> {
     })?;
     let cx = Cx { text: &text, path };
     let raw: RawJob = toml::from_str(&text).map_err(|e| cx.toml_error(&e))?;
-    Ok(raw
-        .worker
-        .as_ref()
-        .map(|w| cx.worker(w))
-        .transpose()?
-        .unwrap_or_default())
+    cx.worker_of(&raw)
 }
 
 /// Parses and validates a whole job file's text: the job and its `[worker]` table.
 pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
     let cx = Cx { text, path };
     let raw: RawJob = toml::from_str(text).map_err(|e| cx.toml_error(&e))?;
-    let worker = raw
-        .worker
-        .as_ref()
-        .map(|w| cx.worker(w))
-        .transpose()?
-        .unwrap_or_default();
+    let worker = cx.worker_of(&raw)?;
     let data = raw.data.as_ref().map(|d| cx.data(d)).transpose()?;
     let mut counts = Counts {
         train: match (&data, &raw.data) {

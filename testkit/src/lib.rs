@@ -87,13 +87,7 @@ impl TestCluster {
         let mut tasks = JoinSet::new();
         let id = pki.ensure(Role::Coordinator, "coordinator")?;
         let bound = coordinator::bind(
-            CoordinatorConfig {
-                job,
-                shards,
-                state_file: None,
-                stragglers: Default::default(),
-                probe_sockets: true,
-            },
+            in_memory_coordinator(job, shards),
             "127.0.0.1:0".parse()?,
             &id,
             labelled(&settings, "coordinator"),
@@ -124,13 +118,7 @@ impl TestCluster {
     async fn spawn_shard(&mut self, name: &str) -> anyhow::Result<SocketAddr> {
         let id = self.pki.ensure(Role::Shard, name)?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let cfg = ShardConfig {
-            coordinator: self.coordinator_addr.to_string(),
-            listen: "127.0.0.1:0".parse()?,
-            advertise: None,
-            checkpoint: None,
-            checkpoint_every: None,
-        };
+        let cfg = loopback_shard(&self.coordinator_addr);
         let (stop, settings) = (self.shutdown.clone(), labelled(&self.settings, name));
         self.tasks.spawn(async move {
             if let Err(e) = shard::run(cfg, id, settings, stop, Some(tx)).await {
@@ -215,6 +203,29 @@ impl TestCluster {
 }
 
 /// `settings` with their fault plan (if any) labelled `name`, so the plan can name the node.
+/// A coordinator of `job` over `shards` shard servers that keeps its state in memory, as the
+/// tests' in-process clusters run it.
+pub(crate) fn in_memory_coordinator(job: JobConfig, shards: u32) -> CoordinatorConfig {
+    CoordinatorConfig {
+        job,
+        shards,
+        state_file: None,
+        stragglers: Default::default(),
+        probe_sockets: true,
+    }
+}
+
+/// A shard server of the job at `coordinator` on a loopback port, without checkpoints.
+pub(crate) fn loopback_shard(coordinator: &SocketAddr) -> ShardConfig {
+    ShardConfig {
+        coordinator: coordinator.to_string(),
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        advertise: None,
+        checkpoint: None,
+        checkpoint_every: None,
+    }
+}
+
 fn labelled(settings: &TransportSettings, name: &str) -> TransportSettings {
     TransportSettings {
         faults: settings.faults.as_ref().map(|f| f.labelled(name)),
@@ -330,6 +341,41 @@ pub fn event_kinds(trace: &JobTrace, worker: WorkerId) -> Vec<EventKind> {
         .filter(|e| e.worker == worker)
         .map(|e| e.kind)
         .collect()
+}
+
+/// Writes `dir/custom.toml`: one epoch of `samples` of the two-layer network of
+/// `worker/examples/two_layer.rs` (hidden width 32, SGD, batches of 64) whose `[worker]`
+/// program is `bin_dir`'s `edl-test-worker`, pausing `step_ms` before each step. `training`
+/// adds lines to its `[training]` table (consistency, partition size, lease).
+///
+/// # Panics
+/// When `edl-test-worker` is not built or the file cannot be written.
+pub fn test_worker_job(
+    dir: &Path,
+    bin_dir: &Path,
+    samples: u32,
+    step_ms: u32,
+    training: &str,
+) -> std::path::PathBuf {
+    let program = bin_dir.join("edl-test-worker");
+    assert!(
+        program.is_file(),
+        "{} is missing: build the workspace",
+        program.display()
+    );
+    let text = format!(
+        "[model]\nkind = \"custom\"\n\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n\n[training]\n\
+         samples = {samples}\nepochs = 1\nbatch_size = 64\n{training}\n\n\
+         [[tensor]]\nname = \"fc1.weight\"\nshape = [784, 32]\ninit = \"glorot_uniform\"\n\n\
+         [[tensor]]\nname = \"fc1.bias\"\nshape = [32]\ninit = \"zeros\"\n\n\
+         [[tensor]]\nname = \"fc2.weight\"\nshape = [32, 10]\ninit = \"glorot_uniform\"\n\n\
+         [[tensor]]\nname = \"fc2.bias\"\nshape = [10]\ninit = \"zeros\"\n\n\
+         [worker]\ncommand = [{:?}]\nenv = {{ EDL_TEST_STEP_MS = \"{step_ms}\" }}\n",
+        program.display().to_string()
+    );
+    let path = dir.join("custom.toml");
+    std::fs::write(&path, text).expect("write the job file");
+    path
 }
 
 /// True when Debian's `dataset-fashion-mnist` is installed. Without it a test says it was

@@ -11,8 +11,8 @@ use std::thread::JoinHandle;
 
 use anyhow::Context;
 use edl_launch::{Exit, JobLaunch, Placer, ProcRecord, Slot};
-use edl_ps::coordinator::{self, CoordinatorConfig};
-use edl_ps::shard::{self, ShardConfig};
+use edl_ps::coordinator;
+use edl_ps::shard;
 use edl_shared::Role;
 use edl_shared::pki::load_identity;
 use edl_shared::shutdown::CancellationToken;
@@ -96,13 +96,7 @@ impl Placer for ThreadPlacer {
             load_identity(&c.ca, &c.cert, &c.key).with_context(|| format!("{role}/{name}"))
         };
         let bound = coordinator::bind(
-            CoordinatorConfig {
-                job: config,
-                shards: job.shards,
-                state_file: None,
-                stragglers: Default::default(),
-                probe_sockets: true,
-            },
+            crate::in_memory_coordinator(config, job.shards),
             "127.0.0.1:0".parse()?,
             &creds(Role::Coordinator, "coordinator")?,
             TransportSettings::default(),
@@ -116,13 +110,7 @@ impl Placer for ThreadPlacer {
         }];
         for i in 0..job.shards {
             let name = format!("s{i}");
-            let cfg = ShardConfig {
-                coordinator: addr.to_string(),
-                listen: "127.0.0.1:0".parse()?,
-                advertise: None,
-                checkpoint: None,
-                checkpoint_every: None,
-            };
+            let cfg = crate::loopback_shard(&addr);
             let (id, stop) = (creds(Role::Shard, &name)?, stop.clone());
             tokio::spawn(async move {
                 if let Err(e) = shard::run(cfg, id, TransportSettings::default(), stop, None).await

@@ -177,15 +177,11 @@ impl LocalConfig {
     /// (epochs, consistency, optimizer, batch size, samples, lease, layers, seed) are taken
     /// from it, so that the report says what ran.
     pub fn from_job_file(mut self, file: &Path) -> anyhow::Result<LocalConfig> {
-        let edl_shared::jobfile::JobFile { job, worker } = edl_shared::jobfile::load_file(file)?;
-        if job.model == ModelSpec::Custom && worker.is_builtin() {
-            bail!(
-                "{}: the model is custom (defined by the job's own program) and the file names \
-                 no program for its workers: add a [worker] table with command = [...] \
-                 (edl-worker trains only the built-in models, mlp and logreg)",
-                file.display()
-            );
+        let whole = edl_shared::jobfile::load_file(file)?;
+        if let Some(why) = whole.unplaceable() {
+            bail!("{}: {why}", file.display());
         }
+        let job = whole.job;
         self.epochs = job.epochs;
         self.consistency = job.consistency;
         self.optimizer = job.optimizer.clone();
@@ -769,11 +765,10 @@ impl Launch<'_> {
         self.pki
             .ensure(Role::Worker, name)
             .with_context(|| format!("issuing the certificate of worker/{name}"))?;
-        if !self.worker.is_builtin() {
-            return self.spawn_program(name, stands_for, slot, placement.map(|(id, _)| id));
-        }
-        let mut args = self.worker_args(&coordinator, name, false);
-        args.extend([
+        let placement = placement.map(|(id, _)| id);
+        // edl-worker's own flags: /metrics, the preemption notice, the scenario's slowdown.
+        let mut extra: Vec<OsString> = launch::metrics_args(&self.state_dir, name).into();
+        extra.extend([
             "--preempt-notice".into(),
             humantime::format_duration(self.cfg.elastic.preempt_notice)
                 .to_string()
@@ -783,61 +778,28 @@ impl Launch<'_> {
                 .slowdown_file(&self.state_dir, name)
                 .into_os_string(),
         ]);
-        if let Some((id, _)) = placement {
-            args.extend(["--placement".into(), id.to_string().into()]);
-        }
-        let proc = Proc::spawn(Spawn {
-            log: self.logs.join(format!("{name}.log")),
-            args,
-            name: name.to_string(),
-            program: self.bins.worker.clone(),
-            ..Spawn::default()
-        })?;
-        self.workers.push(WorkerProc {
-            proc,
-            stands_for: stands_for.to_string(),
-            slot,
-            placement: placement.map(|(id, _)| id),
-            exited_ms: None,
-            fate: Fate::Trains,
-        });
-        Ok(())
-    }
-
-    /// Starts worker `name` as the job file's `[worker]` program, in the job file's folder,
-    /// with the process contract's environment (the run's development PKI as its state
-    /// directory).
-    fn spawn_program(
-        &mut self,
-        name: &str,
-        stands_for: &str,
-        slot: String,
-        placement: Option<u64>,
-    ) -> anyhow::Result<()> {
-        let coordinator = self
-            .coordinator_addr
-            .context("workers cannot start before the coordinator")?;
-        let file = self
+        // A job file's [worker] program runs in its folder, with the contract's environment
+        // (the run's development PKI as its state directory).
+        let workdir = self
             .cfg
             .job
             .as_deref()
-            .context("a [worker] program needs a job file")?;
-        let workdir = file.parent().unwrap_or(Path::new("."));
-        let env = WorkerEnv {
-            coordinators: vec![coordinator.to_string()],
-            credentials: Credentials::StateDir(self.state_dir.clone()),
-            job: edl_shared::pki::DEFAULT_JOB.to_string(),
-            name: name.to_string(),
-            placement,
-            devices: None,
-        };
+            .and_then(Path::parent)
+            .unwrap_or(Path::new("."));
         let w = launch::WorkerLaunch {
             spec: &self.worker,
             workdir,
-            env,
+            env: WorkerEnv {
+                coordinators: vec![coordinator.to_string()],
+                credentials: Credentials::StateDir(self.state_dir.clone()),
+                job: edl_shared::pki::DEFAULT_JOB.to_string(),
+                name: name.to_string(),
+                placement,
+                devices: None,
+            },
             data_dir: &self.cfg.data_dir,
             state_dir: &self.state_dir,
-            worker_args: &[],
+            worker_args: &extra,
         };
         let spawn = launch::worker_spawn(
             &self.bins,
@@ -857,19 +819,6 @@ impl Launch<'_> {
         Ok(())
     }
 
-    fn worker_args(&self, coordinator: &SocketAddr, name: &str, evaluate: bool) -> Vec<OsString> {
-        let mut args = launch::worker_args(
-            coordinator,
-            name,
-            &self.cfg.data_dir,
-            &self.state_dir,
-            None,
-            evaluate,
-        );
-        args.extend(launch::metrics_args(&self.state_dir, name));
-        args
-    }
-
     /// Fails if the coordinator or a shard has exited, unless it was a shard the launcher
     /// killed or the coordinator removed (see [`Shards::check`]): training cannot go on
     /// without them.
@@ -887,7 +836,18 @@ impl Launch<'_> {
         let eval = Proc::spawn(Spawn {
             name: EVALUATOR_NAME.into(),
             program: self.bins.worker.clone(),
-            args: self.worker_args(coordinator, EVALUATOR_NAME, true),
+            args: [
+                launch::worker_args(
+                    &coordinator.to_string(),
+                    EVALUATOR_NAME,
+                    &self.cfg.data_dir,
+                    &self.state_dir,
+                    None,
+                    true,
+                ),
+                launch::metrics_args(&self.state_dir, EVALUATOR_NAME).into(),
+            ]
+            .concat(),
             log: self.logs.join("eval.log"),
             capture_stdout: true,
             ..Spawn::default()

@@ -161,7 +161,7 @@ pub fn shard_args(
 /// `edl-worker`'s arguments for the worker `name` of the job at `coordinator` (the evaluator
 /// with `evaluate`), reading Fashion-MNIST from `data_dir` unless the job names its data.
 pub fn worker_args(
-    coordinator: &SocketAddr,
+    coordinator: &str,
     name: &str,
     data_dir: &Path,
     state_dir: &Path,
@@ -174,7 +174,7 @@ pub fn worker_args(
     }
     args.extend([
         "--coordinator".into(),
-        coordinator.to_string().into(),
+        coordinator.into(),
         "--name".into(),
         name.into(),
         "--data-dir".into(),
@@ -185,6 +185,17 @@ pub fn worker_args(
 }
 
 impl Creds {
+    /// The credential files of `role/name` in the PKI of the state directory `dir` (where a
+    /// launcher issues a job's certificates).
+    pub fn in_dir(dir: &Path, role: edl_shared::Role, name: &str) -> Creds {
+        let pki = edl_shared::pki::PkiDir::new(dir);
+        Creds {
+            ca: pki.ca_cert(),
+            cert: pki.node_cert(role, name),
+            key: pki.node_key(role, name),
+        }
+    }
+
     /// The credentials as the process contract gives them.
     pub fn contract(&self) -> Credentials {
         Credentials::Files {
@@ -231,24 +242,27 @@ pub fn worker_spawn(bins: &Binaries, w: &WorkerLaunch<'_>, name: String, log: Pa
     );
     let (program, args, dir) = match w.spec.command.split_first() {
         None => {
-            let creds = match &w.env.credentials {
-                Credentials::Files { ca, cert, key } => Some(Creds {
-                    ca: ca.clone(),
-                    cert: cert.clone(),
-                    key: key.clone(),
-                }),
-                Credentials::StateDir(_) => None,
-            };
-            let state_dir = match &w.env.credentials {
-                Credentials::StateDir(d) => d.as_path(),
-                Credentials::Files { .. } => w.state_dir,
+            let (state_dir, creds) = match &w.env.credentials {
+                Credentials::StateDir(d) => (d.as_path(), None),
+                Credentials::Files { ca, cert, key } => (
+                    w.state_dir,
+                    Some(Creds {
+                        ca: ca.clone(),
+                        cert: cert.clone(),
+                        key: key.clone(),
+                    }),
+                ),
             };
             // edl-worker takes one coordinator.
-            let coordinator = w.env.coordinators.first().cloned().unwrap_or_default();
-            let mut args = vec!["--coordinator".into(), coordinator.into()];
-            args.extend(["--name".into(), w.env.name.clone().into()]);
-            args.extend(["--data-dir".into(), w.data_dir.as_os_str().to_owned()]);
-            push_common(&mut args, state_dir, creds.as_ref());
+            let coordinator = w.env.coordinators.first().map_or("", String::as_str);
+            let mut args = worker_args(
+                coordinator,
+                &w.env.name,
+                w.data_dir,
+                state_dir,
+                creds.as_ref(),
+                false,
+            );
             if let Some(p) = w.env.placement {
                 args.extend(["--placement".into(), p.to_string().into()]);
             }

@@ -14,7 +14,6 @@ use anyhow::Context;
 use edl_shared::Role;
 use edl_shared::contract::WorkerEnv;
 use edl_shared::jobfile::WorkerSpec;
-use edl_shared::pki::PkiDir;
 use edl_shared::proto::StragglerSettings;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -84,12 +83,7 @@ impl JobLaunch {
     /// The credential files of `role/name` in the job's certificate directory (the layout
     /// of a state directory's PKI).
     pub fn creds(&self, role: Role, name: &str) -> Creds {
-        let pki = PkiDir::new(&self.dir);
-        Creds {
-            ca: pki.ca_cert(),
-            cert: pki.node_cert(role, name),
-            key: pki.node_key(role, name),
-        }
+        Creds::in_dir(&self.dir, role, name)
     }
 
     /// The log directory.

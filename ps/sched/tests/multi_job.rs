@@ -9,7 +9,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{ONE_AT_A_TIME, Sched, job_file};
+use common::{ONE_AT_A_TIME, Sched, assert_exact, job_file};
 use edl_sched::cluster::state::{EventLog, check_slots};
 
 /// One long job that asks for all 4 slots, then two short ones that ask for 2 each, once the
@@ -33,17 +33,8 @@ fn run_pattern(dir: &Path, policy: &str) -> f64 {
         "the jobs did not all end",
     );
     let mut jcts = Vec::new();
+    assert_exact(&jobs, policy);
     for j in &jobs {
-        assert_eq!(j.state, "finished", "{policy}: {j:#?}");
-        let l = j
-            .ledger
-            .unwrap_or_else(|| panic!("{policy}: no ledger: {j:#?}"));
-        assert_eq!(
-            (l.applied, l.duplicates, l.missing),
-            (j.samples_total, 0, 0),
-            "{policy}: {} ledger",
-            j.name
-        );
         jcts.push(j.jct_s.expect("finished jobs have a completion time"));
     }
     let events = EventLog::read(&sched.state.join("events.jsonl")).expect("event log");
@@ -109,15 +100,7 @@ fn tiresias_suspends_and_resumes_jobs_stop_free() {
         },
         "the jobs did not all end",
     );
-    for j in &jobs {
-        assert_eq!(j.state, "finished", "{j:#?}");
-        let l = j.ledger.expect("a finished job's ledger");
-        assert_eq!(
-            (l.applied, l.duplicates, l.missing),
-            (j.samples_total, 0, 0),
-            "{j:#?}"
-        );
-    }
+    assert_exact(&jobs, "tiresias");
     let events = EventLog::read(&sched.state.join("events.jsonl")).expect("event log");
     // The first job was suspended (resized to 0) while the second ran, then resumed.
     let first: Vec<Option<u32>> = events

@@ -295,15 +295,12 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 println!("{}: valid", file.display());
                 print!("{}", edl_shared::jobfile::describe(job));
-                let custom = job.model == edl_shared::proto::ModelSpec::Custom;
-                if custom && whole.worker.is_builtin() {
-                    println!(
-                        "workers: none named (edl-worker cannot train a custom model; add a \
-                         [worker] table with command = [...] to run it under edl-local or \
-                         edl-sched, or start your program by hand)"
-                    );
-                } else {
-                    println!("workers run: {}", whole.worker.describe());
+                match whole.unplaceable() {
+                    Some(why) => println!(
+                        "workers: none named for edl-local or edl-sched ({why}); or start your \
+                         program by hand"
+                    ),
+                    None => println!("workers run: {}", whole.worker.describe()),
                 }
             }
         }

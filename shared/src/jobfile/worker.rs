@@ -92,7 +92,14 @@ pub(super) struct RawWorker {
 }
 
 impl Cx<'_> {
-    pub(super) fn worker(&self, raw: &Spanned<RawWorker>) -> Result<WorkerSpec, JobFileError> {
+    /// The job's `[worker]` table, checked; the default (`edl-worker`) without one.
+    pub(super) fn worker_of(&self, raw: &super::RawJob) -> Result<WorkerSpec, JobFileError> {
+        raw.worker
+            .as_ref()
+            .map_or_else(|| Ok(WorkerSpec::default()), |w| self.worker(w))
+    }
+
+    fn worker(&self, raw: &Spanned<RawWorker>) -> Result<WorkerSpec, JobFileError> {
         let w = raw.get_ref();
         let mut spec = WorkerSpec::default();
         if let Some(command) = &w.command {

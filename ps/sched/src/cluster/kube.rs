@@ -39,7 +39,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use edl_launch::launch::{self, Creds};
+use edl_launch::launch::{self, Binaries, Creds, WorkerLaunch};
 use edl_launch::{Exit, JobLaunch, LOCAL_HOST, Placer, ProcRecord, STOP_GRACE, Slot};
 use edl_shared::Role;
 use edl_shared::contract::WorkerEnv;
@@ -355,46 +355,49 @@ impl KubeSettings {
         slot: &Slot,
         placement: u64,
     ) -> Pod {
-        let coordinator = self.service_addr(job, "coordinator", COORDINATOR_PORT);
-        let (program, args) = match spec.command.split_first() {
-            Some((program, rest)) => (program.clone(), rest.to_vec()),
-            None => {
-                let mut args = launch::worker_args(
-                    &UNSET,
-                    worker,
-                    &self.data_dir,
-                    Path::new(STATE_DIR),
-                    Some(&mounted_creds()),
-                    false,
-                );
-                set_flag(&mut args, "--coordinator", &coordinator);
-                args.extend(["--placement".into(), placement.to_string().into()]);
-                args.extend(self.worker_args.iter().map(Into::into));
-                (WORKER_PROGRAM.to_string(), strings(args))
-            }
+        // What a local placer would start, as a container: edl-worker or the job's command
+        // (in the image's working directory), with the contract's environment.
+        let worker_args: Vec<OsString> = self.worker_args.iter().map(Into::into).collect();
+        let launch = WorkerLaunch {
+            spec,
+            workdir: Path::new(""),
+            env: WorkerEnv {
+                coordinators: vec![self.service_addr(job, "coordinator", COORDINATOR_PORT)],
+                credentials: mounted_creds().contract(),
+                job: job.to_string(),
+                name: worker.to_string(),
+                placement: Some(placement),
+                // The device plugin picks the devices and sets what the container sees.
+                devices: None,
+            },
+            data_dir: &self.data_dir,
+            state_dir: Path::new(STATE_DIR),
+            worker_args: &worker_args,
         };
-        let contract = WorkerEnv {
-            coordinators: vec![coordinator],
-            credentials: mounted_creds().contract(),
-            job: job.to_string(),
-            name: worker.to_string(),
-            placement: Some(placement),
-            // The device plugin picks the devices and sets what the container sees.
-            devices: None,
+        let bins = Binaries {
+            ps: PS_PROGRAM.into(),
+            worker: WORKER_PROGRAM.into(),
         };
-        let mut env: Vec<EnvVar> = contract
-            .vars()
+        let spawn = launch::worker_spawn(&bins, &launch, worker.to_string(), PathBuf::new());
+        let program = spawn.program.to_string_lossy().into_owned();
+        let mut env: Vec<EnvVar> = spawn
+            .env
             .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string_lossy().into_owned()))
-            .chain(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())))
             .map(|(name, value)| EnvVar {
                 name,
-                value: Some(value),
+                value: Some(value.to_string_lossy().into_owned()),
                 ..EnvVar::default()
             })
             .collect();
         env.sort_by(|a, b| a.name.cmp(&b.name));
-        let mut pod = self.pod(job, worker, Role::Worker, &program, args, None);
+        let mut pod = self.pod(
+            job,
+            worker,
+            Role::Worker,
+            &program,
+            strings(spawn.args),
+            None,
+        );
         pod.metadata
             .labels
             .get_or_insert_default()

@@ -149,16 +149,6 @@ impl<P: Placer> Scheduler<P> {
         })
     }
 
-    /// The credential files of `role/name` in job `job`'s directory.
-    fn creds(&self, job: &str, role: Role, name: &str) -> edl_launch::Creds {
-        let pki = edl_shared::pki::PkiDir::new(&self.job_dir(job));
-        edl_launch::Creds {
-            ca: pki.ca_cert(),
-            cert: pki.node_cert(role, name),
-            key: pki.node_key(role, name),
-        }
-    }
-
     fn save(&self) {
         if let Err(e) = self.saved.save(&self.dir.join("sched.json")) {
             tracing::error!(error = %format!("{e:#}"), "cannot save the scheduler's state");
@@ -206,7 +196,7 @@ impl<P: Placer> Scheduler<P> {
 
     /// The scheduler's own (admin) identity in job `job`.
     fn identity_in(&self, job: &str) -> anyhow::Result<edl_shared::Identity> {
-        let c = self.creds(job, Role::Admin, SCHED_NAME);
+        let c = edl_launch::Creds::in_dir(&self.job_dir(job), Role::Admin, SCHED_NAME);
         Ok(edl_shared::pki::load_identity(&c.ca, &c.cert, &c.key)?)
     }
 
@@ -418,12 +408,8 @@ impl<P: Placer> Scheduler<P> {
         let anchor = Path::new(&s.file_dir).join("job.toml");
         let file = edl_shared::jobfile::parse_file(&s.job_file, &anchor)
             .map_err(|e| bad(format!("the job file: {e}")))?;
-        if file.job.model == edl_shared::proto::ModelSpec::Custom && file.worker.is_builtin() {
-            return Err(bad(
-                "the job's model is custom (defined by its application) and its job file names \
-                 no program for its workers: add a [worker] table with command = [...] \
-                 (edl-worker trains only the built-in models, mlp and logreg)",
-            ));
+        if let Some(why) = file.unplaceable() {
+            return Err(bad(format!("the job file: {why}")));
         }
         let dir = self.job_dir(&name);
         let written = std::fs::create_dir_all(&dir)

@@ -48,6 +48,23 @@ pub fn job_file(dir: &Path, name: &str, samples: u32) -> PathBuf {
     path
 }
 
+/// Asserts that every job finished with an exact ledger: every sample applied once on every
+/// shard. `what` labels the messages.
+pub fn assert_exact(jobs: &[JobRow], what: &str) {
+    for j in jobs {
+        assert_eq!(j.state, "finished", "{what}: {j:#?}");
+        let l = j
+            .ledger
+            .unwrap_or_else(|| panic!("{what}: no ledger: {j:#?}"));
+        assert_eq!(
+            (l.applied, l.duplicates, l.missing),
+            (j.samples_total, 0, 0),
+            "{what}: {} ledger",
+            j.name
+        );
+    }
+}
+
 pub struct Sched {
     pub child: Option<Child>,
     pub addr: String,

@@ -66,75 +66,50 @@ impl TensorSpec {
     }
 }
 
-/// The model a job trains. The worker builds its compute graph from this.
-#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub enum ModelSpec {
-    /// A multi-layer perceptron with ReLU between layers and a softmax cross-entropy head.
-    /// Layer `i` has a weight `fc{i}.weight` of shape `[in, out]` (row-major) and a bias
-    /// `fc{i}.bias` of shape `[out]`, in that order.
-    Mlp {
-        /// Layer widths from input to classes, e.g. `[784, 256, 128, 10]`.
-        layers: Vec<u32>,
-    },
-    /// Binary logistic regression on sparse features: a weight `weight` of shape `[features]`
-    /// and a bias `bias` of shape `[1]`, in that order. Workers pull and push only the rows
-    /// (features) their batch touches.
-    LogReg {
-        /// Number of features.
-        features: u32,
-    },
-    /// Tensors defined by the application (a model built with the client library), or by
-    /// tests and benchmarks that push to them directly.
-    Custom,
+/// The model a job trains, as the wire carries it: a kind and its settings, which only the
+/// model registry (`edl-models`, beside the worker) reads. The wire knows tensors, not models:
+/// a built-in model is a kind the registry lists (`mlp`, `logreg`) with its settings as TOML
+/// text (e.g. `layers = [784, 256, 10]`), and a `custom` model is the tensors alone, defined
+/// by the application (a model built with the client library, a PyTorch module) or by tests.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ModelSection {
+    /// The model's kind: a built-in model's name, or [`ModelSection::CUSTOM`].
+    pub kind: String,
+    /// The kind's settings, a TOML table's body (empty for a custom model).
+    pub settings: String,
 }
 
-impl ModelSpec {
-    /// The tensors of an MLP, with Glorot-uniform weights and zero biases.
-    pub fn mlp_tensors(layers: &[u32]) -> Vec<TensorSpec> {
-        let mut out = Vec::new();
-        for (i, w) in layers.windows(2).enumerate() {
-            let (fan_in, fan_out) = (w[0], w[1]);
-            let limit = (6.0 / (f64::from(fan_in) + f64::from(fan_out))).sqrt() as f32;
-            out.push(TensorSpec {
-                name: format!("fc{i}.weight"),
-                shape: vec![fan_in, fan_out],
-                init: Init::Uniform { limit },
-            });
-            out.push(TensorSpec {
-                name: format!("fc{i}.bias"),
-                shape: vec![fan_out],
-                init: Init::Zeros,
-            });
+impl ModelSection {
+    /// The kind of a model defined by its tensors alone.
+    pub const CUSTOM: &str = "custom";
+
+    /// A model defined by its tensors alone.
+    pub fn custom() -> ModelSection {
+        ModelSection {
+            kind: ModelSection::CUSTOM.to_string(),
+            settings: String::new(),
         }
-        out
     }
 
-    /// The tensors of a logistic regression, all starting at zero.
-    pub fn logreg_tensors(features: u32) -> Vec<TensorSpec> {
-        vec![
-            TensorSpec {
-                name: "weight".into(),
-                shape: vec![features],
-                init: Init::Zeros,
-            },
-            TensorSpec {
-                name: "bias".into(),
-                shape: vec![1],
-                init: Init::Zeros,
-            },
-        ]
+    /// Whether the model is defined by its tensors alone.
+    pub fn is_custom(&self) -> bool {
+        self.kind == ModelSection::CUSTOM
     }
 }
 
-impl fmt::Display for ModelSpec {
+impl fmt::Display for ModelSection {
+    /// The kind, and the settings on one line; the registry describes built-in models better.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ModelSpec::Mlp { layers } => {
-                let widths: Vec<String> = layers.iter().map(u32::to_string).collect();
-                write!(f, "mlp {}", widths.join("-"))
-            }
-            ModelSpec::LogReg { features } => write!(f, "logreg over {features} features"),
-            ModelSpec::Custom => write!(f, "custom"),
+        let settings: Vec<&str> = self
+            .settings
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        if settings.is_empty() {
+            write!(f, "{}", self.kind)
+        } else {
+            write!(f, "{} ({})", self.kind, settings.join(", "))
         }
     }
 }
@@ -314,7 +289,7 @@ impl fmt::Display for Consistency {
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct JobConfig {
     /// The model the workers train.
-    pub model: ModelSpec,
+    pub model: ModelSection,
     /// The parameter tensors, in key order.
     pub tensors: Vec<TensorSpec>,
     /// Floats per key: tensors are cut into chunks of this size (the last chunk may be shorter).
@@ -623,6 +598,21 @@ impl ShardMap {
 mod tests {
     use super::*;
 
+    /// The tensors of a perceptron with these widths: a weight and a bias per layer.
+    fn dense_layers(widths: &[u32]) -> Vec<TensorSpec> {
+        let mut out = Vec::new();
+        for (i, w) in widths.windows(2).enumerate() {
+            for (name, shape) in [("weight", vec![w[0], w[1]]), ("bias", vec![w[1]])] {
+                out.push(TensorSpec {
+                    name: format!("fc{i}.{name}"),
+                    shape,
+                    init: Init::Zeros,
+                });
+            }
+        }
+        out
+    }
+
     fn shards(n: u32) -> Vec<ShardInfo> {
         (0..n)
             .map(|i| ShardInfo {
@@ -634,7 +624,7 @@ mod tests {
 
     #[test]
     fn layout_cuts_tensors_into_chunks() {
-        let tensors = ModelSpec::mlp_tensors(&[784, 256, 128, 10]);
+        let tensors = dense_layers(&[784, 256, 128, 10]);
         let layout = KeyLayout::new(&tensors, 16384);
         assert_eq!(
             layout.total_len(),
@@ -653,7 +643,7 @@ mod tests {
 
     #[test]
     fn balanced_map_splits_large_tensor_and_covers_all_keys() {
-        let tensors = ModelSpec::mlp_tensors(&[784, 256, 128, 10]);
+        let tensors = dense_layers(&[784, 256, 128, 10]);
         let layout = KeyLayout::new(&tensors, 16384);
         let map = ShardMap::balanced(MapEpoch(1), shards(2), &layout);
         assert_eq!(map.ranges.len(), 2);

@@ -18,7 +18,7 @@ pub use error::{ErrorCode, ProtoError};
 pub use frame::{Frame, FrameLimits, Parts, Payload};
 pub use ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 pub use job::{
-    Consistency, DataFormat, DataSpec, Init, JobConfig, KeyLayout, KeySpan, ModelSpec,
+    Consistency, DataFormat, DataSpec, Init, JobConfig, KeyLayout, KeySpan, ModelSection,
     OptimizerSpec, ShardMap, TensorSpec,
 };
 pub use msg::{Request, Response};
@@ -26,4 +26,4 @@ pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, Strag
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;

@@ -8,8 +8,7 @@ use edl_shared::proto::msg::{
     JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
 };
 use edl_shared::proto::{
-    JobConfig, ModelSpec, Placement, Request, Response, ShardMap, StragglerSettings, WorkerId,
-    place::Resize,
+    JobConfig, Placement, Request, Response, ShardMap, StragglerSettings, WorkerId, place::Resize,
 };
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use serde::Serialize;
@@ -524,10 +523,7 @@ impl StatusView {
             .iter()
             .filter(|w| w.state == WorkerState::Active)
             .collect();
-        let model = match &job.model {
-            ModelSpec::Custom => format!("custom ({} tensors)", job.tensors.len()),
-            other => other.to_string(),
-        };
+        let model = edl_shared::models::describe(&job.model, &job.tensors);
         StatusView {
             model,
             optimizer: job.optimizer.to_string(),

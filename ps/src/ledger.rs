@@ -386,7 +386,7 @@ pub fn worst_case(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec};
+    use edl_shared::proto::{Consistency, ModelSection, OptimizerSpec};
 
     fn ledger() -> DataLedger {
         DataLedger::new(&job())
@@ -394,7 +394,7 @@ mod tests {
 
     fn job() -> JobConfig {
         JobConfig {
-            model: ModelSpec::Custom,
+            model: ModelSection::custom(),
             tensors: vec![],
             chunk_size: 1,
             optimizer: OptimizerSpec::Sgd { lr: 1.0 },

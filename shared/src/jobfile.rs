@@ -28,13 +28,14 @@
 //! `edl-ps coordinator`'s flags, so a file and the flags describe the same job. Relative data
 //! paths are resolved against the job file's directory.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Write as _};
 use std::io;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use edl_proto::{DataFormat, DataSpec, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
+use edl_models as models;
+use edl_proto::{DataFormat, DataSpec, Init, JobConfig, ModelSection, OptimizerSpec, TensorSpec};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Unexpected, Visitor};
 use toml::Spanned;
@@ -121,7 +122,7 @@ impl JobFile {
     /// Why no placer can start this job's workers, if none can: a custom model whose file
     /// names no `[worker]` program (`edl-worker` trains only the built-in models).
     pub fn unplaceable(&self) -> Option<&'static str> {
-        (self.job.model == ModelSpec::Custom && self.worker.is_builtin()).then_some(
+        (self.job.model.is_custom() && self.worker.is_builtin()).then_some(
             "the model is custom (defined by the job's own program) and the file names no \
              program for its workers: add a [worker] table with command = [...] (edl-worker \
              trains only the built-in models, mlp and logreg)",
@@ -242,13 +243,8 @@ struct RawJob {
     worker: Option<Spanned<worker::RawWorker>>,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawModel {
-    kind: Spanned<String>,
-    layers: Option<Spanned<Vec<Spanned<u32>>>>,
-    features: Option<Spanned<Count>>,
-}
+/// The `[model]` table: `kind` and the kind's settings, which the model registry reads.
+type RawModel = BTreeMap<String, Spanned<toml::Value>>;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -371,11 +367,20 @@ impl Counts {
         at: &Spanned<T>,
         field: &str,
     ) -> Result<libsvm::Shape, JobFileError> {
+        self.shape_at(cx, at.span(), field)
+    }
+
+    fn shape_at(
+        &mut self,
+        cx: &Cx<'_>,
+        at: Range<usize>,
+        field: &str,
+    ) -> Result<libsvm::Shape, JobFileError> {
         if let Some(shape) = self.shape {
             return Ok(shape);
         }
         let Some((train, span)) = &self.train else {
-            return Err(cx.at(
+            return Err(cx.err(
                 at,
                 field,
                 "\"auto\" needs libsvm training data to count: add [data] with format = \"libsvm\"",
@@ -391,6 +396,40 @@ impl Counts {
         self.shape = Some(shape);
         Ok(shape)
     }
+}
+
+/// The training data as a built-in model sizes itself from it; the job file's own error
+/// (with its line) is kept for the caller.
+struct ModelData<'c, 'a> {
+    cx: &'c Cx<'a>,
+    counts: &'c mut Counts,
+    /// Where the count the model asks for is written, for errors.
+    at: Range<usize>,
+    error: Option<JobFileError>,
+}
+
+impl models::DataShape for ModelData<'_, '_> {
+    fn features(&mut self) -> Result<u32, String> {
+        // The model's setting that asked is `features` (the one count a model takes).
+        let at = self.at.clone();
+        match self.counts.shape_at(self.cx, at, "model.features") {
+            Ok(shape) => Ok(shape.features),
+            Err(e) => {
+                let message = e.to_string();
+                self.error = Some(e);
+                Err(message)
+            }
+        }
+    }
+}
+
+/// The model kinds as a job file writes them: `"mlp", "logreg" or "custom"`.
+fn quoted_kinds() -> String {
+    let names: Vec<String> = models::BUILTINS
+        .iter()
+        .map(|k| format!("{:?}", k.name))
+        .collect();
+    format!("{} or {:?}", names.join(", "), ModelSection::CUSTOM)
 }
 
 /// The file being parsed, for messages.
@@ -498,37 +537,51 @@ impl Cx<'_> {
         &self,
         raw: &RawJob,
         counts: &mut Counts,
-    ) -> Result<(ModelSpec, Vec<TensorSpec>), JobFileError> {
-        let m = raw.model.get_ref();
-        let kind = m.kind.get_ref().as_str();
-        let unknown = || {
-            self.at(
-                &m.kind,
+    ) -> Result<(ModelSection, Vec<TensorSpec>), JobFileError> {
+        let table = raw.model.get_ref();
+        let Some(kind_value) = table.get("kind") else {
+            return Err(self.at(
+                &raw.model,
                 "model.kind",
-                format!("unknown model kind {kind:?}: use mlp, logreg or custom"),
-            )
+                format!("missing: say which model, kind = {}", quoted_kinds()),
+            ));
         };
-        if !matches!(kind, "mlp" | "logreg" | "custom") {
-            return Err(unknown());
-        }
-        let fields = [
-            (m.layers.as_ref().map(Spanned::span), "model.layers", "mlp"),
-            (
-                m.features.as_ref().map(Spanned::span),
-                "model.features",
-                "logreg",
-            ),
-        ];
-        for (span, field, owner) in fields {
-            if let Some(span) = span
-                && kind != owner
-            {
-                return Err(self.err(span, field, format!("only for kind = {owner:?}")));
+        let Some(kind) = kind_value.get_ref().as_str() else {
+            return Err(self.at(
+                kind_value,
+                "model.kind",
+                format!("must be a string: {}", quoted_kinds()),
+            ));
+        };
+        if kind == ModelSection::CUSTOM {
+            if let Some((key, v)) = table.iter().find(|(k, _)| *k != "kind") {
+                let owner = models::BUILTINS
+                    .iter()
+                    .find(|k| k.keys.contains(&key.as_str()));
+                let message = match owner {
+                    Some(k) => format!("only for kind = {:?}", k.name),
+                    None => "unknown key: a custom model's tensors are [[tensor]] tables".into(),
+                };
+                return Err(self.at(v, &format!("model.{key}"), message));
             }
+            let list = raw.tensor.as_ref().map(Spanned::get_ref);
+            let Some(list) = list.filter(|l| !l.is_empty()) else {
+                return Err(self.at(
+                    kind_value,
+                    "tensor",
+                    "missing: a custom model lists its tensors as [[tensor]] tables",
+                ));
+            };
+            return self.custom(list);
         }
-        if kind != "custom"
-            && let Some(first) = raw.tensor.as_ref().and_then(|t| t.get_ref().first())
-        {
+        if models::find(kind).is_none() {
+            return Err(self.at(
+                kind_value,
+                "model.kind",
+                format!("unknown model kind {kind:?}: use {}", models::kinds()),
+            ));
+        }
+        if let Some(first) = raw.tensor.as_ref().and_then(|t| t.get_ref().first()) {
             return Err(self.at(
                 first,
                 "tensor",
@@ -538,80 +591,35 @@ impl Cx<'_> {
                 ),
             ));
         }
-        let (model, tensors, total_at, total_field) = match kind {
-            "mlp" => {
-                let Some(layers) = &m.layers else {
-                    return Err(self.at(
-                        &m.kind,
-                        "model.layers",
-                        "missing: an mlp needs its layer widths, e.g. layers = [784, 256, 128, 10]",
-                    ));
-                };
-                if layers.get_ref().len() < 2 {
-                    return Err(self.at(
-                        layers,
-                        "model.layers",
-                        "needs at least 2 widths (input and classes)",
-                    ));
-                }
-                if let Some((i, w)) = layers
-                    .get_ref()
-                    .iter()
-                    .enumerate()
-                    .find(|(_, w)| *w.get_ref() == 0)
-                {
-                    return Err(self.at(w, "model.layers", format!("width {i} is 0; must be > 0")));
-                }
-                let widths: Vec<u32> = layers.get_ref().iter().map(|w| *w.get_ref()).collect();
-                let tensors = ModelSpec::mlp_tensors(&widths);
-                (
-                    ModelSpec::Mlp { layers: widths },
-                    tensors,
-                    layers.span(),
-                    "model.layers",
-                )
-            }
-            "logreg" => {
-                let Some(f) = &m.features else {
-                    return Err(self.at(
-                        &m.kind,
-                        "model.features",
-                        "missing: a logreg needs features = N or features = \"auto\"",
-                    ));
-                };
-                let features = match f.get_ref() {
-                    Count::Fixed(n) => *n,
-                    Count::Auto => counts.shape(self, f, "model.features")?.features,
-                };
-                if features == 0 {
-                    let message = match f.get_ref() {
-                        Count::Fixed(_) => "must be > 0",
-                        Count::Auto => "the training data has no features",
-                    };
-                    return Err(self.at(f, "model.features", message));
-                }
-                (
-                    ModelSpec::LogReg { features },
-                    ModelSpec::logreg_tensors(features),
-                    f.span(),
-                    "model.features",
-                )
-            }
-            "custom" => {
-                let list = raw.tensor.as_ref().map(Spanned::get_ref);
-                let Some(list) = list.filter(|l| !l.is_empty()) else {
-                    return Err(self.at(
-                        &m.kind,
-                        "tensor",
-                        "missing: a custom model lists its tensors as [[tensor]] tables",
-                    ));
-                };
-                return self.custom(list);
-            }
-            _ => return Err(unknown()),
+        let settings: toml::Table = table
+            .iter()
+            .filter(|(k, _)| *k != "kind")
+            .map(|(k, v)| (k.clone(), v.get_ref().clone()))
+            .collect();
+        let mut data = ModelData {
+            cx: self,
+            counts,
+            // A count the model sizes from the data is its `features` (see DataShape).
+            at: table.get("features").unwrap_or(kind_value).span(),
+            error: None,
         };
-        self.check_total(&tensors, total_at, total_field)?;
-        Ok((model, tensors))
+        let built = models::build(kind, &settings, &mut data);
+        let error = data.error.take();
+        let model = built.map_err(|e| {
+            error.unwrap_or_else(|| {
+                let span = table.get(&e.key).unwrap_or(kind_value).span();
+                self.err(span, &format!("model.{}", e.key), e.message)
+            })
+        })?;
+        // The check names the setting that sizes the model (the only one a built-in has).
+        let sizing = table
+            .iter()
+            .find(|(k, _)| *k != "kind")
+            .map_or((kind_value.span(), "model.kind".to_string()), |(k, v)| {
+                (v.span(), format!("model.{k}"))
+            });
+        self.check_total(&model.tensors, sizing.0, &sizing.1)?;
+        Ok((model.section, model.tensors))
     }
 
     /// Applies the `[training]` table over edl-ps's defaults.
@@ -688,7 +696,7 @@ impl Cx<'_> {
     fn custom(
         &self,
         list: &[Spanned<RawTensor>],
-    ) -> Result<(ModelSpec, Vec<TensorSpec>), JobFileError> {
+    ) -> Result<(ModelSection, Vec<TensorSpec>), JobFileError> {
         let mut seen: HashMap<&str, usize> = HashMap::new();
         let mut tensors = Vec::with_capacity(list.len());
         for (i, t) in list.iter().enumerate() {
@@ -728,7 +736,7 @@ impl Cx<'_> {
             });
             self.check_total(&tensors, t.shape.span(), &field("shape"))?;
         }
-        Ok((ModelSpec::Custom, tensors))
+        Ok((ModelSection::custom(), tensors))
     }
 
     fn init(
@@ -1007,16 +1015,11 @@ fn join<T: ToString>(items: &[T]) -> String {
 
 fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
     writeln!(out, "[model]")?;
-    match &job.model {
-        ModelSpec::Mlp { layers } => {
-            writeln!(out, "kind = \"mlp\"")?;
-            writeln!(out, "layers = [{}]", join(layers))?;
-        }
-        ModelSpec::LogReg { features } => {
-            writeln!(out, "kind = \"logreg\"")?;
-            writeln!(out, "features = {features}")?;
-        }
-        ModelSpec::Custom => writeln!(out, "kind = \"custom\"")?,
+    writeln!(out, "kind = {}", toml_string(&job.model.kind))?;
+    // The registry's settings are TOML already (a custom model has none).
+    let settings = job.model.settings.trim_end();
+    if !settings.is_empty() {
+        writeln!(out, "{settings}")?;
     }
     writeln!(out, "\n[optimizer]")?;
     match &job.optimizer {
@@ -1060,7 +1063,7 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
             writeln!(out, "test = {}", toml_string(&data.test))?;
         }
     }
-    if job.model == ModelSpec::Custom {
+    if job.model.is_custom() {
         for t in &job.tensors {
             writeln!(out, "\n[[tensor]]")?;
             writeln!(out, "name = {}", toml_string(&t.name))?;
@@ -1100,7 +1103,7 @@ fn optimizer_text(o: &OptimizerSpec) -> String {
 fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
     let partitions = job.train_samples.div_ceil(job.partition_size.max(1));
     let settings = [
-        ("model", job.model.to_string()),
+        ("model", models::describe(&job.model, &job.tensors)),
         ("optimizer", optimizer_text(&job.optimizer)),
         ("consistency", job.consistency.to_string()),
         ("batch size", format!("{} samples", job.batch_size)),
@@ -1190,6 +1193,7 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
 mod tests {
     use super::*;
     use edl_proto::Consistency;
+    use models::{Builtin, LogReg, Mlp};
 
     const MLP: &str = r#"[model]
 kind = "mlp"
@@ -1283,8 +1287,14 @@ init = "zeros"
     fn mlp_file_takes_edl_ps_defaults_for_the_rest() {
         let job = job(MLP);
         let layers = vec![784, 256, 128, 10];
-        assert_eq!(job.tensors, ModelSpec::mlp_tensors(&layers));
-        assert_eq!(job.model, ModelSpec::Mlp { layers });
+        assert_eq!(
+            job.tensors,
+            Mlp {
+                layers: layers.clone()
+            }
+            .tensors()
+        );
+        assert_eq!(job.model, Mlp { layers }.section());
         assert_eq!(job.optimizer, OptimizerSpec::Sgd { lr: 0.1 });
         assert_eq!(job.consistency, Consistency::Ssp { staleness: 2 });
         assert_eq!(
@@ -1311,8 +1321,8 @@ init = "zeros"
     #[test]
     fn logreg_file_with_fixed_counts() {
         let job = job(LOGREG);
-        assert_eq!(job.model, ModelSpec::LogReg { features: 126 });
-        assert_eq!(job.tensors, ModelSpec::logreg_tensors(126));
+        assert_eq!(job.model, LogReg { features: 126 }.section());
+        assert_eq!(job.tensors, LogReg { features: 126 }.tensors());
         assert_eq!(
             job.optimizer,
             OptimizerSpec::Momentum {
@@ -1331,7 +1341,7 @@ init = "zeros"
     #[test]
     fn custom_file_lists_tensors() {
         let job = job(CUSTOM);
-        assert_eq!(job.model, ModelSpec::Custom);
+        assert_eq!(job.model, ModelSection::custom());
         assert_eq!(job.consistency, Consistency::Bsp);
         let names: Vec<&str> = job.tensors.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["fc1.weight", "fc1.bias"]);
@@ -1339,7 +1349,11 @@ init = "zeros"
         // Glorot-uniform as the built-in MLP draws it.
         assert_eq!(
             job.tensors[0].init,
-            ModelSpec::mlp_tensors(&[784, 128])[0].init
+            Mlp {
+                layers: vec![784, 128]
+            }
+            .tensors()[0]
+                .init
         );
         assert_eq!(job.tensors[1].init, Init::Zeros);
     }
@@ -1403,8 +1417,8 @@ init = "zeros"
         let file = dir.path().join("job.toml");
         std::fs::write(&file, &text)?;
         let job = load(&file)?;
-        assert_eq!(job.model, ModelSpec::LogReg { features: 12 });
-        assert_eq!(job.tensors, ModelSpec::logreg_tensors(12));
+        assert_eq!(job.model, LogReg { features: 12 }.section());
+        assert_eq!(job.tensors, LogReg { features: 12 }.tensors());
         assert_eq!(job.train_samples, 3);
         // Relative paths resolve against the job file's directory; the test data is not read.
         let data = job.data.expect("data");
@@ -1620,7 +1634,7 @@ init = "zeros"
                 std::fs::copy(file, tmp.path().join("jobs").join(name))?;
                 let job = load(&tmp.path().join("jobs").join(name))
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
-                assert_eq!(job.model, ModelSpec::LogReg { features: 126 });
+                assert_eq!(job.model, LogReg { features: 126 }.section());
                 assert_eq!(job.train_samples, 2);
                 parsed += 1;
                 continue;
@@ -1629,15 +1643,15 @@ init = "zeros"
             match name {
                 "mlp.toml" => {
                     let layers = vec![784, 256, 128, 10];
-                    assert_eq!(job.model, ModelSpec::Mlp { layers });
+                    assert_eq!(job.model, Mlp { layers }.section());
                 }
                 "two-layer.toml" => {
-                    assert_eq!(job.model, ModelSpec::Custom);
+                    assert_eq!(job.model, ModelSection::custom());
                     let names: Vec<&str> = job.tensors.iter().map(|t| t.name.as_str()).collect();
                     assert_eq!(names, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
                 }
                 "agaricus-logreg.toml" => {
-                    assert!(matches!(job.model, ModelSpec::LogReg { features } if features > 0));
+                    assert!(LogReg::from_section(&job.model).is_ok_and(|m| m.features > 0));
                 }
                 _ => {}
             }

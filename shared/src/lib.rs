@@ -21,6 +21,7 @@ pub mod token;
 pub mod transport;
 pub mod units;
 
+pub use edl_models as models;
 pub use edl_proto as proto;
 pub use pki::{Identity, PkiError, Role};
 pub use server::{Peer, Service, serve};

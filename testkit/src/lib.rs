@@ -14,10 +14,11 @@ use edl_ps::admin::Admin;
 use edl_ps::coordinator::{self, Coordinator, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
 use edl_shared::faults::Faults;
+use edl_shared::models::{Builtin, Mlp};
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::ids::{ShardId, WorkerId};
 use edl_shared::proto::msg::{DataSpan, EpochLedger, EventKind, JobTrace, Partition};
-use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
+use edl_shared::proto::{Consistency, Init, JobConfig, ModelSection, OptimizerSpec, TensorSpec};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Identity, Role};
@@ -241,11 +242,12 @@ pub fn mlp_job(
     train_samples: u32,
     epochs: u32,
 ) -> JobConfig {
+    let mlp = Mlp {
+        layers: layers.to_vec(),
+    };
     JobConfig {
-        model: ModelSpec::Mlp {
-            layers: layers.to_vec(),
-        },
-        tensors: ModelSpec::mlp_tensors(layers),
+        model: mlp.section(),
+        tensors: mlp.tensors(),
         chunk_size: 8192,
         optimizer,
         consistency,
@@ -263,7 +265,7 @@ pub fn mlp_job(
 /// with SGD at learning rate 1, so that pushing a gradient of -1 adds exactly 1.
 pub fn counter_job(len: u32, chunk: u32, consistency: Consistency) -> JobConfig {
     JobConfig {
-        model: ModelSpec::Custom,
+        model: ModelSection::custom(),
         tensors: vec![TensorSpec {
             name: "counter".into(),
             shape: vec![len],

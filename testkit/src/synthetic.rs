@@ -8,7 +8,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use edl_ps::admin::Admin;
-use edl_shared::proto::{Consistency, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec};
+use edl_shared::proto::{Consistency, Init, JobConfig, ModelSection, OptimizerSpec, TensorSpec};
 use edl_shared::shutdown::CancellationToken;
 use edl_worker::backend::{BackendError, StepStats};
 use edl_worker::client::JobSpec;
@@ -25,7 +25,7 @@ pub const SYNTHETIC_FLOATS: u32 = 64;
 /// A job of one 64-float tensor with a custom model, `samples` per epoch in batches of 8.
 pub fn synthetic_job(samples: u32, epochs: u32, consistency: Consistency) -> JobConfig {
     JobConfig {
-        model: ModelSpec::Custom,
+        model: ModelSection::custom(),
         tensors: vec![TensorSpec {
             name: "w".into(),
             shape: vec![SYNTHETIC_FLOATS],

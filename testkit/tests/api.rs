@@ -120,10 +120,10 @@ async fn sparse_logistic_regression_reaches_the_plain_bar() -> anyhow::Result<()
     let data = job.data.clone().expect("the job file names its data");
     let train = SparseSet::load(Path::new(&data.train))?;
     let test = SparseSet::load(Path::new(&data.test))?;
-    let features = match job.model {
-        edl_shared::proto::ModelSpec::LogReg { features } => features,
-        ref other => anyhow::bail!("not a logreg job: {other}"),
-    };
+    let features =
+        <edl_shared::models::LogReg as edl_shared::models::Builtin>::from_section(&job.model)
+            .map_err(anyhow::Error::msg)?
+            .features;
     let lr = match job.optimizer {
         edl_shared::proto::OptimizerSpec::Sgd { lr } => lr,
         ref other => anyhow::bail!("not plain SGD: {other}"),

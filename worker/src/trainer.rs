@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use edl_client::{ClientError, Gradients, Holdings, Job, Notices, RowGrads, Session};
 use edl_shared::metrics::{self, Counter, Gauge, Histogram};
+use edl_shared::models::{self, Builtin};
+use edl_shared::proto::JobConfig;
 use edl_shared::proto::msg::{DataSpan, JobStatus};
-use edl_shared::proto::{JobConfig, ModelSpec};
 use edl_shared::shutdown::CancellationToken;
 use thiserror::Error;
 
@@ -273,13 +274,14 @@ pub struct TrainSummary {
 
 /// Builds the MLP a job trains.
 pub fn model_of(job: &JobConfig) -> Result<Mlp, TrainError> {
-    match &job.model {
-        ModelSpec::Mlp { layers } => Ok(Mlp::new(layers.iter().map(|&l| l as usize).collect())?),
-        other => Err(TrainError::Mismatch(format!(
-            "the job's model is {other}, not an MLP"
-        ))),
-    }
+    let spec = models::Mlp::from_section(&job.model).map_err(TrainError::Mismatch)?;
+    Ok(Mlp::new(spec.layers.iter().map(|&l| l as usize).collect())?)
 }
+
+/// The built-in model kinds this crate trains: the training half of the model registry
+/// ([`edl_shared::models::BUILTINS`], which says what each kind's settings and tensors are).
+/// `edl-worker` dispatches on these; a unit test checks that every registered kind is here.
+pub const TRAINED_KINDS: &[&str] = &[models::Mlp::KIND, models::LogReg::KIND];
 
 /// Registers with the job and trains `model` on `data` until the data runs out, `shutdown`
 /// fires (the current step is finished first) or `max_steps` is reached; then leaves. A dense
@@ -563,5 +565,49 @@ impl Progress {
             traffic: self.traffic,
             ..Progress::new(self.every)
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_registered_model_kind_has_its_training_half() {
+        let registered: Vec<&str> = models::BUILTINS.iter().map(|k| k.name).collect();
+        assert_eq!(TRAINED_KINDS, registered.as_slice());
+    }
+
+    #[test]
+    fn an_mlp_is_built_from_the_wire_section_and_nothing_else() {
+        let mut job = bare_job();
+        job.model = models::Mlp {
+            layers: vec![6, 4, 3],
+        }
+        .section();
+        assert!(model_of(&job).is_ok());
+        job.model = models::LogReg { features: 6 }.section();
+        let e = model_of(&job)
+            .expect_err("a logreg is not an mlp")
+            .to_string();
+        assert!(e.contains("\"logreg\", not \"mlp\""), "{e}");
+    }
+
+    /// A job with only what the test reads set.
+    fn bare_job() -> JobConfig {
+        JobConfig {
+            model: edl_shared::proto::ModelSection::custom(),
+            tensors: Vec::new(),
+            chunk_size: 1024,
+            optimizer: edl_shared::proto::OptimizerSpec::Sgd { lr: 0.1 },
+            consistency: edl_shared::proto::Consistency::Asp,
+            batch_size: 8,
+            epochs: 1,
+            partition_size: 64,
+            train_samples: 64,
+            seed: 1,
+            lease_ms: 2000,
+            data: None,
+        }
     }
 }

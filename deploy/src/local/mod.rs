@@ -29,9 +29,10 @@ use anyhow::{Context, anyhow, bail};
 use edl_shared::Role;
 use edl_shared::contract::{Credentials, WorkerEnv};
 use edl_shared::jobfile::WorkerSpec;
+use edl_shared::models::Builtin as _;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::{EpochLedger, JobHistory, JobStatus, JobTrace};
-use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec, ShardId};
+use edl_shared::proto::{Consistency, OptimizerSpec, ShardId};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_worker::data::{ImageSet, Split};
@@ -189,10 +190,9 @@ impl LocalConfig {
         self.train_samples = job.train_samples;
         self.lease_ms = job.lease_ms;
         self.seed = job.seed;
-        self.layers = match &job.model {
-            ModelSpec::Mlp { layers } => layers.clone(),
-            _ => Vec::new(),
-        };
+        self.layers = edl_shared::models::Mlp::from_section(&job.model)
+            .map(|m| m.layers)
+            .unwrap_or_default();
         // The coordinator may run elsewhere than here: give it the file's absolute path.
         self.job = Some(std::path::absolute(file).unwrap_or_else(|_| file.to_path_buf()));
         Ok(self)

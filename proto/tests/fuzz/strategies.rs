@@ -15,7 +15,7 @@ use edl_proto::place::{
     StragglerSettings,
 };
 use edl_proto::{
-    Clock, Consistency, Init, JobConfig, Key, MapEpoch, ModelSpec, OptimizerSpec, Request,
+    Clock, Consistency, Init, JobConfig, Key, MapEpoch, ModelSection, OptimizerSpec, Request,
     Response, ShardId, ShardMap, TensorSpec, Token, WorkerId,
 };
 use proptest::collection::vec;
@@ -169,8 +169,8 @@ pub fn consistency() -> BoxedStrategy<Consistency> {
 
 pub fn job_config() -> BoxedStrategy<JobConfig> {
     let model = prop_oneof![
-        Just(ModelSpec::Custom),
-        vec(any::<u32>(), 0..5).prop_map(|layers| ModelSpec::Mlp { layers }),
+        Just(ModelSection::custom()),
+        (".{0,12}", ".{0,40}").prop_map(|(kind, settings)| ModelSection { kind, settings }),
     ];
     (
         model,

@@ -9,9 +9,10 @@ use edl_ps::coordinator::{self, CoordinatorConfig};
 use edl_ps::shard::{self, ShardConfig};
 use edl_shared::cli::{BudgetArgs, IdentityArgs, MetricsArgs, StragglerArgs};
 use edl_shared::jobfile::defaults;
+use edl_shared::models::Builtin as _;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::{
-    Consistency, DataFormat, DataSpec, Init, JobConfig, ModelSpec, OptimizerSpec, TensorSpec,
+    Consistency, DataFormat, DataSpec, Init, JobConfig, ModelSection, OptimizerSpec, TensorSpec,
 };
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, shutdown, telemetry};
@@ -308,7 +309,7 @@ async fn main() -> anyhow::Result<()> {
             let identity = a.identity.identity(Role::Coordinator, "coordinator")?;
             let (model, tensors, optimizer) = match a.counter {
                 Some(floats) => (
-                    ModelSpec::Custom,
+                    ModelSection::custom(),
                     vec![TensorSpec {
                         name: "counter".into(),
                         shape: vec![floats],
@@ -316,13 +317,12 @@ async fn main() -> anyhow::Result<()> {
                     }],
                     OptimizerSpec::Sgd { lr: 1.0 },
                 ),
-                None => (
-                    ModelSpec::Mlp {
+                None => {
+                    let mlp = edl_shared::models::Mlp {
                         layers: a.layers.clone(),
-                    },
-                    ModelSpec::mlp_tensors(&a.layers),
-                    a.optimizer,
-                ),
+                    };
+                    (mlp.section(), mlp.tensors(), a.optimizer)
+                }
             };
             let job = match &a.job {
                 Some(file) => edl_shared::jobfile::load(file)?,

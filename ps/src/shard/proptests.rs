@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use edl_shared::proto::job::{RangeOwner, ShardInfo};
-use edl_shared::proto::{ModelSpec, OptimizerSpec, TensorSpec};
+use edl_shared::proto::{ModelSection, OptimizerSpec, TensorSpec};
 use proptest::prelude::*;
 
 use super::*;
@@ -28,7 +28,7 @@ const MIXED_REFUSED_PULLS: bool = true;
 /// A counter job (zero init, SGD with lr 1) with data enough for a few partitions.
 fn job(consistency: Consistency) -> JobConfig {
     JobConfig {
-        model: ModelSpec::Custom,
+        model: ModelSection::custom(),
         tensors: vec![TensorSpec {
             name: "counter".into(),
             shape: vec![FLOATS],

@@ -3,11 +3,11 @@
 use super::*;
 use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::job::{RangeOwner, ShardInfo};
-use edl_shared::proto::{ModelSpec, OptimizerSpec, TensorSpec};
+use edl_shared::proto::{ModelSection, OptimizerSpec, TensorSpec};
 
 fn state(consistency: Consistency) -> ShardState {
     let job = JobConfig {
-        model: ModelSpec::Custom,
+        model: ModelSection::custom(),
         tensors: vec![TensorSpec {
             name: "c".into(),
             shape: vec![6],
@@ -209,7 +209,7 @@ fn bsp_applies_the_mean_once_the_step_closes() {
 /// A job of three keys of 4 floats, on `s0` (all keys) and `s1` (none, standing by).
 fn two_shards() -> (ShardState, ShardState, ShardMap) {
     let job = JobConfig {
-        model: ModelSpec::Custom,
+        model: ModelSection::custom(),
         tensors: vec![TensorSpec {
             name: "c".into(),
             shape: vec![12],

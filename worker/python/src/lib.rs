@@ -451,7 +451,7 @@ impl Job {
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.with(|j| j.config().clone())?;
         let d = PyDict::new(py);
-        d.set_item("model", c.model.to_string())?;
+        d.set_item("model", edl_shared::models::describe(&c.model, &c.tensors))?;
         d.set_item("optimizer", c.optimizer.to_string())?;
         d.set_item("consistency", c.consistency.to_string())?;
         d.set_item("batch_size", c.batch_size)?;

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use edl_shared::cli::{IdentityArgs, MetricsArgs};
-use edl_shared::proto::{DataFormat, ModelSpec};
+use edl_shared::models::{self, Builtin};
+use edl_shared::proto::DataFormat;
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, shutdown, telemetry};
@@ -194,22 +195,31 @@ async fn main() -> anyhow::Result<()> {
         shutdown,
         backend: backend.name(),
     };
-    match &spec.model {
-        ModelSpec::Mlp { .. } => {
+    // The training half of each built-in model (the registry, edl_shared::models, holds the
+    // other half: its settings and tensors); see trainer::TRAINED_KINDS.
+    match spec.model.kind.as_str() {
+        models::Mlp::KIND => {
             let path = data_path(DataFormat::Idx)?;
             let data = ImageSet::load_prefix(&path)
                 .with_context(|| format!("loading the idx images {}", path.display()))?;
             let mut model = MlpModel::new(trainer::model_of(&spec)?, &mut *backend);
             run.go(&mut model, &data).await
         }
-        ModelSpec::LogReg { features } => {
+        models::LogReg::KIND => {
+            let m = models::LogReg::from_section(&spec.model).map_err(anyhow::Error::msg)?;
             let path = data_path(DataFormat::LibSvm)?;
             let data = SparseSet::load(&path)?;
-            run.go(&mut LogReg::new(*features), &data).await
+            run.go(&mut LogReg::new(m.features), &data).await
         }
-        ModelSpec::Custom => anyhow::bail!(
+        _ if spec.model.is_custom() => anyhow::bail!(
             "this job's model is defined by its application (a custom model): edl-worker \
-             trains the built-in models (mlp, logreg); run the application's own worker"
+             trains the built-in models ({}); run the application's own worker",
+            trainer::TRAINED_KINDS.join(", ")
+        ),
+        other => anyhow::bail!(
+            "this job's model is {other:?}, which this edl-worker does not train (it trains {}): \
+             is the coordinator newer than this worker?",
+            trainer::TRAINED_KINDS.join(", ")
         ),
     }
 }

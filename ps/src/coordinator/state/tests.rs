@@ -1,13 +1,15 @@
 //! Unit tests of the state module.
 
 use super::*;
-use edl_shared::proto::{Consistency, ModelSpec, OptimizerSpec};
+use edl_shared::proto::{Consistency, ModelSection, OptimizerSpec};
 
 /// A small job: 8 samples in partitions of 4, one epoch, a 1 s lease.
 pub(super) fn job(consistency: Consistency) -> JobConfig {
     JobConfig {
-        model: ModelSpec::Custom,
-        tensors: ModelSpec::mlp_tensors(&[4, 3]),
+        model: ModelSection::custom(),
+        tensors: edl_shared::models::Builtin::tensors(&edl_shared::models::Mlp {
+            layers: vec![4, 3],
+        }),
         chunk_size: 4,
         optimizer: OptimizerSpec::Sgd { lr: 0.1 },
         consistency,

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use anyhow::Context;
+use edl_launch::Signal;
 use edl_launch::{Exit, JobLaunch, Placer, ProcRecord, Slot};
 use edl_ps::coordinator;
 use edl_ps::shard;
@@ -28,7 +29,7 @@ pub enum Call {
     /// `start_servers` of a job.
     StartServers(String),
     /// `start_worker`: job, worker, slot, placement.
-    StartWorker(String, String, String, u64),
+    StartWorker(String, String, String, Option<u64>),
     /// `stop_worker`: job, worker.
     StopWorker(String, String),
     /// `stop_job`.
@@ -134,7 +135,7 @@ impl Placer for ThreadPlacer {
         coordinator: &SocketAddr,
         name: &str,
         slot: &Slot,
-        placement: u64,
+        placement: Option<u64>,
     ) -> anyhow::Result<ProcRecord> {
         self.record(Call::StartWorker(
             job.name.clone(),
@@ -151,7 +152,7 @@ impl Placer for ThreadPlacer {
         let stop = CancellationToken::new();
         let thread = spawn_worker(
             cfg,
-            Some(placement),
+            placement,
             self.model.clone(),
             self.samples,
             Slowdown::default(),
@@ -181,6 +182,21 @@ impl Placer for ThreadPlacer {
         }
     }
 
+    /// SIGTERM asks the worker's thread to leave (as [`Placer::stop_worker`]); a thread
+    /// cannot be sent other signals.
+    async fn signal(&mut self, job: &str, name: &str, signal: Signal) -> anyhow::Result<bool> {
+        anyhow::ensure!(
+            signal == Signal::SIGTERM,
+            "the thread placer cannot send {signal} to {job}/{name}: a thread takes SIGTERM only"
+        );
+        let running = self
+            .workers
+            .iter()
+            .any(|w| w.job == job && w.name == name && w.thread.is_some());
+        self.stop_worker(job, name).await;
+        Ok(running)
+    }
+
     async fn exited(&mut self) -> Vec<Exit> {
         let mut out = Vec::new();
         self.workers.retain_mut(|w| {
@@ -197,6 +213,7 @@ impl Placer for ThreadPlacer {
                 name: w.name.clone(),
                 ok,
                 what,
+                status: None,
             });
             false
         });

@@ -27,7 +27,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use edl_shared::Role;
-use edl_shared::contract::{Credentials, WorkerEnv};
 use edl_shared::jobfile::WorkerSpec;
 use edl_shared::models::Builtin as _;
 use edl_shared::pki::PkiDir;
@@ -56,6 +55,7 @@ use shards::Shards;
 use workers::{Fate, WorkerProc, Workers};
 
 use edl_launch::launch::{self as launch, Binaries};
+use edl_launch::{JobLaunch, LOCAL_HOST, LocalPlacer, Placer as _, Slot};
 pub use setup::fresh_state_dir;
 use setup::issue_certificates;
 
@@ -265,6 +265,33 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         Some(file) => edl_shared::jobfile::load_worker(file)?,
         None => WorkerSpec::default(),
     };
+    // Workers start through the local placer that edl-sched uses: a job file's [worker]
+    // program in the file's folder, or edl-worker with this run's flags on top.
+    let job = JobLaunch {
+        name: edl_shared::pki::DEFAULT_JOB.to_string(),
+        dir: state_dir.clone(),
+        shards: cfg.shards,
+        worker,
+        workdir: cfg
+            .job
+            .as_deref()
+            .and_then(Path::parent)
+            .unwrap_or(Path::new("."))
+            .to_path_buf(),
+    };
+    let notice = cfg.elastic.preempt_notice;
+    let procs = LocalPlacer::new(bins.clone(), cfg.data_dir.clone(), Vec::new())
+        .with_worker_extras(move |job, name| {
+            // edl-worker's own flags: /metrics, the preemption notice, the scenario's slowdown.
+            let mut extra: Vec<OsString> = launch::metrics_args(&job.dir, name).into();
+            extra.extend([
+                "--preempt-notice".into(),
+                humantime::format_duration(notice).to_string().into(),
+                "--slowdown-file".into(),
+                place::slowdown_file(&job.dir, name).into_os_string(),
+            ]);
+            extra
+        });
 
     let mut run = Launch {
         cfg,
@@ -282,7 +309,8 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         shard_actions: Vec::new(),
         clock: None,
         placer: place::Placer::new(cfg),
-        worker,
+        procs,
+        job,
     };
     run.progress.println(&format!(
         "edl-local: state and logs in {}",
@@ -434,8 +462,10 @@ struct Launch<'a> {
     clock: Option<(u64, Instant)>,
     /// Slots, placements fulfilled and the elastic actions carried out.
     placer: place::Placer,
-    /// What the workers run.
-    worker: WorkerSpec,
+    /// What starts, signals and reaps the worker processes.
+    procs: LocalPlacer,
+    /// The job as the placer sees it: its name, state directory and what its workers run.
+    job: JobLaunch,
 }
 
 impl Launch<'_> {
@@ -453,7 +483,7 @@ impl Launch<'_> {
             .context("connecting to the coordinator as an admin")?,
         );
         self.start_shards().await?;
-        self.start_workers()?;
+        self.start_workers().await?;
         let workers_started = Instant::now();
         self.progress.println(&format!(
             "edl-local: coordinator at {coordinator}, {} shards and {} workers started",
@@ -525,8 +555,9 @@ impl Launch<'_> {
                 },
                 _ = tick.tick() => {
                     self.check_servers()?;
+                    self.workers.refresh(&mut self.procs).await;
                     if let Some(now) = self.coordinator_now() {
-                        self.workers.note_exits(now)?;
+                        self.workers.note_exits(now);
                     }
                     if let Some(at) = self.workers.check()? {
                         break at;
@@ -606,11 +637,11 @@ impl Launch<'_> {
             None => Vec::new(),
         };
         self.progress.finish(&status);
-        if self.worker.is_builtin() {
+        if self.job.worker.is_builtin() {
             self.progress
                 .println("edl-local: training done; evaluating on the test set");
         }
-        let evaluation = if self.worker.is_builtin() {
+        let evaluation = if self.job.worker.is_builtin() {
             self.evaluate(&coordinator).await?
         } else {
             // edl-worker cannot evaluate the job's own model: the run reports the latest
@@ -730,10 +761,10 @@ impl Launch<'_> {
         Ok(addr)
     }
 
-    fn start_workers(&mut self) -> anyhow::Result<()> {
+    async fn start_workers(&mut self) -> anyhow::Result<()> {
         for i in 0..self.cfg.workers {
             let name = worker_name(i);
-            self.spawn_worker(&name, &name, None)?;
+            self.spawn_worker(&name, &name, None).await?;
         }
         Ok(())
     }
@@ -748,7 +779,7 @@ impl Launch<'_> {
     /// `stands_for`, in a free slot (the one `placement` asks for, if it names one),
     /// issuing its certificate first if it has none yet. A worker started for a placement
     /// names it when it registers.
-    fn spawn_worker(
+    async fn spawn_worker(
         &mut self,
         name: &str,
         stands_for: &str,
@@ -757,7 +788,8 @@ impl Launch<'_> {
         let coordinator = self
             .coordinator_addr
             .context("workers cannot start before the coordinator")?;
-        let busy = self.workers.busy_slots()?;
+        self.workers.refresh(&mut self.procs).await;
+        let busy = self.workers.busy_slots();
         let slot = self
             .placer
             .free_slot(&busy, placement.and_then(|(_, s)| s))
@@ -766,55 +798,30 @@ impl Launch<'_> {
             .ensure(Role::Worker, name)
             .with_context(|| format!("issuing the certificate of worker/{name}"))?;
         let placement = placement.map(|(id, _)| id);
-        // edl-worker's own flags: /metrics, the preemption notice, the scenario's slowdown.
-        let mut extra: Vec<OsString> = launch::metrics_args(&self.state_dir, name).into();
-        extra.extend([
-            "--preempt-notice".into(),
-            humantime::format_duration(self.cfg.elastic.preempt_notice)
-                .to_string()
-                .into(),
-            "--slowdown-file".into(),
-            self.placer
-                .slowdown_file(&self.state_dir, name)
-                .into_os_string(),
-        ]);
-        // A job file's [worker] program runs in its folder, with the contract's environment
-        // (the run's development PKI as its state directory).
-        let workdir = self
-            .cfg
-            .job
-            .as_deref()
-            .and_then(Path::parent)
-            .unwrap_or(Path::new("."));
-        let w = launch::WorkerLaunch {
-            spec: &self.worker,
-            workdir,
-            env: WorkerEnv {
-                coordinators: vec![coordinator.to_string()],
-                credentials: Credentials::StateDir(self.state_dir.clone()),
-                job: edl_shared::pki::DEFAULT_JOB.to_string(),
-                name: name.to_string(),
+        let record = self
+            .procs
+            .start_worker(
+                &self.job,
+                &coordinator,
+                name,
+                &Slot {
+                    name: slot.clone(),
+                    host: LOCAL_HOST.into(),
+                    devices: None,
+                },
                 placement,
-                devices: None,
-            },
-            data_dir: &self.cfg.data_dir,
-            state_dir: &self.state_dir,
-            worker_args: &extra,
-        };
-        let spawn = launch::worker_spawn(
-            &self.bins,
-            &w,
-            name.to_string(),
-            self.logs.join(format!("{name}.log")),
-        );
-        let proc = Proc::spawn(spawn)?;
+            )
+            .await?;
         self.workers.push(WorkerProc {
-            proc,
+            name: name.to_string(),
+            pid: record.pid,
+            log: self.logs.join(format!("{name}.log")),
             stands_for: stands_for.to_string(),
             slot,
             placement,
             exited_ms: None,
             fate: Fate::Trains,
+            exit: None,
         });
         Ok(())
     }
@@ -879,8 +886,10 @@ impl Launch<'_> {
         if let Some(p) = self.poller.take() {
             p.abort();
         }
-        let mut problems = self.workers.terminate_all(STOP_GRACE).await;
-        problems.extend(self.shards.stop(STOP_GRACE).await);
+        // A worker still running here is one a failed run no longer needs; how it stops is
+        // not news (the placer warns of one it had to kill).
+        self.procs.stop_job(&self.job.name).await;
+        let mut problems = self.shards.stop(STOP_GRACE).await;
         if let Some(p) = self.coordinator.as_mut() {
             problems.extend(stop_server(p, STOP_GRACE).await);
         }

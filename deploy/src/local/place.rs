@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use edl_launch::{Placer as _, Signal};
 use edl_shared::proto::{ErrorCode, PlacementKind};
-use nix::sys::signal::Signal;
 
 use super::play::{ADMIN_TIMEOUT, Outcome};
 use super::workers::Fate;
@@ -76,11 +76,11 @@ impl Placer {
                 }),
         }
     }
+}
 
-    /// The file a worker's slowdown factor is read from (the scenario's `slow` writes it).
-    pub fn slowdown_file(&self, state_dir: &Path, name: &str) -> PathBuf {
-        state_dir.join("slowdown").join(name)
-    }
+/// The file a worker's slowdown factor is read from (the scenario's `slow` writes it).
+pub(super) fn slowdown_file(state_dir: &Path, name: &str) -> PathBuf {
+    state_dir.join("slowdown").join(name)
 }
 
 impl Launch<'_> {
@@ -141,7 +141,10 @@ impl Launch<'_> {
                     .find(|m| m.id == old)
                     .map_or_else(|| old.to_string(), |m| m.name.clone())
             });
-            match self.spawn_worker(&name, &stands_for, Some((p.id, p.slot.as_deref()))) {
+            match self
+                .spawn_worker(&name, &stands_for, Some((p.id, p.slot.as_deref())))
+                .await
+            {
                 Ok(()) => {
                     let slot = self
                         .workers
@@ -181,8 +184,8 @@ impl Launch<'_> {
                 let Some(w) = self.workers.current(worker) else {
                     return Ok(Outcome::Skipped(format!("{worker} is not running")));
                 };
-                let name = w.proc.name().to_string();
-                let file = self.placer.slowdown_file(&self.state_dir, &name);
+                let name = w.name.clone();
+                let file = slowdown_file(&self.state_dir, &name);
                 if let Some(dir) = file.parent() {
                     std::fs::create_dir_all(dir)
                         .with_context(|| format!("creating {}", dir.display()))?;
@@ -195,14 +198,17 @@ impl Launch<'_> {
                 let Some(w) = self.workers.current(worker) else {
                     return Ok(Outcome::Skipped(format!("{worker} is not running")));
                 };
-                let pid = w.proc.pid();
-                if !w.proc.signal(Signal::SIGSTOP)? {
+                let (name, pid) = (w.name.clone(), w.pid);
+                if !self
+                    .procs
+                    .signal(&self.job.name, &name, Signal::SIGSTOP)
+                    .await?
+                {
                     return Ok(Outcome::Skipped(format!("{worker} had already exited")));
                 }
-                let name = w.proc.name().to_string();
                 // Let it go on later, whatever the launcher is doing then; a process that
                 // exited meanwhile (killed while stopped) is not there to continue.
-                if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+                if let Ok(pid) = i32::try_from(pid) {
                     let pause = Duration::from_secs_f64(*for_s);
                     tokio::spawn(async move {
                         tokio::time::sleep(pause).await;
@@ -218,11 +224,17 @@ impl Launch<'_> {
                 let Some(w) = self.workers.current(worker) else {
                     return Ok(Outcome::Skipped(format!("{worker} is not running")));
                 };
-                if !w.proc.signal(Signal::SIGUSR1)? {
+                let name = w.name.clone();
+                if !self
+                    .procs
+                    .signal(&self.job.name, &name, Signal::SIGUSR1)
+                    .await?
+                {
                     return Ok(Outcome::Skipped(format!("{worker} had already exited")));
                 }
-                w.fate = Fate::Preempted;
-                let name = w.proc.name().to_string();
+                if let Some(w) = self.workers.by_name(&name) {
+                    w.fate = Fate::Preempted;
+                }
                 let notice = self.cfg.elastic.preempt_notice;
                 self.record_elastic(
                     t_ms,
@@ -235,7 +247,7 @@ impl Launch<'_> {
                 let Some(w) = self.workers.current(worker) else {
                     return Ok(Outcome::Skipped(format!("{worker} is not running")));
                 };
-                let name = w.proc.name().to_string();
+                let name = w.name.clone();
                 let admin = self.admin.as_ref().context("no admin connection")?;
                 let members = tokio::time::timeout(ADMIN_TIMEOUT, admin.members())
                     .await

@@ -8,11 +8,11 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use edl_launch::{Placer as _, Signal};
 use edl_shared::proto::ErrorCode;
 use edl_shared::proto::frame::f32s_to_bytes;
 use edl_shared::proto::msg::{EventKind, JobStatus, WorkerState};
 use edl_worker::{ClientError, Job};
-use nix::sys::signal::Signal;
 
 use super::Launch;
 use super::workers::{Fate, allowed};
@@ -182,19 +182,21 @@ impl Launch<'_> {
         match &ev.action {
             Action::Add { names } => {
                 for name in names {
-                    self.spawn_worker(name, name, None)?;
+                    self.spawn_worker(name, name, None).await?;
                 }
                 self.progress
                     .println(&format!("edl-local: {at:.1} s: {}", ev.action));
                 Ok(Outcome::Done)
             }
             Action::Drain { worker } => {
+                self.workers.refresh(&mut self.procs).await;
                 let Some(w) = self.workers.current(worker) else {
                     return Ok(Outcome::Skipped(format!("{worker} is not running")));
                 };
-                if let Some(status) = w.proc.try_exit()? {
+                if let Some(e) = &w.exit {
                     return Ok(Outcome::Skipped(format!(
-                        "{worker} had already exited ({status})"
+                        "{worker} had already exited ({})",
+                        e.status.map_or_else(|| e.what.clone(), |s| s.to_string())
                     )));
                 }
                 let st = tokio::time::timeout(ADMIN_TIMEOUT, job.status())
@@ -238,13 +240,15 @@ impl Launch<'_> {
                 let Some(w) = self.workers.current(worker) else {
                     return Ok(Outcome::Skipped(format!("{worker} is not running")));
                 };
-                if !w.proc.signal(signal)? {
+                let name = w.name.clone();
+                if !self.procs.signal(&self.job.name, &name, signal).await? {
                     return Ok(Outcome::Skipped(format!("{worker} had already exited")));
                 }
-                w.fate = fate;
+                if let Some(w) = self.workers.by_name(&name) {
+                    w.fate = fate;
+                }
                 // Kept with the elastic actions, for the time the coordinator took to find
                 // a killed worker dead.
-                let name = w.proc.name().to_string();
                 let t_ms = self.coordinator_now();
                 let what = if fate == Fate::Killed { "kill" } else { "term" };
                 self.record_elastic(t_ms, what, &name, format!("{signal}"));
@@ -282,7 +286,8 @@ impl Launch<'_> {
         }
         // A worker that exited on its own found no data left: training is ending, and a
         // restart would only start workers with nothing to do.
-        if self.workers.running_untouched()?.len() < before.len() {
+        self.workers.refresh(&mut self.procs).await;
+        if self.workers.running_untouched().len() < before.len() {
             return Ok(Outcome::Skipped(
                 "training was ending (a worker had found no data left)".into(),
             ));
@@ -292,9 +297,16 @@ impl Launch<'_> {
         if let Action::Kill { worker } = &ev.action
             && let Some(victim) = self.workers.current(worker)
         {
-            victim.proc.signal(Signal::SIGKILL)?;
             victim.fate = Fate::Killed;
-            if victim.proc.wait_exit(KILL_WAIT).await?.is_none() {
+            let name = victim.name.clone();
+            self.procs
+                .signal(&self.job.name, &name, Signal::SIGKILL)
+                .await?;
+            if !self
+                .workers
+                .wait_exit(&mut self.procs, &name, KILL_WAIT)
+                .await
+            {
                 bail!(
                     "{worker} did not die within {} s of SIGKILL",
                     KILL_WAIT.as_secs()
@@ -307,30 +319,38 @@ impl Launch<'_> {
 
         let stopping = Instant::now();
         let mut old = Vec::new();
-        for w in self.workers.running_untouched()? {
-            w.proc.signal(Signal::SIGTERM)?;
+        for w in self.workers.running_untouched() {
             w.fate = Fate::Restarted;
-            old.push(w.proc.name().to_string());
+            old.push(w.name.clone());
         }
         for name in &old {
+            self.procs
+                .signal(&self.job.name, name, Signal::SIGTERM)
+                .await?;
+        }
+        for name in &old {
+            let left = self
+                .workers
+                .wait_exit(&mut self.procs, name, RESTART_STOP)
+                .await;
             let Some(w) = self.workers.by_name(name) else {
                 continue;
             };
-            match w.proc.wait_exit(RESTART_STOP).await? {
-                Some(status) => allowed(w, status)?,
-                None => bail!(
+            if !left {
+                bail!(
                     "{name} did not leave within {} s of SIGTERM for restart {n}; its log is {}",
                     RESTART_STOP.as_secs(),
-                    w.proc.log().display()
-                ),
+                    w.log.display()
+                );
             }
+            allowed(w)?;
         }
         let stop_ms = ms(stopping.elapsed());
 
         let starting = Instant::now();
         let names: Vec<String> = after.iter().map(|w| format!("{w}-r{n}")).collect();
         for (w, name) in after.iter().zip(&names) {
-            self.spawn_worker(name, w, None)?;
+            self.spawn_worker(name, w, None).await?;
         }
         self.wait_first_steps(job, &names, n).await?;
         let start_ms = ms(starting.elapsed());
@@ -388,12 +408,13 @@ impl Launch<'_> {
         let deadline = Instant::now() + RESTART_START;
         loop {
             self.check_servers()?;
+            self.workers.refresh(&mut self.procs).await;
             let mut exited = Vec::new();
             for name in names {
                 if let Some(w) = self.workers.by_name(name)
-                    && let Some(status) = w.proc.try_exit()?
+                    && w.exited()
                 {
-                    allowed(w, status)?;
+                    allowed(w)?;
                     exited.push(name.as_str());
                 }
             }

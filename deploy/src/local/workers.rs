@@ -1,15 +1,21 @@
-//! The launcher's worker processes: which scenario worker each one stands for, the slot it runs in, what the launcher
-//! did to it (and so how it may exit), and the check that notices a worker failing or every
-//! worker being done.
+//! The launcher's worker processes, which the local placer (`edl_launch::LocalPlacer`, the
+//! one `edl-sched` uses) starts, signals and reports ended: which scenario worker each one
+//! stands for, the slot it runs in, what the launcher did to it (and so how it may exit), and
+//! the check that notices a worker failing or every worker being done.
 
 use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use edl_launch::procs::failure_message;
+use edl_launch::{Exit, LocalPlacer, Placer as _};
 
 use crate::report::WorkerProcess;
-use edl_launch::procs::Proc;
+
+/// How often a worker that should end is looked for.
+const EXIT_POLL: Duration = Duration::from_millis(20);
 
 /// What the launcher did to a worker, which says how it may end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,11 +58,15 @@ impl Fate {
     }
 }
 
-/// One worker process.
+/// One worker process, started through the local placer.
 #[derive(Debug)]
 pub(super) struct WorkerProc {
-    /// The process; its name is the worker's certificate name.
-    pub proc: Proc,
+    /// Its certificate name (and its name with the placer).
+    pub name: String,
+    /// Its process id (to resume it after a pause).
+    pub pid: u32,
+    /// Its log file.
+    pub log: PathBuf,
     /// The scenario's name for the worker it stands for. The same as the process name, except
     /// after a restart of `--restart-on-change`, where `w1-r2` stands for `w1`.
     pub stands_for: String,
@@ -69,6 +79,20 @@ pub(super) struct WorkerProc {
     pub exited_ms: Option<u64>,
     /// What the launcher did to it.
     pub fate: Fate,
+    /// How it ended, once the placer reported it ([`Workers::refresh`]).
+    pub exit: Option<Exit>,
+}
+
+impl WorkerProc {
+    /// Whether the placer has reported it gone.
+    pub fn exited(&self) -> bool {
+        self.exit.is_some()
+    }
+
+    /// Its exit status, if it ended and the placer knows it.
+    pub fn status(&self) -> Option<ExitStatus> {
+        self.exit.as_ref().and_then(|e| e.status)
+    }
 }
 
 /// Every worker process of a run, in start order.
@@ -80,6 +104,37 @@ pub(super) struct Workers {
 impl Workers {
     pub fn push(&mut self, w: WorkerProc) {
         self.list.push(w);
+    }
+
+    /// Takes in what the placer saw end since the last call. Every process the run's placer
+    /// starts is a worker of this list.
+    pub async fn refresh(&mut self, placer: &mut LocalPlacer) {
+        for e in placer.exited().await {
+            match self.list.iter_mut().find(|w| w.name == e.name) {
+                Some(w) => w.exit = Some(e),
+                None => tracing::warn!(name = %e.name, "an unknown worker exited"),
+            }
+        }
+    }
+
+    /// Waits up to `limit` for worker `name` to end; whether it did.
+    pub async fn wait_exit(
+        &mut self,
+        placer: &mut LocalPlacer,
+        name: &str,
+        limit: Duration,
+    ) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            self.refresh(placer).await;
+            if self.by_name(name).is_none_or(|w| w.exited()) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(EXIT_POLL).await;
+        }
     }
 
     /// The worker process standing for `name` that the launcher has left alone so far.
@@ -99,15 +154,13 @@ impl Workers {
             .collect()
     }
 
-    /// The slots taken by worker processes that still run.
-    pub fn busy_slots(&mut self) -> anyhow::Result<Vec<String>> {
-        let mut out = Vec::new();
-        for w in &mut self.list {
-            if w.proc.try_exit()?.is_none() {
-                out.push(w.slot.clone());
-            }
-        }
-        Ok(out)
+    /// The slots taken by worker processes that still run (as of the last refresh).
+    pub fn busy_slots(&self) -> Vec<String> {
+        self.list
+            .iter()
+            .filter(|w| !w.exited())
+            .map(|w| w.slot.clone())
+            .collect()
     }
 
     /// Whether a process was already started for placement `id`.
@@ -115,67 +168,52 @@ impl Workers {
         self.list.iter().any(|w| w.placement == Some(id))
     }
 
-    /// The processes the launcher has left alone and that still run.
-    pub fn running_untouched(&mut self) -> anyhow::Result<Vec<&mut WorkerProc>> {
-        let mut out = Vec::new();
-        for w in &mut self.list {
-            if w.fate == Fate::Trains && w.proc.try_exit()?.is_none() {
-                out.push(w);
-            }
-        }
-        Ok(out)
+    /// The processes the launcher has left alone and that still run (as of the last
+    /// refresh).
+    pub fn running_untouched(&mut self) -> Vec<&mut WorkerProc> {
+        self.list
+            .iter_mut()
+            .filter(|w| w.fate == Fate::Trains && !w.exited())
+            .collect()
     }
 
     /// The process named `name`.
     pub fn by_name(&mut self, name: &str) -> Option<&mut WorkerProc> {
-        self.list.iter_mut().find(|w| w.proc.name() == name)
+        self.list.iter_mut().find(|w| w.name == name)
     }
 
     /// Records, for each worker seen to have exited since the last call, the time in the
     /// coordinator's clock: `now_ms` is the coordinator's clock now.
-    pub fn note_exits(&mut self, now_ms: u64) -> anyhow::Result<()> {
+    pub fn note_exits(&mut self, now_ms: u64) {
         for w in &mut self.list {
-            if w.exited_ms.is_none() && w.proc.try_exit()?.is_some() {
+            if w.exited_ms.is_none() && w.exited() {
                 w.exited_ms = Some(now_ms);
             }
         }
-        Ok(())
     }
 
     /// Fails if a worker has exited in a way its fate does not allow; returns the time of the
     /// check that found every worker gone.
-    pub fn check(&mut self) -> anyhow::Result<Option<Instant>> {
+    pub fn check(&self) -> anyhow::Result<Option<Instant>> {
         let mut running = 0;
-        for w in &mut self.list {
-            match w.proc.try_exit()? {
-                None => running += 1,
-                Some(status) => allowed(w, status)?,
+        for w in &self.list {
+            if w.exited() {
+                allowed(w)?;
+            } else {
+                running += 1;
             }
         }
         Ok((running == 0).then(Instant::now))
     }
 
-    /// Stops every worker still running (after a failure), each with SIGTERM and `grace`.
-    pub async fn terminate_all(&mut self, grace: Duration) -> Vec<String> {
-        let mut problems = Vec::new();
-        for w in &mut self.list {
-            // A worker that is still running here is one the failed run no longer needs; how
-            // it stops is not news.
-            if let Err(e) = w.proc.terminate(grace).await {
-                problems.push(format!("{e:#}"));
-            }
-        }
-        problems
-    }
-
     /// How every worker ended, for the report.
-    pub fn report(&mut self) -> Vec<WorkerProcess> {
+    pub fn report(&self) -> Vec<WorkerProcess> {
         self.list
-            .iter_mut()
+            .iter()
             .map(|w| {
-                let status = w.proc.try_exit().ok().flatten();
+                let status = w.status();
                 WorkerProcess {
-                    name: w.proc.name().to_string(),
+                    name: w.name.clone(),
                     slot: w.slot.clone(),
                     placement: w.placement,
                     exited_ms: w.exited_ms,
@@ -188,10 +226,19 @@ impl Workers {
     }
 }
 
-/// Fails unless `status` is a way `w` may end.
-pub(super) fn allowed(w: &WorkerProc, status: ExitStatus) -> anyhow::Result<()> {
-    if status.success() || w.fate == Fate::Killed {
+/// Fails unless `w`, if it ended, ended in a way its fate allows.
+pub(super) fn allowed(w: &WorkerProc) -> anyhow::Result<()> {
+    let Some(e) = &w.exit else {
+        return Ok(());
+    };
+    if e.ok || w.fate == Fate::Killed {
         return Ok(());
     }
-    bail!("{}", w.proc.failure(w.fate.failure(), status))
+    match e.status {
+        Some(status) => bail!(
+            "{}",
+            failure_message(&w.name, &w.log, w.fate.failure(), status)
+        ),
+        None => bail!("{} {}: {}", w.name, w.fate.failure(), e.what),
+    }
 }

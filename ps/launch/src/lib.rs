@@ -10,5 +10,7 @@ pub mod placer;
 pub mod procs;
 
 pub use launch::{Binaries, Creds, WorkerLaunch};
+/// The signals of the process contract, as [`Placer::signal`] takes them.
+pub use nix::sys::signal::Signal;
 pub use placer::{Exit, JobLaunch, LOCAL_HOST, LocalPlacer, Placer, ProcRecord, STOP_GRACE, Slot};
 pub use procs::{Proc, Spawn, Stopped};

@@ -5,9 +5,12 @@
 //! their job file's `[worker]` table says ([`crate::launch::worker_spawn`]), with the process
 //! contract's environment ([`edl_shared::contract`]).
 
+use std::ffi::OsString;
+use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -98,14 +101,14 @@ impl JobLaunch {
         coordinator: String,
         name: &str,
         slot: &Slot,
-        placement: u64,
+        placement: Option<u64>,
     ) -> WorkerEnv {
         WorkerEnv {
             coordinators: vec![coordinator],
             credentials: self.creds(Role::Worker, name).contract(),
             job: self.name.clone(),
             name: name.to_string(),
-            placement: Some(placement),
+            placement,
             devices: slot.devices.clone(),
         }
     }
@@ -122,6 +125,9 @@ pub struct Exit {
     pub ok: bool,
     /// What happened, with its log's tail when it failed.
     pub what: String,
+    /// Its exit status, where the placer knows it (a process it started, not one it adopted,
+    /// a pod or a thread).
+    pub status: Option<ExitStatus>,
 }
 
 /// Starts and stops a job's processes.
@@ -133,21 +139,33 @@ pub trait Placer: Send {
         job: &JobLaunch,
     ) -> impl Future<Output = anyhow::Result<(SocketAddr, Vec<ProcRecord>)>> + Send;
 
-    /// Starts worker `name` of `job` (at `coordinator`) in `slot` for placement `placement`,
-    /// running what the job's `[worker]` table says; returns once it is started (or, for a
-    /// pod, created).
+    /// Starts worker `name` of `job` (at `coordinator`) in `slot`, for the coordinator's
+    /// placement `placement` if it asked for this worker, running what the job's `[worker]`
+    /// table says; returns once it is started (or, for a pod, created).
     fn start_worker(
         &mut self,
         job: &JobLaunch,
         coordinator: &SocketAddr,
         name: &str,
         slot: &Slot,
-        placement: u64,
+        placement: Option<u64>,
     ) -> impl Future<Output = anyhow::Result<ProcRecord>> + Send;
 
     /// Asks worker `name` of `job` to leave (SIGTERM: it finishes its step, or, not admitted
     /// yet, simply ends); it is reported by [`Placer::exited`] once gone.
     fn stop_worker(&mut self, job: &str, name: &str) -> impl Future<Output = ()> + Send;
+
+    /// Sends `signal` to worker `name` of `job`, as the process contract defines them:
+    /// SIGTERM drains, SIGUSR1 is a preemption notice, SIGKILL kills, SIGSTOP and SIGCONT
+    /// pause and resume. `Ok(false)` when the worker had already exited (or is unknown); an
+    /// error when this placer cannot deliver that signal (a pod takes SIGTERM and SIGKILL
+    /// only, as deletions).
+    fn signal(
+        &mut self,
+        job: &str,
+        name: &str,
+        signal: Signal,
+    ) -> impl Future<Output = anyhow::Result<bool>> + Send;
 
     /// The processes that ended since the last call.
     fn exited(&mut self) -> impl Future<Output = Vec<Exit>> + Send;
@@ -207,14 +225,28 @@ fn alive(pid: i32, job: &str, name: &str) -> bool {
         })
 }
 
+/// Flags an `edl-worker` worker gets on top of the placer's, by job and worker name.
+type WorkerExtras = Box<dyn Fn(&JobLaunch, &str) -> Vec<OsString> + Send + Sync>;
+
 /// Runs jobs as processes on this machine.
-#[derive(Debug)]
 pub struct LocalPlacer {
     bins: Binaries,
     data_dir: PathBuf,
-    worker_args: Vec<std::ffi::OsString>,
+    worker_args: Vec<OsString>,
+    extras: Option<WorkerExtras>,
     stragglers: StragglerSettings,
     procs: Vec<Local>,
+}
+
+impl fmt::Debug for LocalPlacer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalPlacer")
+            .field("bins", &self.bins)
+            .field("data_dir", &self.data_dir)
+            .field("worker_args", &self.worker_args)
+            .field("procs", &self.procs)
+            .finish_non_exhaustive()
+    }
 }
 
 impl LocalPlacer {
@@ -225,10 +257,22 @@ impl LocalPlacer {
             bins,
             data_dir,
             worker_args: worker_args.into_iter().map(Into::into).collect(),
+            extras: None,
             // Stragglers are the scheduler's concern only through slots: flag, never act.
             stragglers: StragglerSettings::default(),
             procs: Vec::new(),
         }
+    }
+
+    /// Gives each `edl-worker` worker the flags `extras` returns for its job and name, on top
+    /// of the placer's (`edl-local`'s per-worker metrics file, preemption notice and
+    /// slowdown file). A job's own `[worker]` program gets none.
+    pub fn with_worker_extras(
+        mut self,
+        extras: impl Fn(&JobLaunch, &str) -> Vec<OsString> + Send + Sync + 'static,
+    ) -> LocalPlacer {
+        self.extras = Some(Box::new(extras));
+        self
     }
 
     fn spawn(&mut self, job: &JobLaunch, name: &str, spawn: Spawn) -> anyhow::Result<u32> {
@@ -330,15 +374,19 @@ impl Placer for LocalPlacer {
         coordinator: &SocketAddr,
         name: &str,
         slot: &Slot,
-        placement: u64,
+        placement: Option<u64>,
     ) -> anyhow::Result<ProcRecord> {
+        let mut worker_args = self.worker_args.clone();
+        if let Some(extras) = &self.extras {
+            worker_args.extend(extras(job, name));
+        }
         let w = WorkerLaunch {
             spec: &job.worker,
             workdir: &job.workdir,
             env: job.worker_env(coordinator.to_string(), name, slot, placement),
             data_dir: &self.data_dir,
             state_dir: &job.dir,
-            worker_args: &self.worker_args,
+            worker_args: &worker_args,
         };
         let spawn = launch::worker_spawn(
             &self.bins,
@@ -355,21 +403,29 @@ impl Placer for LocalPlacer {
     }
 
     async fn stop_worker(&mut self, job: &str, name: &str) {
+        if let Err(e) = self.signal(job, name, Signal::SIGTERM).await {
+            tracing::warn!(job, name, error = %format!("{e:#}"), "cannot stop a worker");
+        }
+    }
+
+    async fn signal(&mut self, job: &str, name: &str, signal: Signal) -> anyhow::Result<bool> {
         let Some(p) = self
             .procs
             .iter_mut()
             .find(|p| p.job == job && p.name == name)
         else {
-            return;
+            return Ok(false);
         };
-        let sent = match &mut p.handle {
-            Handle::Child(proc) => proc.signal(Signal::SIGTERM).map_err(|e| format!("{e:#}")),
-            Handle::Adopted { pid, .. } => kill(Pid::from_raw(*pid), Signal::SIGTERM)
-                .map(|()| true)
-                .map_err(|e| e.to_string()),
-        };
-        if let Err(e) = sent {
-            tracing::warn!(job, name, error = %e, "cannot stop a worker");
+        match &mut p.handle {
+            Handle::Child(proc) => proc.signal(signal),
+            Handle::Adopted { pid, name } => {
+                if !alive(*pid, job, name) {
+                    return Ok(false);
+                }
+                kill(Pid::from_raw(*pid), signal)
+                    .with_context(|| format!("sending {signal} to {job}/{name}"))?;
+                Ok(true)
+            }
         }
     }
 
@@ -378,21 +434,24 @@ impl Placer for LocalPlacer {
         self.procs.retain_mut(|p| {
             let ended = match &mut p.handle {
                 Handle::Child(proc) => match proc.try_exit() {
-                    Ok(Some(status)) if status.success() => Some((true, "exited".to_string())),
-                    Ok(Some(status)) => Some((false, proc.failure("exited", status))),
+                    Ok(Some(status)) if status.success() => {
+                        Some((true, "exited".to_string(), Some(status)))
+                    }
+                    Ok(Some(status)) => Some((false, proc.failure("exited", status), Some(status))),
                     Ok(None) => None,
-                    Err(e) => Some((false, format!("{e:#}"))),
+                    Err(e) => Some((false, format!("{e:#}"), None)),
                 },
                 Handle::Adopted { pid, name } => (!alive(*pid, &p.job, name))
-                    .then(|| (true, "exited (status unknown: adopted)".into())),
+                    .then(|| (true, "exited (status unknown: adopted)".into(), None)),
             };
             match ended {
-                Some((ok, what)) => {
+                Some((ok, what, status)) => {
                     out.push(Exit {
                         job: p.job.clone(),
                         name: p.name.clone(),
                         ok,
                         what,
+                        status,
                     });
                     false
                 }
@@ -456,5 +515,151 @@ impl Placer for LocalPlacer {
                 (*proc).detach();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    use super::*;
+
+    fn slot() -> Slot {
+        Slot {
+            name: "slot0".into(),
+            host: LOCAL_HOST.into(),
+            devices: None,
+        }
+    }
+
+    fn job(dir: &std::path::Path, command: &[&str]) -> anyhow::Result<JobLaunch> {
+        let job = JobLaunch {
+            name: "j1".into(),
+            dir: dir.to_path_buf(),
+            shards: 0,
+            worker: WorkerSpec {
+                command: command.iter().map(|s| s.to_string()).collect(),
+                ..WorkerSpec::default()
+            },
+            workdir: dir.to_path_buf(),
+        };
+        std::fs::create_dir_all(job.logs())?;
+        Ok(job)
+    }
+
+    fn placer(dir: &std::path::Path) -> LocalPlacer {
+        let bins = Binaries {
+            ps: "/bin/false".into(),
+            worker: dir.join("edl-worker"),
+        };
+        LocalPlacer::new(bins, dir.to_path_buf(), Vec::new())
+    }
+
+    /// The exits of `names`, waited for up to 10 s.
+    async fn exits_of(p: &mut LocalPlacer, names: &[&str]) -> Vec<Exit> {
+        let mut out: Vec<Exit> = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while names.iter().any(|n| !out.iter().any(|e| e.name == *n))
+            && tokio::time::Instant::now() < deadline
+        {
+            out.extend(p.exited().await);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    #[tokio::test]
+    async fn the_contract_s_signals_reach_a_worker_and_its_exit_status_comes_back()
+    -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        // A program that drains on SIGTERM (exits 0) and otherwise runs until killed.
+        let job = job(
+            dir.path(),
+            &[
+                "sh",
+                "-c",
+                "trap 'exit 0' TERM; touch ready-$EDL_NAME; while :; do sleep 0.02; done",
+            ],
+        )?;
+        let mut p = placer(dir.path());
+        let coordinator: SocketAddr = "127.0.0.1:9".parse()?;
+        let w0 = p
+            .start_worker(&job, &coordinator, "w0", &slot(), None)
+            .await?;
+        p.start_worker(&job, &coordinator, "w1", &slot(), Some(3))
+            .await?;
+        assert!(w0.pid > 0);
+        // Signalled once its trap is set.
+        for name in ["w0", "w1"] {
+            let ready = dir.path().join(format!("ready-{name}"));
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while !ready.exists() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        assert!(p.signal("j1", "w0", Signal::SIGSTOP).await?);
+        assert!(p.signal("j1", "w0", Signal::SIGCONT).await?);
+        assert!(p.signal("j1", "w0", Signal::SIGKILL).await?);
+        p.stop_worker("j1", "w1").await;
+        let exits = exits_of(&mut p, &["w0", "w1"]).await;
+        assert_eq!(exits.len(), 2, "{exits:?}");
+        let (killed, drained) = (&exits[0], &exits[1]);
+        assert!(!killed.ok, "{killed:?}");
+        assert_eq!(
+            killed.status.and_then(|s| s.signal()),
+            Some(9),
+            "{killed:?}"
+        );
+        assert!(drained.ok, "{drained:?}");
+        assert_eq!(
+            drained.status.and_then(|s| s.code()),
+            Some(0),
+            "{drained:?}"
+        );
+        // Gone, or never there: nothing to signal.
+        assert!(!p.signal("j1", "w0", Signal::SIGTERM).await?);
+        assert!(!p.signal("j1", "nobody", Signal::SIGTERM).await?);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn per_worker_extras_go_to_edl_worker_only() -> anyhow::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir()?;
+        // A stand-in edl-worker that writes its arguments beside itself.
+        let fake = dir.path().join("edl-worker");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\nprintf '%s\\n' \"$@\" > \"$(dirname \"$0\")/args-$EDL_NAME\"\n",
+        )?;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755))?;
+        let mut p = placer(dir.path())
+            .with_worker_extras(|job, name| vec![format!("--extra={}/{name}", job.name).into()]);
+        let coordinator: SocketAddr = "127.0.0.1:9".parse()?;
+        let builtin = job(dir.path(), &[])?;
+        p.start_worker(&builtin, &coordinator, "w0", &slot(), Some(1))
+            .await?;
+        let program = job(
+            dir.path(),
+            &[
+                "sh",
+                "-c",
+                "printf '%s\\n' \"$@\" > args-$EDL_NAME",
+                "sh",
+                "given",
+            ],
+        )?;
+        p.start_worker(&program, &coordinator, "w1", &slot(), None)
+            .await?;
+        let exits = exits_of(&mut p, &["w0", "w1"]).await;
+        assert!(exits.len() == 2 && exits.iter().all(|e| e.ok), "{exits:?}");
+        let w0 = std::fs::read_to_string(dir.path().join("args-w0"))?;
+        let w0: Vec<&str> = w0.lines().collect();
+        assert!(w0.contains(&"--extra=j1/w0"), "{w0:?}");
+        assert!(w0.windows(2).any(|a| a == ["--placement", "1"]), "{w0:?}");
+        let w1 = std::fs::read_to_string(dir.path().join("args-w1"))?;
+        assert_eq!(w1, "given\n");
+        Ok(())
     }
 }

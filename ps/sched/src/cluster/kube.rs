@@ -39,6 +39,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use edl_launch::Signal;
 use edl_launch::launch::{self, Binaries, Creds, WorkerLaunch};
 use edl_launch::{Exit, JobLaunch, LOCAL_HOST, Placer, ProcRecord, STOP_GRACE, Slot};
 use edl_shared::Role;
@@ -353,7 +354,7 @@ impl KubeSettings {
         worker: &str,
         spec: &WorkerSpec,
         slot: &Slot,
-        placement: u64,
+        placement: Option<u64>,
     ) -> Pod {
         // What a local placer would start, as a container: edl-worker or the job's command
         // (in the image's working directory), with the contract's environment.
@@ -366,7 +367,7 @@ impl KubeSettings {
                 credentials: mounted_creds().contract(),
                 job: job.to_string(),
                 name: worker.to_string(),
-                placement: Some(placement),
+                placement,
                 // The device plugin picks the devices and sets what the container sees.
                 devices: None,
             },
@@ -594,6 +595,8 @@ impl Pods {
                 name: t.name,
                 ok,
                 what,
+                // A pod's exit code is in its status, not a process's wait status.
+                status: None,
             });
         }
     }
@@ -895,7 +898,7 @@ impl Placer for KubePlacer {
         _coordinator: &SocketAddr,
         name: &str,
         slot: &Slot,
-        placement: u64,
+        placement: Option<u64>,
     ) -> anyhow::Result<ProcRecord> {
         let secret = self.secret_of(job, Role::Worker, name)?;
         let pod = self
@@ -925,6 +928,26 @@ impl Placer for KubePlacer {
             return;
         }
         delete_one(self.api::<Pod>(), pod, WORKER_GRACE).await;
+    }
+
+    /// SIGTERM is a deletion with [`WORKER_GRACE`] (as [`Placer::stop_worker`]), SIGKILL one
+    /// with none; a pod cannot be sent other signals from outside.
+    async fn signal(&mut self, job: &str, name: &str, signal: Signal) -> anyhow::Result<bool> {
+        let pod = pod_name(job, name);
+        let Some(t) = self.pods.tracked.get_mut(&pod) else {
+            return Ok(false);
+        };
+        let grace = match signal {
+            Signal::SIGTERM => WORKER_GRACE,
+            Signal::SIGKILL => Duration::ZERO,
+            other => anyhow::bail!(
+                "the Kubernetes placer cannot send {other} to {job}/{name}: a pod takes \
+                 SIGTERM and SIGKILL only (as deletions)"
+            ),
+        };
+        t.stopping = true;
+        delete_one(self.api::<Pod>(), pod, grace).await;
+        Ok(true)
     }
 
     /// The pods found ended: lists the tracked jobs' pods (at most once a second).
@@ -1191,7 +1214,8 @@ mod tests {
     #[test]
     fn worker_pod() {
         let s = settings();
-        let pod = to_json(&s.worker_pod("j1", "p7", &WorkerSpec::default(), &slot("node-a"), 7));
+        let pod =
+            to_json(&s.worker_pod("j1", "p7", &WorkerSpec::default(), &slot("node-a"), Some(7)));
         assert_eq!(pod["metadata"]["name"], "j1-p7");
         let labels = &pod["metadata"]["labels"];
         assert_eq!(labels["app"], "edl");
@@ -1235,7 +1259,7 @@ mod tests {
             "p1",
             &WorkerSpec::default(),
             &slot(LOCAL_HOST),
-            1,
+            Some(1),
         ));
         let name = pod["metadata"]["name"].as_str().expect("name");
         assert!(
@@ -1322,7 +1346,13 @@ mod tests {
             ("pod-shard", to_json(&s.shard_pod("j1", "s0"))),
             (
                 "pod-worker-gpu",
-                to_json(&s.worker_pod("j1", "p7", &WorkerSpec::default(), &slot("node-a"), 7)),
+                to_json(&s.worker_pod(
+                    "j1",
+                    "p7",
+                    &WorkerSpec::default(),
+                    &slot("node-a"),
+                    Some(7),
+                )),
             ),
             (
                 "pod-worker-local",
@@ -1331,12 +1361,12 @@ mod tests {
                     "p1",
                     &WorkerSpec::default(),
                     &slot(LOCAL_HOST),
-                    1,
+                    Some(1),
                 )),
             ),
             (
                 "pod-worker-program",
-                to_json(&s.worker_pod("j1", "p8", &program(), &slot("node-a"), 8)),
+                to_json(&s.worker_pod("j1", "p8", &program(), &slot("node-a"), Some(8))),
             ),
         ];
         let mut files = Vec::new();
@@ -1614,7 +1644,7 @@ mod tests {
         // Workers; one ends, one's pod vanishes.
         for (i, w) in ["p1", "p2", "p3"].into_iter().enumerate() {
             let rec = placer
-                .start_worker(&job, &addr, w, &slot("node-a"), i as u64 + 1)
+                .start_worker(&job, &addr, w, &slot("node-a"), Some(i as u64 + 1))
                 .await
                 .expect("worker");
             assert_eq!((rec.pid, rec.slot.as_deref()), (0, Some("gpu0")));
@@ -1656,7 +1686,7 @@ mod tests {
             json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "j1-p4"}}),
         );
         let e = placer
-            .start_worker(&job, &addr, "p4", &slot("node-a"), 4)
+            .start_worker(&job, &addr, "p4", &slot("node-a"), Some(4))
             .await
             .expect_err("the pod's name is taken");
         assert!(format!("{e:#}").contains("creating pod j1-p4"), "{e:#}");
@@ -1680,7 +1710,7 @@ mod tests {
             ..job.clone()
         };
         placer
-            .start_worker(&custom, &addr, "p5", &slot("node-a"), 5)
+            .start_worker(&custom, &addr, "p5", &slot("node-a"), Some(5))
             .await
             .expect("worker");
         let pod = fake.objects.lock().expect("lock")[&("pods".into(), "j1-p5".into())].clone();
@@ -1718,7 +1748,7 @@ mod tests {
 
         // The job stopped: every object goes.
         placer
-            .start_worker(&job, &addr, "p6", &slot("node-a"), 6)
+            .start_worker(&job, &addr, "p6", &slot("node-a"), Some(6))
             .await
             .expect("worker");
         placer.stop_job("j1").await;

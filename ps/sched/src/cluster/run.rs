@@ -837,7 +837,7 @@ impl<P: Placer> Scheduler<P> {
             .context("the coordinator's address")?;
         let rec: ProcRecord = self
             .placer
-            .start_worker(&l, &coordinator, worker, slot, id)
+            .start_worker(&l, &coordinator, worker, slot, Some(id))
             .await?;
         self.log(job, "take", Some(&slot.name), Some(worker), None);
         tracing::info!(job, worker, slot = %slot.name, placement = id, "started a worker");

@@ -12,7 +12,7 @@ use crate::stats::gbps;
 /// One optimizer's throughput.
 #[derive(Clone, Debug, Serialize)]
 pub struct Row {
-    /// sgd, momentum or adam.
+    /// The optimizer and its distinguishing settings.
     pub optimizer: String,
     /// Floats per buffer.
     pub floats: usize,
@@ -26,25 +26,28 @@ pub struct Row {
 
 /// Measures each optimizer on buffers of `floats` floats, `reps` applications each.
 pub fn run(floats: usize, reps: usize) -> Vec<Row> {
-    let specs = [
-        ("sgd", OptimizerSpec::Sgd { lr: 1e-3 }),
+    // Every kind, and the settings that add a buffer or a branch.
+    let specs: Vec<(&str, OptimizerSpec)> = [
+        ("sgd", "sgd:0.001"),
+        ("momentum", "momentum:0.001:0.9"),
         (
-            "momentum",
-            OptimizerSpec::Momentum {
-                lr: 1e-3,
-                momentum: 0.9,
-            },
+            "sgd nesterov+wd",
+            "sgd:0.001,momentum=0.9,nesterov=true,weight_decay=0.0001",
         ),
+        ("adam", "adam:0.001"),
+        ("adamw", "adamw:0.001"),
+        ("adam amsgrad", "adam:0.001,amsgrad=true"),
+        ("adagrad", "adagrad:0.01"),
+        ("rmsprop", "rmsprop:0.01"),
         (
-            "adam",
-            OptimizerSpec::Adam {
-                lr: 1e-3,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
+            "rmsprop centered+momentum",
+            "rmsprop:0.01,centered=true,momentum=0.9",
         ),
-    ];
+        ("adadelta", "adadelta:1"),
+    ]
+    .into_iter()
+    .map(|(name, text)| (name, text.parse().expect("a valid optimizer")))
+    .collect();
     let bytes = (2 * floats * 4 * reps) as f64;
     let memcpy = memcpy_gbps(floats, reps);
     specs

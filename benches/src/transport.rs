@@ -347,7 +347,7 @@ async fn edl(
     let chunk = floats.min(64 << 10) as u32;
     let mut job = counter_job(floats as u32, chunk, Consistency::Asp);
     if !apply {
-        job.optimizer = OptimizerSpec::Sgd { lr: 0.0 };
+        job.optimizer = OptimizerSpec::sgd(0.0);
     }
     let cluster = TestCluster::start_with(job, shards as u32, settings.clone()).await?;
     let mut sessions = Vec::new();

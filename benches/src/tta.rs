@@ -80,12 +80,7 @@ impl Plan {
             shards: 2,
             target: 0.85,
             layers: vec![784, 256, 128, 10],
-            optimizer: OptimizerSpec::Adam {
-                lr: 0.001,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
+            optimizer: OptimizerSpec::adam(0.001),
             batch: 64,
             train_samples: if quick { 6000 } else { 60_000 },
             max_epochs: if quick { 1 } else { 6 },

@@ -147,85 +147,465 @@ pub struct DataSpec {
     pub test: String,
 }
 
-/// The server-side optimizer that shards apply to pushed gradients.
+/// The server-side optimizer that shards apply to pushed gradients: torch.optim's algorithms
+/// with their arguments, names and defaults, computed as PyTorch computes them (the
+/// hyperparameters are doubles, as Python's floats are, and what is derived from them is
+/// computed in double before it meets the f32 parameters). A "step" is one update of a chunk:
+/// one push under ASP and SSP, one aggregated step under BSP.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum OptimizerSpec {
-    /// `p -= lr * g`.
+    /// `torch.optim.SGD`: weight decay, then momentum (the first step's buffer is the
+    /// gradient; later `b = momentum * b + (1 - dampening) * g`), Nesterov or not.
     Sgd {
         /// Learning rate.
-        lr: f32,
+        lr: f64,
+        /// Momentum factor (0: plain SGD).
+        momentum: f64,
+        /// Dampening of the momentum.
+        dampening: f64,
+        /// Nesterov momentum (needs momentum > 0 and no dampening).
+        nesterov: bool,
+        /// L2 penalty added to the gradient.
+        weight_decay: f64,
     },
-    /// Heavy-ball momentum: `v = m * v + g; p -= lr * v`.
-    Momentum {
-        /// Learning rate.
-        lr: f32,
-        /// Momentum factor.
-        momentum: f32,
-    },
-    /// Adam with bias correction, counted per chunk in applied updates.
+    /// `torch.optim.Adam` (L2 weight decay added to the gradient) or, with `decoupled`,
+    /// `torch.optim.AdamW` (parameters shrunk by `lr * weight_decay` first); bias-corrected,
+    /// counted per chunk in applied updates.
     Adam {
         /// Learning rate.
-        lr: f32,
+        lr: f64,
         /// First-moment decay.
-        beta1: f32,
+        beta1: f64,
         /// Second-moment decay.
-        beta2: f32,
+        beta2: f64,
         /// Denominator epsilon.
-        eps: f32,
+        eps: f64,
+        /// Weight decay.
+        weight_decay: f64,
+        /// AMSGrad: the running maximum of the second moment normalizes.
+        amsgrad: bool,
+        /// AdamW's decoupled weight decay.
+        decoupled: bool,
     },
+    /// `torch.optim.Adagrad`.
+    Adagrad {
+        /// Learning rate.
+        lr: f64,
+        /// Learning-rate decay per step.
+        lr_decay: f64,
+        /// L2 penalty added to the gradient.
+        weight_decay: f64,
+        /// The accumulator's starting value.
+        initial_accumulator_value: f64,
+        /// Denominator epsilon.
+        eps: f64,
+    },
+    /// `torch.optim.RMSprop`.
+    RmsProp {
+        /// Learning rate.
+        lr: f64,
+        /// Smoothing constant of the squared-gradient average.
+        alpha: f64,
+        /// Denominator epsilon.
+        eps: f64,
+        /// L2 penalty added to the gradient.
+        weight_decay: f64,
+        /// Momentum factor (0: none).
+        momentum: f64,
+        /// Centered: normalize by the estimated variance.
+        centered: bool,
+    },
+    /// `torch.optim.Adadelta`.
+    Adadelta {
+        /// Learning rate (scales the delta).
+        lr: f64,
+        /// Decay of the running averages.
+        rho: f64,
+        /// Epsilon inside the square roots.
+        eps: f64,
+        /// L2 penalty added to the gradient.
+        weight_decay: f64,
+    },
+}
+
+/// One optimizer setting in the text form: its name and how it reads and prints.
+struct Setting {
+    key: &'static str,
+    value: SettingValue,
+}
+
+enum SettingValue {
+    Number(f64),
+    Flag(bool),
+}
+
+impl OptimizerSpec {
+    /// The optimizer kinds, as job files and the text form name them.
+    pub const KINDS: &[&str] = &[
+        "sgd", "momentum", "adam", "adamw", "adagrad", "rmsprop", "adadelta",
+    ];
+
+    /// Plain SGD.
+    pub fn sgd(lr: f64) -> OptimizerSpec {
+        OptimizerSpec::Sgd {
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// SGD with heavy-ball momentum.
+    pub fn momentum(lr: f64, momentum: f64) -> OptimizerSpec {
+        OptimizerSpec::Sgd {
+            lr,
+            momentum,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// Adam with PyTorch's defaults but the learning rate.
+    pub fn adam(lr: f64) -> OptimizerSpec {
+        OptimizerSpec::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            amsgrad: false,
+            decoupled: false,
+        }
+    }
+
+    /// `kind` with PyTorch's defaults (`momentum` is SGD with momentum 0.9; SGD's learning
+    /// rate, which PyTorch requires, is 0.1).
+    pub fn defaults(kind: &str) -> Option<OptimizerSpec> {
+        Some(match kind {
+            "sgd" => OptimizerSpec::sgd(0.1),
+            "momentum" => OptimizerSpec::momentum(0.05, 0.9),
+            "adam" => OptimizerSpec::adam(0.001),
+            "adamw" => OptimizerSpec::Adam {
+                lr: 0.001,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+                amsgrad: false,
+                decoupled: true,
+            },
+            "adagrad" => OptimizerSpec::Adagrad {
+                lr: 0.01,
+                lr_decay: 0.0,
+                weight_decay: 0.0,
+                initial_accumulator_value: 0.0,
+                eps: 1e-10,
+            },
+            "rmsprop" => OptimizerSpec::RmsProp {
+                lr: 0.01,
+                alpha: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                momentum: 0.0,
+                centered: false,
+            },
+            "adadelta" => OptimizerSpec::Adadelta {
+                lr: 1.0,
+                rho: 0.9,
+                eps: 1e-6,
+                weight_decay: 0.0,
+            },
+            _ => return None,
+        })
+    }
+
+    /// The kind's name (`adamw` for Adam with decoupled weight decay).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            OptimizerSpec::Sgd { .. } => "sgd",
+            OptimizerSpec::Adam {
+                decoupled: false, ..
+            } => "adam",
+            OptimizerSpec::Adam { .. } => "adamw",
+            OptimizerSpec::Adagrad { .. } => "adagrad",
+            OptimizerSpec::RmsProp { .. } => "rmsprop",
+            OptimizerSpec::Adadelta { .. } => "adadelta",
+        }
+    }
+
+    /// The learning rate.
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerSpec::Sgd { lr, .. }
+            | OptimizerSpec::Adam { lr, .. }
+            | OptimizerSpec::Adagrad { lr, .. }
+            | OptimizerSpec::RmsProp { lr, .. }
+            | OptimizerSpec::Adadelta { lr, .. } => lr,
+        }
+    }
+
+    /// The settings besides the learning rate, in a fixed order.
+    fn settings(&self) -> Vec<Setting> {
+        use SettingValue::{Flag, Number};
+        let s = |key, value| Setting { key, value };
+        match *self {
+            OptimizerSpec::Sgd {
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+                ..
+            } => vec![
+                s("momentum", Number(momentum)),
+                s("dampening", Number(dampening)),
+                s("nesterov", Flag(nesterov)),
+                s("weight_decay", Number(weight_decay)),
+            ],
+            OptimizerSpec::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+                ..
+            } => vec![
+                s("beta1", Number(beta1)),
+                s("beta2", Number(beta2)),
+                s("eps", Number(eps)),
+                s("weight_decay", Number(weight_decay)),
+                s("amsgrad", Flag(amsgrad)),
+            ],
+            OptimizerSpec::Adagrad {
+                lr_decay,
+                weight_decay,
+                initial_accumulator_value,
+                eps,
+                ..
+            } => vec![
+                s("lr_decay", Number(lr_decay)),
+                s("weight_decay", Number(weight_decay)),
+                s(
+                    "initial_accumulator_value",
+                    Number(initial_accumulator_value),
+                ),
+                s("eps", Number(eps)),
+            ],
+            OptimizerSpec::RmsProp {
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+                ..
+            } => vec![
+                s("alpha", Number(alpha)),
+                s("eps", Number(eps)),
+                s("weight_decay", Number(weight_decay)),
+                s("momentum", Number(momentum)),
+                s("centered", Flag(centered)),
+            ],
+            OptimizerSpec::Adadelta {
+                rho,
+                eps,
+                weight_decay,
+                ..
+            } => vec![
+                s("rho", Number(rho)),
+                s("eps", Number(eps)),
+                s("weight_decay", Number(weight_decay)),
+            ],
+        }
+    }
+
+    /// The settings besides the learning rate as `(key, value)`, the value as the text form
+    /// and job files write it (`0.9`, `true`).
+    pub fn settings_text(&self) -> Vec<(&'static str, String)> {
+        self.settings()
+            .into_iter()
+            .map(|s| {
+                let v = match s.value {
+                    SettingValue::Number(x) => format!("{x:?}"),
+                    SettingValue::Flag(b) => b.to_string(),
+                };
+                (s.key, v)
+            })
+            .collect()
+    }
+
+    /// [`OptimizerSpec::settings_text`] less what equals the kind's default.
+    pub fn changed_settings(&self) -> Vec<(&'static str, String)> {
+        let defaults = OptimizerSpec::defaults(self.kind())
+            .map(|d| d.settings_text())
+            .unwrap_or_default();
+        self.settings_text()
+            .into_iter()
+            .zip(defaults)
+            .filter(|(s, d)| s.1 != d.1)
+            .map(|(s, _)| s)
+            .collect()
+    }
+
+    /// The keys `kind` takes besides `kind` and `lr` (for job files' checks).
+    pub fn keys(kind: &str) -> Vec<&'static str> {
+        OptimizerSpec::defaults(kind)
+            .map(|o| o.settings().iter().map(|s| s.key).collect())
+            .unwrap_or_default()
+    }
+
+    /// Sets `key` (a key of [`OptimizerSpec::keys`] or `lr`) from a number (`Ok(false)`:
+    /// not a key of this kind); checks the value's range as PyTorch does.
+    pub fn set_number(&mut self, key: &str, x: f64) -> Result<bool, String> {
+        let slot: &mut f64 = match (self, key) {
+            (OptimizerSpec::Sgd { lr, .. }, "lr")
+            | (OptimizerSpec::Adam { lr, .. }, "lr")
+            | (OptimizerSpec::Adagrad { lr, .. }, "lr")
+            | (OptimizerSpec::RmsProp { lr, .. }, "lr")
+            | (OptimizerSpec::Adadelta { lr, .. }, "lr") => lr,
+            (OptimizerSpec::Sgd { momentum, .. }, "momentum")
+            | (OptimizerSpec::RmsProp { momentum, .. }, "momentum") => momentum,
+            (OptimizerSpec::Sgd { dampening, .. }, "dampening") => dampening,
+            (OptimizerSpec::Sgd { weight_decay, .. }, "weight_decay")
+            | (OptimizerSpec::Adam { weight_decay, .. }, "weight_decay")
+            | (OptimizerSpec::Adagrad { weight_decay, .. }, "weight_decay")
+            | (OptimizerSpec::RmsProp { weight_decay, .. }, "weight_decay")
+            | (OptimizerSpec::Adadelta { weight_decay, .. }, "weight_decay") => weight_decay,
+            (OptimizerSpec::Adam { beta1, .. }, "beta1") => beta1,
+            (OptimizerSpec::Adam { beta2, .. }, "beta2") => beta2,
+            (OptimizerSpec::Adam { eps, .. }, "eps")
+            | (OptimizerSpec::Adagrad { eps, .. }, "eps")
+            | (OptimizerSpec::RmsProp { eps, .. }, "eps")
+            | (OptimizerSpec::Adadelta { eps, .. }, "eps") => eps,
+            (OptimizerSpec::Adagrad { lr_decay, .. }, "lr_decay") => lr_decay,
+            (
+                OptimizerSpec::Adagrad {
+                    initial_accumulator_value,
+                    ..
+                },
+                "initial_accumulator_value",
+            ) => initial_accumulator_value,
+            (OptimizerSpec::RmsProp { alpha, .. }, "alpha") => alpha,
+            (OptimizerSpec::Adadelta { rho, .. }, "rho") => rho,
+            _ => return Ok(false),
+        };
+        let unit = matches!(key, "beta1" | "beta2" | "alpha" | "rho" | "dampening");
+        // Stricter than PyTorch where a value could only diverge: eps > 0, momentum < 1.
+        let ok = x.is_finite()
+            && x >= 0.0
+            && match key {
+                "beta1" | "beta2" | "momentum" => x < 1.0,
+                "alpha" | "rho" | "dampening" => x <= 1.0,
+                "eps" => x > 0.0,
+                _ => true,
+            };
+        if !ok {
+            let rule = match key {
+                "beta1" | "beta2" | "momentum" => "must be in [0, 1)",
+                _ if unit => "must be in [0, 1]",
+                "eps" => "must be finite and > 0",
+                _ => "must be finite and >= 0",
+            };
+            return Err(format!("{key} = {x} is out of range: {rule}"));
+        }
+        *slot = x;
+        Ok(true)
+    }
+
+    /// Sets flag `key` (`Ok(false)`: not a flag of this kind).
+    pub fn set_flag(&mut self, key: &str, on: bool) -> Result<bool, String> {
+        let slot = match (self, key) {
+            (OptimizerSpec::Sgd { nesterov, .. }, "nesterov") => nesterov,
+            (OptimizerSpec::Adam { amsgrad, .. }, "amsgrad") => amsgrad,
+            (OptimizerSpec::RmsProp { centered, .. }, "centered") => centered,
+            _ => return Ok(false),
+        };
+        *slot = on;
+        Ok(true)
+    }
+
+    /// Checks what PyTorch refuses across settings.
+    pub fn check(&self) -> Result<(), String> {
+        if let OptimizerSpec::Sgd {
+            momentum,
+            dampening,
+            nesterov: true,
+            ..
+        } = *self
+            && (momentum <= 0.0 || dampening != 0.0)
+        {
+            return Err("nesterov needs momentum > 0 and dampening = 0".into());
+        }
+        Ok(())
+    }
 }
 
 impl FromStr for OptimizerSpec {
     type Err = String;
 
-    /// Parses `sgd:LR`, `momentum:LR[:M]` or `adam:LR`.
+    /// Parses `KIND[:LR][,KEY=VALUE...]` (e.g. `adamw:0.001,weight_decay=0.05`,
+    /// `sgd:0.1,momentum=0.9,nesterov=true`); `momentum:LR:M` is SGD with momentum M.
     fn from_str(s: &str) -> Result<Self, String> {
-        let mut parts = s.split(':');
-        let kind = parts.next().unwrap_or_default();
-        let num = |p: Option<&str>, default: f32| -> Result<f32, String> {
-            match p {
-                None => Ok(default),
-                Some(v) => v
-                    .parse::<f32>()
-                    .ok()
-                    .filter(|x| x.is_finite() && *x >= 0.0)
-                    .ok_or_else(|| format!("bad number {v:?} in optimizer {s:?}")),
-            }
+        let mut parts = s.split(',');
+        let head = parts.next().unwrap_or_default();
+        let mut fields = head.split(':');
+        let kind = fields.next().unwrap_or_default();
+        let Some(mut spec) = OptimizerSpec::defaults(kind) else {
+            return Err(format!(
+                "unknown optimizer {s:?}: use KIND[:LR][,KEY=VALUE...] with KIND one of {}",
+                OptimizerSpec::KINDS.join(", ")
+            ));
         };
-        let spec = match kind {
-            "sgd" => OptimizerSpec::Sgd {
-                lr: num(parts.next(), 0.1)?,
-            },
-            "momentum" => OptimizerSpec::Momentum {
-                lr: num(parts.next(), 0.05)?,
-                momentum: num(parts.next(), 0.9)?,
-            },
-            "adam" => OptimizerSpec::Adam {
-                lr: num(parts.next(), 0.001)?,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-            _ => {
-                return Err(format!(
-                    "unknown optimizer {s:?}: use sgd:LR, momentum:LR:M or adam:LR"
-                ));
-            }
+        let number = |v: &str| -> Result<f64, String> {
+            v.parse::<f64>()
+                .map_err(|_| format!("bad number {v:?} in optimizer {s:?}"))
         };
-        if parts.next().is_some() {
+        if let Some(lr) = fields.next() {
+            spec.set_number("lr", number(lr)?)
+                .map_err(|e| format!("{e} in optimizer {s:?}"))?;
+        }
+        if let Some(m) = fields.next() {
+            if kind != "momentum" {
+                return Err(format!("too many fields in optimizer {s:?}"));
+            }
+            spec.set_number("momentum", number(m)?)
+                .map_err(|e| format!("{e} in optimizer {s:?}"))?;
+        }
+        if fields.next().is_some() {
             return Err(format!("too many fields in optimizer {s:?}"));
         }
+        for part in parts {
+            let Some((key, value)) = part.split_once('=') else {
+                return Err(format!("{part:?} is not KEY=VALUE in optimizer {s:?}"));
+            };
+            let known = match value {
+                "true" | "false" => spec.set_flag(key, value == "true")?,
+                v => spec
+                    .set_number(key, number(v)?)
+                    .map_err(|e| format!("{e} in optimizer {s:?}"))?,
+            };
+            if !known {
+                return Err(format!(
+                    "{key:?} is not a setting of {} (it takes lr, {})",
+                    spec.kind(),
+                    OptimizerSpec::keys(spec.kind()).join(", ")
+                ));
+            }
+        }
+        spec.check()
+            .map_err(|e| format!("{e} in optimizer {s:?}"))?;
         Ok(spec)
     }
 }
 
 impl fmt::Display for OptimizerSpec {
+    /// `KIND:LR` and every setting that differs from the kind's default, as `,KEY=VALUE`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            OptimizerSpec::Sgd { lr } => write!(f, "sgd:{lr}"),
-            OptimizerSpec::Momentum { lr, momentum } => write!(f, "momentum:{lr}:{momentum}"),
-            OptimizerSpec::Adam { lr, .. } => write!(f, "adam:{lr}"),
+        write!(f, "{}:{}", self.kind(), self.lr())?;
+        for (key, value) in self.changed_settings() {
+            write!(f, ",{key}={value}")?;
         }
+        Ok(())
     }
 }
 
@@ -734,8 +1114,47 @@ mod tests {
         assert_eq!("ssp:2".parse(), Ok(Consistency::Ssp { staleness: 2 }));
         assert_eq!("bsp".parse(), Ok(Consistency::Bsp));
         assert!("ssp:x".parse::<Consistency>().is_err());
-        assert_eq!("sgd:0.5".parse(), Ok(OptimizerSpec::Sgd { lr: 0.5 }));
+        assert_eq!("sgd:0.5".parse(), Ok(OptimizerSpec::sgd(0.5)));
+        assert_eq!(
+            "momentum:0.1:0.8".parse(),
+            Ok(OptimizerSpec::momentum(0.1, 0.8))
+        );
+        assert_eq!(
+            "sgd:0.1,momentum=0.8".parse::<OptimizerSpec>(),
+            Ok(OptimizerSpec::momentum(0.1, 0.8))
+        );
         assert!("adam:nan".parse::<OptimizerSpec>().is_err());
-        assert!("rmsprop".parse::<OptimizerSpec>().is_err());
+        assert!("lamb".parse::<OptimizerSpec>().is_err());
+        let adamw: OptimizerSpec = "adamw:0.002,amsgrad=true,weight_decay=0.05"
+            .parse()
+            .expect("adamw");
+        assert_eq!(
+            adamw,
+            OptimizerSpec::Adam {
+                lr: 0.002,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.05,
+                amsgrad: true,
+                decoupled: true,
+            }
+        );
+        assert_eq!(
+            adamw.to_string(),
+            "adamw:0.002,weight_decay=0.05,amsgrad=true"
+        );
+        assert_eq!(OptimizerSpec::adam(0.001).to_string(), "adam:0.001");
+        let refused = [
+            ("sgd:0.1,nesterov=true", "nesterov needs momentum"),
+            ("adam:0.1,beta1=1", "[0, 1)"),
+            ("rmsprop:0.1,rho=0.5", "not a setting of rmsprop"),
+            ("adadelta:1:2", "too many fields"),
+            ("adagrad,eps", "not KEY=VALUE"),
+        ];
+        for (text, why) in refused {
+            let e = text.parse::<OptimizerSpec>().expect_err(text);
+            assert!(e.contains(why), "{text}: {e}");
+        }
     }
 }

@@ -18,7 +18,7 @@ use rkyv::util::AlignedVec;
 use thiserror::Error;
 
 const MAGIC: &[u8; 8] = b"EDLCKPT1";
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 const HEADER: usize = 28;
 
 /// One chunk's state.
@@ -28,11 +28,9 @@ pub struct ChunkSnap {
     pub key: u64,
     /// Parameters.
     pub params: Vec<f32>,
-    /// Momentum velocity or Adam first moment (empty for SGD).
-    pub m: Vec<f32>,
-    /// Adam second moment (empty otherwise).
-    pub v: Vec<f32>,
-    /// Adam step count.
+    /// The optimizer's buffers (`OptState::buffers`), one value per parameter each.
+    pub state: Vec<Vec<f32>>,
+    /// Updates applied to the chunk.
     pub t: u64,
     /// BSP: staged sums per step `(step, sum, count)`.
     pub pending: Vec<(u64, Vec<f32>, u32)>,
@@ -222,8 +220,7 @@ mod tests {
             chunks: vec![ChunkSnap {
                 key: 7,
                 params: vec![1.0, -2.0, 3.5],
-                m: vec![0.1; 3],
-                v: vec![0.2; 3],
+                state: vec![vec![0.1; 3], vec![0.2; 3]],
                 t: 9,
                 pending: vec![(4, vec![1.0; 3], 2)],
                 applied_through: 4,

@@ -397,7 +397,7 @@ mod tests {
             model: ModelSection::custom(),
             tensors: vec![],
             chunk_size: 1,
-            optimizer: OptimizerSpec::Sgd { lr: 1.0 },
+            optimizer: OptimizerSpec::sgd(1.0),
             consistency: Consistency::Asp,
             batch_size: 2,
             epochs: 2,

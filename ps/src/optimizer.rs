@@ -40,49 +40,52 @@ impl Grad for LeF32s<'_> {
     }
 }
 
-/// Per-chunk optimizer state.
-#[derive(Clone, Debug, PartialEq)]
-pub enum OptState {
-    /// Plain SGD keeps nothing.
-    Sgd,
-    /// The velocity.
-    Momentum {
-        /// Velocity, one per parameter.
-        v: Vec<f32>,
-    },
-    /// Adam's moments and step count.
-    Adam {
-        /// First moment.
-        m: Vec<f32>,
-        /// Second moment.
-        v: Vec<f32>,
-        /// Updates applied so far.
-        t: u64,
-    },
+/// Per-chunk optimizer state: the updates applied so far and the kind's buffers, one value per
+/// parameter each (see [`OptState::buffers`]).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct OptState {
+    /// Updates applied to the chunk so far (PyTorch's `step`).
+    pub t: u64,
+    /// The buffers, in the order [`OptState::buffers`] names them.
+    pub bufs: Vec<Vec<f32>>,
 }
 
 impl OptState {
-    /// The state as a checkpoint holds it: first moment (momentum's velocity), second moment,
-    /// step count; empty where the optimizer keeps none.
-    pub fn moments(&self) -> (Vec<f32>, Vec<f32>, u64) {
-        match self {
-            OptState::Sgd => (Vec::new(), Vec::new(), 0),
-            OptState::Momentum { v } => (v.clone(), Vec::new(), 0),
-            OptState::Adam { m, v, t } => (m.clone(), v.clone(), *t),
+    /// The buffers `spec` keeps per parameter, in order: SGD with momentum its momentum
+    /// buffer; Adam the first and second moments (and AMSGrad's maximum); Adagrad the sum of
+    /// squares; RMSprop the squared average (then the gradient average when centered, then
+    /// the momentum buffer with momentum); Adadelta the squared average and the accumulated
+    /// delta.
+    pub fn buffers(spec: &OptimizerSpec) -> usize {
+        match *spec {
+            OptimizerSpec::Sgd { momentum, .. } => usize::from(momentum != 0.0),
+            OptimizerSpec::Adam { amsgrad, .. } => 2 + usize::from(amsgrad),
+            OptimizerSpec::Adagrad { .. } => 1,
+            OptimizerSpec::RmsProp {
+                momentum, centered, ..
+            } => 1 + usize::from(centered) + usize::from(momentum > 0.0),
+            OptimizerSpec::Adadelta { .. } => 2,
         }
     }
 
     /// Fresh state for a chunk of `len` parameters.
     pub fn new(spec: &OptimizerSpec, len: usize) -> Self {
-        match spec {
-            OptimizerSpec::Sgd { .. } => OptState::Sgd,
-            OptimizerSpec::Momentum { .. } => OptState::Momentum { v: vec![0.0; len] },
-            OptimizerSpec::Adam { .. } => OptState::Adam {
-                m: vec![0.0; len],
-                v: vec![0.0; len],
-                t: 0,
-            },
+        let start = match *spec {
+            OptimizerSpec::Adagrad {
+                initial_accumulator_value,
+                ..
+            } => initial_accumulator_value as f32,
+            _ => 0.0,
+        };
+        OptState {
+            t: 0,
+            bufs: vec![vec![start; len]; OptState::buffers(spec)],
         }
+    }
+
+    /// Whether this is state of `spec` for a chunk of `len` parameters (a checkpoint's, say).
+    pub fn fits(&self, spec: &OptimizerSpec, len: usize) -> bool {
+        self.bufs.len() == OptState::buffers(spec) && self.bufs.iter().all(|b| b.len() == len)
     }
 
     /// Applies gradient `g` (scaled by `scale`, e.g. 1/n for a mean of n summed gradients) to
@@ -95,19 +98,11 @@ impl OptState {
     /// Starts one update of a chunk of `len` parameters, to be applied in pieces with
     /// [`OptState::apply_at`] (a gradient that arrived in parts is applied where it lies).
     pub fn start(&mut self, spec: &OptimizerSpec, len: usize) {
-        let matches = matches!(
-            (spec, &*self),
-            (OptimizerSpec::Sgd { .. }, OptState::Sgd)
-                | (OptimizerSpec::Momentum { .. }, OptState::Momentum { .. })
-                | (OptimizerSpec::Adam { .. }, OptState::Adam { .. })
-        );
         // State and spec always come from the same job config; a mismatch cannot be built.
-        if !matches {
+        if !self.fits(spec, len) {
             *self = OptState::new(spec, len);
         }
-        if let OptState::Adam { t, .. } = self {
-            *t += 1;
-        }
+        self.t += 1;
     }
 
     /// [`OptState::apply_at`] of a run of a received payload, read where it lies.
@@ -161,6 +156,10 @@ struct Apply<'a, G> {
 impl<G: Grad> Loop for Apply<'_, G> {
     type Out = ();
 
+    /// Each update as `torch.optim`'s single-tensor code computes it, operation for
+    /// operation: hyperparameters and what is derived from them in double, cast to f32 where
+    /// they meet a tensor; `a.mul_(x).add_(b, alpha=y)` as `a * x + y * b`, `addcmul` as
+    /// `a + (v * b) * c`, `addcdiv` as `a + (v * b) / c` (no fused multiply-adds).
     #[inline(always)]
     fn run(self) {
         let Apply {
@@ -173,69 +172,203 @@ impl<G: Grad> Loop for Apply<'_, G> {
         } = self;
         let range = at..at + Grad::len(&g);
         let p = &mut p[range.clone()];
-        match (spec, state) {
-            (OptimizerSpec::Sgd { lr }, OptState::Sgd) => {
-                let k = lr * scale;
-                // A learning rate of zero leaves every parameter as it is (the gradients are
-                // finite): nothing to write.
-                if k == 0.0 {
+        let t = state.t.max(1);
+        // The buffers in order, each cut to the piece.
+        let mut bufs = state.bufs.iter_mut().map(|b| &mut b[range.clone()]);
+        let grads = g.values().map(|g| scale * g);
+        match *spec {
+            OptimizerSpec::Sgd {
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+            } => {
+                let (neg_lr, wd) = ((-lr) as f32, weight_decay as f32);
+                let (mu, keep) = (momentum as f32, (1.0 - dampening) as f32);
+                match bufs.next() {
+                    None => {
+                        // A learning rate of zero leaves every parameter as it is (the
+                        // gradients are finite): nothing to write.
+                        if lr == 0.0 {
+                            return;
+                        }
+                        for (p, g) in p.iter_mut().zip(grads) {
+                            let d = if wd != 0.0 { g + wd * *p } else { g };
+                            *p += neg_lr * d;
+                        }
+                    }
+                    Some(b) => {
+                        let first = t == 1;
+                        for ((p, b), g) in p.iter_mut().zip(b.iter_mut()).zip(grads) {
+                            let d = if wd != 0.0 { g + wd * *p } else { g };
+                            *b = if first { d } else { *b * mu + keep * d };
+                            let d = if nesterov { d + mu * *b } else { *b };
+                            *p += neg_lr * d;
+                        }
+                    }
+                }
+            }
+            OptimizerSpec::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+                decoupled,
+            } => {
+                let step = t as f64;
+                let bias1 = 1.0 - beta1.powf(step);
+                let bias2_sqrt = (1.0 - beta2.powf(step)).sqrt() as f32;
+                let neg_step = (-(lr / bias1)) as f32;
+                let (b1, keep1) = (beta1 as f32, (1.0 - beta1) as f32);
+                let (b2, keep2) = (beta2 as f32, (1.0 - beta2) as f32);
+                let (eps, wd) = (eps as f32, weight_decay as f32);
+                let shrink = (1.0 - lr * weight_decay) as f32;
+                let (Some(m), Some(v)) = (bufs.next(), bufs.next()) else {
                     return;
-                }
-                for (p, g) in p.iter_mut().zip(g.values()) {
-                    *p -= k * g;
+                };
+                // The gradient after weight decay: L2 (Adam) or parameters shrunk (AdamW).
+                let decay = |p: &mut f32, g: f32| {
+                    if decoupled {
+                        if weight_decay != 0.0 {
+                            *p *= shrink;
+                        }
+                        g
+                    } else if wd != 0.0 {
+                        g + wd * *p
+                    } else {
+                        g
+                    }
+                };
+                let moments = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(grads);
+                match bufs.next().filter(|_| amsgrad) {
+                    None => {
+                        for (((p, m), v), g) in moments {
+                            let g = decay(p, g);
+                            *m = *m * b1 + keep1 * g;
+                            *v = *v * b2 + (keep2 * g) * g;
+                            let denom = v.sqrt() / bias2_sqrt + eps;
+                            *p += (neg_step * *m) / denom;
+                        }
+                    }
+                    Some(vmax) => {
+                        for ((((p, m), v), g), x) in moments.zip(vmax.iter_mut()) {
+                            let g = decay(p, g);
+                            *m = *m * b1 + keep1 * g;
+                            *v = *v * b2 + (keep2 * g) * g;
+                            *x = x.max(*v);
+                            let denom = x.sqrt() / bias2_sqrt + eps;
+                            *p += (neg_step * *m) / denom;
+                        }
+                    }
                 }
             }
-            (OptimizerSpec::Momentum { lr, momentum }, OptState::Momentum { v }) => {
-                for ((p, v), g) in p.iter_mut().zip(v[range].iter_mut()).zip(g.values()) {
-                    *v = momentum * *v + scale * g;
-                    *p -= lr * *v;
+            OptimizerSpec::Adagrad {
+                lr,
+                lr_decay,
+                weight_decay,
+                eps,
+                ..
+            } => {
+                let clr = lr / (1.0 + (t - 1) as f64 * lr_decay);
+                let (neg_clr, eps, wd) = ((-clr) as f32, eps as f32, weight_decay as f32);
+                let Some(sum) = bufs.next() else {
+                    return;
+                };
+                for ((p, s), g) in p.iter_mut().zip(sum.iter_mut()).zip(grads) {
+                    let g = if wd != 0.0 { g + wd * *p } else { g };
+                    *s += (1.0 * g) * g;
+                    let std = s.sqrt() + eps;
+                    *p += (neg_clr * g) / std;
                 }
             }
-            (
-                OptimizerSpec::Adam {
-                    lr,
-                    beta1,
-                    beta2,
-                    eps,
-                },
-                OptState::Adam { m, v, t },
-            ) => {
-                let c1 = 1.0 - beta1.powi((*t).min(i32::MAX as u64) as i32);
-                let c2 = 1.0 - beta2.powi((*t).min(i32::MAX as u64) as i32);
-                let step = lr / c1;
-                let c2_sqrt = c2.sqrt();
-                let (m, v) = (&mut m[range.clone()], &mut v[range]);
-                let values = g.values();
-                for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(values)
+            OptimizerSpec::RmsProp {
+                lr,
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+            } => {
+                let (neg_lr, a, keep) = ((-lr) as f32, alpha as f32, (1.0 - alpha) as f32);
+                let (eps, wd, mu) = (eps as f32, weight_decay as f32, momentum as f32);
+                let Some(sq) = bufs.next() else {
+                    return;
+                };
+                let mut avg_g = if centered { bufs.next() } else { None }.map(|b| b.iter_mut());
+                let mut buf = if momentum > 0.0 { bufs.next() } else { None }.map(|b| b.iter_mut());
+                for ((p, sq), g) in p.iter_mut().zip(sq.iter_mut()).zip(grads) {
+                    let g = if wd != 0.0 { g + wd * *p } else { g };
+                    *sq = *sq * a + (keep * g) * g;
+                    let avg = match avg_g.as_mut().and_then(Iterator::next) {
+                        Some(ga) => {
+                            *ga = *ga * a + keep * g;
+                            (*sq + (-1.0 * *ga) * *ga).sqrt()
+                        }
+                        None => sq.sqrt(),
+                    } + eps;
+                    match buf.as_mut().and_then(Iterator::next) {
+                        Some(b) => {
+                            *b = *b * mu + (1.0 * g) / avg;
+                            *p += neg_lr * *b;
+                        }
+                        None => *p += (neg_lr * g) / avg,
+                    }
+                }
+            }
+            OptimizerSpec::Adadelta {
+                lr,
+                rho,
+                eps,
+                weight_decay,
+            } => {
+                let (neg_lr, r, keep) = ((-lr) as f32, rho as f32, (1.0 - rho) as f32);
+                let (eps, wd) = (eps as f32, weight_decay as f32);
+                let (Some(sq), Some(acc)) = (bufs.next(), bufs.next()) else {
+                    return;
+                };
+                for (((p, sq), acc), g) in p
+                    .iter_mut()
+                    .zip(sq.iter_mut())
+                    .zip(acc.iter_mut())
+                    .zip(grads)
                 {
-                    let g = scale * g;
-                    *m = beta1 * *m + (1.0 - beta1) * g;
-                    *v = beta2 * *v + (1.0 - beta2) * g * g;
-                    *p -= step * *m / ((*v).sqrt() / c2_sqrt + eps);
+                    let g = if wd != 0.0 { g + wd * *p } else { g };
+                    *sq = *sq * r + (keep * g) * g;
+                    let std = (*sq + eps).sqrt();
+                    let delta = (*acc + eps).sqrt() / std * g;
+                    *acc = *acc * r + (keep * delta) * delta;
+                    *p += neg_lr * delta;
                 }
             }
-            // `start` made the state fit the spec.
-            _ => {}
         }
     }
 }
 
-/// One optimizer of each kind, for tests.
+/// Every optimizer kind, and each with the settings that add buffers or branches, for tests.
 #[cfg(test)]
-pub(crate) fn one_of_each() -> [OptimizerSpec; 3] {
+pub(crate) fn one_of_each() -> Vec<OptimizerSpec> {
     [
-        OptimizerSpec::Sgd { lr: 0.1 },
-        OptimizerSpec::Momentum {
-            lr: 0.1,
-            momentum: 0.9,
-        },
-        OptimizerSpec::Adam {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        },
+        "sgd:0.1",
+        "momentum:0.1:0.9",
+        "sgd:0.1,momentum=0.9,dampening=0.1,weight_decay=0.01",
+        "sgd:0.1,momentum=0.9,nesterov=true,weight_decay=0.01",
+        "adam:0.01",
+        "adam:0.01,weight_decay=0.01,amsgrad=true",
+        "adamw:0.01",
+        "adamw:0.01,amsgrad=true,beta1=0.8,eps=0.001",
+        "adagrad:0.1,lr_decay=0.01,initial_accumulator_value=0.1,weight_decay=0.01",
+        "rmsprop:0.01",
+        "rmsprop:0.01,centered=true,momentum=0.9,weight_decay=0.01",
+        "rmsprop:0.01,momentum=0.5",
+        "adadelta:1",
+        "adadelta:0.5,rho=0.95,weight_decay=0.01",
     ]
+    .iter()
+    .map(|s| s.parse().expect("a valid optimizer"))
+    .collect()
 }
 
 #[cfg(test)]
@@ -303,16 +436,13 @@ mod tests {
 
     #[test]
     fn sgd_and_momentum_match_hand_computation() {
-        let spec = OptimizerSpec::Sgd { lr: 0.5 };
+        let spec = OptimizerSpec::sgd(0.5);
         let mut st = OptState::new(&spec, 2);
         let mut p = [1.0, 2.0];
         st.apply(&spec, &mut p, &[2.0, -4.0], 1.0);
         assert_eq!(p, [0.0, 4.0]);
 
-        let spec = OptimizerSpec::Momentum {
-            lr: 0.1,
-            momentum: 0.9,
-        };
+        let spec = OptimizerSpec::momentum(0.1, 0.9);
         let mut st = OptState::new(&spec, 1);
         let mut p = [0.0f32];
         st.apply(&spec, &mut p, &[1.0], 1.0);
@@ -323,12 +453,7 @@ mod tests {
 
     #[test]
     fn adam_first_step_moves_by_lr() {
-        let spec = OptimizerSpec::Adam {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        };
+        let spec = OptimizerSpec::adam(0.01);
         let mut st = OptState::new(&spec, 3);
         let mut p = [0.0f32; 3];
         st.apply(&spec, &mut p, &[3.0, -0.5, 100.0], 1.0);

@@ -19,8 +19,7 @@ use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
 };
 use edl_shared::proto::{
-    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Parts, Request,
-    Response, ShardMap,
+    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, Parts, Request, Response, ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::token::Signer;
@@ -143,16 +142,16 @@ impl Chunk {
             return Err(format!("key {} is not part of the job", snap.key));
         };
         let n = span.len as usize;
-        let opt = match (&job.optimizer, snap.m.len(), snap.v.len()) {
-            (OptimizerSpec::Sgd { .. }, 0, 0) => OptState::Sgd,
-            (OptimizerSpec::Momentum { .. }, m, 0) if m == n => OptState::Momentum { v: snap.m },
-            (OptimizerSpec::Adam { .. }, m, v) if m == n && v == n => OptState::Adam {
-                m: snap.m,
-                v: snap.v,
-                t: snap.t,
-            },
-            _ => return Err(format!("optimizer state of key {} does not fit", snap.key)),
+        let opt = OptState {
+            t: snap.t,
+            bufs: snap.state,
         };
+        if !opt.fits(&job.optimizer, n) {
+            return Err(format!(
+                "optimizer state of key {} does not fit {}",
+                snap.key, job.optimizer
+            ));
+        }
         if snap.params.len() != n || snap.pending.iter().any(|(_, s, _)| s.len() != n) {
             return Err(format!("key {} has the wrong length", snap.key));
         }
@@ -174,13 +173,11 @@ impl Chunk {
     }
 
     fn snap(&self, key: Key) -> ChunkSnap {
-        let (m, v, t) = self.opt.moments();
         ChunkSnap {
             key: key.0,
             params: self.params.to_vec(),
-            m,
-            v,
-            t,
+            state: self.opt.bufs.clone(),
+            t: self.opt.t,
             pending: self
                 .pending
                 .iter()
@@ -823,11 +820,7 @@ impl ShardState {
         for c in self.chunks.iter() {
             let n = c.params.len() as u64;
             floats += n;
-            let opt = match &c.opt {
-                OptState::Sgd => 0,
-                OptState::Momentum { v } => v.len() as u64,
-                OptState::Adam { m, v, .. } => (m.len() + v.len()) as u64,
-            };
+            let opt: u64 = c.opt.bufs.iter().map(|b| b.len() as u64).sum();
             state_bytes += 4 * (n + opt);
         }
         ShardStats {

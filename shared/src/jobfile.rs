@@ -8,8 +8,10 @@
 //! layers = [784, 256, 128, 10] # mlp only; logreg takes `features = N | "auto"`
 //!
 //! [optimizer]
-//! kind = "adam"                # sgd | momentum | adam
-//! lr = 0.001
+//! kind = "adam"                # sgd | momentum | adam | adamw | adagrad | rmsprop | adadelta
+//! lr = 0.001                   # and the kind's torch.optim arguments: momentum, dampening,
+//!                              # nesterov, weight_decay, beta1, beta2, eps, amsgrad, lr_decay,
+//!                              # initial_accumulator_value, alpha, centered, rho
 //!
 //! [training]
 //! consistency = "ssp:2"        # asp | bsp | ssp:N
@@ -59,6 +61,9 @@ pub mod defaults {
         beta1: 0.9,
         beta2: 0.999,
         eps: 1e-8,
+        weight_decay: 0.0,
+        amsgrad: false,
+        decoupled: false,
     };
     /// `ssp:2`.
     pub const CONSISTENCY: Consistency = Consistency::Ssp { staleness: 2 };
@@ -246,16 +251,8 @@ struct RawJob {
 /// The `[model]` table: `kind` and the kind's settings, which the model registry reads.
 type RawModel = BTreeMap<String, Spanned<toml::Value>>;
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawOptimizer {
-    kind: Spanned<String>,
-    lr: Option<Spanned<f32>>,
-    momentum: Option<Spanned<f32>>,
-    beta1: Option<Spanned<f32>>,
-    beta2: Option<Spanned<f32>>,
-    eps: Option<Spanned<f32>>,
-}
+/// The `[optimizer]` table: `kind` and torch.optim's arguments of that kind.
+type RawOptimizer = BTreeMap<String, Spanned<toml::Value>>;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -816,76 +813,67 @@ impl Cx<'_> {
         let Some(raw) = raw else {
             return Ok(defaults::OPTIMIZER);
         };
-        let o = raw.get_ref();
-        let kind = o.kind.get_ref().as_str();
-        // The kind alone parses to the optimizer with the defaults `--optimizer` uses.
-        let mut spec: OptimizerSpec = match kind {
-            "sgd" | "momentum" | "adam" => kind
-                .parse()
-                .map_err(|m| self.at(&o.kind, "optimizer.kind", m))?,
-            _ => {
-                return Err(self.at(
-                    &o.kind,
-                    "optimizer.kind",
-                    format!("unknown optimizer {kind:?}: use sgd, momentum or adam"),
-                ));
-            }
+        let table = raw.get_ref();
+        let kinds = OptimizerSpec::KINDS.join(", ");
+        let Some(kind_value) = table.get("kind") else {
+            return Err(self.at(
+                raw,
+                "optimizer.kind",
+                format!("missing: say which optimizer, one of {kinds}"),
+            ));
         };
-        let only = |v: &Option<Spanned<f32>>, key: &str, kinds: &str| match v {
-            Some(v) if kind != kinds => Err(self.at(
-                v,
-                &format!("optimizer.{key}"),
-                format!("only for kind = {kinds:?}"),
-            )),
-            _ => Ok(()),
+        let Some(kind) = kind_value.get_ref().as_str() else {
+            return Err(self.at(
+                kind_value,
+                "optimizer.kind",
+                format!("must be a string: {kinds}"),
+            ));
         };
-        only(&o.momentum, "momentum", "momentum")?;
-        only(&o.beta1, "beta1", "adam")?;
-        only(&o.beta2, "beta2", "adam")?;
-        only(&o.eps, "eps", "adam")?;
-        let check = |v: &Spanned<f32>, key: &str, ok: fn(f32) -> bool, rule: &str| {
-            let x = *v.get_ref();
-            if x.is_finite() && ok(x) {
-                Ok(x)
-            } else {
-                Err(self.at(
-                    v,
-                    &format!("optimizer.{key}"),
-                    format!("{x} is out of range: {rule}"),
-                ))
-            }
+        // The kind alone is the optimizer with PyTorch's defaults.
+        let Some(mut spec) = OptimizerSpec::defaults(kind) else {
+            return Err(self.at(
+                kind_value,
+                "optimizer.kind",
+                format!("unknown optimizer {kind:?}: use {kinds}"),
+            ));
         };
-        let unit = |x: f32| (0.0..1.0).contains(&x);
-        let set = |slot: &mut f32,
-                   v: &Option<Spanned<f32>>,
-                   key: &str,
-                   ok: fn(f32) -> bool,
-                   rule: &str| {
-            if let Some(v) = v {
-                *slot = check(v, key, ok, rule)?;
+        let keys = OptimizerSpec::keys(kind);
+        for (key, v) in table.iter().filter(|(k, _)| *k != "kind") {
+            let field = format!("optimizer.{key}");
+            if key != "lr" && !keys.contains(&key.as_str()) {
+                let owners: Vec<String> = OptimizerSpec::KINDS
+                    .iter()
+                    .filter(|k| OptimizerSpec::keys(k).contains(&key.as_str()))
+                    .map(|k| format!("{k:?}"))
+                    .collect();
+                let message = if owners.is_empty() {
+                    format!("unknown key: kind = {kind:?} takes lr, {}", keys.join(", "))
+                } else {
+                    format!("only for kind = {}", owners.join(" or "))
+                };
+                return Err(self.at(v, &field, message));
             }
-            Ok::<(), JobFileError>(())
-        };
-        match &mut spec {
-            OptimizerSpec::Sgd { lr } => {
-                set(lr, &o.lr, "lr", |x| x > 0.0, "must be finite and > 0")?
+            let set = match v.get_ref() {
+                toml::Value::Boolean(on) => spec.set_flag(key, *on),
+                toml::Value::Float(x) => spec.set_number(key, *x),
+                toml::Value::Integer(i) => spec.set_number(key, *i as f64),
+                other => Err(format!(
+                    "must be a number or a boolean, not a {}",
+                    other.type_str()
+                )),
             }
-            OptimizerSpec::Momentum { lr, momentum } => {
-                set(lr, &o.lr, "lr", |x| x > 0.0, "must be finite and > 0")?;
-                set(momentum, &o.momentum, "momentum", unit, "must be in [0, 1)")?;
-            }
-            OptimizerSpec::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-            } => {
-                set(lr, &o.lr, "lr", |x| x > 0.0, "must be finite and > 0")?;
-                set(beta1, &o.beta1, "beta1", unit, "must be in [0, 1)")?;
-                set(beta2, &o.beta2, "beta2", unit, "must be in [0, 1)")?;
-                set(eps, &o.eps, "eps", |x| x > 0.0, "must be finite and > 0")?;
+            .map_err(|m| self.at(v, &field, m))?;
+            if !set {
+                let want = if matches!(v.get_ref(), toml::Value::Boolean(_)) {
+                    "a number"
+                } else {
+                    "true or false"
+                };
+                return Err(self.at(v, &field, format!("must be {want}")));
             }
         }
+        spec.check()
+            .map_err(|m| self.at(kind_value, "optimizer", m))?;
         Ok(spec)
     }
 }
@@ -1022,25 +1010,10 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
         writeln!(out, "{settings}")?;
     }
     writeln!(out, "\n[optimizer]")?;
-    match &job.optimizer {
-        OptimizerSpec::Sgd { lr } => {
-            writeln!(out, "kind = \"sgd\"\nlr = {}", toml_float(*lr))?;
-        }
-        OptimizerSpec::Momentum { lr, momentum } => {
-            writeln!(out, "kind = \"momentum\"\nlr = {}", toml_float(*lr))?;
-            writeln!(out, "momentum = {}", toml_float(*momentum))?;
-        }
-        OptimizerSpec::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-        } => {
-            writeln!(out, "kind = \"adam\"\nlr = {}", toml_float(*lr))?;
-            writeln!(out, "beta1 = {}", toml_float(*beta1))?;
-            writeln!(out, "beta2 = {}", toml_float(*beta2))?;
-            writeln!(out, "eps = {}", toml_float(*eps))?;
-        }
+    let o = &job.optimizer;
+    writeln!(out, "kind = \"{}\"\nlr = {:?}", o.kind(), o.lr())?;
+    for (key, value) in o.settings_text() {
+        writeln!(out, "{key} = {value}")?;
     }
     writeln!(out, "\n[training]")?;
     writeln!(out, "consistency = \"{}\"", job.consistency)?;
@@ -1086,18 +1059,11 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
 }
 
 fn optimizer_text(o: &OptimizerSpec) -> String {
-    match o {
-        OptimizerSpec::Sgd { lr } => format!("sgd, lr {lr}"),
-        OptimizerSpec::Momentum { lr, momentum } => {
-            format!("momentum, lr {lr}, momentum {momentum}")
-        }
-        OptimizerSpec::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-        } => format!("adam, lr {lr}, beta1 {beta1}, beta2 {beta2}, eps {eps:e}"),
+    let mut out = format!("{}, lr {}", o.kind(), o.lr());
+    for (key, value) in o.changed_settings() {
+        let _ = write!(out, ", {key} {value}");
     }
+    out
 }
 
 fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
@@ -1295,7 +1261,7 @@ init = "zeros"
             .tensors()
         );
         assert_eq!(job.model, Mlp { layers }.section());
-        assert_eq!(job.optimizer, OptimizerSpec::Sgd { lr: 0.1 });
+        assert_eq!(job.optimizer, OptimizerSpec::sgd(0.1));
         assert_eq!(job.consistency, Consistency::Ssp { staleness: 2 });
         assert_eq!(
             (job.batch_size, job.epochs, job.train_samples),
@@ -1307,15 +1273,50 @@ init = "zeros"
 
         // With only a model, the job is the one `edl-ps coordinator` builds from its defaults.
         let bare = self::job("[model]\nkind = \"mlp\"\nlayers = [784, 256, 128, 10]\n");
-        let adam = OptimizerSpec::Adam {
-            lr: 0.001,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        };
-        assert_eq!(bare.optimizer, adam);
+        assert_eq!(bare.optimizer, OptimizerSpec::adam(0.001));
         assert_eq!(bare.consistency, Consistency::Ssp { staleness: 2 });
         assert_eq!(bare.train_samples, 60_000);
+    }
+
+    #[test]
+    fn every_torch_optimizer_reads_with_its_arguments() {
+        let table = |t: &str| job(&MLP.replace("kind = \"sgd\"\nlr = 0.1", t)).optimizer;
+        assert_eq!(
+            table("kind = \"adamw\"\nlr = 0.002\nbeta2 = 0.99\namsgrad = true"),
+            "adamw:0.002,beta2=0.99,amsgrad=true"
+                .parse()
+                .expect("adamw")
+        );
+        assert_eq!(
+            table("kind = \"sgd\"\nlr = 1\nmomentum = 0.9\nnesterov = true\nweight_decay = 5e-4"),
+            OptimizerSpec::Sgd {
+                lr: 1.0,
+                momentum: 0.9,
+                dampening: 0.0,
+                nesterov: true,
+                weight_decay: 5e-4,
+            }
+        );
+        assert_eq!(
+            table("kind = \"rmsprop\"\ncentered = true"),
+            OptimizerSpec::RmsProp {
+                lr: 0.01,
+                alpha: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                momentum: 0.0,
+                centered: true,
+            }
+        );
+        assert_eq!(
+            table("kind = \"adadelta\""),
+            OptimizerSpec::defaults("adadelta").expect("adadelta")
+        );
+        let adagrad = table("kind = \"adagrad\"\nlr_decay = 0.1\ninitial_accumulator_value = 0.5");
+        assert_eq!(
+            adagrad.to_string(),
+            "adagrad:0.01,lr_decay=0.1,initial_accumulator_value=0.5"
+        );
     }
 
     #[test]
@@ -1323,13 +1324,7 @@ init = "zeros"
         let job = job(LOGREG);
         assert_eq!(job.model, LogReg { features: 126 }.section());
         assert_eq!(job.tensors, LogReg { features: 126 }.tensors());
-        assert_eq!(
-            job.optimizer,
-            OptimizerSpec::Momentum {
-                lr: 0.05,
-                momentum: 0.9
-            }
-        );
+        assert_eq!(job.optimizer, OptimizerSpec::momentum(0.05, 0.9));
         assert_eq!(job.consistency, Consistency::Asp);
         assert_eq!((job.batch_size, job.train_samples), (32, 6513));
         let data = job.data.expect("data");
@@ -1471,7 +1466,12 @@ init = "zeros"
             (CUSTOM, &[("init = \"zeros\"", "init = \"constant\"\nvalue = nan")], "tensor[1].value", 24),
             // Optimizer.
             (MLP, &[("lr = 0.1", "lr = -0.1")], "optimizer.lr", 7),
-            (MLP, &[("kind = \"sgd\"", "kind = \"rmsprop\"")], "optimizer.kind", 6),
+            (MLP, &[("kind = \"sgd\"", "kind = \"lamb\"")], "optimizer.kind", 6),
+            (MLP, &[("lr = 0.1", "lr = 0.1\nnesterov = true")], "optimizer", 6),
+            (MLP, &[("lr = 0.1", "lr = 0.1\namsgrad = true")], "optimizer.amsgrad", 8),
+            (MLP, &[("lr = 0.1", "lr = 0.1\nmomentum = true")], "optimizer.momentum", 8),
+            (MLP, &[("lr = 0.1", "lr = 0.1\nnesterov = 1")], "optimizer.nesterov", 8),
+            (MLP, &[("lr = 0.1", "lr = 0.1\nbetas = [0.9, 0.99]")], "optimizer.betas", 8),
             (MLP, &[("kind = \"sgd\"", "kind = \"adam\""), ("lr = 0.1", "lr = 0.1\neps = 0.0")], "optimizer.eps", 8),
             (LOGREG, &[("momentum = 0.9", "momentum = 1.0")], "optimizer.momentum", 8),
             (LOGREG, &[("momentum = 0.9", "beta1 = 0.9")], "optimizer.beta1", 8),
@@ -1545,6 +1545,9 @@ init = "zeros"
             beta1: 0.85,
             beta2: 0.995,
             eps: 1e-7,
+            weight_decay: 0.01,
+            amsgrad: true,
+            decoupled: true,
         };
         mlp.data = Some(DataSpec {
             format: DataFormat::Idx,
@@ -1583,7 +1586,7 @@ init = "zeros"
         let text = describe(&job(CUSTOM));
         for part in [
             "custom",
-            "momentum, lr 0.05, momentum 0.9",
+            "sgd, lr 0.05, momentum 0.9",
             "bsp",
             "fc1.weight",
             "[784, 128]",

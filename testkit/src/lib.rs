@@ -272,7 +272,7 @@ pub fn counter_job(len: u32, chunk: u32, consistency: Consistency) -> JobConfig 
             init: Init::Zeros,
         }],
         chunk_size: chunk,
-        optimizer: OptimizerSpec::Sgd { lr: 1.0 },
+        optimizer: OptimizerSpec::sgd(1.0),
         consistency,
         batch_size: 1,
         epochs: 1,

@@ -32,7 +32,7 @@ pub fn synthetic_job(samples: u32, epochs: u32, consistency: Consistency) -> Job
             init: Init::Zeros,
         }],
         chunk_size: 32,
-        optimizer: OptimizerSpec::Sgd { lr: 0.01 },
+        optimizer: OptimizerSpec::sgd(0.01),
         consistency,
         batch_size: 8,
         epochs,

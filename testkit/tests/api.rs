@@ -125,7 +125,12 @@ async fn sparse_logistic_regression_reaches_the_plain_bar() -> anyhow::Result<()
             .map_err(anyhow::Error::msg)?
             .features;
     let lr = match job.optimizer {
-        edl_shared::proto::OptimizerSpec::Sgd { lr } => lr,
+        edl_shared::proto::OptimizerSpec::Sgd {
+            lr,
+            momentum: 0.0,
+            weight_decay: 0.0,
+            ..
+        } => lr as f32,
         ref other => anyhow::bail!("not plain SGD: {other}"),
     };
     let samples = job.train_samples;

@@ -18,7 +18,13 @@ use rand::{Rng, SeedableRng};
 async fn bsp_with_one_worker_equals_local_sgd() -> anyhow::Result<()> {
     let layers = [64u32, 32, 10];
     let lr = 0.1f32;
-    let mut job = mlp_job(&layers, Consistency::Bsp, OptimizerSpec::Sgd { lr }, 64, 1);
+    let mut job = mlp_job(
+        &layers,
+        Consistency::Bsp,
+        OptimizerSpec::sgd(f64::from(lr)),
+        64,
+        1,
+    );
     // Small chunks so that the model spans many keys on both shards.
     job.chunk_size = 300;
     let cluster = TestCluster::start(job, 2).await?;

@@ -37,12 +37,7 @@ async fn three_workers_two_shards_reach_the_accuracy_bar() -> anyhow::Result<()>
     let job = mlp_job(
         &[784, 128, 10],
         Consistency::Ssp { staleness: 2 },
-        OptimizerSpec::Adam {
-            lr: 0.001,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        },
+        OptimizerSpec::adam(0.001),
         SAMPLES,
         2,
     );

@@ -599,7 +599,7 @@ mod tests {
             model: edl_shared::proto::ModelSection::custom(),
             tensors: Vec::new(),
             chunk_size: 1024,
-            optimizer: edl_shared::proto::OptimizerSpec::Sgd { lr: 0.1 },
+            optimizer: edl_shared::proto::OptimizerSpec::sgd(0.1),
             consistency: edl_shared::proto::Consistency::Asp,
             batch_size: 8,
             epochs: 1,

@@ -42,7 +42,9 @@ struct Cli {
     /// Consistency model: asp, ssp:S (bounded staleness S) or bsp.
     #[arg(long, default_value_t = defaults::CONSISTENCY)]
     consistency: Consistency,
-    /// Server-side optimizer: sgd:LR, momentum:LR:M or adam:LR.
+    /// Server-side optimizer, torch.optim's: KIND[:LR][,KEY=VALUE...] with KIND sgd, momentum,
+    /// adam, adamw, adagrad, rmsprop or adadelta and its arguments, e.g.
+    /// sgd:0.1,momentum=0.9,nesterov=true or adamw:0.001,weight_decay=0.05.
     #[arg(long, default_value_t = defaults::OPTIMIZER)]
     optimizer: OptimizerSpec,
     /// Samples per mini-batch.

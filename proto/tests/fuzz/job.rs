@@ -382,19 +382,15 @@ proptest! {
     fn settings_text(
         s in prop_oneof![
             ".{0,16}",
-            "(sgd|momentum|adam|asp|bsp|ssp|x)?(:[-+0-9.eEinfaN]{0,8}){0,3}",
+            "(sgd|momentum|adam|adamw|adagrad|rmsprop|adadelta|asp|bsp|ssp|x)?(:[-+0-9.eEinfaN]{0,8}){0,3}(,(momentum|nesterov|eps|beta1|rho|centered|x)=(true|false|[-+0-9.eEinfaN]{0,8})){0,3}",
         ],
     ) {
         if let Ok(c) = s.parse::<Consistency>() {
             prop_assert_eq!(c.to_string().parse::<Consistency>(), Ok(c));
         }
         if let Ok(o) = s.parse::<OptimizerSpec>() {
-            let numbers = match o {
-                OptimizerSpec::Sgd { lr } => vec![lr],
-                OptimizerSpec::Momentum { lr, momentum } => vec![lr, momentum],
-                OptimizerSpec::Adam { lr, beta1, beta2, eps } => vec![lr, beta1, beta2, eps],
-            };
-            prop_assert!(numbers.iter().all(|x| x.is_finite() && *x >= 0.0), "{:?}", o);
+            prop_assert!(o.lr().is_finite() && o.lr() >= 0.0, "{:?}", o);
+            prop_assert_eq!(o.check(), Ok(()));
             prop_assert_eq!(o.to_string().parse::<OptimizerSpec>(), Ok(o));
         }
     }
@@ -407,11 +403,10 @@ proptest! {
         (lr, momentum) in (non_negative(), non_negative()),
     ) {
         prop_assert_eq!(c.to_string().parse::<Consistency>(), Ok(c));
-        for o in [
-            OptimizerSpec::Sgd { lr },
-            OptimizerSpec::Momentum { lr, momentum },
-            OptimizerSpec::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
-        ] {
+        for kind in OptimizerSpec::KINDS {
+            let mut o = OptimizerSpec::defaults(kind).expect("a kind");
+            o.set_number("lr", f64::from(lr)).expect("lr");
+            let _ = o.set_number("momentum", f64::from(momentum));
             prop_assert_eq!(o.to_string().parse::<OptimizerSpec>(), Ok(o));
         }
     }

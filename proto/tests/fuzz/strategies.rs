@@ -142,20 +142,47 @@ pub fn tensor_spec() -> BoxedStrategy<TensorSpec> {
 }
 
 pub fn optimizer() -> BoxedStrategy<OptimizerSpec> {
-    prop_oneof![
-        f32_no_nan().prop_map(|lr| OptimizerSpec::Sgd { lr }),
-        (f32_no_nan(), f32_no_nan())
-            .prop_map(|(lr, momentum)| OptimizerSpec::Momentum { lr, momentum }),
-        (f32_no_nan(), f32_no_nan(), f32_no_nan(), f32_no_nan()).prop_map(
-            |(lr, beta1, beta2, eps)| OptimizerSpec::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps
-            }
-        ),
-    ]
-    .boxed()
+    (0..5usize, [any::<f64>(); 6], [any::<bool>(); 2])
+        .prop_map(|(kind, x, b)| match kind {
+            0 => OptimizerSpec::Sgd {
+                lr: x[0],
+                momentum: x[1],
+                dampening: x[2],
+                nesterov: b[0],
+                weight_decay: x[3],
+            },
+            1 => OptimizerSpec::Adam {
+                lr: x[0],
+                beta1: x[1],
+                beta2: x[2],
+                eps: x[3],
+                weight_decay: x[4],
+                amsgrad: b[0],
+                decoupled: b[1],
+            },
+            2 => OptimizerSpec::Adagrad {
+                lr: x[0],
+                lr_decay: x[1],
+                weight_decay: x[2],
+                initial_accumulator_value: x[3],
+                eps: x[4],
+            },
+            3 => OptimizerSpec::RmsProp {
+                lr: x[0],
+                alpha: x[1],
+                eps: x[2],
+                weight_decay: x[3],
+                momentum: x[5],
+                centered: b[0],
+            },
+            _ => OptimizerSpec::Adadelta {
+                lr: x[0],
+                rho: x[1],
+                eps: x[2],
+                weight_decay: x[3],
+            },
+        })
+        .boxed()
 }
 
 pub fn consistency() -> BoxedStrategy<Consistency> {

@@ -88,7 +88,9 @@ struct CoordinatorArgs {
     /// rate 1 (for load tests: pushes of -1 make every float count the pushes applied to it).
     #[arg(long, value_name = "FLOATS", conflicts_with_all = ["layers", "optimizer"])]
     counter: Option<u32>,
-    /// Server-side optimizer: sgd:LR, momentum:LR:M or adam:LR.
+    /// Server-side optimizer, torch.optim's: KIND[:LR][,KEY=VALUE...] with KIND sgd, momentum,
+    /// adam, adamw, adagrad, rmsprop or adadelta and its arguments, e.g.
+    /// sgd:0.1,momentum=0.9,nesterov=true or adamw:0.001,weight_decay=0.05.
     #[arg(long, default_value_t = defaults::OPTIMIZER)]
     optimizer: OptimizerSpec,
     /// Consistency model: asp, ssp:S (bounded staleness S) or bsp.
@@ -315,7 +317,7 @@ async fn main() -> anyhow::Result<()> {
                         shape: vec![floats],
                         init: Init::Zeros,
                     }],
-                    OptimizerSpec::Sgd { lr: 1.0 },
+                    OptimizerSpec::sgd(1.0),
                 ),
                 None => {
                     let mlp = edl_shared::models::Mlp {

@@ -35,7 +35,7 @@ fn job(consistency: Consistency) -> JobConfig {
             init: Init::Zeros,
         }],
         chunk_size: CHUNK,
-        optimizer: OptimizerSpec::Sgd { lr: 1.0 },
+        optimizer: OptimizerSpec::sgd(1.0),
         consistency,
         batch_size: 1,
         epochs: EPOCHS,
@@ -962,8 +962,7 @@ fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
                 .find(|s| s.key == c.key.0)
                 .expect("the key's snapshot");
             assert_eq!(got.params, p, "{optimizer:?}, {}", c.key);
-            let (m, v, t) = opt.moments();
-            assert_eq!((&got.m, &got.v, got.t), (&m, &v, t), "{optimizer:?}");
+            assert_eq!((&got.state, got.t), (&opt.bufs, opt.t), "{optimizer:?}");
         }
     }
 }

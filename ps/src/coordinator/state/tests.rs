@@ -11,7 +11,7 @@ pub(super) fn job(consistency: Consistency) -> JobConfig {
             layers: vec![4, 3],
         }),
         chunk_size: 4,
-        optimizer: OptimizerSpec::Sgd { lr: 0.1 },
+        optimizer: OptimizerSpec::sgd(0.1),
         consistency,
         batch_size: 2,
         epochs: 1,

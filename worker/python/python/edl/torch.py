@@ -67,12 +67,59 @@ def _init_line(name: str, p: torch.Tensor, params: dict) -> str:
     return f'init = "uniform"\nscale = {1.0 / math.sqrt(fan)!r}'
 
 
+# torch.optim's classes EDL's shards apply, with the arguments each maps: (kind, [keys]).
+_OPTIMIZERS = {
+    "SGD": ("sgd", ["momentum", "dampening", "nesterov", "weight_decay"]),
+    "Adam": ("adam", ["betas", "eps", "weight_decay", "amsgrad"]),
+    "AdamW": ("adamw", ["betas", "eps", "weight_decay", "amsgrad"]),
+    "Adagrad": ("adagrad", ["lr_decay", "weight_decay", "initial_accumulator_value", "eps"]),
+    "RMSprop": ("rmsprop", ["alpha", "eps", "weight_decay", "momentum", "centered"]),
+    "Adadelta": ("adadelta", ["rho", "eps", "weight_decay"]),
+}
+
+
+def optimizer_table(optimizer) -> str:
+    """The `[optimizer]` table of a job file for a `torch.optim` optimizer: its kind and its
+    arguments. Raises ValueError, naming what, for what the shards cannot apply: another
+    class, parameter groups with different settings, `maximize`, or a learning rate that is
+    a tensor."""
+    name = type(optimizer).__name__
+    if name not in _OPTIMIZERS:
+        raise ValueError(
+            f"torch.optim.{name} has no counterpart on EDL's shards; use one of "
+            + ", ".join(f"torch.optim.{k}" for k in _OPTIMIZERS)
+        )
+    kind, keys = _OPTIMIZERS[name]
+    groups = optimizer.param_groups
+    shared = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    if any(s != shared[0] for s in shared[1:]):
+        raise ValueError(
+            f"torch.optim.{name} has {len(groups)} parameter groups with different settings; "
+            "EDL applies one setting to every tensor"
+        )
+    g = shared[0]
+    if g.get("maximize"):
+        raise ValueError(f"torch.optim.{name}(maximize=True) is not supported")
+    if not isinstance(g["lr"], (int, float)):
+        raise ValueError(f"torch.optim.{name}'s lr is a {type(g['lr']).__name__}, not a number")
+    out = ["[optimizer]", f'kind = "{kind}"', f"lr = {float(g['lr'])!r}"]
+    for key in keys:
+        value = g[key]
+        if key == "betas":
+            out += [f"beta1 = {float(value[0])!r}", f"beta2 = {float(value[1])!r}"]
+        elif isinstance(value, bool):
+            out.append(f"{key} = {'true' if value else 'false'}")
+        else:
+            out.append(f"{key} = {float(value)!r}")
+    return "\n".join(out)
+
+
 def job_from_module(
     model: torch.nn.Module,
     path=None,
     *,
     samples: int,
-    optimizer: str = "sgd",
+    optimizer="sgd",
     lr: float = 0.01,
     momentum: float | None = None,
     consistency: str = "ssp:2",
@@ -87,14 +134,20 @@ def job_from_module(
     """The job file (TOML) for `model`: one tensor per trainable parameter, named and shaped as
     in `model.named_parameters()`, initialized from PyTorch's default distributions. `samples`
     is the training set's size; `train`/`test` name the data (for `data_format`) if the job
-    should record it. Written to `path` when given; returned either way."""
+    should record it. `optimizer` is a kind (`"sgd"`, with `lr` and `momentum`) or a
+    `torch.optim` optimizer, whose class and settings the shards then apply exactly (see
+    `optimizer_table`; `lr` and `momentum` are then not used). Written to `path` when given;
+    returned either way."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise ValueError("the module has no trainable parameters")
     out = ['# Written by edl.torch.job_from_module', "", "[model]", 'kind = "custom"', ""]
-    out += ["[optimizer]", f'kind = "{optimizer}"', f"lr = {lr!r}"]
-    if momentum is not None:
-        out.append(f"momentum = {momentum!r}")
+    if isinstance(optimizer, str):
+        out += ["[optimizer]", f'kind = "{optimizer}"', f"lr = {lr!r}"]
+        if momentum is not None:
+            out.append(f"momentum = {momentum!r}")
+    else:
+        out += optimizer_table(optimizer).split("\n")
     out += ["", "[training]", f'consistency = "{consistency}"', f"batch_size = {batch_size}"]
     out += [f"epochs = {epochs}", f"samples = {samples}", f"seed = {seed}"]
     if partition_size is not None:

@@ -676,6 +676,9 @@ pub struct JobConfig {
     pub chunk_size: u32,
     /// The server-side optimizer.
     pub optimizer: OptimizerSpec,
+    /// Per-tensor settings (PyTorch's parameter groups): a tensor a group names is updated
+    /// with the group's optimizer instead of `optimizer`.
+    pub optimizer_groups: Vec<OptimizerGroup>,
     /// The consistency model.
     pub consistency: Consistency,
     /// Samples per mini-batch.
@@ -695,7 +698,24 @@ pub struct JobConfig {
     pub data: Option<DataSpec>,
 }
 
+/// A parameter group: tensors updated with their own optimizer settings.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct OptimizerGroup {
+    /// Indices into the job's tensors; a tensor is in one group at most.
+    pub tensors: Vec<u32>,
+    /// Their optimizer (the job's kind, with the group's settings).
+    pub optimizer: OptimizerSpec,
+}
+
 impl JobConfig {
+    /// The optimizer of tensor `tensor`: its group's, or the job's.
+    pub fn optimizer_of(&self, tensor: usize) -> &OptimizerSpec {
+        self.optimizer_groups
+            .iter()
+            .find(|g| g.tensors.iter().any(|&t| t as usize == tensor))
+            .map_or(&self.optimizer, |g| &g.optimizer)
+    }
+
     /// The index of the tensor called `name`.
     pub fn tensor_index(&self, name: &str) -> Option<usize> {
         self.tensors.iter().position(|t| t.name == name)

@@ -19,7 +19,7 @@ pub use frame::{Frame, FrameLimits, Parts, Payload};
 pub use ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 pub use job::{
     Consistency, DataFormat, DataSpec, Init, JobConfig, KeyLayout, KeySpan, ModelSection,
-    OptimizerSpec, ShardMap, TensorSpec,
+    OptimizerGroup, OptimizerSpec, ShardMap, TensorSpec,
 };
 pub use msg::{Request, Response};
 pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, StragglerSettings};

@@ -398,6 +398,7 @@ mod tests {
             tensors: vec![],
             chunk_size: 1,
             optimizer: OptimizerSpec::sgd(1.0),
+            optimizer_groups: Vec::new(),
             consistency: Consistency::Asp,
             batch_size: 2,
             epochs: 2,

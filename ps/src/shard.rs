@@ -106,6 +106,9 @@ struct Chunk {
     segment: u32,
     /// Floats read and written since the last rebalance.
     load: u64,
+    /// The tensor it is a piece of (whose optimizer updates it: see
+    /// [`JobConfig::optimizer_of`]).
+    tensor: usize,
 }
 
 impl Chunk {
@@ -127,7 +130,8 @@ impl Chunk {
             _ => vec![0.0; len],
         };
         Chunk {
-            opt: OptState::new(&job.optimizer, len),
+            opt: OptState::new(job.optimizer_of(tensor), len),
+            tensor,
             params: Arc::new(params),
             pending: BTreeMap::new(),
             applied_through: 0,
@@ -146,10 +150,11 @@ impl Chunk {
             t: snap.t,
             bufs: snap.state,
         };
-        if !opt.fits(&job.optimizer, n) {
+        let optimizer = job.optimizer_of(span.tensor);
+        if !opt.fits(optimizer, n) {
             return Err(format!(
-                "optimizer state of key {} does not fit {}",
-                snap.key, job.optimizer
+                "optimizer state of key {} does not fit {optimizer}",
+                snap.key
             ));
         }
         if snap.params.len() != n || snap.pending.iter().any(|(_, s, _)| s.len() != n) {
@@ -161,6 +166,7 @@ impl Chunk {
         Ok(Chunk {
             params: Arc::new(snap.params),
             opt,
+            tensor: span.tensor,
             pending: snap
                 .pending
                 .into_iter()
@@ -695,12 +701,11 @@ impl ShardState {
                 });
                 slot.1 += 1;
             } else {
+                let optimizer = self.job.optimizer_of(chunk.tensor);
                 let params = Arc::make_mut(&mut chunk.params).as_mut_slice();
-                chunk.opt.start(&self.job.optimizer, len);
+                chunk.opt.start(optimizer, len);
                 let opt = &mut chunk.opt;
-                grads.take(len, |at, g| {
-                    opt.apply_run(&self.job.optimizer, params, at, g, 1.0)
-                });
+                grads.take(len, |at, g| opt.apply_run(optimizer, params, at, g, 1.0));
             }
         }
         Ok(Claim::Apply)
@@ -881,9 +886,14 @@ fn apply_due(job: &JobConfig, chunk: &mut Chunk, through: u64) {
             break;
         }
         let (sum, n) = entry.remove();
-        let Chunk { params, opt, .. } = chunk;
+        let Chunk {
+            params,
+            opt,
+            tensor,
+            ..
+        } = chunk;
         opt.apply(
-            &job.optimizer,
+            job.optimizer_of(*tensor),
             Arc::make_mut(params).as_mut_slice(),
             &sum,
             1.0 / n.max(1) as f32,

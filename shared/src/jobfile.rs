@@ -13,6 +13,10 @@
 //!                              # nesterov, weight_decay, beta1, beta2, eps, amsgrad, lr_decay,
 //!                              # initial_accumulator_value, alpha, centered, rho
 //!
+//! [[optimizer.group]]          # PyTorch's parameter groups: these tensors (names, `*`)
+//! tensors = ["*.bias"]         # with these settings changed
+//! weight_decay = 0.0
+//!
 //! [training]
 //! consistency = "ssp:2"        # asp | bsp | ssp:N
 //! samples = 60000              # or "auto" (counted in the libsvm training data)
@@ -37,7 +41,9 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use edl_models as models;
-use edl_proto::{DataFormat, DataSpec, Init, JobConfig, ModelSection, OptimizerSpec, TensorSpec};
+use edl_proto::{
+    DataFormat, DataSpec, Init, JobConfig, ModelSection, OptimizerGroup, OptimizerSpec, TensorSpec,
+};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Unexpected, Visitor};
 use toml::Spanned;
@@ -193,11 +199,13 @@ pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
         shape: None,
     };
     let (model, tensors) = cx.model(&raw, &mut counts)?;
+    let (optimizer, optimizer_groups) = cx.optimizer(raw.optimizer.as_ref(), &tensors)?;
     let mut job = JobConfig {
         model,
         tensors,
         chunk_size: defaults::CHUNK_SIZE,
-        optimizer: cx.optimizer(raw.optimizer.as_ref())?,
+        optimizer,
+        optimizer_groups,
         consistency: defaults::CONSISTENCY,
         batch_size: defaults::BATCH_SIZE,
         epochs: defaults::EPOCHS,
@@ -809,9 +817,10 @@ impl Cx<'_> {
     fn optimizer(
         &self,
         raw: Option<&Spanned<RawOptimizer>>,
-    ) -> Result<OptimizerSpec, JobFileError> {
+        tensors: &[TensorSpec],
+    ) -> Result<(OptimizerSpec, Vec<OptimizerGroup>), JobFileError> {
         let Some(raw) = raw else {
-            return Ok(defaults::OPTIMIZER);
+            return Ok((defaults::OPTIMIZER, Vec::new()));
         };
         let table = raw.get_ref();
         let kinds = OptimizerSpec::KINDS.join(", ");
@@ -837,44 +846,144 @@ impl Cx<'_> {
                 format!("unknown optimizer {kind:?}: use {kinds}"),
             ));
         };
-        let keys = OptimizerSpec::keys(kind);
-        for (key, v) in table.iter().filter(|(k, _)| *k != "kind") {
-            let field = format!("optimizer.{key}");
-            if key != "lr" && !keys.contains(&key.as_str()) {
-                let owners: Vec<String> = OptimizerSpec::KINDS
-                    .iter()
-                    .filter(|k| OptimizerSpec::keys(k).contains(&key.as_str()))
-                    .map(|k| format!("{k:?}"))
-                    .collect();
-                let message = if owners.is_empty() {
-                    format!("unknown key: kind = {kind:?} takes lr, {}", keys.join(", "))
-                } else {
-                    format!("only for kind = {}", owners.join(" or "))
-                };
-                return Err(self.at(v, &field, message));
-            }
-            let set = match v.get_ref() {
-                toml::Value::Boolean(on) => spec.set_flag(key, *on),
-                toml::Value::Float(x) => spec.set_number(key, *x),
-                toml::Value::Integer(i) => spec.set_number(key, *i as f64),
-                other => Err(format!(
-                    "must be a number or a boolean, not a {}",
-                    other.type_str()
-                )),
-            }
-            .map_err(|m| self.at(v, &field, m))?;
-            if !set {
-                let want = if matches!(v.get_ref(), toml::Value::Boolean(_)) {
-                    "a number"
-                } else {
-                    "true or false"
-                };
-                return Err(self.at(v, &field, format!("must be {want}")));
-            }
+        for (key, v) in table.iter().filter(|(k, _)| *k != "kind" && *k != "group") {
+            set_optimizer_key(&mut spec, key, v.get_ref())
+                .map_err(|m| self.at(v, &format!("optimizer.{key}"), m))?;
         }
         spec.check()
             .map_err(|m| self.at(kind_value, "optimizer", m))?;
-        Ok(spec)
+        let groups = match table.get("group") {
+            None => Vec::new(),
+            Some(v) => self.optimizer_groups(v, &spec, tensors)?,
+        };
+        Ok((spec, groups))
+    }
+
+    /// `[[optimizer.group]]` tables: `tensors` (names, or patterns with `*`) and settings
+    /// over the job's optimizer, as PyTorch's parameter groups.
+    fn optimizer_groups(
+        &self,
+        v: &Spanned<toml::Value>,
+        base: &OptimizerSpec,
+        tensors: &[TensorSpec],
+    ) -> Result<Vec<OptimizerGroup>, JobFileError> {
+        let toml::Value::Array(list) = v.get_ref() else {
+            return Err(self.at(v, "optimizer.group", "must be [[optimizer.group]] tables"));
+        };
+        let mut groups = Vec::with_capacity(list.len());
+        let mut owner: HashMap<u32, usize> = HashMap::new();
+        for (i, g) in list.iter().enumerate() {
+            let field = |k: &str| format!("optimizer.group[{i}].{k}");
+            let err = |k: &str, m: String| self.at(v, &field(k), m);
+            let Some(g) = g.as_table() else {
+                return Err(err("", "must be a table".into()));
+            };
+            let Some(names) = g.get("tensors").and_then(toml::Value::as_array) else {
+                return Err(err(
+                    "tensors",
+                    "missing: a group names its tensors, e.g. tensors = [\"*.bias\"]".into(),
+                ));
+            };
+            let mut members = Vec::new();
+            for name in names {
+                let Some(pattern) = name.as_str() else {
+                    return Err(err("tensors", format!("{name} is not a tensor name")));
+                };
+                let hits: Vec<u32> = (0..tensors.len() as u32)
+                    .filter(|&t| glob_match(pattern, &tensors[t as usize].name))
+                    .collect();
+                if hits.is_empty() {
+                    return Err(err(
+                        "tensors",
+                        format!("{pattern:?} names no tensor of the model"),
+                    ));
+                }
+                for t in hits {
+                    if let Some(j) = owner.insert(t, i).filter(|&j| j != i) {
+                        return Err(err(
+                            "tensors",
+                            format!(
+                                "{:?} is already in group {j}: a tensor is in one group",
+                                tensors[t as usize].name
+                            ),
+                        ));
+                    }
+                    if !members.contains(&t) {
+                        members.push(t);
+                    }
+                }
+            }
+            let mut spec = base.clone();
+            for (key, value) in g.iter().filter(|(k, _)| *k != "tensors") {
+                if key == "kind" {
+                    return Err(err(
+                        key,
+                        "a group keeps the job's optimizer kind; it changes its settings".into(),
+                    ));
+                }
+                set_optimizer_key(&mut spec, key, value).map_err(|m| err(key, m))?;
+            }
+            spec.check().map_err(|m| err("", m))?;
+            groups.push(OptimizerGroup {
+                tensors: members,
+                optimizer: spec,
+            });
+        }
+        Ok(groups)
+    }
+}
+
+/// Sets optimizer setting `key` of `spec`'s kind from a job file's value; the message names
+/// what is wrong (the kinds that take a key this kind does not).
+fn set_optimizer_key(spec: &mut OptimizerSpec, key: &str, v: &toml::Value) -> Result<(), String> {
+    let kind = spec.kind();
+    let keys = OptimizerSpec::keys(kind);
+    if key != "lr" && !keys.contains(&key) {
+        let owners: Vec<String> = OptimizerSpec::KINDS
+            .iter()
+            .filter(|k| OptimizerSpec::keys(k).contains(&key))
+            .map(|k| format!("{k:?}"))
+            .collect();
+        return Err(if owners.is_empty() {
+            format!("unknown key: kind = {kind:?} takes lr, {}", keys.join(", "))
+        } else {
+            format!("only for kind = {}", owners.join(" or "))
+        });
+    }
+    let set = match v {
+        toml::Value::Boolean(on) => spec.set_flag(key, *on)?,
+        toml::Value::Float(x) => spec.set_number(key, *x)?,
+        toml::Value::Integer(i) => spec.set_number(key, *i as f64)?,
+        other => {
+            return Err(format!(
+                "must be a number or a boolean, not a {}",
+                other.type_str()
+            ));
+        }
+    };
+    if !set {
+        let want = if v.is_bool() {
+            "a number"
+        } else {
+            "true or false"
+        };
+        return Err(format!("must be {want}"));
+    }
+    Ok(())
+}
+
+/// Whether `name` matches `pattern`, where `*` stands for any run of characters.
+fn glob_match(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, rest)) => {
+            let Some(tail) = name.strip_prefix(head) else {
+                return false;
+            };
+            (0..=tail.len())
+                .filter(|&i| tail.is_char_boundary(i))
+                .any(|i| glob_match(rest, &tail[i..]))
+        }
     }
 }
 
@@ -1015,6 +1124,23 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
     for (key, value) in o.settings_text() {
         writeln!(out, "{key} = {value}")?;
     }
+    for g in &job.optimizer_groups {
+        let names: Vec<String> = g
+            .tensors
+            .iter()
+            .filter_map(|&t| job.tensors.get(t as usize))
+            .map(|t| toml_string(&t.name))
+            .collect();
+        writeln!(
+            out,
+            "\n[[optimizer.group]]\ntensors = [{}]",
+            names.join(", ")
+        )?;
+        writeln!(out, "lr = {:?}", g.optimizer.lr())?;
+        for (key, value) in g.optimizer.settings_text() {
+            writeln!(out, "{key} = {value}")?;
+        }
+    }
     writeln!(out, "\n[training]")?;
     writeln!(out, "consistency = \"{}\"", job.consistency)?;
     writeln!(out, "batch_size = {}", job.batch_size)?;
@@ -1058,6 +1184,36 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
     Ok(())
 }
 
+/// The parameter groups, one line each: their tensors and what differs from the job's.
+fn groups_text(job: &JobConfig) -> String {
+    if job.optimizer_groups.is_empty() {
+        return "none".into();
+    }
+    let base = job.optimizer.settings_text();
+    job.optimizer_groups
+        .iter()
+        .map(|g| {
+            let names: Vec<&str> = g
+                .tensors
+                .iter()
+                .filter_map(|&t| job.tensors.get(t as usize))
+                .map(|t| t.name.as_str())
+                .collect();
+            let mut changed: Vec<String> = Vec::new();
+            if g.optimizer.lr().to_bits() != job.optimizer.lr().to_bits() {
+                changed.push(format!("lr {}", g.optimizer.lr()));
+            }
+            for ((key, value), (_, was)) in g.optimizer.settings_text().into_iter().zip(&base) {
+                if value != *was {
+                    changed.push(format!("{key} {value}"));
+                }
+            }
+            format!("{}: {}", names.join(", "), changed.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 fn optimizer_text(o: &OptimizerSpec) -> String {
     let mut out = format!("{}, lr {}", o.kind(), o.lr());
     for (key, value) in o.changed_settings() {
@@ -1071,6 +1227,7 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
     let settings = [
         ("model", models::describe(&job.model, &job.tensors)),
         ("optimizer", optimizer_text(&job.optimizer)),
+        ("groups", groups_text(job)),
         ("consistency", job.consistency.to_string()),
         ("batch size", format!("{} samples", job.batch_size)),
         ("epochs", job.epochs.to_string()),
@@ -1095,6 +1252,10 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
         ),
     ];
     for (name, value) in settings {
+        // Most jobs have no parameter groups: no line for them.
+        if name == "groups" && job.optimizer_groups.is_empty() {
+            continue;
+        }
         writeln!(out, "{name:<12} {value}")?;
     }
 
@@ -1317,6 +1478,64 @@ init = "zeros"
             adagrad.to_string(),
             "adagrad:0.01,lr_decay=0.1,initial_accumulator_value=0.5"
         );
+    }
+
+    #[test]
+    fn parameter_groups_name_their_tensors_and_change_settings() {
+        let groups = "\n[[optimizer.group]]\ntensors = [\"*.bias\"]\nweight_decay = 0\nlr = 0.5\n";
+        let text = MLP.replace(
+            "lr = 0.1\n",
+            &format!("lr = 0.1\nweight_decay = 0.01\n{groups}"),
+        );
+        let job = self::job(&text);
+        assert_eq!(job.optimizer_groups.len(), 1);
+        let g = &job.optimizer_groups[0];
+        let names: Vec<&str> = g
+            .tensors
+            .iter()
+            .map(|&t| job.tensors[t as usize].name.as_str())
+            .collect();
+        assert_eq!(names, ["fc0.bias", "fc1.bias", "fc2.bias"]);
+        assert_eq!(g.optimizer, OptimizerSpec::sgd(0.5));
+        assert_eq!(job.optimizer_of(1), &g.optimizer);
+        assert_eq!(job.optimizer_of(0), &job.optimizer);
+        assert!(describe(&job).contains("fc0.bias, fc1.bias, fc2.bias: lr 0.5, weight_decay 0.0"));
+        // Written out and read back, the groups are the same.
+        let again = parse(&to_toml(&job), Path::new("again.toml")).expect("round trip");
+        assert_eq!(again.optimizer_groups, job.optimizer_groups);
+        let refused = [
+            (
+                "tensors = [\"*.bias\"]",
+                "tensors = [\"conv*\"]",
+                "names no tensor",
+            ),
+            (
+                "weight_decay = 0\n",
+                "weight_decay = 0\n\n[[optimizer.group]]\ntensors = [\"fc1.*\"]\n",
+                "already in group 0",
+            ),
+            (
+                "weight_decay = 0\n",
+                "kind = \"adam\"\n",
+                "keeps the job's optimizer kind",
+            ),
+            ("weight_decay = 0\n", "amsgrad = true\n", "only for kind"),
+            (
+                "tensors = [\"*.bias\"]\n",
+                "",
+                "missing: a group names its tensors",
+            ),
+        ];
+        for (from, to, why) in refused {
+            let bad = text.replace(from, to);
+            let e = parse(&bad, Path::new("j.toml")).expect_err(to).to_string();
+            assert!(
+                e.contains(why) && e.contains("optimizer.group["),
+                "{to}: {e}"
+            );
+        }
+        assert!(glob_match("*.bias", "fc0.bias") && !glob_match("*.bias", "fc0.weight"));
+        assert!(glob_match("a*b*c", "aXbYc") && glob_match("*", "") && !glob_match("a*", "b"));
     }
 
     #[test]

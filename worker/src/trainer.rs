@@ -600,6 +600,7 @@ mod tests {
             tensors: Vec::new(),
             chunk_size: 1024,
             optimizer: edl_shared::proto::OptimizerSpec::sgd(0.1),
+            optimizer_groups: Vec::new(),
             consistency: edl_shared::proto::Consistency::Asp,
             batch_size: 8,
             epochs: 1,

@@ -15,8 +15,8 @@ use edl_proto::place::{
     StragglerSettings,
 };
 use edl_proto::{
-    Clock, Consistency, Init, JobConfig, Key, MapEpoch, ModelSection, OptimizerSpec, Request,
-    Response, ShardId, ShardMap, TensorSpec, Token, WorkerId,
+    Clock, Consistency, Init, JobConfig, Key, MapEpoch, ModelSection, OptimizerGroup,
+    OptimizerSpec, Request, Response, ShardId, ShardMap, TensorSpec, Token, WorkerId,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -203,7 +203,10 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
         model,
         vec(tensor_spec(), 0..4),
         any::<u32>(),
-        optimizer(),
+        (
+            optimizer(),
+            vec((vec(any::<u32>(), 0..3), optimizer()), 0..3),
+        ),
         consistency(),
         any::<(u32, u32, u32, u32)>(),
         edgy_u64(),
@@ -214,7 +217,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                 model,
                 tensors,
                 chunk_size,
-                optimizer,
+                (optimizer, groups),
                 consistency,
                 (batch_size, epochs, partition_size, train_samples),
                 seed,
@@ -224,6 +227,10 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                 tensors,
                 chunk_size,
                 optimizer,
+                optimizer_groups: groups
+                    .into_iter()
+                    .map(|(tensors, optimizer)| OptimizerGroup { tensors, optimizer })
+                    .collect(),
                 consistency,
                 batch_size,
                 epochs,

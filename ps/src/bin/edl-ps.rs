@@ -333,6 +333,7 @@ async fn main() -> anyhow::Result<()> {
                     model,
                     chunk_size: a.chunk_size,
                     optimizer,
+                    optimizer_groups: Vec::new(),
                     consistency: a.consistency,
                     batch_size: a.batch_size,
                     epochs: a.epochs,

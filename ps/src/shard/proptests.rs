@@ -36,6 +36,7 @@ fn job(consistency: Consistency) -> JobConfig {
         }],
         chunk_size: CHUNK,
         optimizer: OptimizerSpec::sgd(1.0),
+        optimizer_groups: Vec::new(),
         consistency,
         batch_size: 1,
         epochs: EPOCHS,

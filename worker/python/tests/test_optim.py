@@ -27,6 +27,9 @@ OPTIMIZERS = [
     ("RMSprop", dict(lr=0.01, centered=True, momentum=0.9, weight_decay=0.01)),
     ("Adadelta", dict(lr=1.0)),
     ("Adadelta", dict(lr=0.5, rho=0.95, weight_decay=0.01)),
+    # Parameter groups: the bias with its own learning rate and no weight decay.
+    ("SGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01, groups=dict(lr=0.2, weight_decay=0))),
+    ("AdamW", dict(lr=0.01, groups=dict(weight_decay=0, betas=(0.5, 0.9)))),
 ]
 
 
@@ -42,7 +45,11 @@ class Two(torch.nn.Module):
                          ",".join(f"{k}={v}" for k, v in x.items()))
 def test_the_shards_apply_torch_optim_exactly(tmp_path, make_cluster, name, kw):
     model = Two()
-    reference = getattr(torch.optim, name)(model.parameters(), **kw)
+    kw = dict(kw)
+    bias = kw.pop("groups", None)
+    params = model.parameters() if bias is None else [
+        {"params": [model.fc.weight]}, {"params": [model.fc.bias], **bias}]
+    reference = getattr(torch.optim, name)(params, **kw)
     text = edl.torch.job_from_module(model, samples=STEPS, optimizer=reference,
                                      consistency="asp", batch_size=1, partition_size=8)
     cluster = make_cluster(text, shards=2)
@@ -78,8 +85,9 @@ def test_what_the_shards_cannot_apply_is_refused_by_name():
     for opt, why in [
         (torch.optim.Adamax(model.parameters()), "torch.optim.Adamax has no counterpart"),
         (torch.optim.SGD(model.parameters(), lr=0.1, maximize=True), "maximize=True"),
-        (torch.optim.SGD([{"params": [model.fc.weight]}, {"params": [model.fc.bias], "lr": 1.0}],
-                         lr=0.1), "2 parameter groups with different settings"),
+        (torch.optim.SGD([{"params": [model.fc.weight]},
+                          {"params": [torch.nn.Parameter(torch.zeros(3))]}], lr=0.1),
+         "group 1 holds a tensor that is not the module's"),
     ]:
         with pytest.raises(ValueError, match=why):
             edl.torch.job_from_module(model, samples=10, optimizer=opt)

@@ -12,6 +12,7 @@ pub(super) fn job(consistency: Consistency) -> JobConfig {
         }),
         chunk_size: 4,
         optimizer: OptimizerSpec::sgd(0.1),
+        optimizer_groups: Vec::new(),
         consistency,
         batch_size: 2,
         epochs: 1,

@@ -78,11 +78,25 @@ _OPTIMIZERS = {
 }
 
 
-def optimizer_table(optimizer) -> str:
+def _settings(kind_keys, group) -> list[str]:
+    out = [f"lr = {float(group['lr'])!r}"]
+    for key in kind_keys:
+        value = group[key]
+        if key == "betas":
+            out += [f"beta1 = {float(value[0])!r}", f"beta2 = {float(value[1])!r}"]
+        elif isinstance(value, bool):
+            out.append(f"{key} = {'true' if value else 'false'}")
+        else:
+            out.append(f"{key} = {float(value)!r}")
+    return out
+
+
+def optimizer_table(optimizer, names=None) -> str:
     """The `[optimizer]` table of a job file for a `torch.optim` optimizer: its kind and its
-    arguments. Raises ValueError, naming what, for what the shards cannot apply: another
-    class, parameter groups with different settings, `maximize`, or a learning rate that is
-    a tensor."""
+    arguments, and a `[[optimizer.group]]` per further parameter group (its tensors by name:
+    `names` maps a parameter's `id` to its name, as `job_from_module` gives it). Raises
+    ValueError, naming what, for what the shards cannot apply: another class, `maximize`, a
+    learning rate that is a tensor, or groups without `names`."""
     name = type(optimizer).__name__
     if name not in _OPTIMIZERS:
         raise ValueError(
@@ -91,26 +105,21 @@ def optimizer_table(optimizer) -> str:
         )
     kind, keys = _OPTIMIZERS[name]
     groups = optimizer.param_groups
-    shared = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    if any(s != shared[0] for s in shared[1:]):
-        raise ValueError(
-            f"torch.optim.{name} has {len(groups)} parameter groups with different settings; "
-            "EDL applies one setting to every tensor"
-        )
-    g = shared[0]
-    if g.get("maximize"):
-        raise ValueError(f"torch.optim.{name}(maximize=True) is not supported")
-    if not isinstance(g["lr"], (int, float)):
-        raise ValueError(f"torch.optim.{name}'s lr is a {type(g['lr']).__name__}, not a number")
-    out = ["[optimizer]", f'kind = "{kind}"', f"lr = {float(g['lr'])!r}"]
-    for key in keys:
-        value = g[key]
-        if key == "betas":
-            out += [f"beta1 = {float(value[0])!r}", f"beta2 = {float(value[1])!r}"]
-        elif isinstance(value, bool):
-            out.append(f"{key} = {'true' if value else 'false'}")
-        else:
-            out.append(f"{key} = {float(value)!r}")
+    for g in groups:
+        if g.get("maximize"):
+            raise ValueError(f"torch.optim.{name}(maximize=True) is not supported")
+        if not isinstance(g["lr"], (int, float)):
+            raise ValueError(f"torch.optim.{name}'s lr is a {type(g['lr']).__name__}, not a number")
+    out = ["[optimizer]", f'kind = "{kind}"'] + _settings(keys, groups[0])
+    for i, g in enumerate(groups[1:], 1):
+        if names is None:
+            raise ValueError(f"torch.optim.{name} has {len(groups)} parameter groups: name "
+                             "their tensors (job_from_module does)")
+        missing = [p for p in g["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(f"parameter group {i} holds a tensor that is not the module's")
+        tensors = ", ".join(f'"{names[id(p)]}"' for p in g["params"])
+        out += ["", "[[optimizer.group]]", f"tensors = [{tensors}]"] + _settings(keys, g)
     return "\n".join(out)
 
 
@@ -135,9 +144,9 @@ def job_from_module(
     in `model.named_parameters()`, initialized from PyTorch's default distributions. `samples`
     is the training set's size; `train`/`test` name the data (for `data_format`) if the job
     should record it. `optimizer` is a kind (`"sgd"`, with `lr` and `momentum`) or a
-    `torch.optim` optimizer, whose class and settings the shards then apply exactly (see
-    `optimizer_table`; `lr` and `momentum` are then not used). Written to `path` when given;
-    returned either way."""
+    `torch.optim` optimizer, whose class, settings and parameter groups the shards then
+    apply exactly (see `optimizer_table`; `lr` and `momentum` are then not used). Written to
+    `path` when given; returned either way."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise ValueError("the module has no trainable parameters")
@@ -147,7 +156,8 @@ def job_from_module(
         if momentum is not None:
             out.append(f"momentum = {momentum!r}")
     else:
-        out += optimizer_table(optimizer).split("\n")
+        names = {id(p): n for n, p in model.named_parameters()}
+        out += optimizer_table(optimizer, names).split("\n")
     out += ["", "[training]", f'consistency = "{consistency}"', f"batch_size = {batch_size}"]
     out += [f"epochs = {epochs}", f"samples = {samples}", f"seed = {seed}"]
     if partition_size is not None:

@@ -15,7 +15,7 @@ import edl.local
 from conftest import job_text, spawn_worker
 from test_elastic import wait_until
 
-BAD_OPTIMIZER = job_text().replace('kind = "sgd"', 'kind = "adadelta"')
+BAD_OPTIMIZER = job_text().replace('kind = "sgd"', 'kind = "lamb"')
 
 
 def edl_command() -> Path:
@@ -62,12 +62,12 @@ def test_the_edl_command_checks_job_files_and_finds_the_binaries(tmp_path):
     assert "w " in out.stdout and "[256, 4]" in out.stdout, out.stdout
     out = subprocess.run([edl_command(), "check", bad], capture_output=True, text=True)
     assert out.returncode == 1, out
-    assert 'unknown optimizer "adadelta"' in out.stderr and "backtrace" not in out.stderr, out
+    assert 'unknown optimizer "lamb"' in out.stderr and "backtrace" not in out.stderr, out
 
 
 def test_a_refused_job_file_raises_the_checkers_own_message(make_cluster, tmp_path):
     with pytest.raises(edl.local.JobFileError, match=r'job0.toml:\d+: optimizer.kind: unknown '
-                                                     r'optimizer "adadelta"'):
+                                                     r'optimizer "lamb"'):
         make_cluster(BAD_OPTIMIZER)
     # Refused before anything started.
     assert not (tmp_path / "state0" / "coordinator.addr").exists()

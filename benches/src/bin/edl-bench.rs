@@ -53,7 +53,8 @@ enum Cmd {
         #[arg(long)]
         pairs: Option<usize>,
     },
-    /// Server-side SGD, momentum and Adam against memcpy of the same bytes.
+    /// The server-side optimizers (every torch.optim kind the shards apply) against memcpy of
+    /// the same bytes.
     Apply,
     /// Joins and leaves on a running job of synthetic workers: the stall the others see and
     /// the join latency, stop-free and with stop-everything restarts.

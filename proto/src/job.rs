@@ -228,15 +228,10 @@ pub enum OptimizerSpec {
     },
 }
 
-/// One optimizer setting in the text form: its name and how it reads and prints.
-struct Setting {
-    key: &'static str,
-    value: SettingValue,
-}
-
-enum SettingValue {
-    Number(f64),
-    Flag(bool),
+/// Where one optimizer setting lies in a spec, to read or write it.
+enum Slot<'a> {
+    Number(&'a mut f64),
+    Flag(&'a mut bool),
 }
 
 impl OptimizerSpec {
@@ -346,75 +341,81 @@ impl OptimizerSpec {
         }
     }
 
-    /// The settings besides the learning rate, in a fixed order.
-    fn settings(&self) -> Vec<Setting> {
-        use SettingValue::{Flag, Number};
-        let s = |key, value| Setting { key, value };
-        match *self {
+    /// Every setting of the kind, the learning rate first, in a fixed order: the one table
+    /// the text form, job files and their checks read and write.
+    fn slots(&mut self) -> Vec<(&'static str, Slot<'_>)> {
+        use Slot::{Flag, Number};
+        match self {
             OptimizerSpec::Sgd {
+                lr,
                 momentum,
                 dampening,
                 nesterov,
                 weight_decay,
-                ..
             } => vec![
-                s("momentum", Number(momentum)),
-                s("dampening", Number(dampening)),
-                s("nesterov", Flag(nesterov)),
-                s("weight_decay", Number(weight_decay)),
+                ("lr", Number(lr)),
+                ("momentum", Number(momentum)),
+                ("dampening", Number(dampening)),
+                ("nesterov", Flag(nesterov)),
+                ("weight_decay", Number(weight_decay)),
             ],
             OptimizerSpec::Adam {
+                lr,
                 beta1,
                 beta2,
                 eps,
                 weight_decay,
                 amsgrad,
-                ..
+                decoupled: _,
             } => vec![
-                s("beta1", Number(beta1)),
-                s("beta2", Number(beta2)),
-                s("eps", Number(eps)),
-                s("weight_decay", Number(weight_decay)),
-                s("amsgrad", Flag(amsgrad)),
+                ("lr", Number(lr)),
+                ("beta1", Number(beta1)),
+                ("beta2", Number(beta2)),
+                ("eps", Number(eps)),
+                ("weight_decay", Number(weight_decay)),
+                ("amsgrad", Flag(amsgrad)),
             ],
             OptimizerSpec::Adagrad {
+                lr,
                 lr_decay,
                 weight_decay,
                 initial_accumulator_value,
                 eps,
-                ..
             } => vec![
-                s("lr_decay", Number(lr_decay)),
-                s("weight_decay", Number(weight_decay)),
-                s(
+                ("lr", Number(lr)),
+                ("lr_decay", Number(lr_decay)),
+                ("weight_decay", Number(weight_decay)),
+                (
                     "initial_accumulator_value",
                     Number(initial_accumulator_value),
                 ),
-                s("eps", Number(eps)),
+                ("eps", Number(eps)),
             ],
             OptimizerSpec::RmsProp {
+                lr,
                 alpha,
                 eps,
                 weight_decay,
                 momentum,
                 centered,
-                ..
             } => vec![
-                s("alpha", Number(alpha)),
-                s("eps", Number(eps)),
-                s("weight_decay", Number(weight_decay)),
-                s("momentum", Number(momentum)),
-                s("centered", Flag(centered)),
+                ("lr", Number(lr)),
+                ("alpha", Number(alpha)),
+                ("eps", Number(eps)),
+                ("weight_decay", Number(weight_decay)),
+                ("momentum", Number(momentum)),
+                ("centered", Flag(centered)),
             ],
             OptimizerSpec::Adadelta {
+                lr,
                 rho,
                 eps,
                 weight_decay,
-                ..
             } => vec![
-                s("rho", Number(rho)),
-                s("eps", Number(eps)),
-                s("weight_decay", Number(weight_decay)),
+                ("lr", Number(lr)),
+                ("rho", Number(rho)),
+                ("eps", Number(eps)),
+                ("weight_decay", Number(weight_decay)),
             ],
         }
     }
@@ -422,14 +423,16 @@ impl OptimizerSpec {
     /// The settings besides the learning rate as `(key, value)`, the value as the text form
     /// and job files write it (`0.9`, `true`).
     pub fn settings_text(&self) -> Vec<(&'static str, String)> {
-        self.settings()
+        let mut read = self.clone();
+        read.slots()
             .into_iter()
-            .map(|s| {
-                let v = match s.value {
-                    SettingValue::Number(x) => format!("{x:?}"),
-                    SettingValue::Flag(b) => b.to_string(),
+            .skip(1)
+            .map(|(key, slot)| {
+                let v = match slot {
+                    Slot::Number(x) => format!("{x:?}"),
+                    Slot::Flag(b) => b.to_string(),
                 };
-                (s.key, v)
+                (key, v)
             })
             .collect()
     }
@@ -450,44 +453,18 @@ impl OptimizerSpec {
     /// The keys `kind` takes besides `kind` and `lr` (for job files' checks).
     pub fn keys(kind: &str) -> Vec<&'static str> {
         OptimizerSpec::defaults(kind)
-            .map(|o| o.settings().iter().map(|s| s.key).collect())
+            .map(|mut o| o.slots().into_iter().skip(1).map(|(k, _)| k).collect())
             .unwrap_or_default()
     }
 
     /// Sets `key` (a key of [`OptimizerSpec::keys`] or `lr`) from a number (`Ok(false)`:
     /// not a key of this kind); checks the value's range as PyTorch does.
     pub fn set_number(&mut self, key: &str, x: f64) -> Result<bool, String> {
-        let slot: &mut f64 = match (self, key) {
-            (OptimizerSpec::Sgd { lr, .. }, "lr")
-            | (OptimizerSpec::Adam { lr, .. }, "lr")
-            | (OptimizerSpec::Adagrad { lr, .. }, "lr")
-            | (OptimizerSpec::RmsProp { lr, .. }, "lr")
-            | (OptimizerSpec::Adadelta { lr, .. }, "lr") => lr,
-            (OptimizerSpec::Sgd { momentum, .. }, "momentum")
-            | (OptimizerSpec::RmsProp { momentum, .. }, "momentum") => momentum,
-            (OptimizerSpec::Sgd { dampening, .. }, "dampening") => dampening,
-            (OptimizerSpec::Sgd { weight_decay, .. }, "weight_decay")
-            | (OptimizerSpec::Adam { weight_decay, .. }, "weight_decay")
-            | (OptimizerSpec::Adagrad { weight_decay, .. }, "weight_decay")
-            | (OptimizerSpec::RmsProp { weight_decay, .. }, "weight_decay")
-            | (OptimizerSpec::Adadelta { weight_decay, .. }, "weight_decay") => weight_decay,
-            (OptimizerSpec::Adam { beta1, .. }, "beta1") => beta1,
-            (OptimizerSpec::Adam { beta2, .. }, "beta2") => beta2,
-            (OptimizerSpec::Adam { eps, .. }, "eps")
-            | (OptimizerSpec::Adagrad { eps, .. }, "eps")
-            | (OptimizerSpec::RmsProp { eps, .. }, "eps")
-            | (OptimizerSpec::Adadelta { eps, .. }, "eps") => eps,
-            (OptimizerSpec::Adagrad { lr_decay, .. }, "lr_decay") => lr_decay,
-            (
-                OptimizerSpec::Adagrad {
-                    initial_accumulator_value,
-                    ..
-                },
-                "initial_accumulator_value",
-            ) => initial_accumulator_value,
-            (OptimizerSpec::RmsProp { alpha, .. }, "alpha") => alpha,
-            (OptimizerSpec::Adadelta { rho, .. }, "rho") => rho,
-            _ => return Ok(false),
+        let Some(slot) = self.slots().into_iter().find_map(|(k, slot)| match slot {
+            Slot::Number(x) if k == key => Some(x),
+            _ => None,
+        }) else {
+            return Ok(false);
         };
         let unit = matches!(key, "beta1" | "beta2" | "alpha" | "rho" | "dampening");
         // Stricter than PyTorch where a value could only diverge: eps > 0, momentum < 1.
@@ -514,11 +491,11 @@ impl OptimizerSpec {
 
     /// Sets flag `key` (`Ok(false)`: not a flag of this kind).
     pub fn set_flag(&mut self, key: &str, on: bool) -> Result<bool, String> {
-        let slot = match (self, key) {
-            (OptimizerSpec::Sgd { nesterov, .. }, "nesterov") => nesterov,
-            (OptimizerSpec::Adam { amsgrad, .. }, "amsgrad") => amsgrad,
-            (OptimizerSpec::RmsProp { centered, .. }, "centered") => centered,
-            _ => return Ok(false),
+        let Some(slot) = self.slots().into_iter().find_map(|(k, slot)| match slot {
+            Slot::Flag(b) if k == key => Some(b),
+            _ => None,
+        }) else {
+            return Ok(false);
         };
         *slot = on;
         Ok(true)
@@ -710,9 +687,21 @@ pub struct OptimizerGroup {
 impl JobConfig {
     /// The optimizer of tensor `tensor`: its group's, or the job's.
     pub fn optimizer_of(&self, tensor: usize) -> &OptimizerSpec {
+        self.group_optimizer(self.group_of(tensor))
+    }
+
+    /// The parameter group tensor `tensor` is in, if any (an index into `optimizer_groups`,
+    /// for holders to look up once and keep).
+    pub fn group_of(&self, tensor: usize) -> Option<usize> {
         self.optimizer_groups
             .iter()
-            .find(|g| g.tensors.iter().any(|&t| t as usize == tensor))
+            .position(|g| g.tensors.iter().any(|&t| t as usize == tensor))
+    }
+
+    /// The optimizer of group `group` ([`JobConfig::group_of`]), or the job's for none.
+    pub fn group_optimizer(&self, group: Option<usize>) -> &OptimizerSpec {
+        group
+            .and_then(|g| self.optimizer_groups.get(g))
             .map_or(&self.optimizer, |g| &g.optimizer)
     }
 

@@ -142,105 +142,6 @@ impl OptState {
     }
 }
 
-/// SGD's constants, as f32.
-struct SgdK {
-    neg_lr: f32,
-    wd: f32,
-    mu: f32,
-    keep: f32,
-}
-
-/// SGD over a piece: `WD` adds weight decay; `MOMENTUM` 0 none, 1 the first step (the buffer
-/// is the gradient), 2 a later one; `NESTEROV` looks ahead.
-#[inline(always)]
-fn sgd<const WD: bool, const MOMENTUM: u8, const NESTEROV: bool>(
-    k: &SgdK,
-    p: &mut [f32],
-    b: &mut [f32],
-    grads: impl Iterator<Item = f32>,
-) {
-    let step = |p: &mut f32, b: &mut f32, g: f32| {
-        let d = if WD { g + k.wd * *p } else { g };
-        let d = match MOMENTUM {
-            0 => d,
-            _ => {
-                *b = if MOMENTUM == 1 {
-                    d
-                } else {
-                    *b * k.mu + k.keep * d
-                };
-                if NESTEROV { d + k.mu * *b } else { *b }
-            }
-        };
-        *p += k.neg_lr * d;
-    };
-    if MOMENTUM == 0 {
-        let mut none = 0.0;
-        for (p, g) in p.iter_mut().zip(grads) {
-            step(p, &mut none, g);
-        }
-    } else {
-        for ((p, b), g) in p.iter_mut().zip(b.iter_mut()).zip(grads) {
-            step(p, b, g);
-        }
-    }
-}
-
-/// Adam's constants, as f32.
-struct AdamK {
-    b1: f32,
-    keep1: f32,
-    b2: f32,
-    keep2: f32,
-    eps: f32,
-    wd: f32,
-    shrink: f32,
-    neg_step: f32,
-    bias2_sqrt: f32,
-}
-
-/// Adam over a piece: `DECAY` 0 none, 1 L2 on the gradient, 2 decoupled (AdamW); `AMS`
-/// normalizes by the running maximum `x` of the second moment.
-#[inline(always)]
-fn adam<const DECAY: u8, const AMS: bool>(
-    k: &AdamK,
-    p: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    x: &mut [f32],
-    grads: impl Iterator<Item = f32>,
-) {
-    let moments = |p: &mut f32, m: &mut f32, v: &mut f32, g: f32| {
-        let g = match DECAY {
-            1 => g + k.wd * *p,
-            2 => {
-                *p *= k.shrink;
-                g
-            }
-            _ => g,
-        };
-        *m = *m * k.b1 + k.keep1 * g;
-        *v = *v * k.b2 + (k.keep2 * g) * g;
-    };
-    let update = |p: &mut f32, m: f32, second: f32| {
-        let denom = second.sqrt() / k.bias2_sqrt + k.eps;
-        *p += (k.neg_step * m) / denom;
-    };
-    let each = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(grads);
-    if AMS {
-        for ((((p, m), v), g), x) in each.zip(x.iter_mut()) {
-            moments(p, m, v, g);
-            *x = x.max(*v);
-            update(p, *m, *x);
-        }
-    } else {
-        for (((p, m), v), g) in each {
-            moments(p, m, v, g);
-            update(p, *m, *v);
-        }
-    }
-}
-
 /// [`OptState::apply_at`]'s arguments, whose [`Loop::run`] is the update: compiled into each
 /// version [`wide`] makes.
 struct Apply<'a, G> {
@@ -283,30 +184,29 @@ impl<G: Grad> Loop for Apply<'_, G> {
                 nesterov,
                 weight_decay,
             } => {
-                let k = SgdK {
-                    neg_lr: (-lr) as f32,
-                    wd: weight_decay as f32,
-                    mu: momentum as f32,
-                    keep: (1.0 - dampening) as f32,
-                };
-                let wd = weight_decay != 0.0;
-                // Each case its own loop, so that no loop tests what cannot change in it.
+                let (neg_lr, wd) = ((-lr) as f32, weight_decay as f32);
+                let (mu, keep) = (momentum as f32, (1.0 - dampening) as f32);
                 match bufs.next() {
-                    // A learning rate of zero leaves every parameter as it is (the gradients
-                    // are finite): nothing to write.
-                    None if lr == 0.0 => {}
-                    None if wd => sgd::<true, 0, false>(&k, p, &mut [], grads),
-                    None => sgd::<false, 0, false>(&k, p, &mut [], grads),
-                    Some(b) => match (wd, t == 1, nesterov) {
-                        (false, true, false) => sgd::<false, 1, false>(&k, p, b, grads),
-                        (false, true, true) => sgd::<false, 1, true>(&k, p, b, grads),
-                        (false, false, false) => sgd::<false, 2, false>(&k, p, b, grads),
-                        (false, false, true) => sgd::<false, 2, true>(&k, p, b, grads),
-                        (true, true, false) => sgd::<true, 1, false>(&k, p, b, grads),
-                        (true, true, true) => sgd::<true, 1, true>(&k, p, b, grads),
-                        (true, false, false) => sgd::<true, 2, false>(&k, p, b, grads),
-                        (true, false, true) => sgd::<true, 2, true>(&k, p, b, grads),
-                    },
+                    None => {
+                        // A learning rate of zero leaves every parameter as it is (the
+                        // gradients are finite): nothing to write.
+                        if lr == 0.0 {
+                            return;
+                        }
+                        for (p, g) in p.iter_mut().zip(grads) {
+                            let d = if wd != 0.0 { g + wd * *p } else { g };
+                            *p += neg_lr * d;
+                        }
+                    }
+                    Some(b) => {
+                        let first = t == 1;
+                        for ((p, b), g) in p.iter_mut().zip(b.iter_mut()).zip(grads) {
+                            let d = if wd != 0.0 { g + wd * *p } else { g };
+                            *b = if first { d } else { *b * mu + keep * d };
+                            let d = if nesterov { d + mu * *b } else { *b };
+                            *p += neg_lr * d;
+                        }
+                    }
                 }
             }
             OptimizerSpec::Adam {
@@ -320,34 +220,49 @@ impl<G: Grad> Loop for Apply<'_, G> {
             } => {
                 let step = t as f64;
                 let bias1 = 1.0 - beta1.powf(step);
-                let k = AdamK {
-                    b1: beta1 as f32,
-                    keep1: (1.0 - beta1) as f32,
-                    b2: beta2 as f32,
-                    keep2: (1.0 - beta2) as f32,
-                    eps: eps as f32,
-                    wd: weight_decay as f32,
-                    shrink: (1.0 - lr * weight_decay) as f32,
-                    neg_step: (-(lr / bias1)) as f32,
-                    bias2_sqrt: (1.0 - beta2.powf(step)).sqrt() as f32,
-                };
+                let bias2_sqrt = (1.0 - beta2.powf(step)).sqrt() as f32;
+                let neg_step = (-(lr / bias1)) as f32;
+                let (b1, keep1) = (beta1 as f32, (1.0 - beta1) as f32);
+                let (b2, keep2) = (beta2 as f32, (1.0 - beta2) as f32);
+                let (eps, wd) = (eps as f32, weight_decay as f32);
+                let shrink = (1.0 - lr * weight_decay) as f32;
                 let (Some(m), Some(v)) = (bufs.next(), bufs.next()) else {
                     return;
                 };
-                // The weight decay: none, L2 on the gradient (Adam), or the parameters shrunk
-                // first (AdamW); each case and AMSGrad or not its own loop.
-                let decay = match (weight_decay != 0.0, decoupled) {
-                    (false, _) => 0,
-                    (true, false) => 1,
-                    (true, true) => 2,
+                // The gradient after weight decay: L2 (Adam) or parameters shrunk (AdamW).
+                let decay = |p: &mut f32, g: f32| {
+                    if decoupled {
+                        if weight_decay != 0.0 {
+                            *p *= shrink;
+                        }
+                        g
+                    } else if wd != 0.0 {
+                        g + wd * *p
+                    } else {
+                        g
+                    }
                 };
-                match (decay, bufs.next().filter(|_| amsgrad)) {
-                    (0, None) => adam::<0, false>(&k, p, m, v, &mut [], grads),
-                    (1, None) => adam::<1, false>(&k, p, m, v, &mut [], grads),
-                    (_, None) => adam::<2, false>(&k, p, m, v, &mut [], grads),
-                    (0, Some(x)) => adam::<0, true>(&k, p, m, v, x, grads),
-                    (1, Some(x)) => adam::<1, true>(&k, p, m, v, x, grads),
-                    (_, Some(x)) => adam::<2, true>(&k, p, m, v, x, grads),
+                let moments = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(grads);
+                match bufs.next().filter(|_| amsgrad) {
+                    None => {
+                        for (((p, m), v), g) in moments {
+                            let g = decay(p, g);
+                            *m = *m * b1 + keep1 * g;
+                            *v = *v * b2 + (keep2 * g) * g;
+                            let denom = v.sqrt() / bias2_sqrt + eps;
+                            *p += (neg_step * *m) / denom;
+                        }
+                    }
+                    Some(vmax) => {
+                        for ((((p, m), v), g), x) in moments.zip(vmax.iter_mut()) {
+                            let g = decay(p, g);
+                            *m = *m * b1 + keep1 * g;
+                            *v = *v * b2 + (keep2 * g) * g;
+                            *x = x.max(*v);
+                            let denom = x.sqrt() / bias2_sqrt + eps;
+                            *p += (neg_step * *m) / denom;
+                        }
+                    }
                 }
             }
             OptimizerSpec::Adagrad {

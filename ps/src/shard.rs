@@ -106,9 +106,9 @@ struct Chunk {
     segment: u32,
     /// Floats read and written since the last rebalance.
     load: u64,
-    /// The tensor it is a piece of (whose optimizer updates it: see
-    /// [`JobConfig::optimizer_of`]).
-    tensor: usize,
+    /// The parameter group of its tensor, looked up once ([`JobConfig::group_of`]): the
+    /// optimizer that updates it is [`JobConfig::group_optimizer`]'s.
+    group: Option<usize>,
 }
 
 impl Chunk {
@@ -131,7 +131,7 @@ impl Chunk {
         };
         Chunk {
             opt: OptState::new(job.optimizer_of(tensor), len),
-            tensor,
+            group: job.group_of(tensor),
             params: Arc::new(params),
             pending: BTreeMap::new(),
             applied_through: 0,
@@ -166,7 +166,7 @@ impl Chunk {
         Ok(Chunk {
             params: Arc::new(snap.params),
             opt,
-            tensor: span.tensor,
+            group: job.group_of(span.tensor),
             pending: snap
                 .pending
                 .into_iter()
@@ -701,7 +701,7 @@ impl ShardState {
                 });
                 slot.1 += 1;
             } else {
-                let optimizer = self.job.optimizer_of(chunk.tensor);
+                let optimizer = self.job.group_optimizer(chunk.group);
                 let params = Arc::make_mut(&mut chunk.params).as_mut_slice();
                 chunk.opt.start(optimizer, len);
                 let opt = &mut chunk.opt;
@@ -887,13 +887,10 @@ fn apply_due(job: &JobConfig, chunk: &mut Chunk, through: u64) {
         }
         let (sum, n) = entry.remove();
         let Chunk {
-            params,
-            opt,
-            tensor,
-            ..
+            params, opt, group, ..
         } = chunk;
         opt.apply(
-            job.optimizer_of(*tensor),
+            job.group_optimizer(*group),
             Arc::make_mut(params).as_mut_slice(),
             &sum,
             1.0 / n.max(1) as f32,

@@ -560,10 +560,7 @@ impl Cx<'_> {
         };
         if kind == ModelSection::CUSTOM {
             if let Some((key, v)) = table.iter().find(|(k, _)| *k != "kind") {
-                let owner = models::BUILTINS
-                    .iter()
-                    .find(|k| k.keys.contains(&key.as_str()));
-                let message = match owner {
+                let message = match models::taking(key) {
                     Some(k) => format!("only for kind = {:?}", k.name),
                     None => "unknown key: a custom model's tensors are [[tensor]] tables".into(),
                 };
@@ -580,11 +577,8 @@ impl Cx<'_> {
             return self.custom(list);
         }
         if models::find(kind).is_none() {
-            return Err(self.at(
-                kind_value,
-                "model.kind",
-                format!("unknown model kind {kind:?}: use {}", models::kinds()),
-            ));
+            let refused = models::unknown_kind(kind);
+            return Err(self.at(kind_value, "model.kind", refused.message));
         }
         if let Some(first) = raw.tensor.as_ref().and_then(|t| t.get_ref().first()) {
             return Err(self.at(
@@ -1110,6 +1104,15 @@ fn join<T: ToString>(items: &[T]) -> String {
         .join(", ")
 }
 
+/// `lr` and every other setting of `o`, a line each.
+fn write_optimizer_settings(out: &mut String, o: &OptimizerSpec) -> fmt::Result {
+    writeln!(out, "lr = {:?}", o.lr())?;
+    for (key, value) in o.settings_text() {
+        writeln!(out, "{key} = {value}")?;
+    }
+    Ok(())
+}
+
 fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
     writeln!(out, "[model]")?;
     writeln!(out, "kind = {}", toml_string(&job.model.kind))?;
@@ -1119,11 +1122,8 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
         writeln!(out, "{settings}")?;
     }
     writeln!(out, "\n[optimizer]")?;
-    let o = &job.optimizer;
-    writeln!(out, "kind = \"{}\"\nlr = {:?}", o.kind(), o.lr())?;
-    for (key, value) in o.settings_text() {
-        writeln!(out, "{key} = {value}")?;
-    }
+    writeln!(out, "kind = \"{}\"", job.optimizer.kind())?;
+    write_optimizer_settings(out, &job.optimizer)?;
     for g in &job.optimizer_groups {
         let names: Vec<String> = g
             .tensors
@@ -1136,10 +1136,7 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
             "\n[[optimizer.group]]\ntensors = [{}]",
             names.join(", ")
         )?;
-        writeln!(out, "lr = {:?}", g.optimizer.lr())?;
-        for (key, value) in g.optimizer.settings_text() {
-            writeln!(out, "{key} = {value}")?;
-        }
+        write_optimizer_settings(out, &g.optimizer)?;
     }
     writeln!(out, "\n[training]")?;
     writeln!(out, "consistency = \"{}\"", job.consistency)?;

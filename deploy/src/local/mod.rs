@@ -815,7 +815,7 @@ impl Launch<'_> {
         self.workers.push(WorkerProc {
             name: name.to_string(),
             pid: record.pid,
-            log: self.logs.join(format!("{name}.log")),
+            log: self.job.log(name),
             stands_for: stands_for.to_string(),
             slot,
             placement,

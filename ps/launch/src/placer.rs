@@ -94,6 +94,11 @@ impl JobLaunch {
         self.dir.join("logs")
     }
 
+    /// The log file of process `name`.
+    pub fn log(&self, name: &str) -> PathBuf {
+        self.logs().join(format!("{name}.log"))
+    }
+
     /// The contract's environment of worker `name` in `slot` for `placement`, reaching the
     /// coordinator at `coordinator`, with its certificate from the job's directory.
     pub fn worker_env(
@@ -289,10 +294,6 @@ impl LocalPlacer {
     }
 }
 
-fn log_of(job: &JobLaunch, name: &str) -> PathBuf {
-    job.logs().join(format!("{name}.log"))
-}
-
 impl Placer for LocalPlacer {
     async fn start_servers(
         &mut self,
@@ -317,7 +318,7 @@ impl Placer for LocalPlacer {
                 name: format!("{}/coordinator", job.name),
                 program: self.bins.ps.clone(),
                 args,
-                log: log_of(job, "coordinator"),
+                log: job.log("coordinator"),
                 ..Spawn::default()
             },
         )?;
@@ -355,7 +356,7 @@ impl Placer for LocalPlacer {
                     name: format!("{}/{name}", job.name),
                     program: self.bins.ps.clone(),
                     args,
-                    log: log_of(job, &name),
+                    log: job.log(&name),
                     ..Spawn::default()
                 },
             )?;
@@ -392,7 +393,7 @@ impl Placer for LocalPlacer {
             &self.bins,
             &w,
             format!("{}/{name}", job.name),
-            log_of(job, name),
+            job.log(name),
         );
         let pid = self.spawn(job, name, spawn)?;
         Ok(ProcRecord {

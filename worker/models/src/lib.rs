@@ -68,8 +68,6 @@ impl std::error::Error for SettingError {}
 pub trait Builtin: Sized {
     /// Its name in job files and on the wire (`kind = "mlp"`).
     const KIND: &'static str;
-    /// One line for help texts: the settings and what the model is.
-    const SUMMARY: &'static str;
     /// The keys its `[model]` table takes besides `kind`.
     const KEYS: &'static [&'static str];
 
@@ -114,8 +112,6 @@ pub trait Builtin: Sized {
 pub struct Kind {
     /// Its name (`kind = "..."`).
     pub name: &'static str,
-    /// One line for help texts.
-    pub summary: &'static str,
     /// The keys its table takes besides `kind`.
     pub keys: &'static [&'static str],
     build: fn(&toml::Table, &mut dyn DataShape) -> Result<Model, SettingError>,
@@ -130,7 +126,6 @@ impl fmt::Debug for Kind {
 const fn entry<M: Builtin>() -> Kind {
     Kind {
         name: M::KIND,
-        summary: M::SUMMARY,
         keys: M::KEYS,
         build: build_as::<M>,
     }
@@ -179,8 +174,7 @@ fn check_keys(kind: &str, keys: &[&str], table: &toml::Table) -> Result<(), Sett
         if keys.contains(&key.as_str()) {
             continue;
         }
-        let owner = BUILTINS.iter().find(|k| k.keys.contains(&key.as_str()));
-        let message = match owner {
+        let message = match taking(key) {
             Some(k) => format!("only for kind = {:?}", k.name),
             None if keys.is_empty() => format!("unknown key: kind = {kind:?} takes no settings"),
             None => format!(
@@ -196,18 +190,26 @@ fn check_keys(kind: &str, keys: &[&str], table: &toml::Table) -> Result<(), Sett
     Ok(())
 }
 
+/// The built-in kind whose table takes `key`, if any (to name it when another kind's does not).
+pub fn taking(key: &str) -> Option<&'static Kind> {
+    BUILTINS.iter().find(|k| k.keys.contains(&key))
+}
+
+/// The refusal of a kind the registry does not list.
+pub fn unknown_kind(kind: &str) -> SettingError {
+    SettingError::new(
+        "kind",
+        format!("unknown model kind {kind:?}: use {}", kinds()),
+    )
+}
+
 /// Builds built-in model `kind` from its `[model]` table less `kind`.
 pub fn build(
     kind: &str,
     table: &toml::Table,
     data: &mut dyn DataShape,
 ) -> Result<Model, SettingError> {
-    let Some(k) = find(kind) else {
-        return Err(SettingError::new(
-            "kind",
-            format!("unknown model kind {kind:?}: use {}", kinds()),
-        ));
-    };
+    let k = find(kind).ok_or_else(|| unknown_kind(kind))?;
     check_keys(k.name, k.keys, table)?;
     (k.build)(table, data)
 }

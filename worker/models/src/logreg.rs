@@ -15,8 +15,6 @@ pub struct LogReg {
 
 impl Builtin for LogReg {
     const KIND: &'static str = "logreg";
-    const SUMMARY: &'static str =
-        "features = N | \"auto\": binary logistic regression over libsvm rows";
     const KEYS: &'static [&'static str] = &["features"];
 
     fn from_table(table: &toml::Table, data: &mut dyn DataShape) -> Result<LogReg, SettingError> {

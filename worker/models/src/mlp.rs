@@ -15,8 +15,6 @@ pub struct Mlp {
 
 impl Builtin for Mlp {
     const KIND: &'static str = "mlp";
-    const SUMMARY: &'static str =
-        "layers = [784, 256, 10]: a perceptron with ReLU between layers over idx images";
     const KEYS: &'static [&'static str] = &["layers"];
 
     fn from_table(table: &toml::Table, _: &mut dyn DataShape) -> Result<Mlp, SettingError> {

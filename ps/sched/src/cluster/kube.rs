@@ -920,18 +920,13 @@ impl Placer for KubePlacer {
     /// Deletes the worker's pod with a grace period of [`WORKER_GRACE`]: Kubernetes sends
     /// SIGTERM, the worker finishes its step and leaves.
     async fn stop_worker(&mut self, job: &str, name: &str) {
-        let pod = pod_name(job, name);
-        let Some(t) = self.pods.tracked.get_mut(&pod) else {
-            return;
-        };
-        if std::mem::replace(&mut t.stopping, true) {
-            return;
+        if let Err(e) = self.signal(job, name, Signal::SIGTERM).await {
+            tracing::warn!(job, name, error = %format!("{e:#}"), "cannot stop a worker");
         }
-        delete_one(self.api::<Pod>(), pod, WORKER_GRACE).await;
     }
 
-    /// SIGTERM is a deletion with [`WORKER_GRACE`] (as [`Placer::stop_worker`]), SIGKILL one
-    /// with none; a pod cannot be sent other signals from outside.
+    /// SIGTERM is a deletion with [`WORKER_GRACE`] (once: a pod already being stopped is
+    /// left to it), SIGKILL one with none; a pod cannot be sent other signals from outside.
     async fn signal(&mut self, job: &str, name: &str, signal: Signal) -> anyhow::Result<bool> {
         let pod = pod_name(job, name);
         let Some(t) = self.pods.tracked.get_mut(&pod) else {
@@ -945,7 +940,9 @@ impl Placer for KubePlacer {
                  SIGTERM and SIGKILL only (as deletions)"
             ),
         };
-        t.stopping = true;
+        if std::mem::replace(&mut t.stopping, true) && signal == Signal::SIGTERM {
+            return Ok(true);
+        }
         delete_one(self.api::<Pod>(), pod, grace).await;
         Ok(true)
     }

@@ -110,6 +110,7 @@ fn config(plan: &Plan, dir: &Path, consistency: Consistency) -> LocalConfig {
         epochs: 6,
         consistency,
         optimizer: defaults::OPTIMIZER,
+        schedule: Default::default(),
         batch_size: defaults::BATCH_SIZE,
         train_samples: defaults::SAMPLES,
         lease_ms: defaults::LEASE_MS,

@@ -194,6 +194,8 @@ pub struct Report {
     pub consistency: String,
     /// The optimizer, as given on the command line (`adam:0.001`).
     pub optimizer: String,
+    /// Its learning-rate schedule (`constant`, `step,step_size=1,gamma=0.7,by=epoch`).
+    pub schedule: String,
     /// MLP layer widths.
     pub layers: Vec<u32>,
     /// Samples per mini-batch.
@@ -371,11 +373,15 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "edl-local: {} shards, {} workers, {}, {}, batch {}, {} training samples per epoch",
+            "edl-local: {} shards, {} workers, {}, {}{}, batch {}, {} training samples per epoch",
             self.shards,
             self.workers,
             self.consistency,
             self.optimizer,
+            match self.schedule.as_str() {
+                "constant" | "" => String::new(),
+                s => format!(" ({s})"),
+            },
             self.batch_size,
             self.train_samples
         )?;
@@ -644,6 +650,7 @@ mod tests {
             workers: 3,
             consistency: "ssp:2".into(),
             optimizer: "adam:0.001".into(),
+            schedule: "constant".into(),
             layers: vec![784, 256, 128, 10],
             batch_size: 64,
             train_samples: 60_000,
@@ -722,6 +729,7 @@ mod tests {
             "workers",
             "consistency",
             "optimizer",
+            "schedule",
             "batch_size",
             "train_samples",
             "state_dir",

@@ -28,6 +28,7 @@ async fn small_job_trains_evaluates_and_reports() {
         epochs: 1,
         consistency: Consistency::Asp,
         optimizer: "adam:0.001".parse().expect("optimizer"),
+        schedule: Default::default(),
         batch_size: 64,
         train_samples: 4096,
         lease_ms: 3000,

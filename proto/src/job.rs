@@ -656,6 +656,8 @@ pub struct JobConfig {
     /// Per-tensor settings (PyTorch's parameter groups): a tensor a group names is updated
     /// with the group's optimizer instead of `optimizer`.
     pub optimizer_groups: Vec<OptimizerGroup>,
+    /// How the learning rate of every group moves over the job (constant by default).
+    pub schedule: crate::LrSchedule,
     /// The consistency model.
     pub consistency: Consistency,
     /// Samples per mini-batch.
@@ -703,6 +705,15 @@ impl JobConfig {
         group
             .and_then(|g| self.optimizer_groups.get(g))
             .map_or(&self.optimizer, |g| &g.optimizer)
+    }
+
+    /// Checks [`JobConfig::schedule`] against the consistency model and the optimizers.
+    pub fn check_schedule(&self) -> Result<(), String> {
+        let groups = self.optimizer_groups.iter().map(|g| &g.optimizer);
+        self.schedule.check(
+            self.consistency,
+            std::iter::once(&self.optimizer).chain(groups),
+        )
     }
 
     /// The index of the tensor called `name`.

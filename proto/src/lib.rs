@@ -12,6 +12,7 @@ pub mod msg;
 pub mod order;
 pub mod place;
 pub mod sched;
+pub mod schedule;
 pub mod wide;
 
 pub use error::{ErrorCode, ProtoError};
@@ -23,7 +24,8 @@ pub use job::{
 };
 pub use msg::{Request, Response};
 pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, StragglerSettings};
+pub use schedule::{Anneal, Curve, LrSchedule, ScheduleUnit, WorkerScaling};
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;

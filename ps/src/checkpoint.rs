@@ -18,7 +18,7 @@ use rkyv::util::AlignedVec;
 use thiserror::Error;
 
 const MAGIC: &[u8; 8] = b"EDLCKPT1";
-const VERSION: u32 = 4;
+const VERSION: u32 = 5;
 const HEADER: usize = 28;
 
 /// One chunk's state.
@@ -32,8 +32,9 @@ pub struct ChunkSnap {
     pub state: Vec<Vec<f32>>,
     /// Updates applied to the chunk.
     pub t: u64,
-    /// BSP: staged sums per step `(step, sum, count)`.
-    pub pending: Vec<(u64, Vec<f32>, u32)>,
+    /// BSP: staged sums per step `(step, sum, gradients summed, latest epoch of their
+    /// samples)`.
+    pub pending: Vec<(u64, Vec<f32>, u32, u32)>,
     /// BSP: steps before this one are applied.
     pub applied_through: u64,
     /// The ledger segment whose history of applied spans this key shares.
@@ -222,7 +223,7 @@ mod tests {
                 params: vec![1.0, -2.0, 3.5],
                 state: vec![vec![0.1; 3], vec![0.2; 3]],
                 t: 9,
-                pending: vec![(4, vec![1.0; 3], 2)],
+                pending: vec![(4, vec![1.0; 3], 2, 1)],
                 applied_through: 4,
                 segment: 1,
                 load: 12,

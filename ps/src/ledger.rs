@@ -399,6 +399,7 @@ mod tests {
             chunk_size: 1,
             optimizer: OptimizerSpec::sgd(1.0),
             optimizer_groups: Vec::new(),
+            schedule: Default::default(),
             consistency: Consistency::Asp,
             batch_size: 2,
             epochs: 2,

@@ -4,10 +4,11 @@
 //! Each chunk sits behind its own lock (a `DashMap` entry), so concurrent pushes to the same
 //! chunk serialize and none is lost, while pushes to different chunks run in parallel.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -19,7 +20,8 @@ use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
 };
 use edl_shared::proto::{
-    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, Parts, Request, Response, ShardMap,
+    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Parts, Request,
+    Response, ScheduleUnit, ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::token::Signer;
@@ -91,6 +93,17 @@ fn standard_normal(rng: &mut StdRng) -> f32 {
     ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
 }
 
+/// BSP: one step's gradients for a chunk, summed while they wait for the step's barrier.
+#[derive(Debug)]
+struct Staged {
+    /// The sum.
+    sum: Vec<f32>,
+    /// Gradients in it (the update applies their mean).
+    pushes: u32,
+    /// The latest epoch of their samples (what an epoch schedule counts).
+    epoch: u32,
+}
+
 /// One chunk of parameters with its optimizer state.
 #[derive(Debug)]
 struct Chunk {
@@ -99,7 +112,7 @@ struct Chunk {
     params: Arc<Vec<f32>>,
     opt: OptState,
     /// BSP: summed gradients per step, waiting for the step's barrier.
-    pending: BTreeMap<u64, (Vec<f32>, u32)>,
+    pending: BTreeMap<u64, Staged>,
     /// BSP: every step before this clock has been applied.
     applied_through: u64,
     /// The ledger segment this key belongs to (see [`Ledgers`]).
@@ -157,7 +170,7 @@ impl Chunk {
                 snap.key
             ));
         }
-        if snap.params.len() != n || snap.pending.iter().any(|(_, s, _)| s.len() != n) {
+        if snap.params.len() != n || snap.pending.iter().any(|(_, s, ..)| s.len() != n) {
             return Err(format!("key {} has the wrong length", snap.key));
         }
         if first_non_finite(&snap.params).is_some() {
@@ -170,7 +183,10 @@ impl Chunk {
             pending: snap
                 .pending
                 .into_iter()
-                .map(|(c, s, k)| (c, (s, k)))
+                .map(|(c, sum, pushes, epoch)| {
+                    let staged = Staged { sum, pushes, epoch };
+                    (c, staged)
+                })
                 .collect(),
             applied_through: snap.applied_through,
             segment: snap.segment,
@@ -187,7 +203,7 @@ impl Chunk {
             pending: self
                 .pending
                 .iter()
-                .map(|(k, (s, n))| (*k, s.clone(), *n))
+                .map(|(k, s)| (*k, s.sum.clone(), s.pushes, s.epoch))
                 .collect(),
             applied_through: self.applied_through,
             segment: self.segment,
@@ -216,6 +232,9 @@ pub struct ShardState {
     /// Held from a checkpoint's snapshot to its rename, so that checkpoints (periodic, on
     /// demand, after a move, at shutdown) reach the disk one at a time and in snapshot order.
     saving: Mutex<()>,
+    /// The latest epoch of any push's samples: what an epoch schedule counts for a push
+    /// that names none.
+    epoch_seen: AtomicU32,
 }
 
 /// Request counters for operators.
@@ -289,6 +308,7 @@ impl ShardState {
             load: Load::default(),
             gate: RwLock::new(()),
             saving: Mutex::new(()),
+            epoch_seen: AtomicU32::new(0),
             job,
             chunks,
         }
@@ -614,6 +634,14 @@ impl ShardState {
         self.load.pushes.fetch_add(1, Ordering::Relaxed);
         self.load.bytes_in.fetch_add(bytes, Ordering::Relaxed);
         let claims = claims.as_ref();
+        // The epoch an epoch schedule counts: the samples', or the latest seen.
+        let epoch = match span {
+            Some(s) => {
+                self.epoch_seen.fetch_max(s.epoch, Ordering::Relaxed);
+                s.epoch
+            }
+            None => self.epoch_seen.load(Ordering::Relaxed),
+        };
         // A large ASP/SSP update is applied on two cores where one is spare, each taking a
         // contiguous part of the chunks (no key is in both). BSP staging stays on one: it may
         // refuse mid-way.
@@ -637,25 +665,30 @@ impl ShardState {
             let mut rest = F32Runs::new(payload);
             // Within the payload, whose length was checked against the floats above.
             rest.take(floats_in(first) as usize, |_, _| {});
+            let at = (worker, clock, epoch);
             return std::thread::scope(|scope| {
-                let other = scope.spawn(|| self.apply_chunks(worker, clock, second, rest, claims));
-                let here = self.apply_chunks(worker, clock, first, F32Runs::new(payload), claims);
+                let other = scope.spawn(|| self.apply_chunks(at, second, rest, claims));
+                let here = self.apply_chunks(at, first, F32Runs::new(payload), claims);
                 let there = other
                     .join()
                     .unwrap_or_else(|p| std::panic::resume_unwind(p));
                 here.and(there)
             });
         }
-        self.apply_chunks(worker, clock, chunks, F32Runs::new(payload), claims)
+        self.apply_chunks(
+            (worker, clock, epoch),
+            chunks,
+            F32Runs::new(payload),
+            claims,
+        )
     }
 
     /// Applies (ASP, SSP) or stages (BSP) the gradients of `chunks`, read from `grads`, for
-    /// the keys whose ledger segment `claims` says to apply (all without a span). The push was
-    /// validated.
+    /// the keys whose ledger segment `claims` says to apply (all without a span): a push of
+    /// `worker` at `clock` of samples of `epoch`. The push was validated.
     fn apply_chunks(
         &self,
-        worker: WorkerId,
-        clock: Clock,
+        (worker, clock, epoch): (WorkerId, Clock, u32),
         chunks: &[ChunkRef],
         mut grads: F32Runs<'_>,
         claims: Option<&BTreeMap<u32, Claim>>,
@@ -688,20 +721,23 @@ impl ShardState {
                 // do the same). This keeps staging to a step or two even for a client that
                 // pushes without pulling.
                 apply_due(&self.job, chunk, clock.0);
-                let slot = chunk
-                    .pending
-                    .entry(clock.0)
-                    .or_insert_with(|| (vec![0.0; len], 0));
+                let slot = chunk.pending.entry(clock.0).or_insert_with(|| Staged {
+                    sum: vec![0.0; len],
+                    pushes: 0,
+                    epoch,
+                });
+                slot.epoch = slot.epoch.max(epoch);
                 grads.take(len, |at, g| {
-                    let sums = slot.0[at..].iter_mut();
+                    let sums = slot.sum[at..].iter_mut();
                     match g {
                         F32Run::Values(v) => sums.zip(v).for_each(|(s, g)| *s += g),
                         F32Run::Le(b) => sums.zip(LeF32s(b).iter()).for_each(|(s, g)| *s += g),
                     }
                 });
-                slot.1 += 1;
+                slot.pushes += 1;
             } else {
-                let optimizer = self.job.group_optimizer(chunk.group);
+                let optimizer = scheduled(&self.job, chunk, epoch, 1);
+                let optimizer = optimizer.as_ref();
                 let params = Arc::make_mut(&mut chunk.params).as_mut_slice();
                 chunk.opt.start(optimizer, len);
                 let opt = &mut chunk.opt;
@@ -885,18 +921,42 @@ fn apply_due(job: &JobConfig, chunk: &mut Chunk, through: u64) {
         if *entry.key() >= through {
             break;
         }
-        let (sum, n) = entry.remove();
-        let Chunk {
-            params, opt, group, ..
-        } = chunk;
-        opt.apply(
-            job.group_optimizer(*group),
-            Arc::make_mut(params).as_mut_slice(),
-            &sum,
-            1.0 / n.max(1) as f32,
-        );
+        let staged = entry.remove();
+        let optimizer = scheduled(job, chunk, staged.epoch, staged.pushes);
+        opt_apply(chunk, optimizer.as_ref(), &staged);
     }
     chunk.applied_through = chunk.applied_through.max(through);
+}
+
+/// Applies the mean of a staged BSP step to `chunk` with `optimizer`.
+fn opt_apply(chunk: &mut Chunk, optimizer: &OptimizerSpec, staged: &Staged) {
+    chunk.opt.apply(
+        optimizer,
+        Arc::make_mut(&mut chunk.params).as_mut_slice(),
+        &staged.sum,
+        1.0 / staged.pushes.max(1) as f32,
+    );
+}
+
+/// The optimizer of `chunk`'s group as it applies the chunk's next update (of samples of
+/// `epoch`, averaging `workers` gradients): the job's schedule evaluated at the chunk's
+/// applied updates or at the epoch ([`edl_shared::proto::LrSchedule`]).
+fn scheduled<'a>(
+    job: &'a JobConfig,
+    chunk: &Chunk,
+    epoch: u32,
+    workers: u32,
+) -> Cow<'a, OptimizerSpec> {
+    let spec = job.group_optimizer(chunk.group);
+    let schedule = &job.schedule;
+    if schedule.is_constant() {
+        return Cow::Borrowed(spec);
+    }
+    let n = match schedule.by {
+        ScheduleUnit::Step => chunk.opt.t,
+        ScheduleUnit::Epoch => u64::from(epoch),
+    };
+    Cow::Owned(schedule.apply_to(spec, n, workers))
 }
 
 /// How many steps ahead of a key's applied step a BSP push may be. Under BSP a worker is

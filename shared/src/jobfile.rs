@@ -17,6 +17,13 @@
 //! tensors = ["*.bias"]         # with these settings changed
 //! weight_decay = 0.0
 //!
+//! [schedule]                   # torch.optim.lr_scheduler's, over each group's lr
+//! kind = "step"                # constant | step | multistep | exponential | cosine |
+//! step_size = 1                # linear | onecycle, with PyTorch's arguments
+//! gamma = 0.7
+//! by = "epoch"                 # what it counts: "step" (applied updates) or "epoch"
+//! scale = "none"               # bsp: "linear" or "sqrt" in the workers an update averages
+//!
 //! [training]
 //! consistency = "ssp:2"        # asp | bsp | ssp:N
 //! samples = 60000              # or "auto" (counted in the libsvm training data)
@@ -41,8 +48,10 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use edl_models as models;
+use edl_proto::schedule::SettingValue;
 use edl_proto::{
-    DataFormat, DataSpec, Init, JobConfig, ModelSection, OptimizerGroup, OptimizerSpec, TensorSpec,
+    Curve, DataFormat, DataSpec, Init, JobConfig, LrSchedule, ModelSection, OptimizerGroup,
+    OptimizerSpec, TensorSpec,
 };
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Unexpected, Visitor};
@@ -200,12 +209,14 @@ pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
     };
     let (model, tensors) = cx.model(&raw, &mut counts)?;
     let (optimizer, optimizer_groups) = cx.optimizer(raw.optimizer.as_ref(), &tensors)?;
+    let schedule = raw.schedule.as_ref().map(|s| cx.schedule(s)).transpose()?;
     let mut job = JobConfig {
         model,
         tensors,
         chunk_size: defaults::CHUNK_SIZE,
         optimizer,
         optimizer_groups,
+        schedule: Default::default(),
         consistency: defaults::CONSISTENCY,
         batch_size: defaults::BATCH_SIZE,
         epochs: defaults::EPOCHS,
@@ -217,6 +228,11 @@ pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
     };
     if let Some(t) = &raw.training {
         cx.training(t.get_ref(), &mut counts, &mut job)?;
+    }
+    if let (Some(schedule), Some(raw)) = (schedule, &raw.schedule) {
+        job.schedule = schedule;
+        job.check_schedule()
+            .map_err(|m| cx.at(raw, "schedule", m))?;
     }
     Ok(JobFile { job, worker })
 }
@@ -250,6 +266,7 @@ pub fn describe(job: &JobConfig) -> String {
 struct RawJob {
     model: Spanned<RawModel>,
     optimizer: Option<Spanned<RawOptimizer>>,
+    schedule: Option<Spanned<RawSchedule>>,
     training: Option<Spanned<RawTraining>>,
     data: Option<Spanned<RawData>>,
     tensor: Option<Spanned<Vec<Spanned<RawTensor>>>>,
@@ -261,6 +278,9 @@ type RawModel = BTreeMap<String, Spanned<toml::Value>>;
 
 /// The `[optimizer]` table: `kind` and torch.optim's arguments of that kind.
 type RawOptimizer = BTreeMap<String, Spanned<toml::Value>>;
+
+/// The `[schedule]` table: `kind`, the scheduler's arguments, `by` and `scale`.
+type RawSchedule = BTreeMap<String, Spanned<toml::Value>>;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -853,6 +873,65 @@ impl Cx<'_> {
         Ok((spec, groups))
     }
 
+    /// The `[schedule]` table over a constant schedule.
+    fn schedule(&self, raw: &Spanned<RawSchedule>) -> Result<LrSchedule, JobFileError> {
+        let table = raw.get_ref();
+        let kinds = Curve::KINDS.join(", ");
+        let kind = match table.get("kind") {
+            None => "constant",
+            Some(v) => v
+                .get_ref()
+                .as_str()
+                .ok_or_else(|| self.at(v, "schedule.kind", format!("must be a string: {kinds}")))?,
+        };
+        let Some(curve) = Curve::defaults(kind) else {
+            let at = table.get("kind").map_or(raw.span(), Spanned::span);
+            return Err(self.err(
+                at,
+                "schedule.kind",
+                format!("unknown schedule {kind:?}: use {kinds}"),
+            ));
+        };
+        let mut schedule = LrSchedule {
+            curve,
+            ..LrSchedule::default()
+        };
+        for (key, v) in table.iter().filter(|(k, _)| *k != "kind") {
+            let field = format!("schedule.{key}");
+            let value = match v.get_ref() {
+                toml::Value::Integer(i) => SettingValue::Number(*i as f64),
+                toml::Value::Float(x) => SettingValue::Number(*x),
+                toml::Value::Boolean(b) => SettingValue::Flag(*b),
+                toml::Value::String(w) => SettingValue::Word(w.clone()),
+                toml::Value::Array(list) => SettingValue::Counts(
+                    list.iter()
+                        .map(|m| m.as_integer().and_then(|i| u64::try_from(i).ok()))
+                        .collect::<Option<_>>()
+                        .ok_or_else(|| self.at(v, &field, "must be whole numbers >= 0"))?,
+                ),
+                other => {
+                    return Err(self.at(v, &field, format!("cannot be a {}", other.type_str())));
+                }
+            };
+            if !schedule
+                .set(key, value)
+                .map_err(|m| self.at(v, &field, m))?
+            {
+                let keys = edl_proto::schedule::schedule_keys(kind).join(", ");
+                return Err(self.at(
+                    v,
+                    &field,
+                    format!("unknown key: kind = {kind:?} takes {keys}"),
+                ));
+            }
+        }
+        schedule
+            .curve
+            .check()
+            .map_err(|m| self.at(raw, "schedule", m))?;
+        Ok(schedule)
+    }
+
     /// `[[optimizer.group]]` tables: `tensors` (names, or patterns with `*`) and settings
     /// over the job's optimizer, as PyTorch's parameter groups.
     fn optimizer_groups(
@@ -1138,6 +1217,15 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
         )?;
         write_optimizer_settings(out, &g.optimizer)?;
     }
+    if job.schedule != LrSchedule::default() {
+        writeln!(out, "\n[schedule]")?;
+        writeln!(out, "kind = \"{}\"", job.schedule.curve.kind())?;
+        for (key, value) in job.schedule.curve.settings_text() {
+            writeln!(out, "{key} = {value}")?;
+        }
+        writeln!(out, "by = \"{}\"", job.schedule.by)?;
+        writeln!(out, "scale = \"{}\"", job.schedule.scale)?;
+    }
     writeln!(out, "\n[training]")?;
     writeln!(out, "consistency = \"{}\"", job.consistency)?;
     writeln!(out, "batch_size = {}", job.batch_size)?;
@@ -1225,6 +1313,7 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
         ("model", models::describe(&job.model, &job.tensors)),
         ("optimizer", optimizer_text(&job.optimizer)),
         ("groups", groups_text(job)),
+        ("schedule", job.schedule.to_string()),
         ("consistency", job.consistency.to_string()),
         ("batch size", format!("{} samples", job.batch_size)),
         ("epochs", job.epochs.to_string()),
@@ -1251,6 +1340,9 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
     for (name, value) in settings {
         // Most jobs have no parameter groups: no line for them.
         if name == "groups" && job.optimizer_groups.is_empty() {
+            continue;
+        }
+        if name == "schedule" && job.schedule == LrSchedule::default() {
             continue;
         }
         writeln!(out, "{name:<12} {value}")?;
@@ -1533,6 +1625,75 @@ init = "zeros"
         }
         assert!(glob_match("*.bias", "fc0.bias") && !glob_match("*.bias", "fc0.weight"));
         assert!(glob_match("a*b*c", "aXbYc") && glob_match("*", "") && !glob_match("a*", "b"));
+    }
+
+    #[test]
+    fn schedules_read_with_pytorchs_arguments_and_round_trip() {
+        let text = with(
+            MLP,
+            &[(
+                "[training]",
+                "[schedule]\nkind = \"multistep\"\nmilestones = [2, 4]\ngamma = 0.5\n\
+                 by = \"epoch\"\n\n[training]",
+            )],
+        );
+        let job = job(&text);
+        assert_eq!(
+            job.schedule.to_string(),
+            "multistep,milestones=2:4,gamma=0.5,by=epoch"
+        );
+        assert!(describe(&job).contains("schedule     multistep,milestones=2:4"));
+        let again = parse(&to_toml(&job), Path::new("again.toml")).expect("round trip");
+        assert_eq!(again.schedule, job.schedule);
+        // No table: constant, and nothing about it in the description.
+        assert_eq!(self::job(MLP).schedule, LrSchedule::default());
+        assert!(!describe(&self::job(MLP)).contains("schedule"));
+
+        let refused: &[(&str, &str, &str)] = &[
+            (
+                "kind = \"multistep\"",
+                "kind = \"warmup\"",
+                "unknown schedule",
+            ),
+            (
+                "milestones = [2, 4]",
+                "T_max = 3",
+                "unknown key: kind = \"multistep\"",
+            ),
+            ("milestones = [2, 4]", "milestones = [4, 2]", "ascending"),
+            ("milestones = [2, 4]", "milestones = [-1]", "whole numbers"),
+            ("gamma = 0.5", "gamma = \"half\"", "gamma must be a number"),
+            ("by = \"epoch\"", "by = \"batch\"", "unknown unit"),
+            // Scaling is for BSP's averaged updates; this job is ssp:2.
+            (
+                "by = \"epoch\"",
+                "scale = \"linear\"",
+                "needs consistency = \"bsp\"",
+            ),
+        ];
+        for (from, to, why) in refused {
+            let bad = text.replace(from, to);
+            let e = parse(&bad, Path::new("j.toml")).expect_err(to).to_string();
+            assert!(e.contains(why) && e.contains("schedule"), "{to}: {e}");
+        }
+        // Momentum cycling needs a momentum: plain SGD has none.
+        let one = with(
+            MLP,
+            &[(
+                "[training]",
+                "[schedule]\nkind = \"onecycle\"\ntotal_steps = 100\n\n[training]",
+            )],
+        );
+        let e = parse(&one, Path::new("j.toml")).expect_err("sgd has no momentum");
+        assert!(e.to_string().contains("cycle_momentum = false"), "{e}");
+        let one = one.replace(
+            "total_steps = 100",
+            "total_steps = 100\ncycle_momentum = false",
+        );
+        assert!(matches!(
+            self::job(&one).schedule.curve,
+            Curve::OneCycle { .. }
+        ));
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub fn synthetic_job(samples: u32, epochs: u32, consistency: Consistency) -> Job
         chunk_size: 32,
         optimizer: OptimizerSpec::sgd(0.01),
         optimizer_groups: Vec::new(),
+        schedule: Default::default(),
         consistency,
         batch_size: 8,
         epochs,

@@ -601,6 +601,7 @@ mod tests {
             chunk_size: 1024,
             optimizer: edl_shared::proto::OptimizerSpec::sgd(0.1),
             optimizer_groups: Vec::new(),
+            schedule: Default::default(),
             consistency: edl_shared::proto::Consistency::Asp,
             batch_size: 8,
             epochs: 1,

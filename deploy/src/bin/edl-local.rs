@@ -11,7 +11,7 @@ use edl_deploy::local::RESTART_NOTE;
 use edl_deploy::{ElasticConfig, LocalConfig, ObserveConfig, Scenario, ScenarioFile};
 use edl_shared::cli::StragglerArgs;
 use edl_shared::jobfile::defaults;
-use edl_shared::proto::{Consistency, OptimizerSpec};
+use edl_shared::proto::{Consistency, LrSchedule, OptimizerSpec};
 use edl_shared::{shutdown, telemetry};
 use edl_worker::data::DEFAULT_DATA_DIR;
 
@@ -26,7 +26,7 @@ struct Cli {
     /// data. Its workers run the file's [worker] command (in the file's folder, with the
     /// process contract's EDL_* environment) or else edl-worker, which trains mlp and logreg.
     #[arg(long, value_name = "FILE", conflicts_with_all = [
-        "epochs", "consistency", "optimizer", "batch_size", "train_samples", "lease_ms",
+        "epochs", "consistency", "optimizer", "schedule", "batch_size", "train_samples", "lease_ms",
         "layers", "seed",
     ])]
     job: Option<PathBuf>,
@@ -47,6 +47,13 @@ struct Cli {
     /// sgd:0.1,momentum=0.9,nesterov=true or adamw:0.001,weight_decay=0.05.
     #[arg(long, default_value_t = defaults::OPTIMIZER)]
     optimizer: OptimizerSpec,
+    /// Learning-rate schedule, torch.optim.lr_scheduler's: KIND[,KEY=VALUE...] with KIND
+    /// constant, step, multistep, exponential, cosine, linear or onecycle and its arguments,
+    /// `by=step|epoch` (what it counts) and `scale=none|linear|sqrt` (BSP: times the workers
+    /// an update averages), e.g. step,step_size=1,gamma=0.7,by=epoch or
+    /// cosine,T_max=5000,eta_min=0.0001.
+    #[arg(long, default_value = "constant")]
+    schedule: LrSchedule,
     /// Samples per mini-batch.
     #[arg(long, default_value_t = defaults::BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..))]
     batch_size: u32,
@@ -137,6 +144,9 @@ struct Cli {
 
 impl Cli {
     fn into_config(self) -> anyhow::Result<LocalConfig> {
+        self.schedule
+            .check(self.consistency, [&self.optimizer])
+            .map_err(|e| anyhow::anyhow!("--schedule: {e}"))?;
         let scenario = match self.scenario {
             Some(path) => Some(ScenarioFile {
                 scenario: Scenario::load(&path, self.workers, self.shards)
@@ -151,6 +161,7 @@ impl Cli {
             epochs: self.epochs,
             consistency: self.consistency,
             optimizer: self.optimizer,
+            schedule: self.schedule,
             batch_size: self.batch_size,
             train_samples: self.train_samples,
             lease_ms: self.lease_ms,

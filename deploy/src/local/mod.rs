@@ -31,7 +31,7 @@ use edl_shared::jobfile::WorkerSpec;
 use edl_shared::models::Builtin as _;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::{EpochLedger, JobHistory, JobStatus, JobTrace};
-use edl_shared::proto::{Consistency, OptimizerSpec, ShardId};
+use edl_shared::proto::{Consistency, LrSchedule, OptimizerSpec, ShardId};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_worker::data::{ImageSet, Split};
@@ -97,6 +97,8 @@ pub struct LocalConfig {
     pub consistency: Consistency,
     /// The server-side optimizer.
     pub optimizer: OptimizerSpec,
+    /// Its learning-rate schedule.
+    pub schedule: LrSchedule,
     /// Samples per mini-batch.
     pub batch_size: u32,
     /// Training samples per epoch.
@@ -175,7 +177,7 @@ impl Default for ElasticConfig {
 
 impl LocalConfig {
     /// Runs the job file `file` instead of an MLP job: the fields that describe the job
-    /// (epochs, consistency, optimizer, batch size, samples, lease, layers, seed) are taken
+    /// (epochs, consistency, optimizer, schedule, batch size, samples, lease, layers, seed) are taken
     /// from it, so that the report says what ran.
     pub fn from_job_file(mut self, file: &Path) -> anyhow::Result<LocalConfig> {
         let whole = edl_shared::jobfile::load_file(file)?;
@@ -186,6 +188,7 @@ impl LocalConfig {
         self.epochs = job.epochs;
         self.consistency = job.consistency;
         self.optimizer = job.optimizer.clone();
+        self.schedule = job.schedule.clone();
         self.batch_size = job.batch_size;
         self.train_samples = job.train_samples;
         self.lease_ms = job.lease_ms;
@@ -369,6 +372,7 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         workers: cfg.workers,
         consistency: cfg.consistency.to_string(),
         optimizer: cfg.optimizer.to_string(),
+        schedule: cfg.schedule.to_string(),
         layers: cfg.layers.clone(),
         batch_size: cfg.batch_size,
         train_samples: cfg.train_samples,
@@ -435,7 +439,7 @@ struct Trained {
 #[derive(Debug)]
 enum Polled {
     /// Connected to the job; the handle serves the final status.
-    Connected(Job),
+    Connected(Box<Job>),
     /// A status snapshot and when it arrived.
     Status(JobStatus, Instant),
 }
@@ -528,7 +532,7 @@ impl Launch<'_> {
                                 .check_keys(j.layout().num_keys())
                                 .with_context(|| format!("--scenario {}", s.path.display()))?;
                         }
-                        job = Some(j);
+                        job = Some(*j);
                     }
                     Some(Polled::Status(st, at)) => {
                         self.clock = Some((st.t_ms, at));
@@ -721,6 +725,8 @@ impl Launch<'_> {
                 layers.into(),
                 "--optimizer".into(),
                 cfg.optimizer.to_string().into(),
+                "--schedule".into(),
+                cfg.schedule.to_string().into(),
                 "--consistency".into(),
                 cfg.consistency.to_string().into(),
                 "--batch-size".into(),
@@ -933,7 +939,7 @@ async fn poll_status(client: ClientConfig, tx: mpsc::Sender<Polled>) {
             return;
         }
     };
-    if tx.send(Polled::Connected(job.clone())).await.is_err() {
+    if tx.send(Polled::Connected(Box::new(job.clone()))).await.is_err() {
         return;
     }
     let mut tick = tokio::time::interval(STATUS_PERIOD);

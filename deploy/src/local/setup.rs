@@ -98,6 +98,7 @@ mod tests {
             epochs: 1,
             consistency: Consistency::Bsp,
             optimizer: "sgd:0.1".parse().expect("optimizer"),
+            schedule: Default::default(),
             batch_size: 64,
             train_samples: 1000,
             lease_ms: 3000,

@@ -40,6 +40,7 @@ pub fn scenario_config(
         epochs: 2,
         consistency: "ssp:2".parse::<Consistency>().expect("consistency"),
         optimizer: "adam:0.001".parse().expect("optimizer"),
+        schedule: Default::default(),
         batch_size: 16,
         train_samples: TRAIN_SAMPLES,
         lease_ms: 1000,

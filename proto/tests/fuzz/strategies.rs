@@ -15,8 +15,9 @@ use edl_proto::place::{
     StragglerSettings,
 };
 use edl_proto::{
-    Clock, Consistency, Init, JobConfig, Key, MapEpoch, ModelSection, OptimizerGroup,
-    OptimizerSpec, Request, Response, ShardId, ShardMap, TensorSpec, Token, WorkerId,
+    Anneal, Clock, Consistency, Curve, Init, JobConfig, Key, LrSchedule, MapEpoch, ModelSection,
+    OptimizerGroup, OptimizerSpec, Request, Response, ScheduleUnit, ShardId, ShardMap, TensorSpec,
+    Token, WorkerId, WorkerScaling,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -185,6 +186,62 @@ pub fn optimizer() -> BoxedStrategy<OptimizerSpec> {
         .boxed()
 }
 
+/// Any schedule: every curve with arbitrary settings, unit and scaling.
+pub fn schedule() -> BoxedStrategy<LrSchedule> {
+    (
+        0..7usize,
+        [any::<f64>(); 5],
+        [edgy_u64(), edgy_u64()],
+        vec(any::<u64>(), 0..4),
+        [any::<bool>(); 4],
+    )
+        .prop_map(|(kind, x, n, milestones, b)| LrSchedule {
+            curve: match kind {
+                0 => Curve::Constant,
+                1 => Curve::Step {
+                    step_size: n[0],
+                    gamma: x[0],
+                },
+                2 => Curve::MultiStep {
+                    milestones,
+                    gamma: x[0],
+                },
+                3 => Curve::Exponential { gamma: x[0] },
+                4 => Curve::Cosine {
+                    t_max: n[0],
+                    eta_min: x[0],
+                },
+                5 => Curve::Linear {
+                    start_factor: x[0],
+                    end_factor: x[1],
+                    total_iters: n[1],
+                },
+                _ => Curve::OneCycle {
+                    total_steps: n[0],
+                    pct_start: x[0],
+                    anneal: if b[0] { Anneal::Cos } else { Anneal::Linear },
+                    div_factor: x[1],
+                    final_div_factor: x[2],
+                    three_phase: b[1],
+                    cycle_momentum: b[2],
+                    base_momentum: x[3],
+                    max_momentum: x[4],
+                },
+            },
+            by: if b[3] {
+                ScheduleUnit::Epoch
+            } else {
+                ScheduleUnit::Step
+            },
+            scale: [
+                WorkerScaling::None,
+                WorkerScaling::Linear,
+                WorkerScaling::Sqrt,
+            ][kind % 3],
+        })
+        .boxed()
+}
+
 pub fn consistency() -> BoxedStrategy<Consistency> {
     prop_oneof![
         Just(Consistency::Asp),
@@ -206,6 +263,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
         (
             optimizer(),
             vec((vec(any::<u32>(), 0..3), optimizer()), 0..3),
+            schedule(),
         ),
         consistency(),
         any::<(u32, u32, u32, u32)>(),
@@ -217,7 +275,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                 model,
                 tensors,
                 chunk_size,
-                (optimizer, groups),
+                (optimizer, groups, schedule),
                 consistency,
                 (batch_size, epochs, partition_size, train_samples),
                 seed,
@@ -231,6 +289,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                     .into_iter()
                     .map(|(tensors, optimizer)| OptimizerGroup { tensors, optimizer })
                     .collect(),
+                schedule,
                 consistency,
                 batch_size,
                 epochs,

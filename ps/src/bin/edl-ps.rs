@@ -12,7 +12,8 @@ use edl_shared::jobfile::defaults;
 use edl_shared::models::Builtin as _;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::{
-    Consistency, DataFormat, DataSpec, Init, JobConfig, ModelSection, OptimizerSpec, TensorSpec,
+    Consistency, DataFormat, DataSpec, Init, JobConfig, LrSchedule, ModelSection, OptimizerSpec,
+    TensorSpec,
 };
 use edl_shared::transport::TransportSettings;
 use edl_shared::{Role, shutdown, telemetry};
@@ -33,9 +34,9 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run the coordinator: job config, worker registry, shard map, data partitions, clocks.
-    Coordinator(CoordinatorArgs),
+    Coordinator(Box<CoordinatorArgs>),
     /// Run a shard server that holds part of the model.
-    Shard(ShardArgs),
+    Shard(Box<ShardArgs>),
     /// Manage the cluster CA in a state directory.
     #[command(subcommand)]
     Ca(CaCmd),
@@ -77,7 +78,7 @@ struct CoordinatorArgs {
     /// data. Examples in deploy/jobs/; `edl-ps job check FILE` shows what it resolves to.
     /// Without it, the flags below describe an MLP job.
     #[arg(long, value_name = "FILE", conflicts_with_all = [
-        "layers", "counter", "optimizer", "consistency", "batch_size", "epochs",
+        "layers", "counter", "optimizer", "schedule", "consistency", "batch_size", "epochs",
         "partition_size", "train_samples", "chunk_size", "seed", "lease_ms",
     ])]
     job: Option<PathBuf>,
@@ -93,6 +94,13 @@ struct CoordinatorArgs {
     /// sgd:0.1,momentum=0.9,nesterov=true or adamw:0.001,weight_decay=0.05.
     #[arg(long, default_value_t = defaults::OPTIMIZER)]
     optimizer: OptimizerSpec,
+    /// Learning-rate schedule, torch.optim.lr_scheduler's: KIND[,KEY=VALUE...] with KIND
+    /// constant, step, multistep, exponential, cosine, linear or onecycle and its arguments,
+    /// `by=step|epoch` (what it counts) and `scale=none|linear|sqrt` (BSP: times the workers
+    /// an update averages), e.g. step,step_size=1,gamma=0.7,by=epoch or
+    /// cosine,T_max=5000,eta_min=0.0001.
+    #[arg(long, default_value = "constant", conflicts_with = "counter")]
+    schedule: LrSchedule,
     /// Consistency model: asp, ssp:S (bounded staleness S) or bsp.
     #[arg(long, default_value_t = defaults::CONSISTENCY)]
     consistency: Consistency,
@@ -334,6 +342,7 @@ async fn main() -> anyhow::Result<()> {
                     chunk_size: a.chunk_size,
                     optimizer,
                     optimizer_groups: Vec::new(),
+                    schedule: a.schedule.clone(),
                     consistency: a.consistency,
                     batch_size: a.batch_size,
                     epochs: a.epochs,
@@ -344,6 +353,7 @@ async fn main() -> anyhow::Result<()> {
                     data: None,
                 },
             };
+            job.check_schedule().map_err(anyhow::Error::msg)?;
             let state_file =
                 (!a.no_persist).then(|| a.identity.state_dir.join("coordinator").join("state.bin"));
             let cfg = CoordinatorConfig {

@@ -3,9 +3,13 @@
 use super::*;
 use edl_shared::proto::frame::bytes_to_f32s;
 use edl_shared::proto::job::{RangeOwner, ShardInfo};
-use edl_shared::proto::{ModelSection, OptimizerSpec, TensorSpec};
+use edl_shared::proto::{LrSchedule, ModelSection, OptimizerSpec, TensorSpec};
 
 fn state(consistency: Consistency) -> ShardState {
+    state_with(consistency, LrSchedule::default())
+}
+
+fn state_with(consistency: Consistency, schedule: LrSchedule) -> ShardState {
     let job = JobConfig {
         model: ModelSection::custom(),
         tensors: vec![TensorSpec {
@@ -16,9 +20,10 @@ fn state(consistency: Consistency) -> ShardState {
         chunk_size: 4,
         optimizer: OptimizerSpec::sgd(1.0),
         optimizer_groups: Vec::new(),
+        schedule,
         consistency,
         batch_size: 1,
-        epochs: 1,
+        epochs: 3,
         partition_size: 1,
         train_samples: 1,
         seed: 0,
@@ -207,14 +212,76 @@ fn bsp_applies_the_mean_once_the_step_closes() {
     assert_eq!(read(&st, 1), vec![2.0; 6]);
 }
 
+/// Under BSP the scaled learning rate is the schedule's times the gradients the step
+/// averages (`k`), or its square root: the mean of `k` pushes at `lr * k` is their sum at `lr`.
+#[test]
+fn bsp_scales_the_learning_rate_with_the_gradients_a_step_averages() {
+    for (scale, k, want) in [
+        ("none", 2, 2.0),
+        ("linear", 2, 4.0),
+        ("linear", 3, 6.0),
+        ("sqrt", 4, 2.0 * 2.0),
+    ] {
+        let schedule = format!("constant,scale={scale}").parse().expect("schedule");
+        let st = state_with(Consistency::Bsp, schedule);
+        for w in 0..k {
+            // Gradients -1 and -3 alternately: with k = 4 their mean is still -2.
+            let g = if w % 2 == 0 { -1.0 } else { -3.0 };
+            let g = if k == 3 && w == 2 { -2.0 } else { g };
+            st.push(
+                MapEpoch(1),
+                WorkerId(w + 1),
+                Clock(0),
+                &BOTH,
+                &floats(&[g; 6]),
+                None,
+            )
+            .expect("push");
+        }
+        assert_eq!(read(&st, 1), vec![want as f32; 6], "scale={scale}, k={k}");
+    }
+}
+
+/// An epoch schedule counts the epoch of the samples a push carries, under ASP at once and
+/// under BSP once the step closes.
+#[test]
+fn an_epoch_schedule_counts_the_epoch_of_the_pushed_samples() {
+    let span = |epoch, start| DataSpan {
+        epoch,
+        partition: 0,
+        start,
+        end: start + 1,
+    };
+    for consistency in [Consistency::Asp, Consistency::Bsp] {
+        let schedule = "step,step_size=1,gamma=0.5,by=epoch"
+            .parse()
+            .expect("schedule");
+        let st = state_with(consistency, schedule);
+        // Epoch 0 at lr 1, epoch 1 at 0.5, epoch 2 at 0.25: each a gradient of -1.
+        for (clock, epoch) in [(0, 0), (1, 1), (2, 2)] {
+            st.push(
+                MapEpoch(1),
+                WorkerId(1),
+                Clock(clock),
+                &BOTH,
+                &floats(&[-1.0; 6]),
+                Some(&span(epoch, 0)),
+            )
+            .expect("push");
+        }
+        assert_eq!(read(&st, 3), vec![1.75; 6], "{consistency}");
+    }
+}
+
 /// A job of three keys of 4 floats, on `s0` (all keys) and `s1` (none, standing by).
 fn two_shards() -> (ShardState, ShardState, ShardMap) {
-    two_shards_with(OptimizerSpec::sgd(1.0), Vec::new())
+    two_shards_with(OptimizerSpec::sgd(1.0), Vec::new(), LrSchedule::default())
 }
 
 fn two_shards_with(
     optimizer: OptimizerSpec,
     optimizer_groups: Vec<edl_shared::proto::OptimizerGroup>,
+    schedule: LrSchedule,
 ) -> (ShardState, ShardState, ShardMap) {
     let job = JobConfig {
         model: ModelSection::custom(),
@@ -226,6 +293,7 @@ fn two_shards_with(
         chunk_size: 4,
         optimizer,
         optimizer_groups,
+        schedule,
         consistency: Consistency::Asp,
         batch_size: 1,
         epochs: 1,
@@ -436,19 +504,41 @@ fn optimizer_state_survives_a_move_and_a_restore_mid_run() {
     };
     let mut cases: Vec<_> = crate::optimizer::one_of_each()
         .into_iter()
-        .map(|o| (o, Vec::new()))
+        .map(|o| (o, Vec::new(), LrSchedule::default()))
         .collect();
     // A parameter group: the same tensor's keys all follow it.
+    let group = vec![edl_shared::proto::OptimizerGroup {
+        tensors: vec![0],
+        optimizer: "adamw:0.05,amsgrad=true".parse().expect("adamw"),
+    }];
     cases.push((
         OptimizerSpec::adam(0.01),
-        vec![edl_shared::proto::OptimizerGroup {
-            tensors: vec![0],
-            optimizer: "adamw:0.05,amsgrad=true".parse().expect("adamw"),
-        }],
+        group.clone(),
+        LrSchedule::default(),
     ));
-    for (optimizer, groups) in cases {
-        let (reference, _, _) = two_shards_with(optimizer.clone(), groups.clone());
-        let (a, b, moved) = two_shards_with(optimizer.clone(), groups.clone());
+    // Schedules by step count the updates a key carries with it: a learning rate (and a
+    // momentum) that change every step follow the move and the restore.
+    for (optimizer, schedule) in [
+        ("adam:0.01", "onecycle,total_steps=6"),
+        ("sgd:0.1,momentum=0.9", "cosine,T_max=4,eta_min=0.01"),
+        (
+            "rmsprop:0.01,momentum=0.5",
+            "onecycle,total_steps=5,three_phase=true",
+        ),
+    ] {
+        let optimizer = optimizer.parse().expect("optimizer");
+        let schedule = schedule.parse().expect("schedule");
+        let groups = if cases.len() % 2 == 0 {
+            group.clone()
+        } else {
+            Vec::new()
+        };
+        cases.push((optimizer, groups, schedule));
+    }
+    for (optimizer, groups, schedule) in cases {
+        let (reference, _, _) =
+            two_shards_with(optimizer.clone(), groups.clone(), schedule.clone());
+        let (a, b, moved) = two_shards_with(optimizer.clone(), groups.clone(), schedule);
         for step in 0..6 {
             reference
                 .push(

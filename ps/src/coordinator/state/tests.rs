@@ -13,6 +13,7 @@ pub(super) fn job(consistency: Consistency) -> JobConfig {
         chunk_size: 4,
         optimizer: OptimizerSpec::sgd(0.1),
         optimizer_groups: Vec::new(),
+        schedule: Default::default(),
         consistency,
         batch_size: 2,
         epochs: 1,

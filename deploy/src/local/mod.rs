@@ -939,7 +939,11 @@ async fn poll_status(client: ClientConfig, tx: mpsc::Sender<Polled>) {
             return;
         }
     };
-    if tx.send(Polled::Connected(Box::new(job.clone()))).await.is_err() {
+    if tx
+        .send(Polled::Connected(Box::new(job.clone())))
+        .await
+        .is_err()
+    {
         return;
     }
     let mut tick = tokio::time::interval(STATUS_PERIOD);

@@ -1,7 +1,8 @@
 """A PyTorch CNN on Fashion-MNIST as an EDL job: pytorch/examples' MNIST script (two 3x3
-convolutions, max-pooling, dropout, two linear layers, log-softmax) ported to EDL. The loop is
-PyTorch's own; EDL leases the data (exactly once per epoch, elastically), holds the parameters
-and applies the optimizer on its shards.
+convolutions, max-pooling, dropout, two linear layers, log-softmax; Adadelta with StepLR
+stepped per epoch) ported to EDL. The loop is PyTorch's own; EDL leases the data (exactly once
+per epoch, elastically), holds the parameters and applies the optimizer and its schedule on its
+shards.
 
 As a job's worker, started by a placer in this folder (`job.toml`'s `[worker]` table:
 `edl-local --job job.toml`, `edlctl job submit job.toml`), it follows the process contract
@@ -13,6 +14,11 @@ Without a placer, on this machine (a coordinator and a shard as processes, N wor
 script; prints samples/s, the test accuracy and the data ledger):
 
     python3 train.py --local [--workers 1] [--epochs 1] [--samples 60000] [--num-workers 2]
+
+The same training as pytorch/examples' script itself, in one process without EDL, to compare
+with (the same net, data, Adadelta and per-epoch StepLR; prints the test accuracy):
+
+    python3 train.py --plain [--epochs 1] [--samples 60000]
 
 The job's net halves pytorch/examples' widths (16 and 32 channels, 64 hidden: 300k
 parameters, a third of the time per step on a CPU); `--full` in `--local` runs the original
@@ -74,13 +80,23 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
+def optimizer_of(model: nn.Module):
+    """pytorch/examples' optimizer and schedule: Adadelta at 1.0, the rate times 0.7 each
+    epoch."""
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+
+
 def job_text(model: nn.Module, samples: int = 60000, epochs: int = 2) -> str:
-    """The job file of `model` (the [worker] table aside): Adam at 0.001 on the shards, SSP(2),
-    batches of 64, partitions of 1024 samples."""
+    """The job file of `model` (the [worker] table aside): pytorch/examples' Adadelta and
+    StepLR on the shards (the schedule stepped per epoch), SSP(2), batches of 64, partitions of
+    1024 samples."""
     data = edl.data.fashion_mnist_dir()
+    optimizer, scheduler = optimizer_of(model)
     return edl.torch.job_from_module(
-        model, samples=samples, optimizer="adam", lr=0.001, consistency="ssp:2", batch_size=64,
-        epochs=epochs, partition_size=1024, train=str(data / "train"), test=str(data / "t10k"),
+        model, samples=samples, optimizer=optimizer, scheduler=scheduler, scheduler_by="epoch",
+        consistency="ssp:2", batch_size=64, epochs=epochs, partition_size=1024,
+        train=str(data / "train"), test=str(data / "t10k"),
     )
 
 
@@ -162,6 +178,36 @@ def work(args) -> None:
     print(f"{name}: done", flush=True)
 
 
+def plain(args) -> None:
+    """pytorch/examples' script itself, in one process without EDL: the same net, data,
+    optimizer and schedule on the first `--samples` training samples, for `--epochs`."""
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    widths = (32, 64, 128) if args.full else (16, 32, 64)
+    model = Net(*widths)
+    optimizer, scheduler = optimizer_of(model)
+    train = torch.utils.data.Subset(FashionMNIST("train", augment=not args.no_augment),
+                                    range(args.samples))
+    loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True,
+                                         num_workers=args.num_workers)
+    test = FashionMNIST("t10k", augment=False)
+    t0 = time.monotonic()
+    for epoch in range(args.epochs):
+        for i, (x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            loss = F.nll_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            if i % args.log_interval == 0:
+                print(f"epoch {epoch} [{i}/{len(loader)}] loss {loss.item():.4f}", flush=True)
+        scheduler.step()
+    wall = time.monotonic() - t0
+    total = args.samples * args.epochs
+    print(f"trained {total} samples in {wall:.1f} s: {total / wall:.0f} samples/s")
+    acc, test_loss = evaluate(model, test)
+    print(f"test accuracy {acc:.4f}, loss {test_loss:.4f}")
+
+
 def local(args) -> None:
     """A job on this machine: its servers and `--workers` workers of this script."""
     import edl.local
@@ -220,13 +266,20 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=1, help="--local: shards (default 1)")
     ap.add_argument("--epochs", type=int, default=1, help="--local: epochs (default 1)")
     ap.add_argument("--samples", type=int, default=60000, help="--local: samples per epoch")
-    ap.add_argument("--full", action="store_true", help="--local: pytorch/examples' widths")
+    ap.add_argument("--full", action="store_true",
+                    help="--local, --plain: pytorch/examples' widths")
+    ap.add_argument("--plain", action="store_true",
+                    help="pytorch/examples' loop in this process, without EDL (--epochs, "
+                         "--samples, --full as for --local), to compare with")
+    ap.add_argument("--seed", type=int, default=1, help="--plain: torch's seed (default 1)")
     ap.add_argument("--print-job", action="store_true", help="print the job file and exit")
     args = ap.parse_args()
     if args.print_job:
         print(job_text(Net()), end="")
     elif args.local:
         local(args)
+    elif args.plain:
+        plain(args)
     else:
         work(args)
 

@@ -43,7 +43,10 @@ from torch.utils.data import DataLoader, Sampler
 
 from . import Batch, Session, Spec
 
-__all__ = ["ElasticLoader", "ElasticSampler", "Parameters", "job_from_module"]
+__all__ = [
+    "ElasticLoader", "ElasticSampler", "Parameters", "job_from_module", "optimizer_table",
+    "schedule_table",
+]
 
 
 def _fan_in(shape) -> int:
@@ -78,8 +81,97 @@ _OPTIMIZERS = {
 }
 
 
-def _settings(kind_keys, group) -> list[str]:
-    out = [f"lr = {float(group['lr'])!r}"]
+# torch.optim.lr_scheduler's classes EDL's shards evaluate: (kind, [arguments]).
+_SCHEDULERS = {
+    "StepLR": ("step", ["step_size", "gamma"]),
+    "MultiStepLR": ("multistep", ["milestones", "gamma"]),
+    "ExponentialLR": ("exponential", ["gamma"]),
+    "CosineAnnealingLR": ("cosine", ["T_max", "eta_min"]),
+    "LinearLR": ("linear", ["start_factor", "end_factor", "total_iters"]),
+    "OneCycleLR": ("onecycle", []),
+}
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return repr(float(v))
+
+
+def _one_cycle_settings(sched) -> dict:
+    """OneCycleLR's arguments, read back from what it stored (it keeps some only per group,
+    and `pct_start` only as its first phase's end)."""
+    groups = sched.optimizer.param_groups
+    first = sched._schedule_phases[0]["end_step"]
+    per_group = []
+    for g in groups:
+        keys = {"div_factor": g["max_lr"] / g["initial_lr"],
+                "final_div_factor": g["initial_lr"] / g["min_lr"]}
+        if sched.cycle_momentum:
+            keys.update(base_momentum=g["base_momentum"], max_momentum=g["max_momentum"])
+        per_group.append(keys)
+    for i, keys in enumerate(per_group[1:], 1):
+        for k, v in keys.items():
+            if not math.isclose(v, per_group[0][k], rel_tol=1e-12):
+                raise ValueError(f"OneCycleLR's {k} differs between parameter groups 0 and {i}: "
+                                 "EDL's schedule is one for the job (max_lr may differ)")
+    return {
+        "total_steps": sched.total_steps,
+        "pct_start": (first + 1) / sched.total_steps,
+        "anneal_strategy": "cos" if sched.anneal_func.__name__ == "_annealing_cos" else "linear",
+        **per_group[0],
+        "three_phase": len(sched._schedule_phases) == 3,
+        "cycle_momentum": bool(sched.cycle_momentum),
+    }
+
+
+def schedule_table(scheduler, by: str, scale: str = "none") -> str:
+    """The `[schedule]` table of a job file for a `torch.optim.lr_scheduler` scheduler, counted
+    `by` "step" (your loop calls `scheduler.step()` after each `optimizer.step()`) or "epoch"
+    (after each epoch). `scale` is "none", or under BSP "linear" or "sqrt" in the workers whose
+    gradients a step averages. Raises ValueError, naming what, for a scheduler the shards cannot
+    evaluate (another class, one already stepped)."""
+    name = type(scheduler).__name__
+    if name not in _SCHEDULERS:
+        raise ValueError(
+            f"torch.optim.lr_scheduler.{name} has no counterpart on EDL's shards; use one of "
+            + ", ".join(f"torch.optim.lr_scheduler.{k}" for k in _SCHEDULERS)
+        )
+    if by not in ("step", "epoch"):
+        raise ValueError(f'scheduler_by={by!r}: say what your loop steps the scheduler after, '
+                         '"step" (each optimizer.step()) or "epoch"')
+    if getattr(scheduler, "last_epoch", 0) != 0:
+        raise ValueError(f"torch.optim.lr_scheduler.{name} has been stepped "
+                         f"{scheduler.last_epoch} times: map it before training")
+    kind, keys = _SCHEDULERS[name]
+    settings = (_one_cycle_settings(scheduler) if kind == "onecycle"
+                else {k: getattr(scheduler, k) for k in keys})
+    if kind == "multistep":
+        settings["milestones"] = sorted(scheduler.milestones.elements())
+    out = ["[schedule]", f'kind = "{kind}"']
+    out += [f"{k} = {_value(v)}" for k, v in settings.items()]
+    out += [f'by = "{by}"', f'scale = "{scale}"']
+    return "\n".join(out)
+
+
+def _base_lrs(scheduler) -> list[float] | None:
+    """The learning rate each group's schedule starts from: OneCycleLR's `max_lr`, any other's
+    `base_lrs` (a scheduler sets the group's `lr` to its value at step 0 already)."""
+    if scheduler is None:
+        return None
+    if type(scheduler).__name__ == "OneCycleLR":
+        return [g["max_lr"] for g in scheduler.optimizer.param_groups]
+    return list(scheduler.base_lrs)
+
+
+def _settings(kind_keys, group, lr=None) -> list[str]:
+    out = [f"lr = {float(group['lr'] if lr is None else lr)!r}"]
     for key in kind_keys:
         value = group[key]
         if key == "betas":
@@ -91,10 +183,11 @@ def _settings(kind_keys, group) -> list[str]:
     return out
 
 
-def optimizer_table(optimizer, names=None) -> str:
+def optimizer_table(optimizer, names=None, lrs=None) -> str:
     """The `[optimizer]` table of a job file for a `torch.optim` optimizer: its kind and its
     arguments, and a `[[optimizer.group]]` per further parameter group (its tensors by name:
-    `names` maps a parameter's `id` to its name, as `job_from_module` gives it). Raises
+    `names` maps a parameter's `id` to its name, as `job_from_module` gives it). `lrs`, when
+    given, are the groups' learning rates (a scheduler's base ones). Raises
     ValueError, naming what, for what the shards cannot apply: another class, `maximize`, a
     learning rate that is a tensor, or groups without `names`."""
     name = type(optimizer).__name__
@@ -110,7 +203,8 @@ def optimizer_table(optimizer, names=None) -> str:
             raise ValueError(f"torch.optim.{name}(maximize=True) is not supported")
         if not isinstance(g["lr"], (int, float)):
             raise ValueError(f"torch.optim.{name}'s lr is a {type(g['lr']).__name__}, not a number")
-    out = ["[optimizer]", f'kind = "{kind}"'] + _settings(keys, groups[0])
+    lrs = lrs or [None] * len(groups)
+    out = ["[optimizer]", f'kind = "{kind}"'] + _settings(keys, groups[0], lrs[0])
     for i, g in enumerate(groups[1:], 1):
         if names is None:
             raise ValueError(f"torch.optim.{name} has {len(groups)} parameter groups: name "
@@ -119,7 +213,7 @@ def optimizer_table(optimizer, names=None) -> str:
         if missing:
             raise ValueError(f"parameter group {i} holds a tensor that is not the module's")
         tensors = ", ".join(f'"{names[id(p)]}"' for p in g["params"])
-        out += ["", "[[optimizer.group]]", f"tensors = [{tensors}]"] + _settings(keys, g)
+        out += ["", "[[optimizer.group]]", f"tensors = [{tensors}]"] + _settings(keys, g, lrs[i])
     return "\n".join(out)
 
 
@@ -131,6 +225,9 @@ def job_from_module(
     optimizer="sgd",
     lr: float = 0.01,
     momentum: float | None = None,
+    scheduler=None,
+    scheduler_by: str | None = None,
+    lr_scale: str = "none",
     consistency: str = "ssp:2",
     batch_size: int = 64,
     epochs: int = 1,
@@ -145,19 +242,40 @@ def job_from_module(
     is the training set's size; `train`/`test` name the data (for `data_format`) if the job
     should record it. `optimizer` is a kind (`"sgd"`, with `lr` and `momentum`) or a
     `torch.optim` optimizer, whose class, settings and parameter groups the shards then
-    apply exactly (see `optimizer_table`; `lr` and `momentum` are then not used). Written to
-    `path` when given; returned either way."""
+    apply exactly (see `optimizer_table`; `lr` and `momentum` are then not used). `scheduler`
+    is a `torch.optim.lr_scheduler` scheduler of that optimizer, evaluated on the shards by
+    `scheduler_by` "step" or "epoch" (what your loop calls `scheduler.step()` after; see
+    `schedule_table`); `lr_scale` ("none", or under BSP "linear" or "sqrt") grows the learning
+    rate with the workers a step averages. Written to `path` when given; returned either way."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise ValueError("the module has no trainable parameters")
     out = ['# Written by edl.torch.job_from_module', "", "[model]", 'kind = "custom"', ""]
+    if scheduler is not None:
+        if isinstance(optimizer, str):
+            raise ValueError("a scheduler needs the torch.optim optimizer it schedules: pass "
+                             "optimizer=torch.optim.X(...) too")
+        if scheduler.optimizer is not optimizer:
+            raise ValueError(f"the {type(scheduler).__name__} schedules another optimizer than "
+                             "the one given")
+        if scheduler_by is None:
+            raise ValueError('say what your loop calls scheduler.step() after: scheduler_by='
+                             '"step" (each optimizer.step()) or "epoch"')
+        # Checked (and refused by name) before anything reads its learning rates.
+        schedule = schedule_table(scheduler, scheduler_by, lr_scale)
+    elif lr_scale != "none":
+        schedule = f'[schedule]\nscale = "{lr_scale}"'
+    else:
+        schedule = None
     if isinstance(optimizer, str):
         out += ["[optimizer]", f'kind = "{optimizer}"', f"lr = {lr!r}"]
         if momentum is not None:
             out.append(f"momentum = {momentum!r}")
     else:
         names = {id(p): n for n, p in model.named_parameters()}
-        out += optimizer_table(optimizer, names).split("\n")
+        out += optimizer_table(optimizer, names, _base_lrs(scheduler)).split("\n")
+    if schedule is not None:
+        out += [""] + schedule.split("\n")
     out += ["", "[training]", f'consistency = "{consistency}"', f"batch_size = {batch_size}"]
     out += [f"epochs = {epochs}", f"samples = {samples}", f"seed = {seed}"]
     if partition_size is not None:

@@ -49,6 +49,30 @@ fn ps_bin_dir() -> anyhow::Result<PathBuf> {
     let bench = Path::new(env!("CARGO_BIN_EXE_edl-bench"));
     let dir = bench.parent().context("edl-bench has no directory")?;
     let mut cargo = Command::new(env!("CARGO"));
+    // Not the variables cargo set for this test (its package's manifest, name and version...):
+    // build scripts that watch them would see a change and rebuild, and the next `cargo test`
+    // would rebuild their crates again for minutes.
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        let set_for_the_test = [
+            "CARGO_MANIFEST_",
+            "CARGO_PKG_",
+            "CARGO_CRATE_",
+            "CARGO_BIN_",
+        ]
+        .iter()
+        .any(|p| key.starts_with(p))
+            || matches!(
+                &*key,
+                "CARGO_TARGET_TMPDIR"
+                    | "CARGO_PRIMARY_PACKAGE"
+                    | "CARGO_RUSTC_CURRENT_DIR"
+                    | "OUT_DIR"
+            );
+        if set_for_the_test {
+            cargo.env_remove(&*key);
+        }
+    }
     cargo
         .args([
             "build",

@@ -153,7 +153,10 @@ fn chromium() -> Option<PathBuf> {
             std::env::var("EDL_REQUIRE_CHROMIUM").as_deref() != Ok("1"),
             "chromium is missing and EDL_REQUIRE_CHROMIUM=1"
         );
-        eprintln!("skipped the browser part: chromium not installed (apt-get install chromium)");
+        edl_shared::skip::skipped(
+            "the browser part",
+            "chromium not installed (apt-get install chromium)",
+        );
     }
     found
 }

@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod pki;
 pub mod server;
 pub mod shutdown;
+pub mod skip;
 pub mod telemetry;
 pub mod token;
 pub mod transport;

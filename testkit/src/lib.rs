@@ -398,7 +398,10 @@ pub fn have_fashion_mnist() -> bool {
         "{} is missing and EDL_REQUIRE_DATA=1",
         edl_worker::data::DEFAULT_DATA_DIR
     );
-    eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+    edl_shared::skip::skipped(
+        "",
+        "dataset not installed (apt-get install dataset-fashion-mnist)",
+    );
     false
 }
 

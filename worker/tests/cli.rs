@@ -45,7 +45,10 @@ fn a_missing_dataset_is_a_clear_error() {
 fn a_signal_before_admission_exits_cleanly_and_promptly() {
     let data = std::path::Path::new(edl_worker::data::DEFAULT_DATA_DIR);
     if !data.exists() {
-        eprintln!("skipped: dataset not installed (apt-get install dataset-fashion-mnist)");
+        edl_shared::skip::skipped(
+            "",
+            "dataset not installed (apt-get install dataset-fashion-mnist)",
+        );
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");

@@ -25,7 +25,7 @@ fn gpu() -> Option<CudaBackend> {
                 std::env::var_os("EDL_REQUIRE_CUDA").is_none(),
                 "EDL_REQUIRE_CUDA is set but CUDA is unusable: {e}"
             );
-            println!("skipped: {e}");
+            edl_shared::skip::skipped("", &e.to_string());
             None
         }
     }

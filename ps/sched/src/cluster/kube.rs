@@ -1308,7 +1308,10 @@ mod tests {
                 "{validator} not found and EDL_REQUIRE_K8S_VALIDATE=1: pip install \
                  kubernetes-validate"
             );
-            eprintln!("skipped: {validator} not found (pip install kubernetes-validate)");
+            edl_shared::skip::skipped(
+                "",
+                &format!("{validator} not found (pip install kubernetes-validate)"),
+            );
             return;
         }
         let tmp = tempfile::tempdir().expect("tempdir");

@@ -78,7 +78,7 @@ pub struct Coordinator {
 impl Coordinator {
     /// A coordinator for `config`.
     pub fn new(config: CoordinatorConfig) -> anyhow::Result<Self> {
-        let mut state = CoordinatorState::new(config.job, config.shards);
+        let mut state = CoordinatorState::new(config.job, config.shards, Instant::now());
         state
             .set_stragglers(config.stragglers)
             .map_err(|(_, e)| anyhow::anyhow!(e))?;
@@ -343,9 +343,10 @@ impl Coordinator {
                 let name = &peer.name;
                 match self
                     .wait_for(|st| {
-                        let r = st.register(name, &peer.addr.to_string(), requested, now());
+                        let at = now();
+                        let r = st.register(name, &peer.addr.to_string(), requested, at);
                         if let (Poll::Ready((worker, ..)), Some(p)) = (&r, placement) {
-                            st.placed(*worker, p);
+                            st.placed(*worker, p, at);
                         }
                         r
                     })
@@ -407,7 +408,7 @@ impl Coordinator {
             }
             Request::Placements => Response::Placements(self.lock().placements()),
             Request::PlacementFailed { id, reason } => {
-                let r = self.lock().placement_failed(id, &reason);
+                let r = self.lock().placement_failed(id, &reason, now());
                 match r {
                     Ok(()) => Response::Ack,
                     Err((code, msg)) => Response::error(code, msg),
@@ -427,7 +428,7 @@ impl Coordinator {
                 }
             }
             Request::Leave { worker } => {
-                let r = self.lock().leave(worker);
+                let r = self.lock().leave(worker, now());
                 match r {
                     Ok(()) => {
                         info!(%worker, "worker left");
@@ -505,7 +506,7 @@ impl Coordinator {
             Request::Trace { from_step } => Response::Trace(self.lock().trace(from_step)),
             Request::Members => Response::Members(self.lock().members(Instant::now())),
             Request::Drain { worker } => {
-                let r = self.lock().drain(worker);
+                let r = self.lock().drain(worker, now());
                 match r {
                     Ok(()) => {
                         info!(%worker, "drain requested");

@@ -178,8 +178,9 @@ fn unknown(worker: WorkerId) -> Refusal {
 }
 
 impl CoordinatorState {
-    /// A job waiting for `shards` shard servers.
-    pub fn new(job: JobConfig, shards: u32) -> Self {
+    /// A job waiting for `shards` shard servers, started at `now` (the state machine never
+    /// reads a clock: every time it knows comes from its caller).
+    pub fn new(job: JobConfig, shards: u32, now: Instant) -> Self {
         let data = DataPlan::new(job.epochs, job.train_samples, job.partition_size);
         let epochs = (0..job.epochs)
             .map(|epoch| EpochStats {
@@ -202,7 +203,7 @@ impl CoordinatorState {
             epochs,
             samples_done: 0,
             token_key: edl_shared::token::new_key(),
-            started: Instant::now(),
+            started: now,
             events: VecDeque::new(),
             steps: VecDeque::new(),
             moves: VecDeque::new(),
@@ -291,7 +292,7 @@ impl CoordinatorState {
             snap.returned,
             snap.completed,
         )?;
-        let mut st = CoordinatorState::new(snap.job, snap.shards_expected);
+        let mut st = CoordinatorState::new(snap.job, snap.shards_expected, now);
         st.shards = snap.shards;
         st.shard_names = snap.shard_names;
         st.map = snap.map;
@@ -339,16 +340,18 @@ impl CoordinatorState {
         t.saturating_duration_since(self.started).as_millis() as u64
     }
 
-    fn event(&mut self, kind: EventKind, worker: WorkerId, requested: Instant) {
-        self.event_with(kind, worker, requested, String::new());
+    /// Records an event at `now`, caused by what happened at `requested`.
+    fn event(&mut self, kind: EventKind, worker: WorkerId, requested: Instant, now: Instant) {
+        self.event_with(kind, worker, (requested, now), String::new());
     }
 
-    /// Records an event with the evidence for it.
+    /// Records an event with the evidence for it: `(requested, now)` as for
+    /// [`CoordinatorState::event`].
     fn event_with(
         &mut self,
         kind: EventKind,
         worker: WorkerId,
-        requested: Instant,
+        (requested, now): (Instant, Instant),
         detail: String,
     ) {
         let name = self
@@ -356,7 +359,6 @@ impl CoordinatorState {
             .get(&worker)
             .map(|w| w.name.clone())
             .unwrap_or_default();
-        let now = Instant::now();
         let others = self.workers.iter().map(|(id, w)| (*id, w.state));
         self.history.event(self.ms(now), kind, worker, others);
         let record = EventRecord {
@@ -401,11 +403,11 @@ impl CoordinatorState {
     }
 
     /// Asks a worker to leave after its current step. A worker waiting for data leaves at once.
-    pub fn drain(&mut self, worker: WorkerId) -> Result<(), Refusal> {
+    pub fn drain(&mut self, worker: WorkerId, now: Instant) -> Result<(), Refusal> {
         let w = self.active(worker)?;
         if !w.draining {
             w.draining = true;
-            self.event(EventKind::Drain, worker, Instant::now());
+            self.event(EventKind::Drain, worker, now, now);
         }
         Ok(())
     }
@@ -520,7 +522,7 @@ impl CoordinatorState {
                 ),
             },
         );
-        self.event(EventKind::Join, id, requested);
+        self.event(EventKind::Join, id, requested, now);
         Poll::Ready((id, self.job.clone(), map, clock))
     }
 
@@ -571,10 +573,10 @@ impl CoordinatorState {
     }
 
     /// A worker leaves gracefully; its unfinished partitions return to the pool.
-    pub fn leave(&mut self, worker: WorkerId) -> Result<(), Refusal> {
+    pub fn leave(&mut self, worker: WorkerId, now: Instant) -> Result<(), Refusal> {
         self.active(worker)?;
         self.retire(worker, WorkerState::Left);
-        self.event(EventKind::Leave, worker, Instant::now());
+        self.event(EventKind::Leave, worker, now, now);
         self.prune_departed();
         Ok(())
     }
@@ -608,7 +610,7 @@ impl CoordinatorState {
             return false;
         }
         self.retire(worker, WorkerState::Dead);
-        self.event_with(EventKind::Dead, worker, now, detail);
+        self.event_with(EventKind::Dead, worker, (now, now), detail);
         self.prune_departed();
         true
     }

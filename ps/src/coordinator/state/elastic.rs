@@ -246,7 +246,7 @@ impl CoordinatorState {
                 s.factor,
                 mine - reference,
             );
-            self.event_with(EventKind::Straggler, worker, now, detail.clone());
+            self.event_with(EventKind::Straggler, worker, (now, now), detail.clone());
             self.news.push(format!(
                 "straggler: {worker} ({name}): {detail}; policy {}",
                 s.policy
@@ -254,7 +254,7 @@ impl CoordinatorState {
             match s.policy {
                 StragglerPolicy::Ignore => {}
                 StragglerPolicy::Drop => {
-                    let _ = self.drain(worker);
+                    let _ = self.drain(worker, now);
                     self.news
                         .push(format!("straggler {worker} drained (policy drop)"));
                 }
@@ -275,7 +275,7 @@ impl CoordinatorState {
                     "median {mine:.1} ms against the others' {reference:.1} ms: {score:.2}x < {}x",
                     s.recover_factor()
                 );
-                self.event_with(EventKind::Recovered, worker, now, detail.clone());
+                self.event_with(EventKind::Recovered, worker, (now, now), detail.clone());
                 self.news
                     .push(format!("{worker} is no longer a straggler: {detail}"));
             }
@@ -343,7 +343,7 @@ impl CoordinatorState {
                 };
                 self.news
                     .push(format!("stalled: {id} ({name}) {what}; {policy}"));
-                self.event_with(EventKind::Stalled, id, now, what.clone());
+                self.event_with(EventKind::Stalled, id, (now, now), what.clone());
             }
             if drop_after.is_some_and(|d| held >= d) {
                 self.declare_dead(id, now, format!("dropped: it {what}"));
@@ -374,7 +374,7 @@ impl CoordinatorState {
             return p.clone();
         }
         let p = self.place(PlacementKind::Replace { old, reason }, slot, now);
-        self.event(EventKind::ReplaceRequested, old, now);
+        self.event(EventKind::ReplaceRequested, old, now, now);
         self.news.push(format!(
             "placement {}: a replacement for {old} ({reason}) requested",
             p.id
@@ -412,7 +412,7 @@ impl CoordinatorState {
     /// A worker admitted for placement `id`: the placement is done, and the worker it
     /// replaces (if still training) is drained. A placement that is not pending (unknown,
     /// cancelled, already done) changes nothing but the log.
-    pub fn placed(&mut self, worker: WorkerId, id: u64) {
+    pub fn placed(&mut self, worker: WorkerId, id: u64, now: Instant) {
         let Some(p) = self.placement_mut(id).filter(|p| p.is_pending()) else {
             self.news.push(format!(
                 "{worker} was started for placement {id}, which is not pending: admitted as \
@@ -427,7 +427,7 @@ impl CoordinatorState {
         }
         if let PlacementKind::Replace { old, reason } = kind {
             let draining = self.workers.get(&old).is_none_or(|o| o.draining);
-            if !draining && self.drain(old).is_ok() {
+            if !draining && self.drain(old, now).is_ok() {
                 self.news
                     .push(format!("{worker} replaces {old} ({reason}): {old} drained"));
             }
@@ -435,7 +435,7 @@ impl CoordinatorState {
     }
 
     /// A placer could not start a worker for placement `id`.
-    pub fn placement_failed(&mut self, id: u64, reason: &str) -> Result<(), Refusal> {
+    pub fn placement_failed(&mut self, id: u64, reason: &str, now: Instant) -> Result<(), Refusal> {
         let p = self.placement_mut(id).filter(|p| p.is_pending()).ok_or((
             ErrorCode::InvalidRequest,
             format!("placement {id} is not pending"),
@@ -458,7 +458,7 @@ impl CoordinatorState {
             reason: ReplaceReason::Preempt,
         } = p.kind
         {
-            let _ = self.drain(old);
+            let _ = self.drain(old, now);
         }
         self.news
             .push(format!("placement {id} failed in the placer: {reason}"));
@@ -495,7 +495,7 @@ impl CoordinatorState {
         let deadline = now.checked_add(notice).unwrap_or(now);
         w.pace.notice = Some(w.pace.notice.map_or(deadline, |d| d.min(deadline)));
         let leaving = w.draining;
-        self.event(EventKind::Preempt, worker, now);
+        self.event(EventKind::Preempt, worker, now, now);
         if replace && !leaving {
             return Ok(Some(self.replace(
                 worker,
@@ -504,7 +504,7 @@ impl CoordinatorState {
                 now,
             )));
         }
-        self.drain(worker)?;
+        self.drain(worker, now)?;
         Ok(None)
     }
 
@@ -586,7 +586,7 @@ impl CoordinatorState {
                 extra -= 1;
             }
             for id in staying.iter().rev().take(extra) {
-                self.drain(*id)?;
+                self.drain(*id, now)?;
                 r.drained.push(*id);
                 // The job shrinks: a replacement asked for this worker is no longer wanted.
                 for p in self.placements.iter_mut().filter(|p| {

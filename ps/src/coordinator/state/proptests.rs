@@ -297,7 +297,7 @@ impl Harness {
     fn new(consistency: Consistency) -> Self {
         let job = job(consistency);
         let now = Instant::now();
-        let mut st = CoordinatorState::new(job.clone(), SHARDS);
+        let mut st = CoordinatorState::new(job.clone(), SHARDS, now);
         for s in 0..SHARDS {
             st.shard_join(&format!("s{s}"), &format!("127.0.0.1:{}", 7000 + s))
                 .expect("shard join");
@@ -409,7 +409,7 @@ impl Harness {
                     return;
                 }
                 let before = self.st.snapshot();
-                match self.st.leave(id) {
+                match self.st.leave(id, self.now) {
                     Ok(()) => {
                         assert!(Self::active(&before, id));
                         let after = self.st.snapshot();
@@ -471,7 +471,7 @@ impl Harness {
             Op::Drain { who } => {
                 let id = self.id(who);
                 let before = self.st.snapshot();
-                match self.st.drain(id) {
+                match self.st.drain(id, self.now) {
                     Ok(()) => {
                         let after = self.st.snapshot();
                         assert!(Self::worker_snap(&after, id).is_some_and(|w| w.draining));
@@ -597,7 +597,7 @@ impl Harness {
                 let before = self.st.snapshot();
                 self.apply(&Op::Register { ident: *ident });
                 let id = *self.ids.last().expect("registered");
-                self.st.placed(id, p.id);
+                self.st.placed(id, p.id, self.now);
                 let now = self.st.placements();
                 let after = now.iter().find(|q| q.id == p.id).expect("kept");
                 if p.is_pending() {

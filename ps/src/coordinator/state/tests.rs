@@ -34,7 +34,7 @@ fn ready<T: std::fmt::Debug>(p: Poll<T>) -> T {
 
 #[test]
 fn ssp_bound_holds_and_dead_workers_stop_counting() {
-    let mut st = CoordinatorState::new(job(Consistency::Ssp { staleness: 1 }), 1);
+    let mut st = CoordinatorState::new(job(Consistency::Ssp { staleness: 1 }), 1, Instant::now());
     let t0 = Instant::now();
     assert!(matches!(st.register("a", "x", t0, t0), Poll::Pending));
     st.shard_join("s0", "127.0.0.1:1").expect("join");
@@ -61,7 +61,7 @@ fn ssp_bound_holds_and_dead_workers_stop_counting() {
 
 #[test]
 fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
-    let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 1, Instant::now());
     let t0 = Instant::now();
     st.shard_join("s0", "x").expect("join");
     let (a, ..) = ready(st.register("a", "x", t0, t0));
@@ -120,7 +120,7 @@ fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
 
 #[test]
 fn a_worker_waiting_for_data_does_not_hold_back_the_others() {
-    let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
+    let mut st = CoordinatorState::new(job(Consistency::Bsp), 1, Instant::now());
     let t0 = Instant::now();
     st.shard_join("s0", "x").expect("join");
     let (a, ..) = ready(st.register("a", "x", t0, t0));
@@ -163,7 +163,7 @@ fn a_worker_waiting_for_data_does_not_hold_back_the_others() {
 
 #[test]
 fn bad_reports_change_nothing() {
-    let mut st = CoordinatorState::new(job(Consistency::Bsp), 1);
+    let mut st = CoordinatorState::new(job(Consistency::Bsp), 1, Instant::now());
     let t0 = Instant::now();
     st.shard_join("s0", "x").expect("join");
     let (a, ..) = ready(st.register("a", "x", t0, t0));
@@ -179,7 +179,7 @@ fn bad_reports_change_nothing() {
 
 #[test]
 fn shards_are_known_by_the_names_operators_gave_them() {
-    let mut st = CoordinatorState::new(job(Consistency::Asp), 3);
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 3, Instant::now());
     // Join order is not name order: ids follow the names.
     let s1 = st.shard_join("s1", "127.0.0.1:2").expect("join");
     let gpu = st.shard_join("gpu-a", "127.0.0.1:9").expect("join");
@@ -199,7 +199,7 @@ fn shards_are_known_by_the_names_operators_gave_them() {
         "{err:?}"
     );
     // A name whose id is taken gets one past the highest.
-    let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 1, Instant::now());
     st.shard_join("s1", "a").expect("join");
     st.shard_join("x", "a2").expect("join");
     assert_eq!(st.shard_join("s1-b", "b"), Ok(ShardId(3)));
@@ -211,7 +211,7 @@ fn shards_are_known_by_the_names_operators_gave_them() {
 
 #[test]
 fn a_rebalance_spreads_keys_over_standby_shards_too() {
-    let mut st = CoordinatorState::new(job(Consistency::Asp), 2);
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 2, Instant::now());
     st.shard_join("s0", "a").expect("join");
     st.shard_join("s1", "b").expect("join");
     let s2 = st.shard_join("s2", "c").expect("join");
@@ -245,7 +245,7 @@ fn a_rebalance_spreads_keys_over_standby_shards_too() {
 
 #[test]
 fn the_trace_is_served_in_pages_and_capped() {
-    let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 1, Instant::now());
     let t0 = Instant::now();
     st.shard_join("s0", "x").expect("join");
     let (a, ..) = ready(st.register("a", "x", t0, t0));
@@ -265,7 +265,7 @@ fn the_trace_is_served_in_pages_and_capped() {
     // Departed workers past the cap are forgotten, oldest first.
     for i in 0..MAX_DEPARTED + 5 {
         let (w, ..) = ready(st.register(&format!("w{i}"), "x", t0, t0));
-        st.leave(w).expect("leave");
+        st.leave(w, Instant::now()).expect("leave");
     }
     let departed = st
         .workers
@@ -280,7 +280,7 @@ fn the_trace_is_served_in_pages_and_capped() {
 #[test]
 fn commits_lost_with_a_crash_are_counted_when_the_worker_resumes() {
     let j = job(Consistency::Asp);
-    let mut st = CoordinatorState::new(j.clone(), 1);
+    let mut st = CoordinatorState::new(j.clone(), 1, Instant::now());
     let t0 = Instant::now();
     st.shard_join("s0", "x").expect("join");
     let (a, ..) = ready(st.register("a", "x", t0, t0));

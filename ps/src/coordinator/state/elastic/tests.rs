@@ -38,7 +38,7 @@ fn cluster_with(
     consistency: Consistency,
     settings: StragglerSettings,
 ) -> (CoordinatorState, Vec<WorkerId>, Instant) {
-    let mut st = CoordinatorState::new(job(consistency), 1);
+    let mut st = CoordinatorState::new(job(consistency), 1, Instant::now());
     st.set_stragglers(settings).expect("settings");
     let t0 = Instant::now();
     st.shard_join("s0", "x").expect("join");
@@ -155,7 +155,7 @@ fn a_slow_worker_is_flagged_once_confirmed_and_replaced() {
     // The straggler keeps training until its replacement is admitted; then it is drained.
     assert!(!st.members(t).iter().any(|m| m.draining));
     let (new, ..) = ready(st.register("p1", "x", t, t));
-    st.placed(new, p.id);
+    st.placed(new, p.id, Instant::now());
     assert_eq!(
         st.placements()[0].state,
         PlacementState::Done { worker: new }
@@ -288,7 +288,7 @@ fn a_preempted_worker_trains_on_until_its_substitute_arrives() {
     assert_eq!(st.beat(ids[1], t).expect("beat"), (false, None));
     assert_eq!(events(&st, EventKind::Preempt), vec![ids[0]]);
     let (new, ..) = ready(st.register("p1", "x", t, t));
-    st.placed(new, p.id);
+    st.placed(new, p.id, Instant::now());
     assert_eq!(
         st.placements()[0].state,
         PlacementState::Done { worker: new }
@@ -302,10 +302,10 @@ fn a_preempted_worker_trains_on_until_its_substitute_arrives() {
         .preempt(ids[0], Duration::from_secs(5), t)
         .expect("preempt")
         .expect("placement");
-    st.leave(ids[0]).expect("leave");
+    st.leave(ids[0], Instant::now()).expect("leave");
     assert!(st.placements()[0].is_pending());
     let (new, ..) = ready(st.register("p1", "x", t, t));
-    st.placed(new, p.id);
+    st.placed(new, p.id, Instant::now());
     assert_eq!(
         st.placements()[0].state,
         PlacementState::Done { worker: new }
@@ -317,7 +317,7 @@ fn a_preempted_worker_trains_on_until_its_substitute_arrives() {
         .preempt(ids[0], Duration::from_secs(5), t)
         .expect("preempt")
         .expect("placement");
-    st.placement_failed(p.id, &"x".repeat(10_000))
+    st.placement_failed(p.id, &"x".repeat(10_000), Instant::now())
         .expect("failed");
     assert!(st.beat(ids[0], t).expect("beat").0);
     match &st.placements()[0].state {
@@ -348,7 +348,7 @@ fn migration_and_resizes_make_placements() {
     assert_eq!(m.slot.as_deref(), Some("slot3"));
     // Asking again while it is pending gives the same placement.
     assert_eq!(st.migrate(ids[0], None, t).expect("again").id, m.id);
-    st.drain(ids[1]).expect("drain");
+    st.drain(ids[1], Instant::now()).expect("drain");
     assert_eq!(
         st.migrate(ids[1], None, t).map_err(|e| e.0),
         Err(ErrorCode::Conflict)
@@ -363,9 +363,9 @@ fn migration_and_resizes_make_placements() {
     assert_eq!(r.cancelled, vec![placed[1]]);
     // Both placed workers arrive (one for a cancelled placement: admitted as an extra).
     let (a, ..) = ready(st.register("p1", "x", t, t));
-    st.placed(a, placed[0]);
+    st.placed(a, placed[0], Instant::now());
     let (b, ..) = ready(st.register("p2", "x", t, t));
-    st.placed(b, placed[1]);
+    st.placed(b, placed[1], Instant::now());
     assert_eq!(
         st.placements()
             .iter()
@@ -397,8 +397,12 @@ fn migration_and_resizes_make_placements() {
     );
     // A placer's failure is recorded; a second one is refused.
     let placed = st.scale(2, t).expect("grow").placed;
-    st.placement_failed(placed[0], "no slot").expect("failed");
-    assert!(st.placement_failed(placed[0], "again").is_err());
+    st.placement_failed(placed[0], "no slot", Instant::now())
+        .expect("failed");
+    assert!(
+        st.placement_failed(placed[0], "again", Instant::now())
+            .is_err()
+    );
 }
 
 #[test]
@@ -419,7 +423,7 @@ fn changing_the_window_judges_afresh_and_other_settings_do_not() {
 
 #[test]
 fn bad_settings_are_refused() {
-    let mut st = CoordinatorState::new(job(Consistency::Asp), 1);
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 1, Instant::now());
     let bad = StragglerSettings {
         factor: 0.5,
         ..StragglerSettings::default()

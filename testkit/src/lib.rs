@@ -25,6 +25,7 @@ use edl_shared::{Identity, Role};
 use edl_worker::{ClientConfig, Job, Session};
 use tokio::task::JoinSet;
 
+pub mod dst;
 pub mod placer;
 pub mod synthetic;
 pub mod tenants;

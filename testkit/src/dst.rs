@@ -1,0 +1,927 @@
+//! Deterministic simulation of a job (`edl-dst`): the coordinator's state machine, the shards'
+//! ledgers and optimizer, and workers running the client's loop (register, lease, push, commit,
+//! wait for their clock, leave), in one thread on virtual time, over a simulated network that
+//! delays, reorders, loses and duplicates requests and answers, while workers join, drain and
+//! crash. Every run is a pure function of its seed; a run is checked for exactly-once data on
+//! every shard, float-exact counters (every applied push adds exactly 1) and liveness (the job
+//! finishes once the faults stop).
+//!
+//! This first version drives the state machines directly, as the services do (the long polls
+//! become requests parked until the state lets them go on); the services themselves, the
+//! transport and restarts of coordinators and shards are not simulated yet.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::fmt::{self, Write as _};
+use std::time::{Duration, Instant};
+
+use edl_proto::msg::{ChunkRef, DataSpan, Partition};
+use edl_proto::{Clock, Consistency, JobConfig, Key, ShardId, ShardMap, WorkerId};
+use edl_ps::coordinator::state::{CoordinatorState, Poll};
+use edl_ps::shard::ShardState;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Until this virtual time faults are injected; after it the network delivers everything
+/// promptly and the job must finish.
+const FAULTS_END_MS: u64 = 15_000;
+/// A job not finished by this virtual time is a liveness failure.
+const DEADLINE_MS: u64 = 300_000;
+/// The coordinator's sweeper period (lease expiry).
+const TICK_MS: u64 = 100;
+/// How long a worker takes to notice that its connection failed.
+const CONNECTION_TIMEOUT_MS: u64 = 1000;
+
+/// One run's scenario, drawn from its seed.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    /// Shard servers.
+    pub shards: u32,
+    /// Workers at the start.
+    pub workers: u32,
+    /// The consistency model (ASP or SSP).
+    pub consistency: Consistency,
+    /// Samples per epoch, partition size and batch size.
+    pub data: (u32, u32, u32),
+    /// Chance that a request, or an answer, is lost.
+    pub loss: f64,
+    /// Chance that a request is delivered twice.
+    pub duplicate: f64,
+    /// Largest network delay in milliseconds (messages overtake each other within it).
+    pub max_delay_ms: u64,
+    /// Scripted events: `(virtual ms, what)`.
+    pub script: Vec<(u64, Scripted)>,
+}
+
+/// A scripted membership change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scripted {
+    /// A new worker starts.
+    Join,
+    /// An operator drains the n-th registered worker (modulo their number).
+    Drain(usize),
+    /// The n-th live worker (modulo their number) crashes: it stops, its messages in flight
+    /// still arrive.
+    Crash(usize),
+}
+
+impl Scenario {
+    /// The scenario of `seed`.
+    pub fn of(seed: u64) -> Scenario {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_d57d_57d5_eed5);
+        let consistency = match rng.random_range(0..4) {
+            0 => Consistency::Asp,
+            s => Consistency::Ssp { staleness: s - 1 },
+        };
+        let mut script = Vec::new();
+        for _ in 0..rng.random_range(0..4) {
+            script.push((rng.random_range(0..FAULTS_END_MS), Scripted::Join));
+        }
+        for _ in 0..rng.random_range(0..3) {
+            let n = rng.random_range(0..8);
+            script.push((rng.random_range(0..FAULTS_END_MS), Scripted::Drain(n)));
+        }
+        for _ in 0..rng.random_range(0..4) {
+            let n = rng.random_range(0..8);
+            script.push((rng.random_range(0..FAULTS_END_MS), Scripted::Crash(n)));
+        }
+        script.sort_by_key(|(t, _)| *t);
+        Scenario {
+            shards: rng.random_range(2..=4),
+            workers: rng.random_range(2..=8),
+            consistency,
+            data: (
+                rng.random_range(64..=256),
+                rng.random_range(8..=32),
+                rng.random_range(2..=8),
+            ),
+            loss: rng.random_range(0.0..0.08),
+            duplicate: rng.random_range(0.0..0.04),
+            max_delay_ms: rng.random_range(1..=40),
+            script,
+        }
+    }
+
+    /// The job: a zero-initialized counter of two chunks per shard, SGD at learning rate 1,
+    /// two epochs.
+    fn job(&self) -> JobConfig {
+        let (samples, partition, batch) = self.data;
+        JobConfig {
+            epochs: 2,
+            train_samples: samples,
+            partition_size: partition,
+            batch_size: batch,
+            lease_ms: 1000,
+            ..crate::counter_job(8 * self.shards, 4, self.consistency)
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// The seed.
+    pub seed: u64,
+    /// A hash of every delivered message and timer, in order (FNV-1a).
+    pub digest: u64,
+    /// Messages and timers delivered.
+    pub events: u64,
+    /// Virtual milliseconds until the job finished.
+    pub virtual_ms: u64,
+    /// Workers started, crashed, declared dead by the coordinator, drained.
+    pub workers: (u32, u32, u32, u32),
+    /// Requests and answers the network lost, and requests it delivered twice.
+    pub lost: u64,
+    /// Requests delivered twice.
+    pub duplicated: u64,
+}
+
+/// A failed run: what broke, when, and the history up to it.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    /// The seed.
+    pub seed: u64,
+    /// Virtual milliseconds when it was found.
+    pub at_ms: u64,
+    /// The broken invariant.
+    pub what: String,
+    /// The last events before it (with `verbose`, all of them).
+    pub log: Vec<String>,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "seed {} failed at {} ms: {}",
+            self.seed, self.at_ms, self.what
+        )?;
+        for line in &self.log {
+            writeln!(f, "  {line}")?;
+        }
+        write!(f, "replay: edl-dst --seed {} --verbose", self.seed)
+    }
+}
+
+/// How a run is driven besides its seed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// Keep the whole event log for a failure (otherwise its last 40 lines).
+    pub verbose: bool,
+    /// Workers repeat a coordinator call whose connection failed on a new connection (the
+    /// client's `TransportSettings::reconnect`) instead of exiting. Known to fail: a
+    /// `NextPartition` whose answer was lost is served twice, and the first partition stays
+    /// leased to a worker that never learns of it, so the job cannot finish while it lives.
+    pub reconnect: bool,
+}
+
+/// Runs seed `seed`.
+pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
+    let scenario = Scenario::of(seed);
+    let mut sim = Sim::new(seed, scenario, options.verbose);
+    sim.reconnect = options.reconnect;
+    match sim.run() {
+        Ok(()) => Ok(sim.report()),
+        Err(what) => {
+            let log = sim.log.iter().cloned().collect();
+            Err(Box::new(Failure {
+                seed,
+                at_ms: sim.now,
+                what,
+                log,
+            }))
+        }
+    }
+}
+
+/// Where a message goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Node {
+    Coordinator,
+    Shard(usize),
+    Worker(usize),
+}
+
+/// A message or a timer.
+#[derive(Clone, Debug)]
+enum Body {
+    Register,
+    NextPartition(WorkerId),
+    Clock {
+        id: WorkerId,
+        clock: Clock,
+        span: DataSpan,
+    },
+    Heartbeat(WorkerId),
+    Leave(WorkerId),
+    Push {
+        id: WorkerId,
+        clock: Clock,
+        span: DataSpan,
+    },
+    Registered {
+        id: WorkerId,
+        clock: Clock,
+    },
+    Leased {
+        part: Option<Partition>,
+        clock: Clock,
+    },
+    Granted {
+        drain: bool,
+    },
+    Beat {
+        drain: bool,
+    },
+    Pushed {
+        shard: usize,
+        span: DataSpan,
+    },
+    Refused(String),
+    Left,
+    Retry,
+    ConnectionLost,
+    HeartbeatDue,
+    Tick,
+    Script(Scripted),
+}
+
+/// One delivery: to whom, from which worker (for answers and worker timers), the request it
+/// belongs to, and what.
+#[derive(Clone, Debug)]
+struct Envelope {
+    to: Node,
+    worker: usize,
+    seq: u64,
+    body: Body,
+}
+
+/// A worker's place in the client's loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Registering,
+    Leasing,
+    Pushing,
+    Committing,
+    Leaving,
+    Done,
+    Crashed,
+}
+
+/// A simulated worker.
+#[derive(Debug)]
+struct Worker {
+    id: Option<WorkerId>,
+    phase: Phase,
+    /// The request awaited (answers to older ones are stale).
+    seq: u64,
+    clock: Clock,
+    part: Option<(Partition, u32)>,
+    span: Option<DataSpan>,
+    acks: BTreeSet<usize>,
+    drain: bool,
+}
+
+/// A coordinator request waiting for the state to let it go on (a long poll).
+#[derive(Clone, Debug)]
+struct Parked {
+    worker: usize,
+    seq: u64,
+    kind: ParkedKind,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum ParkedKind {
+    Register(u64),
+    Lease(WorkerId),
+    Clock(WorkerId),
+}
+
+struct Sim {
+    seed: u64,
+    scenario: Scenario,
+    rng: StdRng,
+    base: Instant,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64)>>,
+    pending: BTreeMap<u64, Envelope>,
+    coordinator: CoordinatorState,
+    parked: Vec<Parked>,
+    shards: Vec<ShardState>,
+    map: ShardMap,
+    /// Per shard, its keys as chunk references.
+    keys: Vec<Vec<ChunkRef>>,
+    workers: Vec<Worker>,
+    digest: u64,
+    events: u64,
+    lost: u64,
+    duplicated: u64,
+    crashed: u32,
+    dead: u32,
+    drained: u32,
+    verbose: bool,
+    /// Coordinator calls whose connection failed are repeated on a new one.
+    reconnect: bool,
+    log: std::collections::VecDeque<String>,
+}
+
+impl Sim {
+    fn new(seed: u64, scenario: Scenario, verbose: bool) -> Sim {
+        let base = Instant::now();
+        let job = scenario.job();
+        let mut coordinator = CoordinatorState::new(job.clone(), scenario.shards, base);
+        for s in 0..scenario.shards {
+            // Joining a fresh job's shards cannot fail.
+            let _ = coordinator.shard_join(&format!("s{s}"), &format!("sim:{s}"));
+        }
+        let map = match coordinator.assignment(ShardId(0)) {
+            Poll::Ready((_, map)) => map,
+            _ => unreachable!("every shard joined: the map exists"),
+        };
+        let layout = job.layout();
+        let shards: Vec<ShardState> = (0..scenario.shards)
+            .map(|s| ShardState::new(ShardId(s), job.clone(), map.clone()))
+            .collect();
+        let keys = (0..scenario.shards)
+            .map(|s| {
+                map.ranges_of(ShardId(s))
+                    .flat_map(|r| r.start..r.end)
+                    .filter_map(|k| {
+                        layout.span(Key(k)).map(|span| ChunkRef {
+                            key: Key(k),
+                            len: span.len,
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut sim = Sim {
+            seed,
+            rng: StdRng::seed_from_u64(seed),
+            base,
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            pending: BTreeMap::new(),
+            coordinator,
+            parked: Vec::new(),
+            shards,
+            map,
+            keys,
+            workers: Vec::new(),
+            digest: 0xcbf2_9ce4_8422_2325,
+            events: 0,
+            lost: 0,
+            duplicated: 0,
+            crashed: 0,
+            dead: 0,
+            drained: 0,
+            verbose,
+            reconnect: false,
+            log: std::collections::VecDeque::new(),
+            scenario,
+        };
+        for _ in 0..sim.scenario.workers {
+            sim.start_worker();
+        }
+        for (t, what) in sim.scenario.script.clone() {
+            sim.at(t, Node::Coordinator, 0, 0, Body::Script(what));
+        }
+        sim.at(TICK_MS, Node::Coordinator, 0, 0, Body::Tick);
+        sim
+    }
+
+    fn instant(&self) -> Instant {
+        self.base + Duration::from_millis(self.now)
+    }
+
+    fn faulty(&self) -> bool {
+        self.now < FAULTS_END_MS
+    }
+
+    /// Schedules a delivery at virtual time `t`.
+    fn at(&mut self, t: u64, to: Node, worker: usize, seq: u64, body: Body) {
+        self.seq += 1;
+        self.queue.push(Reverse((t, self.seq)));
+        self.pending.insert(
+            self.seq,
+            Envelope {
+                to,
+                worker,
+                seq,
+                body,
+            },
+        );
+    }
+
+    /// Sends over the network: delayed (so messages overtake each other), maybe lost, maybe
+    /// (a push) delivered twice. QUIC streams neither lose nor repeat a message: a loss is the
+    /// connection failing, which the worker notices after a timeout. A push (or its answer)
+    /// lost so is pushed again on a new connection, as the client does for span-carrying
+    /// pushes; a coordinator call lost so ends the worker, as the client's default settings
+    /// do (no reconnect): the worker exits and its lease expires.
+    fn send(&mut self, to: Node, worker: usize, seq: u64, body: Body) {
+        let faulty = self.faulty();
+        let push = matches!(body, Body::Push { .. } | Body::Pushed { .. });
+        let heartbeat = matches!(body, Body::Heartbeat(_) | Body::Beat { .. });
+        if faulty && self.rng.random_bool(self.scenario.loss) {
+            self.lost += 1;
+            self.note(format!("lost {to:?} <- w{worker} {body:?}"));
+            // A heartbeat's connection failing is noticed at the next call.
+            if !heartbeat {
+                let then = if push {
+                    Body::Retry
+                } else {
+                    Body::ConnectionLost
+                };
+                self.at(
+                    self.now + CONNECTION_TIMEOUT_MS,
+                    Node::Worker(worker),
+                    worker,
+                    seq,
+                    then,
+                );
+            }
+            return;
+        }
+        let copies = if faulty && push && self.rng.random_bool(self.scenario.duplicate) {
+            self.duplicated += 1;
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let delay = self.rng.random_range(1..=self.scenario.max_delay_ms.max(1));
+            self.at(self.now + delay, to, worker, seq, body.clone());
+        }
+    }
+
+    fn note(&mut self, line: String) {
+        let line = format!("{:>7} ms  {line}", self.now);
+        self.log.push_back(line);
+        if !self.verbose && self.log.len() > 40 {
+            self.log.pop_front();
+        }
+    }
+
+    fn start_worker(&mut self) {
+        let slot = self.workers.len();
+        self.workers.push(Worker {
+            id: None,
+            phase: Phase::Registering,
+            seq: 0,
+            clock: Clock(0),
+            part: None,
+            span: None,
+            acks: BTreeSet::new(),
+            drain: false,
+        });
+        self.request(slot, Body::Register);
+    }
+
+    /// A worker's next request to the coordinator, awaited.
+    fn request(&mut self, slot: usize, body: Body) {
+        self.seq += 1;
+        let seq = self.seq;
+        self.workers[slot].seq = seq;
+        self.send(Node::Coordinator, slot, seq, body);
+    }
+
+    /// The current batch's pushes to the shards that have not acknowledged it.
+    fn push(&mut self, slot: usize) {
+        self.seq += 1;
+        let seq = self.seq;
+        let w = &mut self.workers[slot];
+        w.seq = seq;
+        let (Some(id), Some(span)) = (w.id, w.span) else {
+            return;
+        };
+        let clock = w.clock;
+        let missing: Vec<usize> = (0..self.shards.len())
+            .filter(|s| !w.acks.contains(s))
+            .collect();
+        for s in missing {
+            self.send(Node::Shard(s), slot, seq, Body::Push { id, clock, span });
+        }
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        while let Some(Reverse((t, n))) = self.queue.pop() {
+            let Some(env) = self.pending.remove(&n) else {
+                continue;
+            };
+            self.now = t;
+            if self.now > DEADLINE_MS {
+                return Err(format!(
+                    "liveness: the job did not finish by {DEADLINE_MS} ms ({} of {} samples \
+                     done; workers: {:?})",
+                    self.coordinator.status(self.instant()).samples_done,
+                    self.coordinator.status(self.instant()).samples_total,
+                    self.workers.iter().map(|w| w.phase).collect::<Vec<_>>()
+                ));
+            }
+            self.events += 1;
+            let line = format!(
+                "{:?} <- w{} #{} {:?}",
+                env.to, env.worker, env.seq, env.body
+            );
+            for b in format!("{t} {line}").bytes() {
+                self.digest = (self.digest ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+            self.note(line);
+            match env.to {
+                Node::Coordinator => self.at_coordinator(env)?,
+                Node::Shard(s) => self.at_shard(s, env)?,
+                Node::Worker(slot) => self.at_worker(slot, env)?,
+            }
+            if self.coordinator.finished()
+                && self
+                    .workers
+                    .iter()
+                    .all(|w| matches!(w.phase, Phase::Done | Phase::Crashed))
+            {
+                break;
+            }
+        }
+        if !self.coordinator.finished() {
+            return Err("liveness: no event left and the job is not finished".into());
+        }
+        // Deliver what is still in flight (late pushes of crashed workers): none may count.
+        while let Some(Reverse((t, n))) = self.queue.pop() {
+            if let Some(env) = self.pending.remove(&n)
+                && let Node::Shard(s) = env.to
+            {
+                self.now = t;
+                self.at_shard(s, env)?;
+            }
+        }
+        self.check_end()
+    }
+
+    fn at_coordinator(&mut self, env: Envelope) -> Result<(), String> {
+        let now = self.instant();
+        let (slot, seq) = (env.worker, env.seq);
+        match env.body {
+            Body::Tick => {
+                for id in self.coordinator.expire_leases(now) {
+                    self.dead += 1;
+                    self.note(format!("coordinator: {id} declared dead"));
+                }
+                if !self.faulty()
+                    && !self
+                        .workers
+                        .iter()
+                        .any(|w| !matches!(w.phase, Phase::Done | Phase::Crashed))
+                    && !self.coordinator.finished()
+                {
+                    self.note("no worker left: a new one starts".into());
+                    self.start_worker();
+                }
+                self.at(self.now + TICK_MS, Node::Coordinator, 0, 0, Body::Tick);
+            }
+            Body::Script(Scripted::Join) => self.start_worker(),
+            Body::Script(Scripted::Drain(n)) => {
+                let ids: Vec<WorkerId> = self.workers.iter().filter_map(|w| w.id).collect();
+                if !ids.is_empty() {
+                    let id = ids[n % ids.len()];
+                    if self.coordinator.drain(id, now).is_ok() {
+                        self.drained += 1;
+                    }
+                }
+            }
+            Body::Script(Scripted::Crash(n)) => {
+                let live: Vec<usize> = (0..self.workers.len())
+                    .filter(|&s| !matches!(self.workers[s].phase, Phase::Done | Phase::Crashed))
+                    .collect();
+                if !live.is_empty() {
+                    let s = live[n % live.len()];
+                    self.workers[s].phase = Phase::Crashed;
+                    self.crashed += 1;
+                    self.note(format!("w{s} crashes"));
+                }
+            }
+            Body::Register => self.parked.push(Parked {
+                worker: slot,
+                seq,
+                kind: ParkedKind::Register(self.now),
+            }),
+            Body::NextPartition(id) => match self.coordinator.set_idle(id) {
+                Ok(()) => self.parked.push(Parked {
+                    worker: slot,
+                    seq,
+                    kind: ParkedKind::Lease(id),
+                }),
+                Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
+            },
+            Body::Clock { id, clock, span } => {
+                let r = self.coordinator.advance(
+                    id,
+                    clock,
+                    span.epoch,
+                    span.len(),
+                    0.0,
+                    Some(span),
+                    now,
+                );
+                match r {
+                    Ok(()) => self.parked.push(Parked {
+                        worker: slot,
+                        seq,
+                        kind: ParkedKind::Clock(id),
+                    }),
+                    Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
+                }
+            }
+            Body::Heartbeat(id) => match self.coordinator.beat(id, now) {
+                Ok((drain, _)) => self.send(Node::Worker(slot), slot, seq, Body::Beat { drain }),
+                Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
+            },
+            Body::Leave(id) => {
+                // Leaving twice (a repeated request) finds the worker gone: what it asked for.
+                let _ = self.coordinator.leave(id, now);
+                self.send(Node::Worker(slot), slot, seq, Body::Left);
+            }
+            other => return Err(format!("the coordinator got {other:?}")),
+        }
+        self.unpark();
+        Ok(())
+    }
+
+    /// Answers every parked request the state now lets go on.
+    fn unpark(&mut self) {
+        let now = self.instant();
+        let parked = std::mem::take(&mut self.parked);
+        for p in parked {
+            let answer = match p.kind {
+                ParkedKind::Register(at) => {
+                    let requested = self.base + Duration::from_millis(at);
+                    let name = format!("w{}", p.worker);
+                    match self.coordinator.register(&name, "sim", requested, now) {
+                        Poll::Ready((id, _, _, clock)) => Some(Body::Registered { id, clock }),
+                        Poll::Pending => None,
+                        Poll::Failed(_, m) => Some(Body::Refused(m)),
+                    }
+                }
+                ParkedKind::Lease(id) => match self.coordinator.next_partition(id, now) {
+                    Poll::Ready((part, clock)) => Some(Body::Leased { part, clock }),
+                    Poll::Pending => None,
+                    Poll::Failed(_, m) => Some(Body::Refused(m)),
+                },
+                ParkedKind::Clock(id) => match self.coordinator.may_proceed(id) {
+                    Poll::Ready((_, drain)) => {
+                        self.coordinator.granted(id, now);
+                        Some(Body::Granted { drain })
+                    }
+                    Poll::Pending => None,
+                    Poll::Failed(_, m) => Some(Body::Refused(m)),
+                },
+            };
+            match answer {
+                Some(body) => self.send(Node::Worker(p.worker), p.worker, p.seq, body),
+                None => self.parked.push(p),
+            }
+        }
+    }
+
+    fn at_shard(&mut self, s: usize, env: Envelope) -> Result<(), String> {
+        let Body::Push { id, clock, span } = env.body else {
+            return Err(format!("shard {s} got {:?}", env.body));
+        };
+        let chunks = &self.keys[s];
+        let floats: u32 = chunks.iter().map(|c| c.len).sum();
+        let payload: Vec<u8> = (0..floats).flat_map(|_| (-1.0f32).to_le_bytes()).collect();
+        let r = self.shards[s].push(self.map.epoch, id, clock, chunks, &payload, Some(&span));
+        match r {
+            Ok(_) => self.send(
+                Node::Worker(env.worker),
+                env.worker,
+                env.seq,
+                Body::Pushed { shard: s, span },
+            ),
+            Err(e) => {
+                return Err(format!(
+                    "shard {s} refused {id}'s push of {span:?}: {}",
+                    e.message
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn at_worker(&mut self, slot: usize, env: Envelope) -> Result<(), String> {
+        let phase = self.workers[slot].phase;
+        if matches!(phase, Phase::Done | Phase::Crashed) {
+            return Ok(());
+        }
+        let current = env.seq == self.workers[slot].seq;
+        match env.body {
+            Body::Retry if phase == Phase::Pushing => self.push(slot),
+            Body::ConnectionLost if current && self.reconnect => self.repeat(slot),
+            Body::ConnectionLost if current => {
+                self.note(format!(
+                    "w{slot} exits: its connection to the coordinator failed"
+                ));
+                self.workers[slot].phase = Phase::Crashed;
+            }
+            Body::HeartbeatDue => {
+                if let Some(id) = self.workers[slot].id {
+                    self.seq += 1;
+                    let seq = self.seq;
+                    self.send(Node::Coordinator, slot, seq, Body::Heartbeat(id));
+                    let every = u64::from(self.scenario.job().lease_ms) / 4;
+                    self.at(
+                        self.now + every,
+                        Node::Worker(slot),
+                        slot,
+                        0,
+                        Body::HeartbeatDue,
+                    );
+                }
+            }
+            Body::Beat { drain } => self.workers[slot].drain |= drain,
+            Body::Refused(m) if current || phase == Phase::Pushing => {
+                // The client gives up: a worker the coordinator dropped exits.
+                self.note(format!("w{slot} exits: {m}"));
+                self.workers[slot].phase = Phase::Done;
+            }
+            Body::Registered { id, clock } if current && phase == Phase::Registering => {
+                let w = &mut self.workers[slot];
+                w.id = Some(id);
+                w.clock = clock;
+                w.phase = Phase::Leasing;
+                let every = u64::from(self.scenario.job().lease_ms) / 4;
+                self.at(
+                    self.now + every,
+                    Node::Worker(slot),
+                    slot,
+                    0,
+                    Body::HeartbeatDue,
+                );
+                self.request(slot, Body::NextPartition(id));
+            }
+            Body::Leased { part, clock } if current && phase == Phase::Leasing => {
+                self.workers[slot].clock = clock;
+                match part {
+                    Some(p) => {
+                        self.workers[slot].part = Some((p, p.start));
+                        self.next_batch(slot);
+                    }
+                    None => self.leave(slot),
+                }
+            }
+            Body::Pushed { shard, span } if phase == Phase::Pushing => {
+                let w = &mut self.workers[slot];
+                if w.span == Some(span) {
+                    w.acks.insert(shard);
+                    if w.acks.len() == self.shards.len()
+                        && let Some(id) = w.id
+                    {
+                        w.phase = Phase::Committing;
+                        let clock = Clock(w.clock.0 + 1);
+                        self.request(slot, Body::Clock { id, clock, span });
+                    }
+                }
+            }
+            Body::Granted { drain } if current && phase == Phase::Committing => {
+                let w = &mut self.workers[slot];
+                w.clock = Clock(w.clock.0 + 1);
+                w.span = None;
+                if drain || w.drain {
+                    self.leave(slot);
+                } else {
+                    self.next_batch(slot);
+                }
+            }
+            Body::Left if current && phase == Phase::Leaving => {
+                self.workers[slot].phase = Phase::Done;
+            }
+            // A stale answer (to a request repeated since) or a stale timer.
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Repeats the awaited coordinator request on a new connection (`reconnect`).
+    fn repeat(&mut self, slot: usize) {
+        let w = &self.workers[slot];
+        let body = match (w.phase, w.id, w.span) {
+            (Phase::Registering, _, _) => Body::Register,
+            (Phase::Leasing, Some(id), _) => Body::NextPartition(id),
+            (Phase::Committing, Some(id), Some(span)) => Body::Clock {
+                id,
+                clock: Clock(w.clock.0 + 1),
+                span,
+            },
+            (Phase::Leaving, Some(id), _) => Body::Leave(id),
+            _ => return,
+        };
+        self.request(slot, body);
+    }
+
+    /// The next batch of the worker's partition, or the next lease.
+    fn next_batch(&mut self, slot: usize) {
+        let batch = self.scenario.data.2;
+        let w = &mut self.workers[slot];
+        let Some(id) = w.id else {
+            return;
+        };
+        match w.part {
+            Some((p, next)) if next < p.start + p.len => {
+                let span = crate::batch_span(&p, next, batch);
+                w.part = Some((p, span.end));
+                w.span = Some(span);
+                w.acks.clear();
+                w.phase = Phase::Pushing;
+                self.push(slot);
+            }
+            _ => {
+                w.part = None;
+                if w.drain {
+                    self.leave(slot);
+                } else {
+                    w.phase = Phase::Leasing;
+                    self.request(slot, Body::NextPartition(id));
+                }
+            }
+        }
+    }
+
+    fn leave(&mut self, slot: usize) {
+        let w = &mut self.workers[slot];
+        w.phase = Phase::Leaving;
+        if let Some(id) = w.id {
+            self.request(slot, Body::Leave(id));
+        }
+    }
+
+    /// The end: every sample of every epoch applied exactly once on every shard, and every
+    /// counter float equal to the number of batches of the job.
+    fn check_end(&mut self) -> Result<(), String> {
+        let job = self.scenario.job();
+        let (samples, partition, batch) = self.scenario.data;
+        for (s, shard) in self.shards.iter().enumerate() {
+            let report = shard.ledger_report();
+            if report.len() != job.epochs as usize {
+                return Err(format!("shard {s} reports {} epochs", report.len()));
+            }
+            for e in report {
+                if (e.applied, e.duplicates, e.missing) != (u64::from(samples), 0, 0) {
+                    return Err(format!("exactly-once: shard {s}, {e:?}"));
+                }
+            }
+        }
+        // Batches per epoch: every partition cut from its start (a re-issued one resumes at
+        // a batch boundary, so the cut is the same).
+        let mut per_epoch = 0u64;
+        let mut start = 0;
+        while start < samples {
+            let len = partition.min(samples - start);
+            per_epoch += u64::from(len.div_ceil(batch));
+            start += len;
+        }
+        let want = (per_epoch * u64::from(job.epochs)) as f32;
+        for (s, shard) in self.shards.iter().enumerate() {
+            for c in shard.snapshot().chunks {
+                if let Some(v) = c.params.iter().find(|v| **v != want) {
+                    return Err(format!(
+                        "counters: shard {s} key {} holds {v}, not {want} (one per batch)",
+                        c.key
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn report(&self) -> Report {
+        Report {
+            seed: self.seed,
+            digest: self.digest,
+            events: self.events,
+            virtual_ms: self.now,
+            workers: (
+                self.workers.len() as u32,
+                self.crashed,
+                self.dead,
+                self.drained,
+            ),
+            lost: self.lost,
+            duplicated: self.duplicated,
+        }
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = String::new();
+        let (started, crashed, dead, drained) = self.workers;
+        let _ = write!(
+            s,
+            "seed {}: finished at {} ms virtual, {} events; {started} workers started, {crashed} \
+             crashed, {dead} declared dead, {drained} drained; {} messages lost, {} duplicated",
+            self.seed, self.virtual_ms, self.events, self.lost, self.duplicated
+        );
+        f.write_str(&s)
+    }
+}

@@ -1,0 +1,48 @@
+//! The deterministic simulation (`edl-dst`): a fixed range of seeds in CI, each run a pure
+//! function of its seed.
+
+use edl_testkit::dst::{self, Options};
+
+/// Seeds CI runs (about a second): joins, drains, crashes, lost and repeated messages under
+/// ASP and SSP(0..2).
+const SEEDS: std::ops::RangeInclusive<u64> = 1..=400;
+
+#[test]
+fn every_seed_of_the_ci_range_keeps_the_invariants() {
+    let mut faults = (0u64, 0u64, 0u32);
+    for seed in SEEDS {
+        let report = dst::run(seed, Options::default()).unwrap_or_else(|f| panic!("{f}"));
+        faults.0 += report.lost;
+        faults.1 += report.duplicated;
+        faults.2 += report.workers.2;
+    }
+    // The range exercises what it claims to: losses, repeats and workers declared dead.
+    assert!(
+        faults.0 > 1000 && faults.1 > 1000 && faults.2 > 100,
+        "{faults:?}"
+    );
+}
+
+#[test]
+fn a_seed_replays_to_the_same_history() {
+    let a = dst::run(7, Options::default()).expect("seed 7");
+    let b = dst::run(7, Options::default()).expect("seed 7");
+    assert_eq!(a.digest, b.digest);
+    assert_eq!((a.events, a.virtual_ms), (b.events, b.virtual_ms));
+    let other = dst::run(8, Options::default()).expect("seed 8");
+    assert_ne!(a.digest, other.digest);
+}
+
+/// Found by the simulation: with coordinator calls repeated on a new connection, a
+/// `NextPartition` whose answer was lost is served twice; the first partition stays leased to
+/// a worker that never learns of it, and the job cannot finish while that worker lives (seed
+/// 2: the answer leasing partition 0/1 is lost at 11,405 ms, 10 samples are stranded).
+#[test]
+#[ignore = "known bug: a repeated NextPartition strands the lease of the lost answer (issue 33)"]
+fn reconnecting_workers_finish_the_job() {
+    let reconnect = Options {
+        reconnect: true,
+        ..Options::default()
+    };
+    dst::run(2, reconnect).unwrap_or_else(|f| panic!("{f}"));
+}

@@ -169,9 +169,8 @@ pub struct Options {
     /// Keep the whole event log for a failure (otherwise its last 40 lines).
     pub verbose: bool,
     /// Workers repeat a coordinator call whose connection failed on a new connection (the
-    /// client's `TransportSettings::reconnect`) instead of exiting. Known to fail: a
-    /// `NextPartition` whose answer was lost is served twice, and the first partition stays
-    /// leased to a worker that never learns of it, so the job cannot finish while it lives.
+    /// client's `TransportSettings::reconnect`) instead of exiting, so the coordinator may
+    /// serve a call twice.
     pub reconnect: bool,
 }
 

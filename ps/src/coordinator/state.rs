@@ -637,6 +637,8 @@ impl CoordinatorState {
     /// Leases the next partition to an idle worker; `Ready(None)` once all data of all epochs is
     /// done, `Pending` while the rest is leased to others (it may come back if they fail). The
     /// worker re-enters the consistency model at the current minimum clock, as a joiner does.
+    /// A worker that still holds a lease gets it again, from its committed position: asking
+    /// again is idempotent.
     pub fn next_partition(
         &mut self,
         worker: WorkerId,
@@ -655,11 +657,26 @@ impl CoordinatorState {
         if w.draining {
             return Poll::Ready((None, w.clock));
         }
-        if let Some(p) = self.data.lease_next() {
-            w.leased.push(Lease {
-                part: p,
-                committed: p.start,
+        // A worker asks for data once it committed all of its partition, so a lease it still
+        // holds is one whose answer it never got (the call was repeated on a new connection):
+        // it gets that lease again, from where it is committed, rather than a second one
+        // that would strand the first with a worker that does not know it holds it.
+        let held = w
+            .leased
+            .iter()
+            .find(|l| l.committed < l.end())
+            .map(|l| Partition {
+                start: l.committed,
+                len: l.end() - l.committed,
+                ..l.part
             });
+        if let Some(p) = held.or_else(|| self.data.lease_next()) {
+            if held.is_none() {
+                w.leased.push(Lease {
+                    part: p,
+                    committed: p.start,
+                });
+            }
             if w.idle {
                 w.idle = false;
                 w.clock = w.clock.max(min.unwrap_or(self.floor));

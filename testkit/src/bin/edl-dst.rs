@@ -28,8 +28,8 @@ struct Cli {
     #[arg(long)]
     verbose: bool,
     /// Workers repeat a coordinator call whose connection failed on a new connection
-    /// (TransportSettings::reconnect) instead of exiting. Known to fail today: a lost answer
-    /// to NextPartition leases a second partition and strands the first.
+    /// (TransportSettings::reconnect) instead of exiting, so the coordinator may serve a call
+    /// twice.
     #[arg(long)]
     reconnect: bool,
 }

@@ -441,7 +441,23 @@ impl Harness {
                         assert!(p.len > 0, "an empty partition leased: {p:?}");
                         let after = self.st.snapshot();
                         let w = Self::worker_snap(&after, id).expect("leased to a known worker");
-                        assert!(w.leased.contains(&(p, p.start)), "{p:?} not in {w:?}");
+                        // A new lease from its start, or the one the worker held already
+                        // (asking again is idempotent) from where it is committed.
+                        let held = |part: &Partition, committed: u32| {
+                            part.epoch == p.epoch
+                                && part.index == p.index
+                                && committed == p.start
+                                && part.start + part.len == p.start + p.len
+                        };
+                        assert!(
+                            w.leased.iter().any(|(part, c)| held(part, *c)),
+                            "{p:?} not in {w:?}"
+                        );
+                        let was = Self::worker_snap(&before, id).expect("known worker");
+                        if let Some((part, c)) = was.leased.first() {
+                            assert!(held(part, *c), "{p:?} is not the lease {w:?} held");
+                            assert_eq!(w.leased.len(), was.leased.len(), "a second lease");
+                        }
                         assert_eq!(w.clock, clock);
                         if *idle {
                             assert!(clock >= min, "re-entered below the minimum clock");

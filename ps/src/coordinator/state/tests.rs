@@ -68,7 +68,8 @@ fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
     let (b, ..) = ready(st.register("b", "x", t0, t0));
     let pa = ready(st.next_partition(a, t0)).0.expect("partition");
     let pb = ready(st.next_partition(b, t0)).0.expect("partition");
-    assert!(matches!(st.next_partition(b, t0), Poll::Pending));
+    // Asking again (an answer lost with its connection) gives the same lease, not a second.
+    assert_eq!(ready(st.next_partition(b, t0)).0, Some(pb));
     let span = |p: Partition, start: u32, end: u32| {
         Some(DataSpan {
             epoch: p.epoch,
@@ -85,8 +86,22 @@ fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
     assert!(gap.is_err());
     let foreign = st.advance(b, Clock(2), 0, 2, 1.0, span(pa, pa.start, pa.start + 2), t0);
     assert!(foreign.is_err(), "a span of another worker's lease");
+    // Half committed, the lease is asked for again: the rest of it comes back.
+    let rest = ready(st.next_partition(b, t0)).0;
+    assert_eq!(
+        rest,
+        Some(Partition {
+            start: b1,
+            len: 2,
+            ..pb
+        })
+    );
     st.advance(b, Clock(2), 0, 2, 1.0, span(pb, b1, b1 + 2), t0)
         .expect("commit the rest");
+    assert!(
+        matches!(st.next_partition(b, t0), Poll::Pending),
+        "no data is left"
+    );
     // a commits half of its partition, then goes silent.
     st.advance(a, Clock(1), 0, 2, 1.0, span(pa, pa.start, pa.start + 2), t0)
         .expect("commit");

@@ -2,13 +2,14 @@
 //! ledgers and optimizer, and workers running the client's loop (register, lease, push, commit,
 //! wait for their clock, leave), in one thread on virtual time, over a simulated network that
 //! delays, reorders, loses and duplicates requests and answers, while workers join, drain and
-//! crash. Every run is a pure function of its seed; a run is checked for exactly-once data on
-//! every shard, float-exact counters (every applied push adds exactly 1) and liveness (the job
-//! finishes once the faults stop).
+//! crash and the coordinator crashes and comes back from the state it saved last. Every run is
+//! a pure function of its seed; a run is checked for the consistency model at every grant,
+//! exactly-once data on every shard, float-exact counters (every applied push adds exactly 1)
+//! and liveness (the job finishes once the faults stop).
 //!
 //! This first version drives the state machines directly, as the services do (the long polls
 //! become requests parked until the state lets them go on); the services themselves, the
-//! transport and restarts of coordinators and shards are not simulated yet.
+//! transport, resharding moves and shard restarts are not simulated yet.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -31,6 +32,8 @@ const DEADLINE_MS: u64 = 300_000;
 const TICK_MS: u64 = 100;
 /// How long a worker takes to notice that its connection failed.
 const CONNECTION_TIMEOUT_MS: u64 = 1000;
+/// How often the coordinator saves its state (as `edl-ps coordinator` does while it changes).
+const SAVE_MS: u64 = 500;
 
 /// One run's scenario, drawn from its seed.
 #[derive(Clone, Debug)]
@@ -63,6 +66,9 @@ pub enum Scripted {
     /// The n-th live worker (modulo their number) crashes: it stops, its messages in flight
     /// still arrive.
     Crash(usize),
+    /// The coordinator crashes (its connections fail) and comes back this many milliseconds
+    /// later from the state it saved last.
+    CoordinatorCrash(u64),
 }
 
 impl Scenario {
@@ -84,6 +90,11 @@ impl Scenario {
         for _ in 0..rng.random_range(0..4) {
             let n = rng.random_range(0..8);
             script.push((rng.random_range(0..FAULTS_END_MS), Scripted::Crash(n)));
+        }
+        for _ in 0..rng.random_range(0..3) {
+            let down = rng.random_range(50..2000);
+            let at = rng.random_range(0..FAULTS_END_MS);
+            script.push((at, Scripted::CoordinatorCrash(down)));
         }
         script.sort_by_key(|(t, _)| *t);
         Scenario {
@@ -134,6 +145,8 @@ pub struct Report {
     pub lost: u64,
     /// Requests delivered twice.
     pub duplicated: u64,
+    /// Coordinator restarts from its saved state.
+    pub restarts: u32,
 }
 
 /// A failed run: what broke, when, and the history up to it.
@@ -242,6 +255,7 @@ enum Body {
     ConnectionLost,
     HeartbeatDue,
     Tick,
+    Restart,
     Script(Scripted),
 }
 
@@ -293,7 +307,7 @@ struct Parked {
 enum ParkedKind {
     Register(u64),
     Lease(WorkerId),
-    Clock(WorkerId),
+    Clock(WorkerId, Clock),
 }
 
 struct Sim {
@@ -307,6 +321,10 @@ struct Sim {
     pending: BTreeMap<u64, Envelope>,
     coordinator: CoordinatorState,
     parked: Vec<Parked>,
+    /// What the coordinator saved last, and until when it is down.
+    saved: edl_ps::coordinator::state::CoordinatorSnap,
+    down_until: Option<u64>,
+    restarts: u32,
     shards: Vec<ShardState>,
     map: ShardMap,
     /// Per shard, its keys as chunk references.
@@ -355,7 +373,11 @@ impl Sim {
                     .collect()
             })
             .collect();
+        let saved = coordinator.snapshot();
         let mut sim = Sim {
+            saved,
+            down_until: None,
+            restarts: 0,
             seed,
             rng: StdRng::seed_from_u64(seed),
             base,
@@ -561,8 +583,58 @@ impl Sim {
     fn at_coordinator(&mut self, env: Envelope) -> Result<(), String> {
         let now = self.instant();
         let (slot, seq) = (env.worker, env.seq);
+        if self.down_until.is_some() {
+            match env.body {
+                Body::Restart => {
+                    let job = self.scenario.job();
+                    self.coordinator = CoordinatorState::restore(
+                        self.saved.clone(),
+                        &job,
+                        self.scenario.shards,
+                        now,
+                    )
+                    .map_err(|e| format!("the coordinator cannot restore its state: {e}"))?;
+                    self.down_until = None;
+                    self.restarts += 1;
+                    self.note("coordinator restarted from its saved state".into());
+                }
+                Body::Tick => self.at(self.now + TICK_MS, Node::Coordinator, 0, 0, Body::Tick),
+                Body::Script(Scripted::Join) => self.start_worker(),
+                Body::Script(Scripted::Crash(n)) => self.crash_worker(n),
+                // An operator's drain fails; a crashed coordinator cannot crash again.
+                Body::Script(_) => {}
+                // A call to a coordinator that is down fails with its connection.
+                Body::Heartbeat(_) => {}
+                _ => self.at(
+                    self.now + CONNECTION_TIMEOUT_MS,
+                    Node::Worker(slot),
+                    slot,
+                    seq,
+                    Body::ConnectionLost,
+                ),
+            }
+            return Ok(());
+        }
         match env.body {
+            Body::Script(Scripted::CoordinatorCrash(down)) => {
+                self.note(format!("the coordinator crashes for {down} ms"));
+                self.down_until = Some(self.now + down);
+                for p in std::mem::take(&mut self.parked) {
+                    self.at(
+                        self.now + CONNECTION_TIMEOUT_MS,
+                        Node::Worker(p.worker),
+                        p.worker,
+                        p.seq,
+                        Body::ConnectionLost,
+                    );
+                }
+                self.at(self.now + down, Node::Coordinator, 0, 0, Body::Restart);
+                return Ok(());
+            }
             Body::Tick => {
+                if self.now.is_multiple_of(SAVE_MS) {
+                    self.saved = self.coordinator.snapshot();
+                }
                 for id in self.coordinator.expire_leases(now) {
                     self.dead += 1;
                     self.note(format!("coordinator: {id} declared dead"));
@@ -589,17 +661,7 @@ impl Sim {
                     }
                 }
             }
-            Body::Script(Scripted::Crash(n)) => {
-                let live: Vec<usize> = (0..self.workers.len())
-                    .filter(|&s| !matches!(self.workers[s].phase, Phase::Done | Phase::Crashed))
-                    .collect();
-                if !live.is_empty() {
-                    let s = live[n % live.len()];
-                    self.workers[s].phase = Phase::Crashed;
-                    self.crashed += 1;
-                    self.note(format!("w{s} crashes"));
-                }
-            }
+            Body::Script(Scripted::Crash(n)) => self.crash_worker(n),
             Body::Register => self.parked.push(Parked {
                 worker: slot,
                 seq,
@@ -627,7 +689,7 @@ impl Sim {
                     Ok(()) => self.parked.push(Parked {
                         worker: slot,
                         seq,
-                        kind: ParkedKind::Clock(id),
+                        kind: ParkedKind::Clock(id, clock),
                     }),
                     Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
                 }
@@ -643,12 +705,25 @@ impl Sim {
             }
             other => return Err(format!("the coordinator got {other:?}")),
         }
-        self.unpark();
-        Ok(())
+        self.unpark()
     }
 
-    /// Answers every parked request the state now lets go on.
-    fn unpark(&mut self) {
+    /// The n-th live worker (modulo their number) stops.
+    fn crash_worker(&mut self, n: usize) {
+        let live: Vec<usize> = (0..self.workers.len())
+            .filter(|&s| !matches!(self.workers[s].phase, Phase::Done | Phase::Crashed))
+            .collect();
+        if !live.is_empty() {
+            let s = live[n % live.len()];
+            self.workers[s].phase = Phase::Crashed;
+            self.crashed += 1;
+            self.note(format!("w{s} crashes"));
+        }
+    }
+
+    /// Answers every parked request the state now lets go on; checks the consistency model
+    /// at every grant.
+    fn unpark(&mut self) -> Result<(), String> {
         let now = self.instant();
         let parked = std::mem::take(&mut self.parked);
         for p in parked {
@@ -667,8 +742,22 @@ impl Sim {
                     Poll::Pending => None,
                     Poll::Failed(_, m) => Some(Body::Refused(m)),
                 },
-                ParkedKind::Clock(id) => match self.coordinator.may_proceed(id) {
-                    Poll::Ready((_, drain)) => {
+                ParkedKind::Clock(id, clock) => match self.coordinator.may_proceed(id) {
+                    Poll::Ready((min, drain)) => {
+                        // SSP(s): a worker at clock c goes on only while the slowest counting
+                        // worker is at c - s or later (a draining one leaves instead).
+                        let slowest = self.coordinator.min_clock();
+                        let bound = self.scenario.consistency.staleness();
+                        if min != slowest
+                            || bound
+                                .is_some_and(|s| !drain && slowest.0.saturating_add(s) < clock.0)
+                        {
+                            return Err(format!(
+                                "consistency: {id} granted clock {} with the slowest at {} \
+                                 (answered {}), {}",
+                                clock.0, slowest.0, min.0, self.scenario.consistency
+                            ));
+                        }
                         self.coordinator.granted(id, now);
                         Some(Body::Granted { drain })
                     }
@@ -681,6 +770,7 @@ impl Sim {
                 None => self.parked.push(p),
             }
         }
+        Ok(())
     }
 
     fn at_shard(&mut self, s: usize, env: Envelope) -> Result<(), String> {
@@ -907,6 +997,7 @@ impl Sim {
             ),
             lost: self.lost,
             duplicated: self.duplicated,
+            restarts: self.restarts,
         }
     }
 }
@@ -918,8 +1009,9 @@ impl fmt::Display for Report {
         let _ = write!(
             s,
             "seed {}: finished at {} ms virtual, {} events; {started} workers started, {crashed} \
-             crashed, {dead} declared dead, {drained} drained; {} messages lost, {} duplicated",
-            self.seed, self.virtual_ms, self.events, self.lost, self.duplicated
+             crashed, {dead} declared dead, {drained} drained; {} messages lost, {} duplicated; \
+             {} coordinator restarts",
+            self.seed, self.virtual_ms, self.events, self.lost, self.duplicated, self.restarts
         );
         f.write_str(&s)
     }

@@ -2,14 +2,16 @@
 //! ledgers and optimizer, and workers running the client's loop (register, lease, push, commit,
 //! wait for their clock, leave), in one thread on virtual time, over a simulated network that
 //! delays, reorders, loses and duplicates requests and answers, while workers join, drain and
-//! crash and the coordinator crashes and comes back from the state it saved last. Every run is
-//! a pure function of its seed; a run is checked for the consistency model at every grant,
-//! exactly-once data on every shard, float-exact counters (every applied push adds exactly 1)
-//! and liveness (the job finishes once the faults stop).
+//! crash, key ranges move between shards (workers re-route on the shards' refusals) and the
+//! coordinator crashes and comes back from the state it saved last. Every run is a pure
+//! function of its seed; a run is checked for the consistency model at every grant, map epochs
+//! that only grow, exactly-once data on every shard, float-exact counters (every applied push
+//! adds exactly 1) and liveness (the job finishes once the faults stop).
 //!
 //! This first version drives the state machines directly, as the services do (the long polls
-//! become requests parked until the state lets them go on); the services themselves, the
-//! transport, resharding moves and shard restarts are not simulated yet.
+//! become requests parked until the state lets them go on; a move is export, transfer, import
+//! and publish); the services themselves, the transport, shard restarts and coordinator
+//! crashes in the middle of a move are not simulated yet.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -17,7 +19,8 @@ use std::fmt::{self, Write as _};
 use std::time::{Duration, Instant};
 
 use edl_proto::msg::{ChunkRef, DataSpan, Partition};
-use edl_proto::{Clock, Consistency, JobConfig, Key, ShardId, ShardMap, WorkerId};
+use edl_proto::{Clock, Consistency, JobConfig, Key, MapEpoch, ShardId, ShardMap, WorkerId};
+use edl_ps::checkpoint::RangeExport;
 use edl_ps::coordinator::state::{CoordinatorState, Poll};
 use edl_ps::shard::ShardState;
 use rand::rngs::StdRng;
@@ -69,6 +72,9 @@ pub enum Scripted {
     /// The coordinator crashes (its connections fail) and comes back this many milliseconds
     /// later from the state it saved last.
     CoordinatorCrash(u64),
+    /// A resharding move: keys drawn from `n` go from their shard to another (`m`), their
+    /// state streamed while workers keep pushing.
+    Move(usize, usize),
 }
 
 impl Scenario {
@@ -90,6 +96,10 @@ impl Scenario {
         for _ in 0..rng.random_range(0..4) {
             let n = rng.random_range(0..8);
             script.push((rng.random_range(0..FAULTS_END_MS), Scripted::Crash(n)));
+        }
+        for _ in 0..rng.random_range(0..5) {
+            let (n, m) = (rng.random_range(0..1024), rng.random_range(0..8));
+            script.push((rng.random_range(0..FAULTS_END_MS), Scripted::Move(n, m)));
         }
         for _ in 0..rng.random_range(0..3) {
             let down = rng.random_range(50..2000);
@@ -147,6 +157,8 @@ pub struct Report {
     pub duplicated: u64,
     /// Coordinator restarts from its saved state.
     pub restarts: u32,
+    /// Key ranges moved between shards, and pushes refused with a newer map and routed again.
+    pub moves: (u32, u64),
 }
 
 /// A failed run: what broke, when, and the history up to it.
@@ -230,10 +242,13 @@ enum Body {
         id: WorkerId,
         clock: Clock,
         span: DataSpan,
+        epoch: MapEpoch,
+        chunks: Vec<ChunkRef>,
     },
     Registered {
         id: WorkerId,
         clock: Clock,
+        map: Box<ShardMap>,
     },
     Leased {
         part: Option<Partition>,
@@ -246,9 +261,16 @@ enum Body {
         drain: bool,
     },
     Pushed {
-        shard: usize,
+        keys: Vec<Key>,
         span: DataSpan,
     },
+    /// A push refused with the shard's newer map: route again.
+    Moved {
+        span: DataSpan,
+        map: Box<ShardMap>,
+    },
+    /// The moved range's state reaches its new shard (`exports[id]`).
+    MoveIn(u64),
     Refused(String),
     Left,
     Retry,
@@ -291,7 +313,10 @@ struct Worker {
     clock: Clock,
     part: Option<(Partition, u32)>,
     span: Option<DataSpan>,
-    acks: BTreeSet<usize>,
+    /// The keys that acknowledged the current batch's push.
+    acks: BTreeSet<Key>,
+    /// The shard map the worker routes with.
+    map: ShardMap,
     drain: bool,
 }
 
@@ -325,10 +350,17 @@ struct Sim {
     saved: edl_ps::coordinator::state::CoordinatorSnap,
     down_until: Option<u64>,
     restarts: u32,
+    moved: u32,
+    rerouted: u64,
     shards: Vec<ShardState>,
+    /// The map the coordinator published last.
     map: ShardMap,
-    /// Per shard, its keys as chunk references.
-    keys: Vec<Vec<ChunkRef>>,
+    /// Every key as a chunk reference.
+    keys: Vec<ChunkRef>,
+    /// Ranges in flight between shards: `(start, end, map after, state)`.
+    exports: BTreeMap<u64, (u64, u64, ShardMap, RangeExport)>,
+    /// A move is under way (the coordinator neither starts another nor crashes meanwhile).
+    moving: bool,
     workers: Vec<Worker>,
     digest: u64,
     events: u64,
@@ -360,17 +392,13 @@ impl Sim {
         let shards: Vec<ShardState> = (0..scenario.shards)
             .map(|s| ShardState::new(ShardId(s), job.clone(), map.clone()))
             .collect();
-        let keys = (0..scenario.shards)
-            .map(|s| {
-                map.ranges_of(ShardId(s))
-                    .flat_map(|r| r.start..r.end)
-                    .filter_map(|k| {
-                        layout.span(Key(k)).map(|span| ChunkRef {
-                            key: Key(k),
-                            len: span.len,
-                        })
-                    })
-                    .collect()
+        let keys = layout
+            .spans()
+            .iter()
+            .enumerate()
+            .map(|(k, span)| ChunkRef {
+                key: Key(k as u64),
+                len: span.len,
             })
             .collect();
         let saved = coordinator.snapshot();
@@ -378,6 +406,8 @@ impl Sim {
             saved,
             down_until: None,
             restarts: 0,
+            moved: 0,
+            rerouted: 0,
             seed,
             rng: StdRng::seed_from_u64(seed),
             base,
@@ -390,6 +420,8 @@ impl Sim {
             shards,
             map,
             keys,
+            exports: BTreeMap::new(),
+            moving: false,
             workers: Vec::new(),
             digest: 0xcbf2_9ce4_8422_2325,
             events: 0,
@@ -444,7 +476,10 @@ impl Sim {
     /// do (no reconnect): the worker exits and its lease expires.
     fn send(&mut self, to: Node, worker: usize, seq: u64, body: Body) {
         let faulty = self.faulty();
-        let push = matches!(body, Body::Push { .. } | Body::Pushed { .. });
+        let push = matches!(
+            body,
+            Body::Push { .. } | Body::Pushed { .. } | Body::Moved { .. } | Body::MoveIn(_)
+        );
         let heartbeat = matches!(body, Body::Heartbeat(_) | Body::Beat { .. });
         if faulty && self.rng.random_bool(self.scenario.loss) {
             self.lost += 1;
@@ -496,6 +531,7 @@ impl Sim {
             part: None,
             span: None,
             acks: BTreeSet::new(),
+            map: self.map.clone(),
             drain: false,
         });
         self.request(slot, Body::Register);
@@ -519,11 +555,22 @@ impl Sim {
             return;
         };
         let clock = w.clock;
-        let missing: Vec<usize> = (0..self.shards.len())
-            .filter(|s| !w.acks.contains(s))
-            .collect();
-        for s in missing {
-            self.send(Node::Shard(s), slot, seq, Body::Push { id, clock, span });
+        let mut by_shard: BTreeMap<ShardId, Vec<ChunkRef>> = BTreeMap::new();
+        for c in self.keys.iter().filter(|c| !w.acks.contains(&c.key)) {
+            if let Some(owner) = w.map.owner(c.key) {
+                by_shard.entry(owner).or_default().push(*c);
+            }
+        }
+        let epoch = w.map.epoch;
+        for (shard, chunks) in by_shard {
+            let body = Body::Push {
+                id,
+                clock,
+                span,
+                epoch,
+                chunks,
+            };
+            self.send(Node::Shard(shard.0 as usize), slot, seq, body);
         }
     }
 
@@ -555,6 +602,14 @@ impl Sim {
                 Node::Coordinator => self.at_coordinator(env)?,
                 Node::Shard(s) => self.at_shard(s, env)?,
                 Node::Worker(slot) => self.at_worker(slot, env)?,
+            }
+            // Map epochs only grow, through coordinator restarts too.
+            let epoch = self.coordinator.map().map_or(MapEpoch(0), |m| m.epoch);
+            if epoch < self.map.epoch {
+                return Err(format!(
+                    "map epochs: the coordinator went back from {} to {epoch}",
+                    self.map.epoch
+                ));
             }
             if self.coordinator.finished()
                 && self
@@ -616,6 +671,9 @@ impl Sim {
             return Ok(());
         }
         match env.body {
+            // The coordinator drives a move to its end before it may crash (moves across a
+            // coordinator crash are not simulated yet).
+            Body::Script(Scripted::CoordinatorCrash(_)) if self.moving => {}
             Body::Script(Scripted::CoordinatorCrash(down)) => {
                 self.note(format!("the coordinator crashes for {down} ms"));
                 self.down_until = Some(self.now + down);
@@ -630,6 +688,11 @@ impl Sim {
                 }
                 self.at(self.now + down, Node::Coordinator, 0, 0, Body::Restart);
                 return Ok(());
+            }
+            Body::Script(Scripted::Move(n, m)) => {
+                if !self.moving {
+                    self.move_out(n, m)?;
+                }
             }
             Body::Tick => {
                 if self.now.is_multiple_of(SAVE_MS) {
@@ -732,7 +795,11 @@ impl Sim {
                     let requested = self.base + Duration::from_millis(at);
                     let name = format!("w{}", p.worker);
                     match self.coordinator.register(&name, "sim", requested, now) {
-                        Poll::Ready((id, _, _, clock)) => Some(Body::Registered { id, clock }),
+                        Poll::Ready((id, _, map, clock)) => Some(Body::Registered {
+                            id,
+                            clock,
+                            map: Box::new(map),
+                        }),
                         Poll::Pending => None,
                         Poll::Failed(_, m) => Some(Body::Refused(m)),
                     }
@@ -774,27 +841,115 @@ impl Sim {
     }
 
     fn at_shard(&mut self, s: usize, env: Envelope) -> Result<(), String> {
-        let Body::Push { id, clock, span } = env.body else {
-            return Err(format!("shard {s} got {:?}", env.body));
+        let (id, clock, span, epoch, chunks) = match env.body {
+            Body::Push {
+                id,
+                clock,
+                span,
+                epoch,
+                chunks,
+            } => (id, clock, span, epoch, chunks),
+            Body::MoveIn(n) => return self.move_in(s, n),
+            other => return Err(format!("shard {s} got {other:?}")),
         };
-        let chunks = &self.keys[s];
         let floats: u32 = chunks.iter().map(|c| c.len).sum();
         let payload: Vec<u8> = (0..floats).flat_map(|_| (-1.0f32).to_le_bytes()).collect();
-        let r = self.shards[s].push(self.map.epoch, id, clock, chunks, &payload, Some(&span));
-        match r {
-            Ok(_) => self.send(
-                Node::Worker(env.worker),
-                env.worker,
-                env.seq,
-                Body::Pushed { shard: s, span },
-            ),
-            Err(e) => {
-                return Err(format!(
-                    "shard {s} refused {id}'s push of {span:?}: {}",
-                    e.message
-                ));
-            }
+        let answer = match self.shards[s].push(epoch, id, clock, &chunks, &payload, Some(&span)) {
+            Ok(_) => Body::Pushed {
+                keys: chunks.iter().map(|c| c.key).collect(),
+                span,
+            },
+            Err(e) => match e.map {
+                Some(map) if e.code == edl_proto::ErrorCode::StaleEpoch => {
+                    Body::Moved { span, map }
+                }
+                _ => {
+                    return Err(format!(
+                        "shard {s} refused {id}'s push of {span:?}: {}",
+                        e.message
+                    ));
+                }
+            },
+        };
+        self.send(Node::Worker(env.worker), env.worker, env.seq, answer);
+        Ok(())
+    }
+
+    /// Starts the move `Scripted::Move(n, m)` names: a range of one shard's keys leaves it
+    /// (it adopts the map after the move, refusing their pushes with it) and travels to
+    /// another.
+    fn move_out(&mut self, n: usize, m: usize) -> Result<(), String> {
+        let shards = self.scenario.shards as usize;
+        let ranges = &self.map.ranges;
+        let Some(r) = ranges.get(n % ranges.len().max(1)).copied() else {
+            return Ok(());
+        };
+        let to = ShardId(((r.shard.0 as usize + 1 + m % (shards - 1)) % shards) as u32);
+        let len = r.end - r.start;
+        let start = r.start + (n as u64 / 7) % len;
+        let end = (start + 1 + (n as u64 / 3) % len).min(r.end);
+        let mv = edl_ps::coordinator::state::shards::Move {
+            start,
+            end,
+            from: r.shard,
+            to,
+        };
+        let map = self
+            .coordinator
+            .map_after(mv)
+            .map_err(|(_, e)| format!("move {start}..{end} to {to}: {e}"))?;
+        let export = self.shards[r.shard.0 as usize]
+            .export(start, end, &map)
+            .map_err(|e| format!("export of {start}..{end}: {}", e.message))?;
+        self.note(format!(
+            "move {start}..{end} from {} to {to} (map {})",
+            r.shard, map.epoch
+        ));
+        self.moving = true;
+        self.seq += 1;
+        self.exports.insert(self.seq, (start, end, map, export));
+        let delay = self
+            .rng
+            .random_range(1..=self.scenario.max_delay_ms.max(1) * 4);
+        self.at(
+            self.now + delay,
+            Node::Shard(to.0 as usize),
+            0,
+            0,
+            Body::MoveIn(self.seq),
+        );
+        Ok(())
+    }
+
+    /// The moved range arrives: the destination takes it, the coordinator publishes the new
+    /// map (saving its state at once) and every shard learns it.
+    fn move_in(&mut self, s: usize, n: u64) -> Result<(), String> {
+        let Some((start, end, map, export)) = self.exports.remove(&n) else {
+            return Ok(());
+        };
+        self.shards[s]
+            .import(start, end, &map, export)
+            .map_err(|e| format!("import of {start}..{end} at shard {s}: {}", e.message))?;
+        let report = edl_proto::msg::MoveReport {
+            t_ms: 0,
+            start,
+            end,
+            from: ShardId(u32::MAX),
+            to: ShardId(s as u32),
+            epoch: map.epoch,
+            bytes: 0,
+            millis: 0.0,
+            hold_ms: 0.0,
+        };
+        self.coordinator
+            .commit_move(map.clone(), report, self.instant());
+        self.saved = self.coordinator.snapshot();
+        for shard in &self.shards {
+            shard.install_map(&map);
         }
+        self.map = map;
+        self.moving = false;
+        self.moved += 1;
         Ok(())
     }
 
@@ -834,10 +989,11 @@ impl Sim {
                 self.note(format!("w{slot} exits: {m}"));
                 self.workers[slot].phase = Phase::Done;
             }
-            Body::Registered { id, clock } if current && phase == Phase::Registering => {
+            Body::Registered { id, clock, map } if current && phase == Phase::Registering => {
                 let w = &mut self.workers[slot];
                 w.id = Some(id);
                 w.clock = clock;
+                w.map = *map;
                 w.phase = Phase::Leasing;
                 let every = u64::from(self.scenario.job().lease_ms) / 4;
                 self.at(
@@ -859,11 +1015,24 @@ impl Sim {
                     None => self.leave(slot),
                 }
             }
-            Body::Pushed { shard, span } if phase == Phase::Pushing => {
+            Body::Moved { span, map } if phase == Phase::Pushing => {
+                self.rerouted += 1;
                 let w = &mut self.workers[slot];
                 if w.span == Some(span) {
-                    w.acks.insert(shard);
-                    if w.acks.len() == self.shards.len()
+                    if map.epoch > w.map.epoch {
+                        w.map = *map;
+                    }
+                    // Route again with the newer map, after a moment (a destination may
+                    // still be waiting for the keys).
+                    let seq = w.seq;
+                    self.at(self.now + 20, Node::Worker(slot), slot, seq, Body::Retry);
+                }
+            }
+            Body::Pushed { keys, span } if phase == Phase::Pushing => {
+                let w = &mut self.workers[slot];
+                if w.span == Some(span) {
+                    w.acks.extend(keys);
+                    if w.acks.len() == self.keys.len()
                         && let Some(id) = w.id
                     {
                         w.phase = Phase::Committing;
@@ -951,6 +1120,9 @@ impl Sim {
         let (samples, partition, batch) = self.scenario.data;
         for (s, shard) in self.shards.iter().enumerate() {
             let report = shard.ledger_report();
+            if shard.num_keys() == 0 {
+                continue;
+            }
             if report.len() != job.epochs as usize {
                 return Err(format!("shard {s} reports {} epochs", report.len()));
             }
@@ -998,6 +1170,7 @@ impl Sim {
             lost: self.lost,
             duplicated: self.duplicated,
             restarts: self.restarts,
+            moves: (self.moved, self.rerouted),
         }
     }
 }
@@ -1010,8 +1183,15 @@ impl fmt::Display for Report {
             s,
             "seed {}: finished at {} ms virtual, {} events; {started} workers started, {crashed} \
              crashed, {dead} declared dead, {drained} drained; {} messages lost, {} duplicated; \
-             {} coordinator restarts",
-            self.seed, self.virtual_ms, self.events, self.lost, self.duplicated, self.restarts
+             {} coordinator restarts; {} ranges moved, {} pushes routed again",
+            self.seed,
+            self.virtual_ms,
+            self.events,
+            self.lost,
+            self.duplicated,
+            self.restarts,
+            self.moves.0,
+            self.moves.1
         );
         f.write_str(&s)
     }

@@ -4,13 +4,13 @@
 use edl_testkit::dst::{self, Options};
 
 /// Seeds CI runs (about a second each way): joins, drains, worker and coordinator crashes,
-/// lost and repeated messages under ASP and SSP(0..2).
+/// resharding moves, lost and repeated messages under ASP and SSP(0..2).
 const SEEDS: std::ops::RangeInclusive<u64> = 1..=400;
 
 #[test]
 fn every_seed_of_the_ci_range_keeps_the_invariants() {
     for reconnect in [false, true] {
-        let mut faults = (0u64, 0u64, 0u32, 0u32);
+        let mut faults = (0u64, 0u64, 0u32, 0u32, 0u32);
         for seed in SEEDS {
             let options = Options {
                 reconnect,
@@ -21,11 +21,16 @@ fn every_seed_of_the_ci_range_keeps_the_invariants() {
             faults.1 += report.duplicated;
             faults.2 += report.workers.2;
             faults.3 += report.restarts;
+            faults.4 += report.moves.0;
         }
-        // The range exercises what it claims to: losses, repeats, workers declared dead and
-        // coordinator restarts.
+        // The range exercises what it claims to: losses, repeats, workers declared dead,
+        // coordinator restarts and moves.
         assert!(
-            faults.0 > 1000 && faults.1 > 1000 && faults.2 > 100 && faults.3 > 100,
+            faults.0 > 1000
+                && faults.1 > 1000
+                && faults.2 > 100
+                && faults.3 > 100
+                && faults.4 > 100,
             "reconnect {reconnect}: {faults:?}"
         );
     }

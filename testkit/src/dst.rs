@@ -193,17 +193,18 @@ impl fmt::Display for Failure {
 pub struct Options {
     /// Keep the whole event log for a failure (otherwise its last 40 lines).
     pub verbose: bool,
-    /// Workers repeat a coordinator call whose connection failed on a new connection (the
-    /// client's `TransportSettings::reconnect`) instead of exiting, so the coordinator may
-    /// serve a call twice.
-    pub reconnect: bool,
+    /// Workers give up on a coordinator call whose connection failed and exit (a client whose
+    /// `TransportSettings::reconnect` is a short limit) instead of repeating it on a new
+    /// connection until the coordinator answers (the client's default, under which the
+    /// coordinator may serve a call twice).
+    pub give_up: bool,
 }
 
 /// Runs seed `seed`.
 pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
     let scenario = Scenario::of(seed);
     let mut sim = Sim::new(seed, scenario, options.verbose);
-    sim.reconnect = options.reconnect;
+    sim.give_up = options.give_up;
     match sim.run() {
         Ok(()) => Ok(sim.report()),
         Err(what) => {
@@ -370,8 +371,8 @@ struct Sim {
     dead: u32,
     drained: u32,
     verbose: bool,
-    /// Coordinator calls whose connection failed are repeated on a new one.
-    reconnect: bool,
+    /// Coordinator calls whose connection failed end the worker instead of being repeated.
+    give_up: bool,
     log: std::collections::VecDeque<String>,
 }
 
@@ -431,7 +432,7 @@ impl Sim {
             dead: 0,
             drained: 0,
             verbose,
-            reconnect: false,
+            give_up: false,
             log: std::collections::VecDeque::new(),
             scenario,
         };
@@ -470,10 +471,9 @@ impl Sim {
 
     /// Sends over the network: delayed (so messages overtake each other), maybe lost, maybe
     /// (a push) delivered twice. QUIC streams neither lose nor repeat a message: a loss is the
-    /// connection failing, which the worker notices after a timeout. A push (or its answer)
-    /// lost so is pushed again on a new connection, as the client does for span-carrying
-    /// pushes; a coordinator call lost so ends the worker, as the client's default settings
-    /// do (no reconnect): the worker exits and its lease expires.
+    /// connection failing, which the worker notices after a timeout, and then repeats the
+    /// call on a new connection, as the client does by default (with `give_up`, a
+    /// coordinator call lost so ends the worker instead: it exits and its lease expires).
     fn send(&mut self, to: Node, worker: usize, seq: u64, body: Body) {
         let faulty = self.faulty();
         let push = matches!(
@@ -594,9 +594,7 @@ impl Sim {
                 "{:?} <- w{} #{} {:?}",
                 env.to, env.worker, env.seq, env.body
             );
-            for b in format!("{t} {line}").bytes() {
-                self.digest = (self.digest ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-            }
+            mix(&mut self.digest, format!("{t} {line}").as_bytes());
             self.note(line);
             match env.to {
                 Node::Coordinator => self.at_coordinator(env)?,
@@ -725,6 +723,20 @@ impl Sim {
                 }
             }
             Body::Script(Scripted::Crash(n)) => self.crash_worker(n),
+            // The service checks that a worker id belongs to the caller's certificate (a
+            // restored coordinator hands out ids again that it handed out after its save).
+            Body::NextPartition(id)
+            | Body::Clock { id, .. }
+            | Body::Heartbeat(id)
+            | Body::Leave(id)
+                if self
+                    .coordinator
+                    .check_owner(id, &format!("w{slot}"))
+                    .is_err() =>
+            {
+                let m = format!("{id} belongs to another identity");
+                self.send(Node::Worker(slot), slot, seq, Body::Refused(m));
+            }
             Body::Register => self.parked.push(Parked {
                 worker: slot,
                 seq,
@@ -884,7 +896,7 @@ impl Sim {
         let Some(r) = ranges.get(n % ranges.len().max(1)).copied() else {
             return Ok(());
         };
-        let to = ShardId(((r.shard.0 as usize + 1 + m % (shards - 1)) % shards) as u32);
+        let to = ShardId(((r.shard.0 as usize + 1 + m % (shards - 1).max(1)) % shards) as u32);
         let len = r.end - r.start;
         let start = r.start + (n as u64 / 7) % len;
         let end = (start + 1 + (n as u64 / 3) % len).min(r.end);
@@ -961,7 +973,7 @@ impl Sim {
         let current = env.seq == self.workers[slot].seq;
         match env.body {
             Body::Retry if phase == Phase::Pushing => self.push(slot),
-            Body::ConnectionLost if current && self.reconnect => self.repeat(slot),
+            Body::ConnectionLost if current && !self.give_up => self.repeat(slot),
             Body::ConnectionLost if current => {
                 self.note(format!(
                     "w{slot} exits: its connection to the coordinator failed"
@@ -1060,7 +1072,7 @@ impl Sim {
         Ok(())
     }
 
-    /// Repeats the awaited coordinator request on a new connection (`reconnect`).
+    /// Repeats the awaited coordinator request on a new connection.
     fn repeat(&mut self, slot: usize) {
         let w = &self.workers[slot];
         let body = match (w.phase, w.id, w.span) {
@@ -1142,8 +1154,27 @@ impl Sim {
             start += len;
         }
         let want = (per_epoch * u64::from(job.epochs)) as f32;
+        // Every key is held by one shard: the one the final map names.
+        for c in &self.keys {
+            let holders: Vec<usize> = (0..self.shards.len())
+                .filter(|&s| self.shards[s].holds(std::iter::once(c.key)))
+                .collect();
+            let owner = self.map.owner(c.key).map(|o| o.0 as usize);
+            if holders.len() != 1 || owner != holders.first().copied() {
+                return Err(format!(
+                    "placement: {} is held by shards {holders:?}, the map names {owner:?}",
+                    c.key
+                ));
+            }
+        }
         for (s, shard) in self.shards.iter().enumerate() {
-            for c in shard.snapshot().chunks {
+            let mut chunks = shard.snapshot().chunks;
+            chunks.sort_by_key(|c| c.key);
+            for c in chunks {
+                // The final state is part of the history's digest.
+                for v in &c.params {
+                    mix(&mut self.digest, &v.to_bits().to_le_bytes());
+                }
                 if let Some(v) = c.params.iter().find(|v| **v != want) {
                     return Err(format!(
                         "counters: shard {s} key {} holds {v}, not {want} (one per batch)",
@@ -1194,5 +1225,12 @@ impl fmt::Display for Report {
             self.moves.1
         );
         f.write_str(&s)
+    }
+}
+
+/// Adds bytes to a digest (FNV-1a).
+fn mix(digest: &mut u64, bytes: &[u8]) {
+    for b in bytes {
+        *digest = (*digest ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
     }
 }

@@ -9,11 +9,11 @@ const SEEDS: std::ops::RangeInclusive<u64> = 1..=400;
 
 #[test]
 fn every_seed_of_the_ci_range_keeps_the_invariants() {
-    for reconnect in [false, true] {
+    for give_up in [false, true] {
         let mut faults = (0u64, 0u64, 0u32, 0u32, 0u32);
         for seed in SEEDS {
             let options = Options {
-                reconnect,
+                give_up,
                 ..Options::default()
             };
             let report = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
@@ -31,7 +31,7 @@ fn every_seed_of_the_ci_range_keeps_the_invariants() {
                 && faults.2 > 100
                 && faults.3 > 100
                 && faults.4 > 100,
-            "reconnect {reconnect}: {faults:?}"
+            "give_up {give_up}: {faults:?}"
         );
     }
 }
@@ -46,16 +46,12 @@ fn a_seed_replays_to_the_same_history() {
     assert_ne!(a.digest, other.digest);
 }
 
-/// Found by the simulation: with coordinator calls repeated on a new connection, a
-/// `NextPartition` whose answer was lost was served twice; the first partition stayed leased
-/// to a worker that never learnt of it, and the job could not finish while that worker lived
-/// (seed 2: the answer leasing partition 0/1 lost at 11,405 ms stranded 10 samples). Asking
-/// again now returns the lease held.
+/// Found by the simulation: with a coordinator call repeated on a new connection (the client's
+/// default), a `NextPartition` whose answer was lost was served twice; the first partition
+/// stayed leased to a worker that never learnt of it, and the job could not finish while that
+/// worker lived (seed 1: the answer leasing partition 1/1 lost at 11,355 ms stranded its 28
+/// samples, 386 of 414 done). Asking again now returns the lease held.
 #[test]
-fn reconnecting_workers_finish_the_job() {
-    let reconnect = Options {
-        reconnect: true,
-        ..Options::default()
-    };
-    dst::run(2, reconnect).unwrap_or_else(|f| panic!("{f}"));
+fn a_lost_lease_answer_strands_no_data() {
+    dst::run(1, Options::default()).unwrap_or_else(|f| panic!("{f}"));
 }

@@ -27,11 +27,11 @@ struct Cli {
     /// With --seed: print every event of a failed run, not only the last 40.
     #[arg(long)]
     verbose: bool,
-    /// Workers repeat a coordinator call whose connection failed on a new connection
-    /// (TransportSettings::reconnect) instead of exiting, so the coordinator may serve a call
-    /// twice.
+    /// Workers give up on a coordinator call whose connection failed and exit, as a client
+    /// with a short TransportSettings::reconnect limit does, instead of repeating it on a new
+    /// connection until the coordinator answers (the client's default).
     #[arg(long)]
-    reconnect: bool,
+    give_up: bool,
 }
 
 fn parse_range(s: &str) -> Result<RangeInclusive<u64>, String> {
@@ -54,7 +54,7 @@ fn main() -> ExitCode {
     if let Some(seed) = cli.seed {
         let options = dst::Options {
             verbose: cli.verbose,
-            reconnect: cli.reconnect,
+            give_up: cli.give_up,
         };
         return match dst::run(seed, options) {
             Ok(report) => {
@@ -75,7 +75,7 @@ fn main() -> ExitCode {
     for seed in cli.seeds.clone() {
         let options = dst::Options {
             verbose: false,
-            reconnect: cli.reconnect,
+            give_up: cli.give_up,
         };
         match dst::run(seed, options) {
             Ok(r) => {

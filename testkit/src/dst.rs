@@ -8,10 +8,11 @@
 //! that only grow, exactly-once data on every shard, float-exact counters (every applied push
 //! adds exactly 1) and liveness (the job finishes once the faults stop).
 //!
-//! This first version drives the state machines directly, as the services do (the long polls
-//! become requests parked until the state lets them go on; a move is export, transfer, import
-//! and publish); the services themselves, the transport, shard restarts and coordinator
-//! crashes in the middle of a move are not simulated yet.
+//! This first version drives the state machines directly, as the services do: a long poll is
+//! a request tried on arrival and then again only after an event the service announces (its
+//! `bump()`), the service's owner check comes first, and a move is export, transfer, import
+//! and publish. The services themselves, the transport, shard restarts, BSP, long-poll
+//! timeouts and coordinator crashes in the middle of a move are not simulated yet.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -346,7 +347,13 @@ struct Sim {
     queue: BinaryHeap<Reverse<(u64, u64)>>,
     pending: BTreeMap<u64, Envelope>,
     coordinator: CoordinatorState,
+    /// Requests waiting for a state change, and those that arrived with this event (each is
+    /// tried once on arrival, as the service's `wait_for` does).
     parked: Vec<Parked>,
+    fresh: Vec<Parked>,
+    /// The event changed the state in a way the service announces (its `bump()`): only then
+    /// are the waiting requests tried again.
+    changed: bool,
     /// What the coordinator saved last, and until when it is down.
     saved: edl_ps::coordinator::state::CoordinatorSnap,
     down_until: Option<u64>,
@@ -418,6 +425,8 @@ impl Sim {
             pending: BTreeMap::new(),
             coordinator,
             parked: Vec::new(),
+            fresh: Vec::new(),
+            changed: false,
             shards,
             map,
             keys,
@@ -697,6 +706,7 @@ impl Sim {
                     self.saved = self.coordinator.snapshot();
                 }
                 for id in self.coordinator.expire_leases(now) {
+                    self.changed = true;
                     self.dead += 1;
                     self.note(format!("coordinator: {id} declared dead"));
                 }
@@ -719,6 +729,7 @@ impl Sim {
                     let id = ids[n % ids.len()];
                     if self.coordinator.drain(id, now).is_ok() {
                         self.drained += 1;
+                        self.changed = true;
                     }
                 }
             }
@@ -737,17 +748,20 @@ impl Sim {
                 let m = format!("{id} belongs to another identity");
                 self.send(Node::Worker(slot), slot, seq, Body::Refused(m));
             }
-            Body::Register => self.parked.push(Parked {
+            Body::Register => self.fresh.push(Parked {
                 worker: slot,
                 seq,
                 kind: ParkedKind::Register(self.now),
             }),
             Body::NextPartition(id) => match self.coordinator.set_idle(id) {
-                Ok(()) => self.parked.push(Parked {
-                    worker: slot,
-                    seq,
-                    kind: ParkedKind::Lease(id),
-                }),
+                Ok(()) => {
+                    self.changed = true;
+                    self.fresh.push(Parked {
+                        worker: slot,
+                        seq,
+                        kind: ParkedKind::Lease(id),
+                    });
+                }
                 Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
             },
             Body::Clock { id, clock, span } => {
@@ -761,11 +775,14 @@ impl Sim {
                     now,
                 );
                 match r {
-                    Ok(()) => self.parked.push(Parked {
-                        worker: slot,
-                        seq,
-                        kind: ParkedKind::Clock(id, clock),
-                    }),
+                    Ok(()) => {
+                        self.changed = true;
+                        self.fresh.push(Parked {
+                            worker: slot,
+                            seq,
+                            kind: ParkedKind::Clock(id, clock),
+                        });
+                    }
                     Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
                 }
             }
@@ -775,7 +792,7 @@ impl Sim {
             },
             Body::Leave(id) => {
                 // Leaving twice (a repeated request) finds the worker gone: what it asked for.
-                let _ = self.coordinator.leave(id, now);
+                self.changed |= self.coordinator.leave(id, now).is_ok();
                 self.send(Node::Worker(slot), slot, seq, Body::Left);
             }
             other => return Err(format!("the coordinator got {other:?}")),
@@ -796,12 +813,16 @@ impl Sim {
         }
     }
 
-    /// Answers every parked request the state now lets go on; checks the consistency model
-    /// at every grant.
+    /// Tries the requests that arrived with this event and, if the state changed, every
+    /// waiting one; answers those the state lets go on and checks the consistency model at
+    /// every grant.
     fn unpark(&mut self) -> Result<(), String> {
         let now = self.instant();
-        let parked = std::mem::take(&mut self.parked);
-        for p in parked {
+        let mut tried = std::mem::take(&mut self.fresh);
+        if std::mem::take(&mut self.changed) {
+            tried.append(&mut self.parked);
+        }
+        for p in tried {
             let answer = match p.kind {
                 ParkedKind::Register(at) => {
                     let requested = self.base + Duration::from_millis(at);
@@ -956,13 +977,14 @@ impl Sim {
         self.coordinator
             .commit_move(map.clone(), report, self.instant());
         self.saved = self.coordinator.snapshot();
+        self.changed = true;
         for shard in &self.shards {
             shard.install_map(&map);
         }
         self.map = map;
         self.moving = false;
         self.moved += 1;
-        Ok(())
+        self.unpark()
     }
 
     fn at_worker(&mut self, slot: usize, env: Envelope) -> Result<(), String> {

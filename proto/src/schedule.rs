@@ -626,72 +626,45 @@ impl LrSchedule {
     }
 }
 
-impl fmt::Display for Anneal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Anneal::Cos => "cos",
-            Anneal::Linear => "linear",
-        })
-    }
-}
-
-impl FromStr for Anneal {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cos" => Ok(Anneal::Cos),
-            "linear" => Ok(Anneal::Linear),
-            _ => Err(format!("unknown anneal_strategy {s:?}: use cos or linear")),
+/// `Display` and `FromStr` of a setting that is one of a few words, with the message for any
+/// other word (`{s:?}` in it names the word given).
+macro_rules! words {
+    ($ty:ident, $unknown:literal, $($variant:ident => $word:literal),+ $(,)?) => {
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(match self {
+                    $($ty::$variant => $word,)+
+                })
+            }
         }
-    }
-}
 
-impl fmt::Display for ScheduleUnit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ScheduleUnit::Step => "step",
-            ScheduleUnit::Epoch => "epoch",
-        })
-    }
-}
+        impl FromStr for $ty {
+            type Err = String;
 
-impl FromStr for ScheduleUnit {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "step" => Ok(ScheduleUnit::Step),
-            "epoch" => Ok(ScheduleUnit::Epoch),
-            _ => Err(format!("unknown unit {s:?}: by = \"step\" or \"epoch\"")),
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($word => Ok($ty::$variant),)+
+                    _ => Err(format!($unknown, s = s)),
+                }
+            }
         }
-    }
+    };
 }
 
-impl fmt::Display for WorkerScaling {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            WorkerScaling::None => "none",
-            WorkerScaling::Linear => "linear",
-            WorkerScaling::Sqrt => "sqrt",
-        })
-    }
-}
-
-impl FromStr for WorkerScaling {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "none" => Ok(WorkerScaling::None),
-            "linear" => Ok(WorkerScaling::Linear),
-            "sqrt" => Ok(WorkerScaling::Sqrt),
-            _ => Err(format!(
-                "unknown scaling {s:?}: scale = \"none\", \"linear\" or \"sqrt\""
-            )),
-        }
-    }
-}
+words!(Anneal, "unknown anneal_strategy {s:?}: use cos or linear", Cos => "cos", Linear => "linear");
+words!(
+    ScheduleUnit,
+    "unknown unit {s:?}: by = \"step\" or \"epoch\"",
+    Step => "step",
+    Epoch => "epoch",
+);
+words!(
+    WorkerScaling,
+    "unknown scaling {s:?}: scale = \"none\", \"linear\" or \"sqrt\"",
+    None => "none",
+    Linear => "linear",
+    Sqrt => "sqrt",
+);
 
 impl FromStr for LrSchedule {
     type Err = String;

@@ -634,8 +634,11 @@ impl ShardState {
         self.load.pushes.fetch_add(1, Ordering::Relaxed);
         self.load.bytes_in.fetch_add(bytes, Ordering::Relaxed);
         let claims = claims.as_ref();
-        // The epoch an epoch schedule counts: the samples', or the latest seen.
+        // The epoch an epoch schedule counts: the samples', or the latest seen (no other
+        // update reads it).
+        let schedule = &self.job.schedule;
         let epoch = match span {
+            _ if schedule.is_constant() || schedule.by != ScheduleUnit::Epoch => 0,
             Some(s) => {
                 self.epoch_seen.fetch_max(s.epoch, Ordering::Relaxed);
                 s.epoch

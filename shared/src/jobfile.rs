@@ -1615,16 +1615,19 @@ init = "zeros"
                 "missing: a group names its tensors",
             ),
         ];
-        for (from, to, why) in refused {
-            let bad = text.replace(from, to);
-            let e = parse(&bad, Path::new("j.toml")).expect_err(to).to_string();
-            assert!(
-                e.contains(why) && e.contains("optimizer.group["),
-                "{to}: {e}"
-            );
-        }
+        refused_naming(&text, &refused, "optimizer.group[");
         assert!(glob_match("*.bias", "fc0.bias") && !glob_match("*.bias", "fc0.weight"));
         assert!(glob_match("a*b*c", "aXbYc") && glob_match("*", "") && !glob_match("a*", "b"));
+    }
+
+    /// Each `(from, to, why)`: `text` with `from` replaced by `to` is refused, the message
+    /// saying `why` and naming `field`.
+    fn refused_naming(text: &str, cases: &[(&str, &str, &str)], field: &str) {
+        for (from, to, why) in cases {
+            let bad = text.replace(from, to);
+            let e = parse(&bad, Path::new("j.toml")).expect_err(to).to_string();
+            assert!(e.contains(why) && e.contains(field), "{to}: {e}");
+        }
     }
 
     #[test]
@@ -1671,11 +1674,7 @@ init = "zeros"
                 "needs consistency = \"bsp\"",
             ),
         ];
-        for (from, to, why) in refused {
-            let bad = text.replace(from, to);
-            let e = parse(&bad, Path::new("j.toml")).expect_err(to).to_string();
-            assert!(e.contains(why) && e.contains("schedule"), "{to}: {e}");
-        }
+        refused_naming(&text, refused, "schedule");
         // Momentum cycling needs a momentum: plain SGD has none.
         let one = with(
             MLP,

@@ -648,7 +648,7 @@ impl Sim {
         if self.down_until.is_some() {
             match env.body {
                 Body::Restart => {
-                    let job = self.scenario.job();
+                    let job = self.coordinator.job().clone();
                     self.coordinator = CoordinatorState::restore(
                         self.saved.clone(),
                         &job,
@@ -1007,14 +1007,7 @@ impl Sim {
                     self.seq += 1;
                     let seq = self.seq;
                     self.send(Node::Coordinator, slot, seq, Body::Heartbeat(id));
-                    let every = u64::from(self.scenario.job().lease_ms) / 4;
-                    self.at(
-                        self.now + every,
-                        Node::Worker(slot),
-                        slot,
-                        0,
-                        Body::HeartbeatDue,
-                    );
+                    self.heartbeat_later(slot);
                 }
             }
             Body::Beat { drain } => self.workers[slot].drain |= drain,
@@ -1029,14 +1022,7 @@ impl Sim {
                 w.clock = clock;
                 w.map = *map;
                 w.phase = Phase::Leasing;
-                let every = u64::from(self.scenario.job().lease_ms) / 4;
-                self.at(
-                    self.now + every,
-                    Node::Worker(slot),
-                    slot,
-                    0,
-                    Body::HeartbeatDue,
-                );
+                self.heartbeat_later(slot);
                 self.request(slot, Body::NextPartition(id));
             }
             Body::Leased { part, clock } if current && phase == Phase::Leasing => {
@@ -1092,6 +1078,18 @@ impl Sim {
             _ => {}
         }
         Ok(())
+    }
+
+    /// Schedules a worker's next heartbeat, four to a lease.
+    fn heartbeat_later(&mut self, slot: usize) {
+        let every = u64::from(self.coordinator.job().lease_ms) / 4;
+        self.at(
+            self.now + every,
+            Node::Worker(slot),
+            slot,
+            0,
+            Body::HeartbeatDue,
+        );
     }
 
     /// Repeats the awaited coordinator request on a new connection.
@@ -1150,14 +1148,14 @@ impl Sim {
     /// The end: every sample of every epoch applied exactly once on every shard, and every
     /// counter float equal to the number of batches of the job.
     fn check_end(&mut self) -> Result<(), String> {
-        let job = self.scenario.job();
+        let epochs = self.coordinator.job().epochs;
         let (samples, partition, batch) = self.scenario.data;
         for (s, shard) in self.shards.iter().enumerate() {
             let report = shard.ledger_report();
             if shard.num_keys() == 0 {
                 continue;
             }
-            if report.len() != job.epochs as usize {
+            if report.len() != epochs as usize {
                 return Err(format!("shard {s} reports {} epochs", report.len()));
             }
             for e in report {
@@ -1175,7 +1173,7 @@ impl Sim {
             per_epoch += u64::from(len.div_ceil(batch));
             start += len;
         }
-        let want = (per_epoch * u64::from(job.epochs)) as f32;
+        let want = (per_epoch * u64::from(epochs)) as f32;
         // Every key is held by one shard: the one the final map names.
         for c in &self.keys {
             let holders: Vec<usize> = (0..self.shards.len())

@@ -539,20 +539,8 @@ fn optimizer_state_survives_a_move_and_a_restore_mid_run() {
         let (reference, _, _) =
             two_shards_with(optimizer.clone(), groups.clone(), schedule.clone());
         let (a, b, moved) = two_shards_with(optimizer.clone(), groups.clone(), schedule);
-        for step in 0..6 {
-            reference
-                .push(
-                    MapEpoch(1),
-                    WorkerId(1),
-                    Clock(0),
-                    &chunks(0..3),
-                    &grads(step),
-                    None,
-                )
-                .expect("push");
-        }
-        for step in 0..3 {
-            a.push(
+        let whole = |st: &ShardState, step: usize| {
+            st.push(
                 MapEpoch(1),
                 WorkerId(1),
                 Clock(0),
@@ -561,7 +549,9 @@ fn optimizer_state_survives_a_move_and_a_restore_mid_run() {
                 None,
             )
             .expect("push");
-        }
+        };
+        (0..6).for_each(|step| whole(&reference, step));
+        (0..3).for_each(|step| whole(&a, step));
         b.import(1, 3, &moved, a.export(1, 3, &moved).expect("export"))
             .expect("import");
         let job = a.job.clone();

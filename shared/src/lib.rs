@@ -6,6 +6,7 @@
 
 #[cfg(feature = "cli")]
 pub mod cli;
+pub mod clock;
 pub mod contract;
 pub mod faults;
 #[cfg(feature = "observe")]

@@ -39,6 +39,24 @@ pub struct Peer {
     pub server: ServerBytes,
 }
 
+impl Peer {
+    /// A peer calling a service in-process, without a connection (the deterministic
+    /// simulation drives services so): as if authenticated as `role` and `name` of `job` from
+    /// `addr`, on a server with no bytes in flight.
+    pub fn in_process(role: Role, name: &str, job: &str, addr: SocketAddr) -> Peer {
+        Peer {
+            role,
+            name: name.to_string(),
+            job: job.to_string(),
+            addr,
+            server: ServerBytes {
+                permits: Arc::new(Semaphore::new(1)),
+                total_kib: 1,
+            },
+        }
+    }
+}
+
 /// A request handler.
 pub trait Service: Send + Sync + 'static {
     /// Whether `role` may make `req`. Refused requests get [`ErrorCode::Forbidden`].

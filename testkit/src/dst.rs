@@ -8,22 +8,33 @@
 //! that only grow, exactly-once data on every shard, float-exact counters (every applied push
 //! adds exactly 1) and liveness (the job finishes once the faults stop).
 //!
-//! This first version drives the state machines directly, as the services do: a long poll is
-//! a request tried on arrival and then again only after an event the service announces (its
-//! `bump()`), the service's owner check comes first, and a move is export, transfer, import
-//! and publish. The services themselves, the transport, shard restarts, BSP, long-poll
-//! timeouts and coordinator crashes in the middle of a move are not simulated yet.
+//! The coordinator is the real service ([`Coordinator`]): every worker request is its
+//! `Service::handle`, the code a QUIC connection calls, run as a task on a tokio runtime whose
+//! time is paused, so its long polls wait on its own state changes and time out after 60 s of
+//! virtual time, and its clock ([`edl_shared::clock`]) is the simulation's. A crash aborts its
+//! tasks; a restart is [`Coordinator::restored`] from its last snapshot. The shards are their
+//! state machines ([`ShardState`]), driven as the shard service drives them; a move is export,
+//! transfer, import and publish. The transport, shard restarts, BSP and coordinator crashes in
+//! the middle of a move are not simulated yet.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::fmt::{self, Write as _};
-use std::time::{Duration, Instant};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
+use edl_proto::frame::Parts;
 use edl_proto::msg::{ChunkRef, DataSpan, Partition};
-use edl_proto::{Clock, Consistency, JobConfig, Key, MapEpoch, ShardId, ShardMap, WorkerId};
+use edl_proto::{
+    Clock, Consistency, ErrorCode, JobConfig, Key, MapEpoch, Request, Response, ShardId, ShardMap,
+    WorkerId,
+};
 use edl_ps::checkpoint::RangeExport;
-use edl_ps::coordinator::state::{CoordinatorState, Poll};
+use edl_ps::coordinator::state::CoordinatorSnap;
+use edl_ps::coordinator::{Coordinator, CoordinatorConfig};
 use edl_ps::shard::ShardState;
+use edl_shared::{Peer, Role, Service};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -201,23 +212,40 @@ pub struct Options {
     pub give_up: bool,
 }
 
-/// Runs seed `seed`.
+/// Runs seed `seed`, on a runtime of its own whose time is paused.
 pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
-    let scenario = Scenario::of(seed);
-    let mut sim = Sim::new(seed, scenario, options.verbose);
-    sim.give_up = options.give_up;
-    match sim.run() {
-        Ok(()) => Ok(sim.report()),
-        Err(what) => {
-            let log = sim.log.iter().cloned().collect();
-            Err(Box::new(Failure {
-                seed,
-                at_ms: sim.now,
-                what,
-                log,
-            }))
+    let failed = |what: String| {
+        Box::new(Failure {
+            seed,
+            at_ms: 0,
+            what,
+            log: Vec::new(),
+        })
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| failed(format!("no runtime: {e}")))?;
+    rt.block_on(async {
+        let (tx, mut answers) = tokio::sync::mpsc::unbounded_channel();
+        let mut sim = Sim::new(seed, Scenario::of(seed), options.verbose, tx, &mut answers)
+            .await
+            .map_err(failed)?;
+        sim.give_up = options.give_up;
+        match sim.run(&mut answers).await {
+            Ok(()) => Ok(sim.report()),
+            Err(what) => {
+                let log = sim.log.iter().cloned().collect();
+                Err(Box::new(Failure {
+                    seed,
+                    at_ms: sim.now,
+                    what,
+                    log,
+                }))
+            }
         }
-    }
+    })
 }
 
 /// Where a message goes.
@@ -274,6 +302,8 @@ enum Body {
     /// The moved range's state reaches its new shard (`exports[id]`).
     MoveIn(u64),
     Refused(String),
+    /// The coordinator's long poll timed out: ask again.
+    NotReady,
     Left,
     Retry,
     ConnectionLost,
@@ -322,40 +352,38 @@ struct Worker {
     drain: bool,
 }
 
-/// A coordinator request waiting for the state to let it go on (a long poll).
-#[derive(Clone, Debug)]
-struct Parked {
+/// A coordinator call's answer, from the task that served it.
+#[derive(Debug)]
+struct Answer {
+    call: u64,
+    /// The worker slot that asked ([`ADMIN`] for an operator).
     worker: usize,
     seq: u64,
-    kind: ParkedKind,
+    /// The clock a `Clock` request committed.
+    clock: Clock,
+    resp: Response,
 }
 
-#[derive(Clone, Copy, Debug)]
-enum ParkedKind {
-    Register(u64),
-    Lease(WorkerId),
-    Clock(WorkerId, Clock),
-}
+/// The caller slot of an operator's requests.
+const ADMIN: usize = usize::MAX;
 
 struct Sim {
     seed: u64,
     scenario: Scenario,
     rng: StdRng,
-    base: Instant,
+    /// Virtual time zero.
+    t0: tokio::time::Instant,
     now: u64,
     seq: u64,
     queue: BinaryHeap<Reverse<(u64, u64)>>,
     pending: BTreeMap<u64, Envelope>,
-    coordinator: CoordinatorState,
-    /// Requests waiting for a state change, and those that arrived with this event (each is
-    /// tried once on arrival, as the service's `wait_for` does).
-    parked: Vec<Parked>,
-    fresh: Vec<Parked>,
-    /// The event changed the state in a way the service announces (its `bump()`): only then
-    /// are the waiting requests tried again.
-    changed: bool,
+    coordinator: Arc<Coordinator>,
+    config: CoordinatorConfig,
+    /// Calls the coordinator is serving: `(worker slot, request seq, task)`.
+    calls: BTreeMap<u64, (usize, u64, tokio::task::JoinHandle<()>)>,
+    answers: tokio::sync::mpsc::UnboundedSender<Answer>,
     /// What the coordinator saved last, and until when it is down.
-    saved: edl_ps::coordinator::state::CoordinatorSnap,
+    saved: CoordinatorSnap,
     down_until: Option<u64>,
     restarts: u32,
     moved: u32,
@@ -384,18 +412,49 @@ struct Sim {
 }
 
 impl Sim {
-    fn new(seed: u64, scenario: Scenario, verbose: bool) -> Sim {
-        let base = Instant::now();
+    async fn new(
+        seed: u64,
+        scenario: Scenario,
+        verbose: bool,
+        answers: tokio::sync::mpsc::UnboundedSender<Answer>,
+        answered: &mut tokio::sync::mpsc::UnboundedReceiver<Answer>,
+    ) -> Result<Sim, String> {
         let job = scenario.job();
-        let mut coordinator = CoordinatorState::new(job.clone(), scenario.shards, base);
-        for s in 0..scenario.shards {
-            // Joining a fresh job's shards cannot fail.
-            let _ = coordinator.shard_join(&format!("s{s}"), &format!("sim:{s}"));
-        }
-        let map = match coordinator.assignment(ShardId(0)) {
-            Poll::Ready((_, map)) => map,
-            _ => unreachable!("every shard joined: the map exists"),
+        let config = CoordinatorConfig {
+            job: job.clone(),
+            shards: scenario.shards,
+            state_file: None,
+            stragglers: Default::default(),
+            probe_sockets: false,
         };
+        let coordinator =
+            Arc::new(Coordinator::new(config.clone()).map_err(|e| format!("coordinator: {e}"))?);
+        // The shards join through the service; each is answered once all have joined.
+        for s in 0..scenario.shards {
+            let peer = Peer::in_process(Role::Shard, &format!("s{s}"), JOB, addr(1, s as usize));
+            let (c, tx) = (coordinator.clone(), answers.clone());
+            tokio::spawn(async move {
+                let req = Request::ShardJoin {
+                    addr: format!("sim:{s}"),
+                };
+                let resp = c.handle(&peer, req, Parts::default()).await.msg;
+                let _ = tx.send(Answer {
+                    call: 0,
+                    worker: ADMIN,
+                    seq: 0,
+                    clock: Clock(0),
+                    resp,
+                });
+            });
+        }
+        let mut map = None;
+        for _ in 0..scenario.shards {
+            match answered.recv().await.map(|a| a.resp) {
+                Some(Response::ShardAssigned { map: m, .. }) => map = Some(m),
+                other => return Err(format!("a shard's join was answered {other:?}")),
+            }
+        }
+        let map = map.ok_or("no shard")?;
         let layout = job.layout();
         let shards: Vec<ShardState> = (0..scenario.shards)
             .map(|s| ShardState::new(ShardId(s), job.clone(), map.clone()))
@@ -418,15 +477,15 @@ impl Sim {
             rerouted: 0,
             seed,
             rng: StdRng::seed_from_u64(seed),
-            base,
+            t0: tokio::time::Instant::now(),
             now: 0,
             seq: 0,
             queue: BinaryHeap::new(),
             pending: BTreeMap::new(),
             coordinator,
-            parked: Vec::new(),
-            fresh: Vec::new(),
-            changed: false,
+            config,
+            calls: BTreeMap::new(),
+            answers,
             shards,
             map,
             keys,
@@ -452,11 +511,7 @@ impl Sim {
             sim.at(t, Node::Coordinator, 0, 0, Body::Script(what));
         }
         sim.at(TICK_MS, Node::Coordinator, 0, 0, Body::Tick);
-        sim
-    }
-
-    fn instant(&self) -> Instant {
-        self.base + Duration::from_millis(self.now)
+        Ok(sim)
     }
 
     fn faulty(&self) -> bool {
@@ -583,18 +638,39 @@ impl Sim {
         }
     }
 
-    fn run(&mut self) -> Result<(), String> {
-        while let Some(Reverse((t, n))) = self.queue.pop() {
+    /// Delivers events in virtual-time order, and the coordinator's answers as its tasks give
+    /// them; the runtime's clock jumps to whichever comes next.
+    async fn run(
+        &mut self,
+        answers: &mut tokio::sync::mpsc::UnboundedReceiver<Answer>,
+    ) -> Result<(), String> {
+        loop {
+            let next = self.queue.peek().map(|Reverse((t, _))| *t);
+            let until = self.t0 + Duration::from_millis(next.unwrap_or(DEADLINE_MS + 1));
+            tokio::select! {
+                biased;
+                Some(a) = answers.recv() => {
+                    let elapsed = (tokio::time::Instant::now() - self.t0).as_millis();
+                    self.now = self.now.max(elapsed as u64);
+                    self.answered(a)?;
+                    continue;
+                }
+                () = tokio::time::sleep_until(until) => {}
+            }
+            let Some(Reverse((t, n))) = self.queue.pop() else {
+                break;
+            };
             let Some(env) = self.pending.remove(&n) else {
                 continue;
             };
             self.now = t;
             if self.now > DEADLINE_MS {
+                let status = self.coordinator.status();
                 return Err(format!(
                     "liveness: the job did not finish by {DEADLINE_MS} ms ({} of {} samples \
                      done; workers: {:?})",
-                    self.coordinator.status(self.instant()).samples_done,
-                    self.coordinator.status(self.instant()).samples_total,
+                    status.samples_done,
+                    status.samples_total,
                     self.workers.iter().map(|w| w.phase).collect::<Vec<_>>()
                 ));
             }
@@ -611,14 +687,17 @@ impl Sim {
                 Node::Worker(slot) => self.at_worker(slot, env)?,
             }
             // Map epochs only grow, through coordinator restarts too.
-            let epoch = self.coordinator.map().map_or(MapEpoch(0), |m| m.epoch);
+            let epoch = self
+                .coordinator
+                .inspect(|st| st.map())
+                .map_or(MapEpoch(0), |m| m.epoch);
             if epoch < self.map.epoch {
                 return Err(format!(
                     "map epochs: the coordinator went back from {} to {epoch}",
                     self.map.epoch
                 ));
             }
-            if self.coordinator.finished()
+            if self.finished()
                 && self
                     .workers
                     .iter()
@@ -627,7 +706,7 @@ impl Sim {
                 break;
             }
         }
-        if !self.coordinator.finished() {
+        if !self.finished() {
             return Err("liveness: no event left and the job is not finished".into());
         }
         // Deliver what is still in flight (late pushes of crashed workers): none may count.
@@ -639,23 +718,101 @@ impl Sim {
                 self.at_shard(s, env)?;
             }
         }
+        for (_, (_, _, task)) in std::mem::take(&mut self.calls) {
+            task.abort();
+        }
         self.check_end()
     }
 
+    fn finished(&self) -> bool {
+        self.coordinator.inspect(|st| st.finished())
+    }
+
+    /// A worker's (or with [`ADMIN`], an operator's) call to the coordinator: its service
+    /// serves it in a task of its own, which reports the answer when it has one.
+    fn call(&mut self, worker: usize, seq: u64, clock: Clock, req: Request) {
+        let peer = if worker == ADMIN {
+            Peer::in_process(Role::Admin, "operator", JOB, addr(2, 0))
+        } else {
+            Peer::in_process(Role::Worker, &format!("w{worker}"), JOB, addr(0, worker))
+        };
+        self.seq += 1;
+        let call = self.seq;
+        let (c, tx) = (self.coordinator.clone(), self.answers.clone());
+        let task = tokio::spawn(async move {
+            let resp = c.handle(&peer, req, Parts::default()).await.msg;
+            let _ = tx.send(Answer {
+                call,
+                worker,
+                seq,
+                clock,
+                resp,
+            });
+        });
+        self.calls.insert(call, (worker, seq, task));
+    }
+
+    /// An answer from the coordinator goes back over the network; a grant is checked against
+    /// the consistency model first.
+    fn answered(&mut self, a: Answer) -> Result<(), String> {
+        self.calls.remove(&a.call);
+        let line = format!("coordinator answers w{} #{}", a.worker, a.seq);
+        mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
+        self.note(line);
+        if a.worker == ADMIN {
+            if matches!(a.resp, Response::Ack) {
+                self.drained += 1;
+            }
+            return Ok(());
+        }
+        let body = match a.resp {
+            Response::Registered {
+                worker, map, clock, ..
+            } => Body::Registered {
+                id: worker,
+                clock,
+                map: Box::new(map),
+            },
+            Response::Partition { partition, clock } => Body::Leased {
+                part: partition,
+                clock,
+            },
+            Response::ClockGranted { min_clock, drain } => {
+                // SSP(s): a worker at clock c goes on only while the slowest counting worker
+                // is at c - s or later (a draining one leaves instead).
+                let bound = self.scenario.consistency.staleness();
+                if bound.is_some_and(|s| !drain && min_clock.0.saturating_add(s) < a.clock.0) {
+                    return Err(format!(
+                        "consistency: w{} granted clock {} with the slowest at {}, {}",
+                        a.worker, a.clock.0, min_clock.0, self.scenario.consistency
+                    ));
+                }
+                Body::Granted { drain }
+            }
+            Response::Beat { drain, .. } => Body::Beat { drain },
+            Response::Ack => Body::Left,
+            Response::Error { code, .. }
+                if ErrorCode::from_u16(code) == Some(ErrorCode::NotReady) =>
+            {
+                Body::NotReady
+            }
+            Response::Error { message, .. } => Body::Refused(message),
+            other => return Err(format!("the coordinator answered {other:?}")),
+        };
+        self.send(Node::Worker(a.worker), a.worker, a.seq, body);
+        Ok(())
+    }
+
     fn at_coordinator(&mut self, env: Envelope) -> Result<(), String> {
-        let now = self.instant();
         let (slot, seq) = (env.worker, env.seq);
         if self.down_until.is_some() {
             match env.body {
                 Body::Restart => {
-                    let job = self.coordinator.job().clone();
-                    self.coordinator = CoordinatorState::restore(
-                        self.saved.clone(),
-                        &job,
-                        self.scenario.shards,
-                        now,
-                    )
-                    .map_err(|e| format!("the coordinator cannot restore its state: {e}"))?;
+                    let restored = Coordinator::restored(self.saved.clone(), self.config.clone())
+                        .map_err(|e| {
+                        format!("the coordinator cannot restore its state: {e}")
+                    })?;
+                    self.coordinator = Arc::new(restored);
                     self.down_until = None;
                     self.restarts += 1;
                     self.note("coordinator restarted from its saved state".into());
@@ -684,17 +841,15 @@ impl Sim {
             Body::Script(Scripted::CoordinatorCrash(down)) => {
                 self.note(format!("the coordinator crashes for {down} ms"));
                 self.down_until = Some(self.now + down);
-                for p in std::mem::take(&mut self.parked) {
-                    self.at(
-                        self.now + CONNECTION_TIMEOUT_MS,
-                        Node::Worker(p.worker),
-                        p.worker,
-                        p.seq,
-                        Body::ConnectionLost,
-                    );
+                // Its process ends: the calls it was serving fail with their connections.
+                for (_, (worker, seq, task)) in std::mem::take(&mut self.calls) {
+                    task.abort();
+                    if worker != ADMIN {
+                        let t = self.now + CONNECTION_TIMEOUT_MS;
+                        self.at(t, Node::Worker(worker), worker, seq, Body::ConnectionLost);
+                    }
                 }
                 self.at(self.now + down, Node::Coordinator, 0, 0, Body::Restart);
-                return Ok(());
             }
             Body::Script(Scripted::Move(n, m)) => {
                 if !self.moving {
@@ -705,17 +860,17 @@ impl Sim {
                 if self.now.is_multiple_of(SAVE_MS) {
                     self.saved = self.coordinator.snapshot();
                 }
-                for id in self.coordinator.expire_leases(now) {
-                    self.changed = true;
-                    self.dead += 1;
-                    self.note(format!("coordinator: {id} declared dead"));
+                let dead = self.coordinator.sweep(edl_shared::clock::now());
+                if dead > 0 {
+                    self.dead += dead as u32;
+                    self.note(format!("coordinator: {dead} declared dead"));
                 }
                 if !self.faulty()
                     && !self
                         .workers
                         .iter()
                         .any(|w| !matches!(w.phase, Phase::Done | Phase::Crashed))
-                    && !self.coordinator.finished()
+                    && !self.finished()
                 {
                     self.note("no worker left: a new one starts".into());
                     self.start_worker();
@@ -726,78 +881,40 @@ impl Sim {
             Body::Script(Scripted::Drain(n)) => {
                 let ids: Vec<WorkerId> = self.workers.iter().filter_map(|w| w.id).collect();
                 if !ids.is_empty() {
-                    let id = ids[n % ids.len()];
-                    if self.coordinator.drain(id, now).is_ok() {
-                        self.drained += 1;
-                        self.changed = true;
-                    }
+                    let worker = ids[n % ids.len()];
+                    self.call(ADMIN, 0, Clock(0), Request::Drain { worker });
                 }
             }
             Body::Script(Scripted::Crash(n)) => self.crash_worker(n),
-            // The service checks that a worker id belongs to the caller's certificate (a
-            // restored coordinator hands out ids again that it handed out after its save).
-            Body::NextPartition(id)
-            | Body::Clock { id, .. }
-            | Body::Heartbeat(id)
-            | Body::Leave(id)
-                if self
-                    .coordinator
-                    .check_owner(id, &format!("w{slot}"))
-                    .is_err() =>
-            {
-                let m = format!("{id} belongs to another identity");
-                self.send(Node::Worker(slot), slot, seq, Body::Refused(m));
+            Body::Register => {
+                let req = Request::Register {
+                    name: format!("w{slot}"),
+                    placement: None,
+                };
+                self.call(slot, seq, Clock(0), req);
             }
-            Body::Register => self.fresh.push(Parked {
-                worker: slot,
-                seq,
-                kind: ParkedKind::Register(self.now),
-            }),
-            Body::NextPartition(id) => match self.coordinator.set_idle(id) {
-                Ok(()) => {
-                    self.changed = true;
-                    self.fresh.push(Parked {
-                        worker: slot,
-                        seq,
-                        kind: ParkedKind::Lease(id),
-                    });
-                }
-                Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
-            },
+            Body::NextPartition(worker) => {
+                self.call(slot, seq, Clock(0), Request::NextPartition { worker });
+            }
             Body::Clock { id, clock, span } => {
-                let r = self.coordinator.advance(
-                    id,
+                let req = Request::Clock {
+                    worker: id,
                     clock,
-                    span.epoch,
-                    span.len(),
-                    0.0,
-                    Some(span),
-                    now,
-                );
-                match r {
-                    Ok(()) => {
-                        self.changed = true;
-                        self.fresh.push(Parked {
-                            worker: slot,
-                            seq,
-                            kind: ParkedKind::Clock(id, clock),
-                        });
-                    }
-                    Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
-                }
+                    epoch: span.epoch,
+                    samples: span.len(),
+                    loss_sum: 0.0,
+                    span: Some(span),
+                    last: false,
+                };
+                self.call(slot, seq, clock, req);
             }
-            Body::Heartbeat(id) => match self.coordinator.beat(id, now) {
-                Ok((drain, _)) => self.send(Node::Worker(slot), slot, seq, Body::Beat { drain }),
-                Err((_, m)) => self.send(Node::Worker(slot), slot, seq, Body::Refused(m)),
-            },
-            Body::Leave(id) => {
-                // Leaving twice (a repeated request) finds the worker gone: what it asked for.
-                self.changed |= self.coordinator.leave(id, now).is_ok();
-                self.send(Node::Worker(slot), slot, seq, Body::Left);
+            Body::Heartbeat(worker) => {
+                self.call(slot, seq, Clock(0), Request::Heartbeat { worker })
             }
+            Body::Leave(worker) => self.call(slot, seq, Clock(0), Request::Leave { worker }),
             other => return Err(format!("the coordinator got {other:?}")),
         }
-        self.unpark()
+        Ok(())
     }
 
     /// The n-th live worker (modulo their number) stops.
@@ -811,66 +928,6 @@ impl Sim {
             self.crashed += 1;
             self.note(format!("w{s} crashes"));
         }
-    }
-
-    /// Tries the requests that arrived with this event and, if the state changed, every
-    /// waiting one; answers those the state lets go on and checks the consistency model at
-    /// every grant.
-    fn unpark(&mut self) -> Result<(), String> {
-        let now = self.instant();
-        let mut tried = std::mem::take(&mut self.fresh);
-        if std::mem::take(&mut self.changed) {
-            tried.append(&mut self.parked);
-        }
-        for p in tried {
-            let answer = match p.kind {
-                ParkedKind::Register(at) => {
-                    let requested = self.base + Duration::from_millis(at);
-                    let name = format!("w{}", p.worker);
-                    match self.coordinator.register(&name, "sim", requested, now) {
-                        Poll::Ready((id, _, map, clock)) => Some(Body::Registered {
-                            id,
-                            clock,
-                            map: Box::new(map),
-                        }),
-                        Poll::Pending => None,
-                        Poll::Failed(_, m) => Some(Body::Refused(m)),
-                    }
-                }
-                ParkedKind::Lease(id) => match self.coordinator.next_partition(id, now) {
-                    Poll::Ready((part, clock)) => Some(Body::Leased { part, clock }),
-                    Poll::Pending => None,
-                    Poll::Failed(_, m) => Some(Body::Refused(m)),
-                },
-                ParkedKind::Clock(id, clock) => match self.coordinator.may_proceed(id) {
-                    Poll::Ready((min, drain)) => {
-                        // SSP(s): a worker at clock c goes on only while the slowest counting
-                        // worker is at c - s or later (a draining one leaves instead).
-                        let slowest = self.coordinator.min_clock();
-                        let bound = self.scenario.consistency.staleness();
-                        if min != slowest
-                            || bound
-                                .is_some_and(|s| !drain && slowest.0.saturating_add(s) < clock.0)
-                        {
-                            return Err(format!(
-                                "consistency: {id} granted clock {} with the slowest at {} \
-                                 (answered {}), {}",
-                                clock.0, slowest.0, min.0, self.scenario.consistency
-                            ));
-                        }
-                        self.coordinator.granted(id, now);
-                        Some(Body::Granted { drain })
-                    }
-                    Poll::Pending => None,
-                    Poll::Failed(_, m) => Some(Body::Refused(m)),
-                },
-            };
-            match answer {
-                Some(body) => self.send(Node::Worker(p.worker), p.worker, p.seq, body),
-                None => self.parked.push(p),
-            }
-        }
-        Ok(())
     }
 
     fn at_shard(&mut self, s: usize, env: Envelope) -> Result<(), String> {
@@ -929,7 +986,7 @@ impl Sim {
         };
         let map = self
             .coordinator
-            .map_after(mv)
+            .inspect(|st| st.map_after(mv))
             .map_err(|(_, e)| format!("move {start}..{end} to {to}: {e}"))?;
         let export = self.shards[r.shard.0 as usize]
             .export(start, end, &map)
@@ -975,16 +1032,16 @@ impl Sim {
             hold_ms: 0.0,
         };
         self.coordinator
-            .commit_move(map.clone(), report, self.instant());
+            .publish_move(map.clone(), report, edl_shared::clock::now());
+        // A published map is saved at once.
         self.saved = self.coordinator.snapshot();
-        self.changed = true;
         for shard in &self.shards {
             shard.install_map(&map);
         }
         self.map = map;
         self.moving = false;
         self.moved += 1;
-        self.unpark()
+        Ok(())
     }
 
     fn at_worker(&mut self, slot: usize, env: Envelope) -> Result<(), String> {
@@ -1011,6 +1068,8 @@ impl Sim {
                 }
             }
             Body::Beat { drain } => self.workers[slot].drain |= drain,
+            // The long poll timed out: the client asks again at once.
+            Body::NotReady if current => self.repeat(slot),
             Body::Refused(m) if current || phase == Phase::Pushing => {
                 // The client gives up: a worker the coordinator dropped exits.
                 self.note(format!("w{slot} exits: {m}"));
@@ -1082,7 +1141,7 @@ impl Sim {
 
     /// Schedules a worker's next heartbeat, four to a lease.
     fn heartbeat_later(&mut self, slot: usize) {
-        let every = u64::from(self.coordinator.job().lease_ms) / 4;
+        let every = u64::from(self.coordinator.inspect(|st| st.job().lease_ms)) / 4;
         self.at(
             self.now + every,
             Node::Worker(slot),
@@ -1148,7 +1207,7 @@ impl Sim {
     /// The end: every sample of every epoch applied exactly once on every shard, and every
     /// counter float equal to the number of batches of the job.
     fn check_end(&mut self) -> Result<(), String> {
-        let epochs = self.coordinator.job().epochs;
+        let epochs = self.coordinator.inspect(|st| st.job().epochs);
         let (samples, partition, batch) = self.scenario.data;
         for (s, shard) in self.shards.iter().enumerate() {
             let report = shard.ledger_report();
@@ -1246,6 +1305,14 @@ impl fmt::Display for Report {
         );
         f.write_str(&s)
     }
+}
+
+/// The job the simulated certificates name.
+const JOB: &str = edl_shared::pki::DEFAULT_JOB;
+
+/// A simulated node's address: workers in 10.0.x.x, shards in 10.1.x.x, operators in 10.2.x.x.
+fn addr(kind: u8, n: usize) -> SocketAddr {
+    SocketAddr::from(([10, kind, (n >> 8) as u8, n as u8], 7000))
 }
 
 /// Adds bytes to a digest (FNV-1a).

@@ -3,7 +3,7 @@
 
 use edl_testkit::dst::{self, Options};
 
-/// Seeds CI runs (about a second each way): joins, drains, worker and coordinator crashes,
+/// Seeds CI runs (about two seconds each way): joins, drains, worker and coordinator crashes,
 /// resharding moves, lost and repeated messages under ASP and SSP(0..2).
 const SEEDS: std::ops::RangeInclusive<u64> = 1..=400;
 

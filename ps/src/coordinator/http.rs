@@ -2,7 +2,7 @@
 //! API it polls (`/api/status`, `/api/history?from_ms=N`, `/api/shards`); `/metrics` too.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use edl_shared::http::{Pages, Reply};
 use edl_shared::proto::msg::ShardStats;
@@ -28,7 +28,7 @@ impl Pages for Dashboard {
             "/api/status" => {
                 let body = {
                     let st = c.lock();
-                    let now = Instant::now();
+                    let now = edl_shared::clock::now();
                     let map = st.map();
                     views::status(
                         &st.status(now),

@@ -3,7 +3,6 @@
 //! state at each scrape; histograms are observed as things happen.
 
 use std::sync::{Arc, LazyLock};
-use std::time::Instant;
 
 use edl_shared::metrics::{self, Counters, Gauge, Gauges, Histograms, label};
 use edl_shared::proto::msg::{EventKind, MoveReport, WorkerState};
@@ -97,7 +96,7 @@ pub fn watch(coordinator: &Arc<Coordinator>) {
 }
 
 fn refresh(c: &Coordinator) {
-    let now = Instant::now();
+    let now = edl_shared::clock::now();
     let st = c.lock();
     let status = st.status(now);
     let members = st.members(now);

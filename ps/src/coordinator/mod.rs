@@ -21,7 +21,8 @@ use edl_shared::shutdown::CancellationToken;
 use edl_shared::token::Signer;
 use edl_shared::transport::{TransportSettings, server_endpoint};
 use edl_shared::{Identity, Peer, Role, Service};
-use tokio::sync::watch;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::Notify;
 use tracing::{info, warn};
 
 use rkyv::rancor::BoxedError;
@@ -60,7 +61,11 @@ const PERSIST_EVERY: Duration = Duration::from_millis(500);
 /// whenever the state changes.
 pub struct Coordinator {
     state: Mutex<CoordinatorState>,
-    changed: watch::Sender<u64>,
+    /// Bumped on every change the waiters care about; `changed` wakes them, in the order they
+    /// began to wait (a `watch` channel would wake them in a random order, and the
+    /// simulation's runs would not be functions of their seeds).
+    version: AtomicU64,
+    changed: Notify,
     /// Where the durable state is saved, if anywhere.
     state_file: Option<PathBuf>,
     /// Connections to shards for resharding (set once the coordinator has an identity).
@@ -78,7 +83,7 @@ pub struct Coordinator {
 impl Coordinator {
     /// A coordinator for `config`.
     pub fn new(config: CoordinatorConfig) -> anyhow::Result<Self> {
-        let mut state = CoordinatorState::new(config.job, config.shards, Instant::now());
+        let mut state = CoordinatorState::new(config.job, config.shards, edl_shared::clock::now());
         state
             .set_stragglers(config.stragglers)
             .map_err(|(_, e)| anyhow::anyhow!(e))?;
@@ -88,7 +93,8 @@ impl Coordinator {
     fn with_state(state: CoordinatorState, state_file: Option<PathBuf>) -> Self {
         Coordinator {
             state: Mutex::new(state),
-            changed: watch::Sender::new(0),
+            version: AtomicU64::new(0),
+            changed: Notify::new(),
             state_file,
             caller: std::sync::OnceLock::new(),
             job_name: std::sync::OnceLock::new(),
@@ -99,19 +105,56 @@ impl Coordinator {
 
     /// A coordinator for `config`, restored from its state file when there is one.
     pub fn open(config: CoordinatorConfig) -> anyhow::Result<Self> {
-        let Some(path) = config.state_file.as_deref().filter(|p| p.exists()) else {
+        let Some(path) = config.state_file.clone().filter(|p| p.exists()) else {
             return Self::new(config);
         };
-        let body = checkpoint::read_blob(path, STATE_MAGIC)?;
+        let body = checkpoint::read_blob(&path, STATE_MAGIC)?;
         let snap = rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&body)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let mut state = CoordinatorState::restore(snap, &config.job, config.shards, Instant::now())
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let restored =
+            Self::restored(snap, config).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        info!(path = %path.display(), "coordinator state restored");
+        Ok(restored)
+    }
+
+    /// A coordinator for `config` restored from `snap` (what [`Coordinator::snapshot`] took;
+    /// `open` reads it from the state file).
+    pub fn restored(snap: CoordinatorSnap, config: CoordinatorConfig) -> anyhow::Result<Self> {
+        let mut state =
+            CoordinatorState::restore(snap, &config.job, config.shards, edl_shared::clock::now())
+                .map_err(|e| anyhow::anyhow!(e))?;
         state
             .set_stragglers(config.stragglers)
             .map_err(|(_, e)| anyhow::anyhow!(e))?;
-        info!(path = %path.display(), "coordinator state restored");
-        Ok(Self::with_state(state, config.state_file.clone()))
+        Ok(Self::with_state(state, config.state_file))
+    }
+
+    /// The durable state as it is now: what a save writes.
+    pub fn snapshot(&self) -> CoordinatorSnap {
+        self.lock().snapshot()
+    }
+
+    /// Reads the state (for in-process drivers: the simulation, tests, the dashboard).
+    pub fn inspect<R>(&self, f: impl FnOnce(&CoordinatorState) -> R) -> R {
+        f(&self.lock())
+    }
+
+    /// Publishes the map after a range move whose state the destination holds (`began` is
+    /// when the move started) and wakes the requests waiting on the state; returns the live
+    /// shards, to be told the new map. The caller saves the state next.
+    pub fn publish_move(
+        &self,
+        map: edl_shared::proto::ShardMap,
+        report: edl_shared::proto::msg::MoveReport,
+        began: Instant,
+    ) -> Vec<(edl_shared::proto::ShardId, String)> {
+        let shards = {
+            let mut st = self.lock();
+            st.commit_move(map, report, began);
+            st.live_shards()
+        };
+        self.bump();
+        shards
     }
 
     /// Writes the durable state to the state file, if there is one, off the runtime; logs a
@@ -119,7 +162,7 @@ impl Coordinator {
     async fn save(&self) -> Option<u64> {
         let path = self.state_file.clone()?;
         let _one = self.saving.lock().await;
-        let snap = self.lock().snapshot();
+        let snap = self.snapshot();
         let written = tokio::task::spawn_blocking(move || persist_snap(&path, &snap))
             .await
             .map_err(anyhow::Error::from)
@@ -139,7 +182,8 @@ impl Coordinator {
     }
 
     fn bump(&self) {
-        self.changed.send_modify(|v| *v += 1);
+        self.version.fetch_add(1, Ordering::AcqRel);
+        self.changed.notify_waiters();
     }
 
     /// Runs `step` until it gives an answer, waiting for state changes in between.
@@ -148,8 +192,11 @@ impl Coordinator {
         mut step: impl FnMut(&mut CoordinatorState) -> Poll<T>,
     ) -> Result<T, Response> {
         let deadline = tokio::time::Instant::now() + LONG_POLL;
-        let mut rx = self.changed.subscribe();
         loop {
+            // Registered before the state is read, so no change after the read is missed.
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
             let outcome = {
                 let mut st = self.lock();
                 step(&mut st)
@@ -159,9 +206,9 @@ impl Coordinator {
                 Poll::Failed(code, msg) => return Err(Response::error(code, msg)),
                 Poll::Pending => {}
             }
-            match tokio::time::timeout_at(deadline, rx.changed()).await {
-                Ok(Ok(())) => {}
-                _ => {
+            match tokio::time::timeout_at(deadline, changed).await {
+                Ok(()) => {}
+                Err(_) => {
                     return Err(Response::error(
                         ErrorCode::NotReady,
                         "timed out waiting; retry",
@@ -215,7 +262,7 @@ impl Coordinator {
 
     /// A status snapshot.
     pub fn status(&self) -> edl_shared::proto::msg::JobStatus {
-        self.lock().status(Instant::now())
+        self.lock().status(edl_shared::clock::now())
     }
 
     fn job_name(&self) -> &str {
@@ -315,7 +362,7 @@ impl Service for Coordinator {
 
 impl Coordinator {
     async fn answer(&self, peer: &Peer, req: Request, _payload: Parts) -> Frame<Response, Parts> {
-        let now = Instant::now;
+        let now = edl_shared::clock::now;
         // A worker may give itself a preemption notice, no other.
         if let Request::Preempt { worker, .. } = &req
             && peer.role == Role::Worker
@@ -504,7 +551,7 @@ impl Coordinator {
                 }
             }
             Request::Trace { from_step } => Response::Trace(self.lock().trace(from_step)),
-            Request::Members => Response::Members(self.lock().members(Instant::now())),
+            Request::Members => Response::Members(self.lock().members(edl_shared::clock::now())),
             Request::Drain { worker } => {
                 let r = self.lock().drain(worker, now());
                 match r {
@@ -622,7 +669,7 @@ impl BoundCoordinator {
                 tokio::select! {
                     _ = sweep_stop.cancelled() => break,
                     _ = tick.tick() => {
-                        let now = Instant::now();
+                        let now = edl_shared::clock::now();
                         c.sweep(now);
                         if probing {
                             c.sweep_gone(&mut prober, now);
@@ -634,16 +681,17 @@ impl BoundCoordinator {
         let persister = self.coordinator.state_file.is_some().then(|| {
             let (c, stop) = (self.coordinator.clone(), shutdown.clone());
             tokio::spawn(async move {
-                let mut rx = c.changed.subscribe();
+                let mut saved = c.version.load(Ordering::Acquire);
                 loop {
                     tokio::select! {
                         _ = stop.cancelled() => break,
                         _ = tokio::time::sleep(PERSIST_EVERY) => {}
                     }
-                    if !rx.has_changed().unwrap_or(false) {
+                    let now = c.version.load(Ordering::Acquire);
+                    if now == saved {
                         continue;
                     }
-                    rx.mark_unchanged();
+                    saved = now;
                     c.save().await;
                 }
             })

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use edl_shared::Identity;
@@ -235,7 +235,7 @@ impl Coordinator {
         caller: &Arc<ShardCaller>,
         mv: Move,
     ) -> Result<MoveReport, (ErrorCode, String)> {
-        let began = Instant::now();
+        let began = edl_shared::clock::now();
         let (map, from_addr) = {
             let st = self.lock();
             let map = st.map_after(mv)?;
@@ -268,12 +268,7 @@ impl Coordinator {
                 return Err((code, format!("{what}: {e}")));
             }
         };
-        let shards = {
-            let mut st = self.lock();
-            st.commit_move(map.clone(), report.clone(), began);
-            st.live_shards()
-        };
-        self.bump();
+        let shards = self.publish_move(map.clone(), report.clone(), began);
         // A published map must survive a crash: save it now.
         self.save().await;
         // The source and destination know the new map; tell the others, so that what they

@@ -1,36 +1,43 @@
 //! The deterministic simulation (`edl-dst`): a fixed range of seeds in CI, each run a pure
 //! function of its seed.
 
-use edl_testkit::dst::{self, Options};
+use std::time::Instant;
 
-/// Seeds CI runs (about two seconds each way): joins, drains, worker and coordinator crashes,
-/// resharding moves, lost and repeated messages under ASP and SSP(0..2).
-const SEEDS: std::ops::RangeInclusive<u64> = 1..=400;
+use edl_proto::Consistency;
+use edl_testkit::dst::{self, Kind, Options, Report, Scenario, Scripted, Target};
+
+/// Seeds CI runs (about five seconds each way): joins, drains, worker, coordinator and shard
+/// crashes, partitions, dropped requests and answers by kind, resharding moves, lost and
+/// repeated messages under ASP and SSP(0..2).
+const SEEDS: std::ops::RangeInclusive<u64> = 1..=1000;
 
 #[test]
 fn every_seed_of_the_ci_range_keeps_the_invariants() {
     for give_up in [false, true] {
-        let mut faults = (0u64, 0u64, 0u32, 0u32, 0u32);
+        let mut faults = [0u64; 7];
         for seed in SEEDS {
             let options = Options {
                 give_up,
                 ..Options::default()
             };
-            let report = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
-            faults.0 += report.lost;
-            faults.1 += report.duplicated;
-            faults.2 += report.workers.2;
-            faults.3 += report.restarts;
-            faults.4 += report.moves.0;
+            let r = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
+            let seen = [
+                r.lost,
+                r.duplicated,
+                r.workers.2.into(),
+                r.restarts.into(),
+                r.moves.0.into(),
+                r.shard_crashes.into(),
+                r.cuts.into(),
+            ];
+            for (sum, n) in faults.iter_mut().zip(seen) {
+                *sum += n;
+            }
         }
         // The range exercises what it claims to: losses, repeats, workers declared dead,
-        // coordinator restarts and moves.
+        // coordinator restarts, moves, shard crashes, partitions and filters.
         assert!(
-            faults.0 > 1000
-                && faults.1 > 1000
-                && faults.2 > 100
-                && faults.3 > 100
-                && faults.4 > 100,
+            faults.iter().all(|&n| n > 300),
             "give_up {give_up}: {faults:?}"
         );
     }
@@ -54,4 +61,69 @@ fn a_seed_replays_to_the_same_history() {
 #[test]
 fn a_lost_lease_answer_strands_no_data() {
     dst::run(1, Options::default()).unwrap_or_else(|f| panic!("{f}"));
+}
+
+/// A job of two shards and two workers with no random faults, long enough to still be
+/// training when a fault scripted at 1 s begins.
+fn quiet(script: Vec<(u64, Scripted)>) -> Scenario {
+    Scenario {
+        shards: 2,
+        workers: 2,
+        consistency: Consistency::Ssp { staleness: 1 },
+        data: (1024, 32, 4),
+        loss: 0.0,
+        duplicate: 0.0,
+        max_delay_ms: 5,
+        script,
+    }
+}
+
+fn run(scenario: Scenario) -> Report {
+    let t = Instant::now();
+    let report =
+        dst::run_scenario(1, scenario, Options::default()).unwrap_or_else(|f| panic!("{f}"));
+    eprintln!("{report} ({:?} real)", t.elapsed());
+    report
+}
+
+/// The outage of `faults.rs`' real-process test (there cut to just past the transport's idle
+/// timeout), at its full 90 s on virtual time: the workers keep their leases by heartbeating
+/// the coordinator, wait the outage out and then train to the end; nothing is lost (every
+/// ledger exact, every counter one per batch: the run's own checks).
+#[test]
+fn a_shard_partitioned_for_90_s_then_healed_loses_nothing() {
+    let r = run(quiet(vec![(
+        1000,
+        Scripted::Partition(Target::Shard(0), 90_000),
+    )]));
+    assert!(r.virtual_ms > 91_000, "the job did not wait: {r}");
+    assert_eq!((r.workers.2, r.left), (0, 2), "{r}");
+    assert!(r.lost > 0, "the partition cut nothing: {r}");
+}
+
+/// A worker cut off for five leases is declared dead and its data goes to the other; when the
+/// partition heals its calls are refused and it exits, and nothing it pushed counts twice.
+#[test]
+fn a_worker_partitioned_past_its_lease_is_dead_and_its_data_reissued() {
+    let r = run(quiet(vec![(
+        1000,
+        Scripted::Partition(Target::Worker(0), 5000),
+    )]));
+    assert_eq!((r.workers.2, r.left), (1, 1), "{r}");
+}
+
+/// Every `Clock` answer lost for 2 s: each commit is repeated on a new connection, and the
+/// coordinator counts each once (the run checks the ledgers and counters exactly).
+#[test]
+fn lost_clock_answers_make_repeated_commits_that_count_once() {
+    let r = run(quiet(vec![(
+        1000,
+        Scripted::Filter {
+            kind: Kind::Clock,
+            answers: true,
+            ms: 2000,
+        },
+    )]));
+    assert!(r.lost > 0, "{r}");
+    assert_eq!((r.workers.2, r.left), (0, 2), "{r}");
 }

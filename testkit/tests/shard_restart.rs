@@ -307,8 +307,17 @@ async fn a_killed_coordinator_restarts_from_its_state_and_workers_carry_on() -> 
         w.push_span(&[-1.0; 20], span).await?;
         w.commit_span(span, 0.0).await?;
     }
-    // Let the coordinator save its state, then kill it and start it again.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Once the coordinator has saved the commits (it saves twice a second while its state
+    // changes), kill it and start it again.
+    let saved = state.join("coordinator").join("state.bin");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while edl_ps::coordinator::read_state(&saved).map_or(0, |s| s.samples_done()) < 8 {
+        assert!(
+            Instant::now() < deadline,
+            "the coordinator never saved the commits"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     coord.0.kill()?;
     coord.0.wait()?;
     coord = start_coordinator();

@@ -108,9 +108,7 @@ impl Coordinator {
         let Some(path) = config.state_file.clone().filter(|p| p.exists()) else {
             return Self::new(config);
         };
-        let body = checkpoint::read_blob(&path, STATE_MAGIC)?;
-        let snap = rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&body)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let snap = read_state(&path)?;
         let restored =
             Self::restored(snap, config).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         info!(path = %path.display(), "coordinator state restored");
@@ -597,6 +595,13 @@ impl Coordinator {
         };
         Frame::new(resp)
     }
+}
+
+/// Reads the durable state a coordinator saved to `path`.
+pub fn read_state(path: &Path) -> anyhow::Result<CoordinatorSnap> {
+    let body = checkpoint::read_blob(path, STATE_MAGIC)?;
+    rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&body)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
 /// Writes a snapshot of the durable state to `path`; returns the bytes written.

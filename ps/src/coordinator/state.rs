@@ -66,6 +66,13 @@ pub struct CoordinatorSnap {
     next_placement: u64,
 }
 
+impl CoordinatorSnap {
+    /// Samples whose training the workers committed.
+    pub fn samples_done(&self) -> u64 {
+        self.samples_done
+    }
+}
+
 /// An error answer: a stable code and a message.
 pub type Refusal = (ErrorCode, String);
 

@@ -18,7 +18,7 @@ use rkyv::util::AlignedVec;
 use thiserror::Error;
 
 const MAGIC: &[u8; 8] = b"EDLCKPT1";
-const VERSION: u32 = 5;
+const VERSION: u32 = 6;
 const HEADER: usize = 28;
 
 /// One chunk's state.

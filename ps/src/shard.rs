@@ -757,9 +757,21 @@ impl ShardState {
 
     /// Gives up keys `[start, end)`: removes their state (with copies of their segments'
     /// ledgers) and adopts `map`, the map after the move, so requests for them are refused
-    /// from here on with that map. Fails, changing nothing, unless every key is held here.
+    /// from here on with that map. Fails, changing nothing, unless every key is held here and
+    /// `map` is newer than this shard's (an older one is a move superseded since: a request
+    /// that arrived late).
     pub fn export(&self, start: u64, end: u64, map: &ShardMap) -> Result<RangeExport, Refusal> {
         let _gate = write_lock(&self.gate);
+        let held = self.map_epoch();
+        if map.epoch <= held {
+            return Err(Refusal::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "a move with map {} is stale: {} has map {held}",
+                    map.epoch, self.id
+                ),
+            ));
+        }
         if start >= end || !self.holds((start..end).map(Key)) {
             return Err(Refusal::new(
                 ErrorCode::InvalidRequest,
@@ -789,7 +801,9 @@ impl ShardState {
     /// Takes keys `[start, end)` from another shard and adopts `map`. Repeating an import that
     /// succeeded (the sender did not hear the answer) is acknowledged and changes nothing.
     /// Fails, changing nothing, if the export does not hold exactly those keys with state that
-    /// fits the job, or if some of them are held here already.
+    /// fits the job, if some of them are held here already, or if this shard has a map as new
+    /// as `map` without them: the coordinator gave up on the move and published the old
+    /// placement again, and taking them now would leave them where no map points.
     pub fn import(
         &self,
         start: u64,
@@ -799,25 +813,40 @@ impl ShardState {
     ) -> Result<(), Refusal> {
         let _gate = write_lock(&self.gate);
         exactly(start, end, &export)?;
-        if self.map_epoch() >= map.epoch && self.holds((start..end).map(Key)) {
-            return Ok(());
+        let held = self.map_epoch();
+        if held >= map.epoch {
+            if self.holds((start..end).map(Key)) {
+                return Ok(());
+            }
+            return Err(Refusal::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "a move with map {} was superseded: {} has map {held}",
+                    map.epoch, self.id
+                ),
+            ));
         }
         self.take_in(start, end, export)?;
         self.install_map(map);
         Ok(())
     }
 
-    /// Takes back keys whose hand-off failed, with the map from before the move.
+    /// Takes back keys whose hand-off to map `attempted` failed, with the map from before the
+    /// move (unless a newer map than the move's came meanwhile: the coordinator's, which
+    /// places them here again).
     pub fn reinstate(
         &self,
         start: u64,
         end: u64,
         before: &ShardMap,
+        attempted: MapEpoch,
         export: RangeExport,
     ) -> Result<(), Refusal> {
         let _gate = write_lock(&self.gate);
         self.take_in(start, end, export)?;
-        self.map.send_replace(Arc::new(before.clone()));
+        if self.map_epoch() <= attempted {
+            self.map.send_replace(Arc::new(before.clone()));
+        }
         Ok(())
     }
 
@@ -1060,8 +1089,13 @@ impl ShardService {
         let bytes = match sent {
             Ok(b) => b,
             Err(e) => {
-                st.reinstate(start, end, &before, export)
+                st.reinstate(start, end, &before, map.epoch, export)
                     .map_err(Response::from)?;
+                // A checkpoint written while the range was out must not be what a restart
+                // finds: the coordinator's map still places the range here.
+                if let Some(Err(e)) = self.checkpoint_now(st).await {
+                    tracing::error!(error = %e, "checkpoint after a failed hand-off failed");
+                }
                 tracing::warn!(shard = %st.id(), %to, start, end, error = %e,
                     "hand-off failed; the range stays here");
                 return Err(Response::error(

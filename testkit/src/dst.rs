@@ -11,14 +11,20 @@
 //! for and kept (every batch, unless a shard crash lost some), and liveness (the job
 //! finishes once the faults stop).
 //!
-//! The coordinator is the real service ([`Coordinator`]): every worker request is its
-//! `Service::handle`, the code a QUIC connection calls, run as a task on a tokio runtime whose
-//! time is paused, so its long polls wait on its own state changes and time out after 60 s of
-//! virtual time, and its clock ([`edl_shared::clock`]) is the simulation's. A crash aborts its
-//! tasks; a restart is [`Coordinator::restored`] from its last snapshot. The shards are their
-//! state machines ([`ShardState`]), driven as the shard service drives them; a move is export,
-//! transfer, import and publish. The transport, the shard service (its hand-off window),
-//! BSP, and crashes in the middle of a move are not simulated yet.
+//! The coordinator is the real service ([`Coordinator`]): every worker and operator request is
+//! its `Service::handle`, the code a QUIC connection calls, run as a task on a tokio runtime
+//! whose time is paused, so its long polls wait on its own state changes and time out after
+//! 60 s of virtual time, and its clock ([`edl_shared::clock`]) is the simulation's. It saves
+//! to memory ([`StateStore::Memory`]) as its persister would, and reaches the shards through
+//! `SimLink`, so an operator's move runs its real resharding code. A crash aborts its tasks;
+//! a restart is [`Coordinator::restored`] from what it saved last. The shards are their state
+//! machines ([`ShardState`]), driven as the shard service drives them (a `MoveOut` exports,
+//! streams the range to the destination, which imports it and writes its checkpoint, and
+//! answers once the destination has; a failed hand-off takes the range back). Workers route
+//! with their own map, adopt a newer one from a refusal and otherwise ask the coordinator, as
+//! the client does. The transport, the shard service itself (its hand-off window), BSP, and
+//! crashes in the middle of a move (`Options::mid_move`, off by default: known to break) are
+//! not covered yet.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -27,6 +33,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use edl_proto::frame::Parts;
 use edl_proto::msg::{ChunkRef, DataSpan, Partition};
 use edl_proto::{
@@ -35,8 +42,9 @@ use edl_proto::{
 };
 use edl_ps::checkpoint::RangeExport;
 use edl_ps::coordinator::state::CoordinatorSnap;
-use edl_ps::coordinator::{Coordinator, CoordinatorConfig};
+use edl_ps::coordinator::{Coordinator, CoordinatorConfig, LinkFuture, ShardLink, StateStore};
 use edl_ps::shard::ShardState;
+use edl_shared::transport::CallError;
 use edl_shared::{Peer, Role, Service};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -44,6 +52,8 @@ use rand::{Rng, SeedableRng};
 /// Until this virtual time faults are injected; after it the network delivers everything
 /// promptly and the job must finish.
 const FAULTS_END_MS: u64 = 15_000;
+/// More deliveries than this (a job needs a few thousand) is a livelock.
+const MAX_EVENTS: u64 = 1_000_000;
 /// A job not finished by this virtual time is a liveness failure.
 const DEADLINE_MS: u64 = 300_000;
 /// The coordinator's sweeper period (lease expiry).
@@ -265,6 +275,8 @@ pub struct Report {
     pub cuts: u32,
     /// Key ranges moved between shards, and pushes refused with a newer map and routed again.
     pub moves: (u32, u64),
+    /// With `verbose`, every event of the run.
+    pub log: Vec<String>,
 }
 
 /// A failed run: what broke, when, and the history up to it.
@@ -278,6 +290,8 @@ pub struct Failure {
     pub what: String,
     /// The last events before it (with `verbose`, all of them).
     pub log: Vec<String>,
+    /// How it was run.
+    pub options: Options,
 }
 
 impl fmt::Display for Failure {
@@ -290,7 +304,21 @@ impl fmt::Display for Failure {
         for line in &self.log {
             writeln!(f, "  {line}")?;
         }
-        write!(f, "replay: edl-dst --seed {} --verbose", self.seed)
+        let give_up = if self.options.give_up {
+            " --give-up"
+        } else {
+            ""
+        };
+        let mid_move = if self.options.mid_move {
+            " --mid-move"
+        } else {
+            ""
+        };
+        write!(
+            f,
+            "replay: edl-dst --seed {}{give_up}{mid_move} --verbose",
+            self.seed
+        )
     }
 }
 
@@ -304,6 +332,9 @@ pub struct Options {
     /// connection until the coordinator answers (the client's default, under which the
     /// coordinator may serve a call twice).
     pub give_up: bool,
+    /// Let crashes of the coordinator and of shards fall in the middle of a move (off by
+    /// default: see the README's list of what the simulation found).
+    pub mid_move: bool,
 }
 
 /// Runs seed `seed`, on a runtime of its own whose time is paused.
@@ -324,6 +355,7 @@ pub fn run_scenario(
             at_ms: 0,
             what,
             log: Vec::new(),
+            options,
         })
     };
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -333,12 +365,20 @@ pub fn run_scenario(
         .map_err(|e| failed(format!("no runtime: {e}")))?;
     rt.block_on(async {
         let (tx, mut answers) = tokio::sync::mpsc::unbounded_channel();
-        let mut sim = Sim::new(seed, scenario, options.verbose, tx, &mut answers)
+        let (link, mut links) = tokio::sync::mpsc::unbounded_channel();
+        let mut sim = Sim::new(seed, scenario, options.verbose, tx, link, &mut answers)
             .await
             .map_err(failed)?;
         sim.give_up = options.give_up;
-        match sim.run(&mut answers).await {
-            Ok(()) => Ok(sim.report()),
+        sim.mid_move = options.mid_move;
+        match sim.run(&mut answers, &mut links).await {
+            Ok(()) => {
+                let mut report = sim.report();
+                if options.verbose {
+                    report.log = sim.log.iter().cloned().collect();
+                }
+                Ok(report)
+            }
             Err(what) => {
                 let log = sim.log.iter().cloned().collect();
                 Err(Box::new(Failure {
@@ -346,6 +386,7 @@ pub fn run_scenario(
                     at_ms: sim.now,
                     what,
                     log,
+                    options,
                 }))
             }
         }
@@ -398,13 +439,23 @@ enum Body {
         keys: Vec<Key>,
         span: DataSpan,
     },
-    /// A push refused with the shard's newer map: route again.
+    /// A worker asks the coordinator for its map (a shard refused a push with an older one).
+    GetMap,
+    /// The coordinator's map.
+    FreshMap(Box<ShardMap>),
+    /// A push refused with the shard's map: route again.
     Moved {
         span: DataSpan,
         map: Box<ShardMap>,
     },
-    /// The moved range's state reaches its new shard (`exports[id]`).
+    /// A coordinator request reaches a shard (`links[id]`).
+    ShardCall(u64),
+    /// A shard's answer to the coordinator (`links[id]`) reaches it.
+    LinkReply(u64),
+    /// The moved range's state reaches its new shard (`handoffs[id]`).
     MoveIn(u64),
+    /// The destination's answer to a hand-off reaches the source.
+    HandedOff(u64, bool),
     Refused(String),
     /// The coordinator's long poll timed out: ask again.
     NotReady,
@@ -493,6 +544,70 @@ struct Answer {
 
 /// The caller slot of an operator's requests.
 const ADMIN: usize = usize::MAX;
+/// The request number of an operator's drain and move requests.
+const DRAIN: u64 = 0;
+const MOVE: u64 = 1;
+
+/// A shard's refusal, as the transport hands it to the caller.
+fn remote(code: ErrorCode, message: String) -> CallError {
+    CallError::Remote {
+        code: Some(code),
+        message,
+        map: None,
+    }
+}
+
+/// A coordinator's call to a shard server, through [`SimLink`].
+struct LinkCall {
+    shard: usize,
+    req: Request,
+    /// Where the answer goes (gone if the coordinator crashed since).
+    reply: tokio::sync::oneshot::Sender<Result<Response, CallError>>,
+    /// The answer, once the shard gave it, travelling back.
+    answer: Option<Result<Response, CallError>>,
+}
+
+/// A range on its way from one shard to another.
+struct HandOff {
+    from: usize,
+    to: usize,
+    start: u64,
+    end: u64,
+    map: ShardMap,
+    /// The source's map before, to go back to if the hand-off fails.
+    before: ShardMap,
+    export: Option<RangeExport>,
+    /// The source's incarnation when it began.
+    incarnation: u32,
+}
+
+/// The coordinator's way to its shards in the simulation: each call is a message the
+/// simulation delivers (or loses) and answers.
+struct SimLink(tokio::sync::mpsc::UnboundedSender<(String, Request, LinkReply)>);
+
+type LinkReply = tokio::sync::oneshot::Sender<Result<Response, CallError>>;
+
+impl ShardLink for SimLink {
+    fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool> {
+        Box::pin(async move { self.call(addr, Request::GetMap, Bytes::new()).await.is_ok() })
+    }
+
+    fn call<'a>(
+        &'a self,
+        addr: &'a str,
+        req: Request,
+        _payload: Bytes,
+    ) -> LinkFuture<'a, Result<Response, CallError>> {
+        Box::pin(async move {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let gone = || CallError::Address(format!("{addr}: the simulation ended"));
+            self.0
+                .send((addr.to_string(), req, tx))
+                .map_err(|_| gone())?;
+            rx.await.map_err(|_| gone())?
+        })
+    }
+}
 
 struct Sim {
     seed: u64,
@@ -509,8 +624,12 @@ struct Sim {
     /// Calls the coordinator is serving: `(worker slot, request seq, task)`.
     calls: BTreeMap<u64, (usize, u64, tokio::task::JoinHandle<()>)>,
     answers: tokio::sync::mpsc::UnboundedSender<Answer>,
-    /// What the coordinator saved last, and until when it is down.
-    saved: CoordinatorSnap,
+    /// What the coordinator saved last (its disk), and until when it is down.
+    store: Arc<std::sync::Mutex<Option<CoordinatorSnap>>>,
+    /// The coordinator's way to the shards, given to each coordinator that starts.
+    link: tokio::sync::mpsc::UnboundedSender<(String, Request, LinkReply)>,
+    /// Per shard, how many times it started (a hand-off begun before a crash is forgotten).
+    incarnation: Vec<u32>,
     down_until: Option<u64>,
     restarts: u32,
     moved: u32,
@@ -520,11 +639,14 @@ struct Sim {
     map: ShardMap,
     /// Every key as a chunk reference.
     keys: Vec<ChunkRef>,
-    /// Ranges in flight between shards: `(start, end, map after, state)`.
-    exports: BTreeMap<u64, (u64, u64, ShardMap, RangeExport)>,
-    /// A move is under way (the coordinator neither starts another nor crashes meanwhile, and
-    /// no shard crashes).
-    moving: bool,
+    /// The coordinator's calls to shards, by id.
+    links: BTreeMap<u64, LinkCall>,
+    /// Ranges being handed from one shard to another, by the id of the `MoveOut` call.
+    handoffs: BTreeMap<u64, HandOff>,
+    /// Every map some node adopted, by epoch: one map per epoch, or two nodes disagree.
+    maps: BTreeMap<MapEpoch, ShardMap>,
+    /// Crashes may hit the coordinator and the shards in the middle of a move.
+    mid_move: bool,
     /// Nodes partitioned from the others until a time; filters `(kind, answers, until)`.
     cuts: Vec<(Node, u64)>,
     filters: Vec<(Kind, bool, u64)>,
@@ -557,6 +679,7 @@ impl Sim {
         scenario: Scenario,
         verbose: bool,
         answers: tokio::sync::mpsc::UnboundedSender<Answer>,
+        link: tokio::sync::mpsc::UnboundedSender<(String, Request, LinkReply)>,
         answered: &mut tokio::sync::mpsc::UnboundedReceiver<Answer>,
     ) -> Result<Sim, String> {
         let job = scenario.job();
@@ -567,8 +690,12 @@ impl Sim {
             stragglers: Default::default(),
             probe_sockets: false,
         };
-        let coordinator =
-            Arc::new(Coordinator::new(config.clone()).map_err(|e| format!("coordinator: {e}"))?);
+        let store = Arc::new(std::sync::Mutex::new(None));
+        let coordinator = Coordinator::new(config.clone())
+            .map_err(|e| format!("coordinator: {e}"))?
+            .with_store(StateStore::Memory(store.clone()));
+        coordinator.set_shard_link(Arc::new(SimLink(link.clone())));
+        let coordinator = Arc::new(coordinator);
         // The shards join through the service; each is answered once all have joined.
         for s in 0..scenario.shards {
             let peer = Peer::in_process(Role::Shard, &format!("s{s}"), JOB, addr(1, s as usize));
@@ -608,10 +735,13 @@ impl Sim {
                 len: span.len,
             })
             .collect();
-        let saved = coordinator.snapshot();
+        // As its persister would within half a second.
+        coordinator.save_changes().await;
         let checkpoints = shards.iter().map(ShardState::snapshot).collect();
         let mut sim = Sim {
-            saved,
+            store,
+            link,
+            incarnation: vec![0; scenario.shards as usize],
             down_until: None,
             restarts: 0,
             moved: 0,
@@ -630,8 +760,10 @@ impl Sim {
             shards,
             map,
             keys,
-            exports: BTreeMap::new(),
-            moving: false,
+            links: BTreeMap::new(),
+            handoffs: BTreeMap::new(),
+            maps: BTreeMap::new(),
+            mid_move: false,
             cuts: Vec::new(),
             filters: Vec::new(),
             shard_down: vec![None; scenario.shards as usize],
@@ -691,7 +823,12 @@ impl Sim {
         let faulty = self.faulty();
         let push = matches!(
             body,
-            Body::Push { .. } | Body::Pushed { .. } | Body::Moved { .. } | Body::MoveIn(_)
+            Body::Push { .. }
+                | Body::Pushed { .. }
+                | Body::Moved { .. }
+                | Body::MoveIn(_)
+                | Body::GetMap
+                | Body::FreshMap(_)
         );
         let heartbeat = matches!(body, Body::Heartbeat(_) | Body::Beat { .. });
         let cut = self.cut(from) || self.cut(to) || self.filtered(&body);
@@ -813,6 +950,7 @@ impl Sim {
     async fn run(
         &mut self,
         answers: &mut tokio::sync::mpsc::UnboundedReceiver<Answer>,
+        links: &mut tokio::sync::mpsc::UnboundedReceiver<(String, Request, LinkReply)>,
     ) -> Result<(), String> {
         loop {
             let next = self.queue.peek().map(|Reverse((t, _))| *t);
@@ -820,9 +958,15 @@ impl Sim {
             tokio::select! {
                 biased;
                 Some(a) = answers.recv() => {
-                    let elapsed = (tokio::time::Instant::now() - self.t0).as_millis();
-                    self.now = self.now.max(elapsed as u64);
+                    self.catch_up();
+                    self.runaway()?;
                     self.answered(a)?;
+                    continue;
+                }
+                Some((addr, req, reply)) = links.recv() => {
+                    self.catch_up();
+                    self.runaway()?;
+                    self.link_call(&addr, req, reply);
                     continue;
                 }
                 () = tokio::time::sleep_until(until) => {}
@@ -844,7 +988,7 @@ impl Sim {
                     self.workers.iter().map(|w| w.phase).collect::<Vec<_>>()
                 ));
             }
-            self.events += 1;
+            self.runaway()?;
             let line = format!(
                 "{:?} <- w{} #{} {:?}",
                 env.to, env.worker, env.seq, env.body
@@ -856,18 +1000,22 @@ impl Sim {
                 Node::Shard(s) => self.at_shard(s, env)?,
                 Node::Worker(slot) => self.at_worker(slot, env)?,
             }
-            // Map epochs only grow, through coordinator restarts too.
-            let epoch = self
-                .coordinator
-                .inspect(|st| st.map())
-                .map_or(MapEpoch(0), |m| m.epoch);
-            if epoch < self.map.epoch {
-                return Err(format!(
-                    "map epochs: the coordinator went back from {} to {epoch}",
-                    self.map.epoch
-                ));
+            // Map epochs only grow, through coordinator restarts too, and no two nodes hold
+            // different maps of one epoch.
+            if let Some(map) = self.coordinator.inspect(|st| st.map()) {
+                if map.epoch < self.map.epoch {
+                    return Err(format!(
+                        "map epochs: the coordinator went back from {} to {}",
+                        self.map.epoch, map.epoch
+                    ));
+                }
+                self.saw_map(&map)?;
+                self.map = map;
             }
+            // The job is over once its data is and every worker is gone, and no move is
+            // still under way.
             if self.finished()
+                && !self.moving()
                 && self
                     .workers
                     .iter()
@@ -879,13 +1027,20 @@ impl Sim {
         if !self.finished() {
             return Err("liveness: no event left and the job is not finished".into());
         }
-        // Deliver what is still in flight (late pushes of crashed workers): none may count.
+        // Deliver what is still in flight to the shards (late pushes of crashed workers: none
+        // may count), and let a crashed coordinator come back (a restarting shard waits for it).
         while let Some(Reverse((t, n))) = self.queue.pop() {
-            if let Some(env) = self.pending.remove(&n)
-                && let Node::Shard(s) = env.to
-            {
-                self.now = t;
-                self.at_shard(s, env)?;
+            let Some(env) = self.pending.remove(&n) else {
+                continue;
+            };
+            self.now = t;
+            match (env.to, &env.body) {
+                (Node::Shard(s), _) => {
+                    self.runaway()?;
+                    self.at_shard(s, env)?;
+                }
+                (Node::Coordinator, Body::Restart) => self.at_coordinator(env)?,
+                _ => {}
             }
         }
         for (_, (_, _, task)) in std::mem::take(&mut self.calls) {
@@ -894,8 +1049,122 @@ impl Sim {
         self.check_end()
     }
 
+    /// Counts a delivery; a run that makes far more than any job needs is a livelock.
+    fn runaway(&mut self) -> Result<(), String> {
+        self.events += 1;
+        if self.events > MAX_EVENTS {
+            return Err(format!(
+                "liveness: {MAX_EVENTS} deliveries by {} ms: a livelock",
+                self.now
+            ));
+        }
+        Ok(())
+    }
+
     fn finished(&self) -> bool {
         self.coordinator.inspect(|st| st.finished())
+    }
+
+    /// Virtual time as the runtime's clock has it (a coordinator task just gave something).
+    fn catch_up(&mut self) {
+        let elapsed = (tokio::time::Instant::now() - self.t0).as_millis();
+        self.now = self.now.max(elapsed as u64);
+    }
+
+    /// A move is under way: an operator's move request not answered yet, or a hand-off.
+    fn moving(&self) -> bool {
+        !self.handoffs.is_empty()
+            || self
+                .calls
+                .values()
+                .any(|&(w, seq, _)| w == ADMIN && seq == MOVE)
+    }
+
+    /// Records a map some node adopted: one map per epoch.
+    fn saw_map(&mut self, map: &ShardMap) -> Result<(), String> {
+        match self.maps.get(&map.epoch) {
+            Some(known) if known != map => Err(format!(
+                "maps: two different maps of epoch {}: {known:?} and {map:?}",
+                map.epoch
+            )),
+            Some(_) => Ok(()),
+            None => {
+                self.maps.insert(map.epoch, map.clone());
+                Ok(())
+            }
+        }
+    }
+
+    /// The coordinator calls a shard: the request travels (or its connection fails).
+    fn link_call(&mut self, addr: &str, req: Request, reply: LinkReply) {
+        self.seq += 1;
+        let id = self.seq;
+        let shard = addr
+            .strip_prefix("sim:")
+            .and_then(|n| n.parse::<usize>().ok())
+            .filter(|&n| n < self.shards.len());
+        let line = format!("coordinator calls {addr} #{id}: {}", req.name());
+        mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
+        self.note(line);
+        let Some(shard) = shard else {
+            let _ = reply.send(Err(CallError::Address(format!("no shard at {addr}"))));
+            return;
+        };
+        self.links.insert(
+            id,
+            LinkCall {
+                shard,
+                req,
+                reply,
+                answer: None,
+            },
+        );
+        if self.cut(Node::Coordinator) || self.cut(Node::Shard(shard)) {
+            self.link_failed(id);
+        } else {
+            let delay = self.delay();
+            self.at(
+                self.now + delay,
+                Node::Shard(shard),
+                0,
+                id,
+                Body::ShardCall(id),
+            );
+        }
+    }
+
+    /// The coordinator's call `id` fails with its connection, after the timeout.
+    fn link_failed(&mut self, id: u64) {
+        if let Some(call) = self.links.get_mut(&id)
+            && call.answer.is_none()
+        {
+            let addr = format!("sim:{}", call.shard);
+            call.answer = Some(Err(CallError::TimedOut(format!("{addr} did not answer"))));
+            let t = self.now + CONNECTION_TIMEOUT_MS;
+            self.at(t, Node::Coordinator, 0, id, Body::LinkReply(id));
+        }
+    }
+
+    /// A shard answers the coordinator's call `id`: the answer travels back.
+    fn answer_link(&mut self, id: u64, answer: Result<Response, CallError>) {
+        if let Some(call) = self.links.get_mut(&id)
+            && call.answer.is_none()
+        {
+            call.answer = Some(answer);
+            let delay = self.delay();
+            self.at(
+                self.now + delay,
+                Node::Coordinator,
+                0,
+                id,
+                Body::LinkReply(id),
+            );
+        }
+    }
+
+    /// A network delay.
+    fn delay(&mut self) -> u64 {
+        self.rng.random_range(1..=self.scenario.max_delay_ms.max(1))
     }
 
     /// A worker's (or with [`ADMIN`], an operator's) call to the coordinator: its service
@@ -930,8 +1199,14 @@ impl Sim {
         mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
         self.note(line);
         if a.worker == ADMIN {
-            if matches!(a.resp, Response::Ack) {
-                self.drained += 1;
+            match a.resp {
+                Response::Ack => self.drained += 1,
+                Response::Resharded { moves, map } => {
+                    self.moved += moves.len() as u32;
+                    self.note(format!("operator: moved, map {}", map.epoch));
+                }
+                Response::Error { message, .. } => self.note(format!("operator: {message}")),
+                _ => {}
             }
             return Ok(());
         }
@@ -960,6 +1235,7 @@ impl Sim {
                 Body::Granted { drain }
             }
             Response::Beat { drain, .. } => Body::Beat { drain },
+            Response::Map(map) => Body::FreshMap(Box::new(map)),
             Response::Ack => Body::Left,
             Response::Error { code, .. }
                 if ErrorCode::from_u16(code) == Some(ErrorCode::NotReady) =>
@@ -987,6 +1263,16 @@ impl Sim {
             Body::Script(
                 f @ (Scripted::Partition(..) | Scripted::Filter { .. } | Scripted::ShardCrash(..)),
             ) => return self.fault(f),
+            // A shard's answer reaches the coordinator's task (gone if it crashed since).
+            Body::LinkReply(id) => {
+                if let Some(call) = self.links.remove(&id) {
+                    let answer = call
+                        .answer
+                        .unwrap_or_else(|| Err(CallError::Address("no answer".into())));
+                    let _ = call.reply.send(answer);
+                }
+                return Ok(());
+            }
             Body::Tick if self.now.is_multiple_of(CHECKPOINT_MS) => {
                 for s in 0..self.shards.len() {
                     if self.shard_down[s].is_none() {
@@ -999,10 +1285,14 @@ impl Sim {
         if self.down_until.is_some() {
             match env.body {
                 Body::Restart => {
-                    let restored = Coordinator::restored(self.saved.clone(), self.config.clone())
-                        .map_err(|e| {
-                        format!("the coordinator cannot restore its state: {e}")
-                    })?;
+                    let saved = self.store.lock().map_err(|e| e.to_string())?.clone();
+                    let restored = match saved {
+                        Some(snap) => Coordinator::restored(snap, self.config.clone()),
+                        None => Coordinator::new(self.config.clone()),
+                    }
+                    .map_err(|e| format!("the coordinator cannot restore its state: {e}"))?
+                    .with_store(StateStore::Memory(self.store.clone()));
+                    restored.set_shard_link(Arc::new(SimLink(self.link.clone())));
                     self.coordinator = Arc::new(restored);
                     self.down_until = None;
                     self.restarts += 1;
@@ -1015,6 +1305,10 @@ impl Sim {
                 Body::Script(_) => {}
                 // A call to a coordinator that is down fails with its connection.
                 Body::Heartbeat(_) => {}
+                Body::GetMap => {
+                    let t = self.now + CONNECTION_TIMEOUT_MS;
+                    self.at(t, Node::Worker(slot), slot, seq, Body::Retry);
+                }
                 _ => self.at(
                     self.now + CONNECTION_TIMEOUT_MS,
                     Node::Worker(slot),
@@ -1028,7 +1322,7 @@ impl Sim {
         match env.body {
             // The coordinator drives a move to its end before it may crash (moves across a
             // coordinator crash are not simulated yet).
-            Body::Script(Scripted::CoordinatorCrash(_)) if self.moving => {}
+            Body::Script(Scripted::CoordinatorCrash(_)) if !self.mid_move && self.moving() => {}
             Body::Script(Scripted::CoordinatorCrash(down)) => {
                 self.note(format!("the coordinator crashes for {down} ms"));
                 self.down_until = Some(self.now + down);
@@ -1042,14 +1336,11 @@ impl Sim {
                 }
                 self.at(self.now + down, Node::Coordinator, 0, 0, Body::Restart);
             }
-            Body::Script(Scripted::Move(n, m)) => {
-                if !self.moving {
-                    self.move_out(n, m)?;
-                }
-            }
+            Body::Script(Scripted::Move(n, m)) => self.operator_move(n, m),
             Body::Tick => {
                 if self.now.is_multiple_of(SAVE_MS) {
-                    self.saved = self.coordinator.snapshot();
+                    let c = self.coordinator.clone();
+                    tokio::spawn(async move { c.save_changes().await });
                 }
                 let dead = self.coordinator.sweep(edl_shared::clock::now());
                 if dead > 0 {
@@ -1073,7 +1364,7 @@ impl Sim {
                 let ids: Vec<WorkerId> = self.workers.iter().filter_map(|w| w.id).collect();
                 if !ids.is_empty() {
                     let worker = ids[n % ids.len()];
-                    self.call(ADMIN, 0, Clock(0), Request::Drain { worker });
+                    self.call(ADMIN, DRAIN, Clock(0), Request::Drain { worker });
                 }
             }
             Body::Script(Scripted::Crash(n)) => self.crash_worker(n),
@@ -1103,6 +1394,7 @@ impl Sim {
                 self.call(slot, seq, Clock(0), Request::Heartbeat { worker })
             }
             Body::Leave(worker) => self.call(slot, seq, Clock(0), Request::Leave { worker }),
+            Body::GetMap => self.call(slot, seq, Clock(0), Request::GetMap),
             other => return Err(format!("the coordinator got {other:?}")),
         }
         Ok(())
@@ -1150,13 +1442,22 @@ impl Sim {
                 self.filters.push((kind, answers, self.now + ms));
             }
             // A shard does not crash in the middle of a move (not simulated yet).
-            Scripted::ShardCrash(_, _) if self.moving => {}
+            Scripted::ShardCrash(_, _) if !self.mid_move && self.moving() => {}
             Scripted::ShardCrash(n, down) => {
                 let s = n % self.shards.len();
                 if self.shard_down[s].is_none() {
                     self.note(format!("shard {s} crashes for {down} ms"));
                     self.shard_down[s] = Some(self.now + down);
                     self.shard_crashes += 1;
+                    self.incarnation[s] += 1;
+                    // The coordinator's calls it was serving fail with their connections.
+                    let serving: Vec<u64> = (self.links.iter())
+                        .filter(|(_, c)| c.shard == s && c.answer.is_none())
+                        .map(|(id, _)| *id)
+                        .collect();
+                    for id in serving {
+                        self.link_failed(id);
+                    }
                     self.at(self.now + down, Node::Shard(s), 0, 0, Body::ShardRestart);
                 }
             }
@@ -1181,18 +1482,22 @@ impl Sim {
     fn at_shard(&mut self, s: usize, env: Envelope) -> Result<(), String> {
         if self.shard_down[s].is_some() {
             match env.body {
-                // It starts again from its checkpoint and the coordinator's current map.
+                // It starts again from its checkpoint and the map the coordinator gives it
+                // when it joins (once the coordinator is up).
+                Body::ShardRestart if self.down_until.is_some() => {
+                    self.at(self.now + TICK_MS, Node::Shard(s), 0, 0, Body::ShardRestart);
+                }
                 Body::ShardRestart => {
-                    let job = self.coordinator.inspect(|st| st.job().clone());
+                    let (job, map) = self.coordinator.inspect(|st| (st.job().clone(), st.map()));
+                    let map = map.ok_or("the coordinator has no map")?;
                     let ckpt = self.checkpoints[s].clone();
                     // The model forgets, as the shard does, what came after the checkpoint.
                     for c in &ckpt.chunks {
                         let kept = self.modelled[s].get(&Key(c.key)).cloned();
                         self.model.insert(Key(c.key), kept.unwrap_or_default());
                     }
-                    self.shards[s] =
-                        ShardState::restore(ShardId(s as u32), job, self.map.clone(), ckpt)
-                            .map_err(|e| format!("shard {s} cannot restore its checkpoint: {e}"))?;
+                    self.shards[s] = ShardState::restore(ShardId(s as u32), job, map, ckpt)
+                        .map_err(|e| format!("shard {s} cannot restore its checkpoint: {e}"))?;
                     self.shard_down[s] = None;
                     self.note(format!("shard {s} restarted from its checkpoint"));
                 }
@@ -1201,6 +1506,17 @@ impl Sim {
                     let (w, seq) = (env.worker, env.seq);
                     let t = self.now + CONNECTION_TIMEOUT_MS;
                     self.at(t, Node::Worker(w), w, seq, Body::Retry);
+                }
+                Body::ShardCall(id) => self.link_failed(id),
+                Body::MoveIn(id) => {
+                    if let Some(from) = self.handoffs.get(&id).map(|h| h.from) {
+                        let t = self.now + CONNECTION_TIMEOUT_MS;
+                        self.at(t, Node::Shard(from), 0, id, Body::HandedOff(id, false));
+                    }
+                }
+                // The source died: its hand-off died with it.
+                Body::HandedOff(id, _) => {
+                    self.handoffs.remove(&id);
                 }
                 other => return Err(format!("shard {s} got {other:?} while down")),
             }
@@ -1214,7 +1530,9 @@ impl Sim {
                 epoch,
                 chunks,
             } => (id, clock, span, epoch, chunks),
-            Body::MoveIn(n) => return self.move_in(s, n),
+            Body::MoveIn(id) => return self.move_in(s, id),
+            Body::ShardCall(id) => return self.shard_call(s, id),
+            Body::HandedOff(id, ok) => return self.handed_off(s, id, ok),
             other => return Err(format!("shard {s} got {other:?}")),
         };
         let floats: u32 = chunks.iter().map(|c| c.len).sum();
@@ -1257,91 +1575,161 @@ impl Sim {
         Ok(())
     }
 
-    /// Starts the move `Scripted::Move(n, m)` names: a range of one shard's keys leaves it
-    /// (it adopts the map after the move, refusing their pushes with it) and travels to
-    /// another.
-    fn move_out(&mut self, n: usize, m: usize) -> Result<(), String> {
-        // Not while a shard is down (its move would fail and be retried by the operator).
-        if self.shard_down.iter().any(Option::is_some) {
-            return Ok(());
-        }
-        let shards = self.scenario.shards as usize;
-        let ranges = &self.map.ranges;
-        let Some(r) = ranges.get(n % ranges.len().max(1)).copied() else {
-            return Ok(());
+    /// An operator asks the coordinator to move a range `Scripted::Move(n, m)` names (from its
+    /// map now) to another shard.
+    fn operator_move(&mut self, n: usize, m: usize) {
+        let Some(map) = self.coordinator.inspect(|st| st.map()) else {
+            return;
         };
-        let to = ShardId(((r.shard.0 as usize + 1 + m % (shards - 1).max(1)) % shards) as u32);
+        let shards = self.shards.len();
+        let Some(r) = map.ranges.get(n % map.ranges.len().max(1)).copied() else {
+            return;
+        };
+        let to = (r.shard.0 as usize + 1 + m % (shards - 1).max(1)) % shards;
         let len = r.end - r.start;
         let start = r.start + (n as u64 / 7) % len;
         let end = (start + 1 + (n as u64 / 3) % len).min(r.end);
-        let mv = edl_ps::coordinator::state::shards::Move {
+        self.note(format!("operator: move {start}..{end} to s{to}"));
+        let req = Request::MoveRange {
             start,
             end,
-            from: r.shard,
-            to,
+            to: format!("s{to}"),
         };
-        let map = self
-            .coordinator
-            .inspect(|st| st.map_after(mv))
-            .map_err(|(_, e)| format!("move {start}..{end} to {to}: {e}"))?;
-        let export = self.shards[r.shard.0 as usize]
-            .export(start, end, &map)
-            .map_err(|e| format!("export of {start}..{end}: {}", e.message))?;
-        self.note(format!(
-            "move {start}..{end} from {} to {to} (map {})",
-            r.shard, map.epoch
-        ));
-        self.moving = true;
-        self.seq += 1;
-        self.exports.insert(self.seq, (start, end, map, export));
-        let delay = self
-            .rng
-            .random_range(1..=self.scenario.max_delay_ms.max(1) * 4);
+        self.call(ADMIN, MOVE, Clock(0), req);
+    }
+
+    /// A coordinator request at a live shard, served as the shard service does.
+    fn shard_call(&mut self, s: usize, id: u64) -> Result<(), String> {
+        // A request whose connection failed (the shard restarted since) was never served.
+        let Some(req) = (self.links.get(&id))
+            .filter(|c| c.answer.is_none())
+            .map(|c| c.req.clone())
+        else {
+            return Ok(());
+        };
+        let shard = &self.shards[s];
+        let answer = match req {
+            Request::GetMap => Ok(Response::Map((*shard.read_map()).clone())),
+            Request::SetMap { map, .. } => {
+                shard.install_map(&map);
+                self.saw_map(&map)?;
+                Ok(Response::Ack)
+            }
+            Request::MoveOut {
+                start,
+                end,
+                to,
+                map,
+            } => {
+                let before = (*shard.read_map()).clone();
+                match shard.export(start, end, &map) {
+                    Err(e) => Err(remote(e.code, e.message)),
+                    Ok(export) => {
+                        self.saw_map(&map)?;
+                        let to = to.0 as usize;
+                        self.handoffs.insert(
+                            id,
+                            HandOff {
+                                from: s,
+                                to,
+                                start,
+                                end,
+                                map,
+                                before,
+                                export: Some(export),
+                                incarnation: self.incarnation[s],
+                            },
+                        );
+                        // The state streams to the destination; the answer waits for it.
+                        if self.cut(Node::Shard(to)) || self.cut(Node::Shard(s)) {
+                            let t = self.now + CONNECTION_TIMEOUT_MS;
+                            self.at(t, Node::Shard(s), 0, id, Body::HandedOff(id, false));
+                        } else {
+                            let delay = self.delay() * 4;
+                            self.at(self.now + delay, Node::Shard(to), 0, id, Body::MoveIn(id));
+                        }
+                        return Ok(());
+                    }
+                }
+            }
+            other => Err(remote(
+                ErrorCode::InvalidRequest,
+                format!("the simulated shard does not serve {}", other.name()),
+            )),
+        };
+        self.answer_link(id, answer);
+        Ok(())
+    }
+
+    /// A moved range reaches its destination, which takes it, writes its checkpoint and
+    /// answers the source.
+    fn move_in(&mut self, s: usize, id: u64) -> Result<(), String> {
+        let Some(h) = self.handoffs.get(&id) else {
+            return Ok(());
+        };
+        let (start, end, map, from) = (h.start, h.end, h.map.clone(), h.from);
+        let Some(export) = h.export.clone() else {
+            return Ok(());
+        };
+        let ok = match self.shards[s].import(start, end, &map, export) {
+            Ok(()) => {
+                self.saw_map(&map)?;
+                self.checkpoint(s);
+                true
+            }
+            Err(e) => {
+                self.note(format!("shard {s} refuses {start}..{end}: {}", e.message));
+                false
+            }
+        };
+        let delay = self.delay();
         self.at(
             self.now + delay,
-            Node::Shard(to.0 as usize),
+            Node::Shard(from),
             0,
-            0,
-            Body::MoveIn(self.seq),
+            id,
+            Body::HandedOff(id, ok),
         );
         Ok(())
     }
 
-    /// The moved range arrives: the destination takes it, the coordinator publishes the new
-    /// map (saving its state at once) and every shard learns it.
-    fn move_in(&mut self, s: usize, n: u64) -> Result<(), String> {
-        let Some((start, end, map, export)) = self.exports.remove(&n) else {
+    /// The source learns how its hand-off ended: it writes its checkpoint and reports the
+    /// move, or takes the range back with its old map and reports the failure.
+    fn handed_off(&mut self, s: usize, id: u64, ok: bool) -> Result<(), String> {
+        let Some(h) = self.handoffs.remove(&id) else {
             return Ok(());
         };
-        self.shards[s]
-            .import(start, end, &map, export)
-            .map_err(|e| format!("import of {start}..{end} at shard {s}: {}", e.message))?;
-        let report = edl_proto::msg::MoveReport {
-            t_ms: 0,
-            start,
-            end,
-            from: ShardId(u32::MAX),
-            to: ShardId(s as u32),
-            epoch: map.epoch,
-            bytes: 0,
-            millis: 0.0,
-            hold_ms: 0.0,
+        // A source that crashed since has forgotten the hand-off.
+        if h.incarnation != self.incarnation[s] {
+            return Ok(());
+        }
+        let answer = if ok {
+            self.checkpoint(s);
+            Ok(Response::Moved(edl_proto::msg::MoveReport {
+                t_ms: 0,
+                start: h.start,
+                end: h.end,
+                from: ShardId(s as u32),
+                to: ShardId(h.to as u32),
+                epoch: h.map.epoch,
+                bytes: 0,
+                millis: 0.0,
+                hold_ms: 0.0,
+            }))
+        } else {
+            let export = h.export.ok_or("a failed hand-off without its range")?;
+            self.shards[s]
+                .reinstate(h.start, h.end, &h.before, h.map.epoch, export)
+                .map_err(|e| format!("shard {s} cannot take its range back: {}", e.message))?;
+            // As the shard service does: a checkpoint written while the range was out must
+            // not be what a restart finds.
+            self.checkpoint(s);
+            Err(remote(
+                ErrorCode::Internal,
+                format!("handing keys {}..{} off failed", h.start, h.end),
+            ))
         };
-        self.coordinator
-            .publish_move(map.clone(), report, edl_shared::clock::now());
-        // A published map is saved at once.
-        self.saved = self.coordinator.snapshot();
-        for shard in &self.shards {
-            shard.install_map(&map);
-        }
-        // The source and the destination write checkpoints that agree with the new placement.
-        let from = self.map.owner(Key(start)).map(|o| o.0 as usize);
-        for t in from.into_iter().chain([s]) {
-            self.checkpoint(t);
-        }
-        self.map = map;
-        self.moving = false;
-        self.moved += 1;
+        self.answer_link(id, answer);
         Ok(())
     }
 
@@ -1352,7 +1740,8 @@ impl Sim {
         }
         let current = env.seq == self.workers[slot].seq;
         match env.body {
-            Body::Retry if phase == Phase::Pushing => self.push(slot),
+            // A retry of an older round of pushes is stale: the current round carries its keys.
+            Body::Retry if current && phase == Phase::Pushing => self.push(slot),
             Body::ConnectionLost if current && !self.give_up => self.repeat(slot),
             Body::ConnectionLost if current => {
                 self.note(format!(
@@ -1400,14 +1789,41 @@ impl Sim {
                 self.rerouted += 1;
                 let w = &mut self.workers[slot];
                 if w.span == Some(span) {
-                    if map.epoch > w.map.epoch {
-                        w.map = *map;
-                    }
-                    // Route again with the newer map, after a moment (a destination may
-                    // still be waiting for the keys).
                     let seq = w.seq;
-                    self.at(self.now + 20, Node::Worker(slot), slot, seq, Body::Retry);
+                    if map.epoch > w.map.epoch {
+                        // Route again with the newer map.
+                        w.map = *map;
+                        self.at(self.now, Node::Worker(slot), slot, seq, Body::Retry);
+                    } else {
+                        // The refusing shard is behind: ask the coordinator for its map, as
+                        // the client does.
+                        self.send(
+                            Node::Worker(slot),
+                            Node::Coordinator,
+                            slot,
+                            seq,
+                            Body::GetMap,
+                        );
+                    }
                 }
+            }
+            Body::FreshMap(map) if current && phase == Phase::Pushing => {
+                let w = &mut self.workers[slot];
+                // The newer map at once; otherwise again after a moment (a destination may
+                // still be waiting for the keys).
+                let after = if map.epoch > w.map.epoch {
+                    w.map = *map;
+                    0
+                } else {
+                    20
+                };
+                self.at(
+                    self.now + after,
+                    Node::Worker(slot),
+                    slot,
+                    env.seq,
+                    Body::Retry,
+                );
             }
             Body::Pushed { keys, span } if phase == Phase::Pushing => {
                 let w = &mut self.workers[slot];
@@ -1601,6 +2017,7 @@ impl Sim {
             left: self.left,
             cuts: (self.cuts.len() + self.filters.len()) as u32,
             moves: (self.moved, self.rerouted),
+            log: Vec::new(),
         }
     }
 }

@@ -9,6 +9,8 @@ mod probe;
 mod reshard;
 pub mod state;
 
+pub use reshard::{LinkFuture, ShardCaller, ShardLink};
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -51,6 +53,15 @@ pub struct CoordinatorConfig {
     pub probe_sockets: bool,
 }
 
+/// Where a coordinator keeps its durable state.
+#[derive(Clone, Debug)]
+pub enum StateStore {
+    /// A file, replaced atomically on every save (`STATE_DIR/coordinator/state.bin`).
+    File(PathBuf),
+    /// Memory that outlives the coordinator: the deterministic simulation's disk.
+    Memory(Arc<Mutex<Option<CoordinatorSnap>>>),
+}
+
 /// Magic bytes of the coordinator's state file.
 const STATE_MAGIC: &[u8; 8] = b"EDLCOORD";
 
@@ -67,9 +78,11 @@ pub struct Coordinator {
     version: AtomicU64,
     changed: Notify,
     /// Where the durable state is saved, if anywhere.
-    state_file: Option<PathBuf>,
+    store: Option<StateStore>,
+    /// The state version the last save began from.
+    saved_version: AtomicU64,
     /// Connections to shards for resharding (set once the coordinator has an identity).
-    caller: std::sync::OnceLock<Arc<reshard::ShardCaller>>,
+    caller: std::sync::OnceLock<Arc<dyn ShardLink>>,
     /// The job named in the coordinator's certificate (set with its identity), which worker
     /// tokens are bound to.
     job_name: std::sync::OnceLock<String>,
@@ -91,11 +104,13 @@ impl Coordinator {
     }
 
     fn with_state(state: CoordinatorState, state_file: Option<PathBuf>) -> Self {
+        let store = state_file.map(StateStore::File);
         Coordinator {
             state: Mutex::new(state),
             version: AtomicU64::new(0),
             changed: Notify::new(),
-            state_file,
+            store,
+            saved_version: AtomicU64::new(0),
             caller: std::sync::OnceLock::new(),
             job_name: std::sync::OnceLock::new(),
             resharding: tokio::sync::Mutex::new(()),
@@ -127,6 +142,12 @@ impl Coordinator {
         Ok(Self::with_state(state, config.state_file))
     }
 
+    /// How this coordinator reaches shards (for resharding, and to check that a shard's name
+    /// is not in use); set once, before it serves. Without one it cannot reshard.
+    pub fn set_shard_link(&self, link: Arc<dyn ShardLink>) {
+        let _ = self.caller.set(link);
+    }
+
     /// The durable state as it is now: what a save writes.
     pub fn snapshot(&self) -> CoordinatorSnap {
         self.lock().snapshot()
@@ -155,10 +176,31 @@ impl Coordinator {
         shards
     }
 
-    /// Writes the durable state to the state file, if there is one, off the runtime; logs a
+    /// Keeps the durable state in `store` instead of the configured state file.
+    pub fn with_store(mut self, store: StateStore) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// Saves the durable state if it changed since the last save began.
+    pub async fn save_changes(&self) {
+        let now = self.version.load(Ordering::Acquire);
+        if self.saved_version.swap(now, Ordering::AcqRel) != now {
+            self.save().await;
+        }
+    }
+
+    /// Writes the durable state to its store, if it has one (a file off the runtime); logs a
     /// failure. Returns the bytes written.
     async fn save(&self) -> Option<u64> {
-        let path = self.state_file.clone()?;
+        let path = match self.store.as_ref()? {
+            StateStore::File(path) => path.clone(),
+            StateStore::Memory(slot) => {
+                let snap = self.snapshot();
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap);
+                return Some(0);
+            }
+        };
         let _one = self.saving.lock().await;
         let snap = self.snapshot();
         let written = tokio::task::spawn_blocking(move || persist_snap(&path, &snap))
@@ -630,9 +672,7 @@ pub fn bind(
 ) -> anyhow::Result<BoundCoordinator> {
     let probe_sockets = config.probe_sockets;
     let coordinator = Coordinator::open(config)?;
-    let _ = coordinator
-        .caller
-        .set(Arc::new(reshard::ShardCaller::new(identity, &settings)?));
+    coordinator.set_shard_link(Arc::new(reshard::ShardCaller::new(identity, &settings)?));
     let _ = coordinator.job_name.set(identity.job.clone());
     let coordinator = Arc::new(coordinator);
     metrics::watch(&coordinator);
@@ -683,21 +723,15 @@ impl BoundCoordinator {
                 }
             }
         });
-        let persister = self.coordinator.state_file.is_some().then(|| {
+        let persister = self.coordinator.store.is_some().then(|| {
             let (c, stop) = (self.coordinator.clone(), shutdown.clone());
             tokio::spawn(async move {
-                let mut saved = c.version.load(Ordering::Acquire);
                 loop {
                     tokio::select! {
                         _ = stop.cancelled() => break,
                         _ = tokio::time::sleep(PERSIST_EVERY) => {}
                     }
-                    let now = c.version.load(Ordering::Acquire);
-                    if now == saved {
-                        continue;
-                    }
-                    saved = now;
-                    c.save().await;
+                    c.save_changes().await;
                 }
             })
         });

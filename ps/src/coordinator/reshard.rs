@@ -22,6 +22,39 @@ use tracing::{info, warn};
 use super::Coordinator;
 use super::state::shards::Move;
 
+/// A boxed future, as [`ShardLink`]'s methods return.
+pub type LinkFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// How the coordinator reaches shard servers: [`ShardCaller`] (QUIC) in production; the
+/// deterministic simulation passes messages instead.
+pub trait ShardLink: Send + Sync + 'static {
+    /// Whether a shard server answers at `addr` (within a few seconds).
+    fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool>;
+
+    /// One request to the shard at `addr`.
+    fn call<'a>(
+        &'a self,
+        addr: &'a str,
+        req: Request,
+        payload: Bytes,
+    ) -> LinkFuture<'a, Result<Response, CallError>>;
+}
+
+impl ShardLink for ShardCaller {
+    fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool> {
+        Box::pin(ShardCaller::answers(self, addr))
+    }
+
+    fn call<'a>(
+        &'a self,
+        addr: &'a str,
+        req: Request,
+        payload: Bytes,
+    ) -> LinkFuture<'a, Result<Response, CallError>> {
+        Box::pin(ShardCaller::call(self, addr, req, payload))
+    }
+}
+
 /// The coordinator's connections to shards, as a client with its own certificate.
 pub struct ShardCaller {
     endpoint: quinn::Endpoint,
@@ -63,7 +96,7 @@ impl ShardCaller {
     }
 
     /// One request to the shard at `addr`, on a cached connection (replaced once if it failed).
-    pub(super) async fn call(
+    pub async fn call(
         &self,
         addr: &str,
         req: Request,
@@ -97,6 +130,28 @@ impl ShardCaller {
             }
         }
         Err(CallError::Address(format!("{addr} unreachable")))
+    }
+}
+
+/// Sends `map` to every shard of `shards` but those of `skip`, each in a task of its own (a
+/// shard that is down is not waited for).
+fn announce(
+    caller: &Arc<dyn ShardLink>,
+    map: &ShardMap,
+    shards: Vec<(ShardId, String)>,
+    skip: &[ShardId],
+) {
+    for (id, addr) in shards.into_iter().filter(|(id, _)| !skip.contains(id)) {
+        let req = Request::SetMap {
+            map: map.clone(),
+            retire: false,
+        };
+        let caller = caller.clone();
+        tokio::spawn(async move {
+            if let Err(e) = caller.call(&addr, req, Bytes::new()).await {
+                warn!(shard = %id, error = %e, "could not send the new map");
+            }
+        });
     }
 }
 
@@ -174,7 +229,7 @@ impl Coordinator {
 
     async fn plan(
         &self,
-        caller: &ShardCaller,
+        caller: &Arc<dyn ShardLink>,
         op: &Reshape,
     ) -> Result<Vec<Move>, (ErrorCode, String)> {
         match op {
@@ -232,19 +287,21 @@ impl Coordinator {
     /// One move: the source hands the range over, then the new map is published.
     async fn move_once(
         &self,
-        caller: &Arc<ShardCaller>,
+        caller: &Arc<dyn ShardLink>,
         mv: Move,
     ) -> Result<MoveReport, (ErrorCode, String)> {
         let began = edl_shared::clock::now();
         let (map, from_addr) = {
-            let st = self.lock();
-            let map = st.map_after(mv)?;
+            let mut st = self.lock();
             let addr = map_addr(&st.map(), mv.from);
-            (map, addr)
+            let Some(addr) = addr else {
+                return Err((ErrorCode::Internal, format!("no address for {}", mv.from)));
+            };
+            (st.begin_move(mv)?, addr)
         };
-        let Some(from_addr) = from_addr else {
-            return Err((ErrorCode::Internal, format!("no address for {}", mv.from)));
-        };
+        // The move's map epoch is recorded as sent before it goes out, so that no later map
+        // (after a crash, too) gets it.
+        self.save().await;
         let req = Request::MoveOut {
             start: mv.start,
             end: mv.end,
@@ -264,6 +321,21 @@ impl Coordinator {
                 ));
             }
             Err(e) => {
+                if matches!(e, CallError::Remote { .. }) {
+                    // The source answered: the range stayed there (it refused the move, or
+                    // took the range back when the hand-off failed). It may have refused
+                    // requests with the move's map meanwhile: the placement is published
+                    // again at an epoch above it.
+                    let (map, shards) = {
+                        let mut st = self.lock();
+                        (st.republish(), st.live_shards())
+                    };
+                    self.bump();
+                    self.save().await;
+                    if let Some(map) = map {
+                        announce(caller, &map, shards, &[]);
+                    }
+                }
                 let code = e.code().unwrap_or(ErrorCode::Internal);
                 return Err((code, format!("{what}: {e}")));
             }
@@ -274,21 +346,7 @@ impl Coordinator {
         // The source and destination know the new map; tell the others, so that what they
         // answer to a stale request is current. They serve their own keys meanwhile, so the
         // move does not wait for them (nor for one that is down).
-        for (id, addr) in shards {
-            if id == mv.from || id == mv.to {
-                continue;
-            }
-            let req = Request::SetMap {
-                map: map.clone(),
-                retire: false,
-            };
-            let caller = caller.clone();
-            tokio::spawn(async move {
-                if let Err(e) = caller.call(&addr, req, Bytes::new()).await {
-                    warn!(shard = %id, error = %e, "could not send the new map");
-                }
-            });
-        }
+        announce(caller, &map, shards, &[mv.from, mv.to]);
         info!(start = mv.start, end = mv.end, from = %mv.from, to = %mv.to, epoch = %map.epoch,
             bytes = report.bytes, hold_ms = report.hold_ms, millis = report.millis, "range moved");
         Ok(report)

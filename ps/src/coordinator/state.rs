@@ -52,6 +52,7 @@ pub struct CoordinatorSnap {
     shards: Vec<ShardInfo>,
     shard_names: Vec<String>,
     map: Option<ShardMap>,
+    issued: MapEpoch,
     retired: Vec<ShardId>,
     workers: Vec<WorkerSnap>,
     next_worker: u64,
@@ -126,6 +127,9 @@ pub struct CoordinatorState {
     /// Certificate names of the shards, by index.
     shard_names: Vec<String>,
     map: Option<ShardMap>,
+    /// The highest map epoch ever sent to a shard (a move's map goes out before it is
+    /// published, and may never be): every new map takes a higher one.
+    issued: MapEpoch,
     /// Shards removed from the job by an operator.
     retired: Vec<ShardId>,
     workers: BTreeMap<WorkerId, Worker>,
@@ -202,6 +206,7 @@ impl CoordinatorState {
             shards: Vec::new(),
             shard_names: Vec::new(),
             map: None,
+            issued: MapEpoch(0),
             retired: Vec::new(),
             workers: BTreeMap::new(),
             next_worker: 1,
@@ -249,6 +254,7 @@ impl CoordinatorState {
             shards: self.shards.clone(),
             shard_names: self.shard_names.clone(),
             map: self.map.clone(),
+            issued: self.issued,
             retired: self.retired.clone(),
             workers: self
                 .workers
@@ -303,6 +309,7 @@ impl CoordinatorState {
         st.shards = snap.shards;
         st.shard_names = snap.shard_names;
         st.map = snap.map;
+        st.issued = snap.issued;
         st.retired = snap.retired;
         st.next_worker = snap.next_worker;
         st.floor = snap.floor;

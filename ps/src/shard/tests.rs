@@ -445,9 +445,49 @@ fn moved_keys_carry_their_state_and_their_ledger() {
     assert!(b.import(2, 3, &moved, back.clone()).is_err(), "wrong range");
     assert!(a.import(0, 1, &moved, back.clone()).is_err(), "wrong keys");
     // A failed hand-off leaves the keys where they were, with the map from before.
-    b.reinstate(1, 2, &moved, back).expect("reinstate");
+    b.reinstate(1, 2, &moved, MapEpoch(3), back)
+        .expect("reinstate");
     assert_eq!(b.read_map().epoch, MapEpoch(2));
     assert_eq!(pull_range(&b, 1, 3).expect("pull"), vec![2.0; 8]);
+}
+
+/// Found by `edl-dst` (seed 120): a move whose hand-off failed left its map's epoch to the
+/// next move's different map. Now the coordinator publishes the placement again above it, and
+/// the shards fence what a superseded move would still do.
+#[test]
+fn a_superseded_move_is_refused_at_both_ends_and_a_take_back_keeps_the_newer_map() {
+    let (a, b, moved) = two_shards();
+    let first = a.export(1, 3, &moved).expect("export");
+    b.import(1, 3, &moved, first).expect("import");
+    let s0 = ShardInfo {
+        id: ShardId(0),
+        addr: "s0".into(),
+    };
+    // A move to a map no newer than the shard's is a late request: refused, nothing given up.
+    let err = b.export(1, 2, &moved).expect_err("stale");
+    assert!(err.message.contains("stale"), "{}", err.message);
+    assert!(b.holds([Key(1)].into_iter()));
+    // The source gives the range up for map 3 ...
+    let attempt = moved.with_move(1, 2, &s0);
+    let out = b.export(1, 2, &attempt).expect("export");
+    // ... the coordinator gives up on it and publishes the placement again, at 4: the
+    // destination, told so, refuses the range when it arrives late.
+    let again = ShardMap {
+        epoch: MapEpoch(4),
+        ..moved.clone()
+    };
+    a.install_map(&again);
+    let err = a
+        .import(1, 2, &attempt, out.clone())
+        .expect_err("superseded");
+    assert!(err.message.contains("superseded"), "{}", err.message);
+    assert!(!a.holds([Key(1)].into_iter()));
+    // The source takes the range back and keeps the coordinator's newer map.
+    b.install_map(&again);
+    b.reinstate(1, 2, &moved, attempt.epoch, out)
+        .expect("reinstate");
+    assert_eq!(b.read_map().epoch, MapEpoch(4));
+    assert!(b.holds([Key(1)].into_iter()));
 }
 
 #[test]

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use edl_shared::proto::ids::{Key, ShardId};
+use edl_shared::proto::ids::{Key, MapEpoch, ShardId};
 use edl_shared::proto::msg::{MoveReport, ShardEntry, ShardRole};
 use edl_shared::proto::{ErrorCode, ShardMap};
 
@@ -228,6 +228,32 @@ impl CoordinatorState {
             return Err(invalid(format!("no shard {} has joined this job", mv.to)));
         };
         Ok(map.with_move(mv.start, mv.end, to))
+    }
+
+    /// The map after `mv` at a fresh epoch, above every map this coordinator sent out before,
+    /// recorded as sent: the source adopts it when it gives the range up, whether or not the
+    /// move completes, so no later map may have its epoch.
+    pub fn begin_move(&mut self, mv: Move) -> Result<ShardMap, Refusal> {
+        let mut map = self.map_after(mv)?;
+        map.epoch = self.fresh_epoch();
+        self.issued = map.epoch;
+        Ok(map)
+    }
+
+    /// After a move that did not happen: the current placement again, published at a fresh
+    /// epoch, so that whoever adopted the move's map (the source refused requests with it
+    /// while it held the range out) adopts this one over it.
+    pub fn republish(&mut self) -> Option<ShardMap> {
+        let mut map = self.map.clone()?;
+        map.epoch = self.fresh_epoch();
+        self.issued = map.epoch;
+        self.map = Some(map.clone());
+        Some(map)
+    }
+
+    fn fresh_epoch(&self) -> MapEpoch {
+        let current = self.map.as_ref().map_or(MapEpoch(0), |m| m.epoch);
+        MapEpoch(current.max(self.issued).0 + 1)
     }
 
     /// Publishes the map a completed move produced, and records the move.

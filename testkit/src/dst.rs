@@ -332,8 +332,9 @@ pub struct Options {
     /// connection until the coordinator answers (the client's default, under which the
     /// coordinator may serve a call twice).
     pub give_up: bool,
-    /// Let crashes of the coordinator and of shards fall in the middle of a move (off by
-    /// default: see the README's list of what the simulation found).
+    /// Let crashes of the coordinator and of shards fall in the middle of a move, and
+    /// partitions lose a shard's answer to the coordinator (so a move's outcome may be unknown
+    /// to it). Off by default: known to break (see the README's "Simulation").
     pub mid_move: bool,
 }
 
@@ -1147,6 +1148,18 @@ impl Sim {
 
     /// A shard answers the coordinator's call `id`: the answer travels back.
     fn answer_link(&mut self, id: u64, answer: Result<Response, CallError>) {
+        // With `mid_move`, an answer across a partition is lost: the coordinator does not
+        // learn what the shard did (a move's outcome unknown to it).
+        let lost = self.mid_move
+            && (self.cut(Node::Coordinator)
+                || self
+                    .links
+                    .get(&id)
+                    .is_some_and(|c| self.cut(Node::Shard(c.shard))));
+        if lost {
+            self.link_failed(id);
+            return;
+        }
         if let Some(call) = self.links.get_mut(&id)
             && call.answer.is_none()
         {

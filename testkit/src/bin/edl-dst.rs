@@ -33,8 +33,9 @@ struct Cli {
     /// connection until the coordinator answers (the client's default).
     #[arg(long)]
     give_up: bool,
-    /// Let coordinator and shard crashes fall in the middle of a range move (known to fail:
-    /// see the README's "Simulation").
+    /// Let coordinator and shard crashes fall in the middle of a range move, and partitions
+    /// lose a shard's answer to the coordinator (known to fail: see the README's
+    /// "Simulation").
     #[arg(long)]
     mid_move: bool,
 }

@@ -6,7 +6,9 @@
 //! key ranges move between shards (workers re-route on the shards' refusals), shards crash
 //! and restart from their checkpoints, and the coordinator crashes and comes back from the
 //! state it saved last. Every run is a pure function of its seed; a run is checked for the
-//! consistency model at every grant, map epochs that only grow, exactly-once data on every
+//! consistency model at every grant (against the clocks the counting workers sent: a check
+//! that a wrong membership count at the coordinator fails, tried), map epochs that only grow,
+//! one map per epoch, exactly-once data on every
 //! shard, counters equal, to the float, to a model of the batches each key was acknowledged
 //! for and kept (every batch, unless a shard crash lost some), and liveness (the job
 //! finishes once the faults stop).
@@ -1175,6 +1177,38 @@ impl Sim {
         }
     }
 
+    /// The consistency model, checked from the workers' side: no worker the coordinator
+    /// counts (registered, active, holding data) has sent a clock below `clock - s` when
+    /// worker `slot` is granted `clock`. The coordinator knows no clock of a worker above the
+    /// last it sent, so a worker behind that bound means a grant the model forbids, whatever
+    /// clock the coordinator answered with.
+    fn check_grant(&self, slot: usize, clock: Clock, s: u64) -> Result<(), String> {
+        let now = edl_shared::clock::now();
+        // By id and name: a restarted coordinator may hand an id out again.
+        let active: BTreeSet<(WorkerId, String)> = self.coordinator.inspect(|st| {
+            st.members(now)
+                .into_iter()
+                .filter(|m| m.state == edl_proto::msg::WorkerState::Active)
+                .map(|m| (m.id, m.name))
+                .collect()
+        });
+        for (other, w) in self.workers.iter().enumerate() {
+            let counting = other != slot
+                && matches!(w.phase, Phase::Pushing | Phase::Committing)
+                && w.id
+                    .is_some_and(|id| active.contains(&(id, format!("w{other}"))));
+            let sent = w.clock.0 + u64::from(w.phase == Phase::Committing);
+            if counting && sent + s < clock.0 {
+                return Err(format!(
+                    "consistency: w{slot} granted clock {} while w{other} has sent no clock past \
+                     {sent}, {}",
+                    clock.0, self.scenario.consistency
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// A network delay.
     fn delay(&mut self) -> u64 {
         self.rng.random_range(1..=self.scenario.max_delay_ms.max(1))
@@ -1244,6 +1278,9 @@ impl Sim {
                         "consistency: w{} granted clock {} with the slowest at {}, {}",
                         a.worker, a.clock.0, min_clock.0, self.scenario.consistency
                     ));
+                }
+                if let Some(s) = bound.filter(|_| !drain) {
+                    self.check_grant(a.worker, a.clock, s)?;
                 }
                 Body::Granted { drain }
             }

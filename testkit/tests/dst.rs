@@ -145,3 +145,20 @@ fn failed_moves_leave_one_map_per_epoch_and_no_stranded_range() {
         dst::run(seed, Options::default()).unwrap_or_else(|f| panic!("{f}"));
     }
 }
+
+/// Found with `--mid-move`: a coordinator that crashed after a move's hand-off but before
+/// publishing came back with the old map, and the range sat on a shard no map named (seed
+/// 1203); a shard restarted meanwhile could not restore its checkpoint against that map
+/// (seeds 32, 692). The move is now recorded before its `MoveOut` goes, and a restarted
+/// coordinator (or one whose `MoveOut` went unanswered) fences the destination and asks it for
+/// the range before publishing either placement.
+#[test]
+fn a_move_the_coordinator_crashed_in_is_settled_from_the_destination() {
+    let options = Options {
+        mid_move: true,
+        ..Options::default()
+    };
+    for seed in [1203, 32, 692] {
+        dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
+    }
+}

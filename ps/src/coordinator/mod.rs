@@ -735,6 +735,11 @@ impl BoundCoordinator {
                 }
             })
         });
+        // A move a crash left in its middle is settled once the shards can be reached.
+        let resuming = {
+            let c = self.coordinator.clone();
+            tokio::spawn(async move { c.resume().await })
+        };
         info!(addr = %self.addr, aes_gcm = self.settings.aead.name(), "coordinator serving");
         let job = self.coordinator.job_name().to_string();
         edl_shared::serve(
@@ -746,6 +751,7 @@ impl BoundCoordinator {
         )
         .await;
         sweeper.abort();
+        resuming.abort();
         if let Some(p) = persister {
             let _ = p.await;
         }

@@ -13,8 +13,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use edl_shared::Identity;
+use edl_shared::proto::ids::Clock;
 use edl_shared::proto::ids::ShardId;
-use edl_shared::proto::msg::MoveReport;
+use edl_shared::proto::msg::{KeyRange, MoveReport};
 use edl_shared::proto::{ErrorCode, Request, Response, ShardMap};
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use tracing::{info, warn};
@@ -155,6 +156,119 @@ fn announce(
     }
 }
 
+/// How many times the coordinator tries to find out where a pending move left its range, and
+/// how long it waits between tries.
+const RESOLVE_TRIES: u32 = 30;
+const RESOLVE_PAUSE: Duration = Duration::from_secs(1);
+
+impl Coordinator {
+    /// Finds out where the pending move, if any, left its range (its `MoveOut` went unanswered,
+    /// or the coordinator restarted in its middle), and publishes that. First it fences the
+    /// destination: the placement from before the move, at a fresh epoch, which from then on
+    /// makes the destination refuse the range. Then it asks the destination for the range.
+    /// Held: the move happened, and its placement is published above the fence. Not held: it
+    /// never will be, and the placement from before stands (the source keeps the range, or
+    /// takes it back when its hand-off is refused). Returns the move's report if it happened.
+    /// Gives up after [`RESOLVE_TRIES`] when the destination cannot be reached, leaving the
+    /// move pending for the next resharding or restart.
+    async fn resolve(
+        &self,
+        caller: &Arc<dyn ShardLink>,
+    ) -> Result<Option<MoveReport>, (ErrorCode, String)> {
+        let Some((mv, attempted)) = self.lock().pending_move() else {
+            return Ok(None);
+        };
+        let Some(dest) = attempted.addr_of(mv.to).map(str::to_string) else {
+            self.lock().drop_pending();
+            return Ok(None);
+        };
+        let began = edl_shared::clock::now();
+        for attempt in 0..RESOLVE_TRIES {
+            if attempt > 0 {
+                tokio::time::sleep(RESOLVE_PAUSE).await;
+            }
+            let Some(fence) = self.lock().republish() else {
+                return Ok(None);
+            };
+            self.bump();
+            self.save().await;
+            let set = Request::SetMap {
+                map: fence.clone(),
+                retire: false,
+            };
+            if caller.call(&dest, set, Bytes::new()).await.is_err() {
+                continue;
+            }
+            let probe = Request::Pull {
+                epoch: fence.epoch,
+                ranges: vec![KeyRange {
+                    start: mv.start,
+                    end: mv.end,
+                }],
+                apply_through: Clock(0),
+            };
+            let held = match caller.call(&dest, probe, Bytes::new()).await {
+                Ok(Response::Pulled { .. }) => true,
+                Err(CallError::Remote {
+                    code: Some(ErrorCode::StaleEpoch),
+                    ..
+                }) => false,
+                _ => continue,
+            };
+            let (map, shards, report) = {
+                let mut st = self.lock();
+                match st.pending_done().filter(|_| held) {
+                    Some(map) => {
+                        let report = MoveReport {
+                            t_ms: 0,
+                            start: mv.start,
+                            end: mv.end,
+                            from: mv.from,
+                            to: mv.to,
+                            epoch: map.epoch,
+                            bytes: 0,
+                            millis: 0.0,
+                            hold_ms: 0.0,
+                        };
+                        st.commit_move(map.clone(), report.clone(), began);
+                        (map, st.live_shards(), Some(report))
+                    }
+                    None => {
+                        st.drop_pending();
+                        (fence, st.live_shards(), None)
+                    }
+                }
+            };
+            self.bump();
+            self.save().await;
+            announce(caller, &map, shards, &[]);
+            info!(start = mv.start, end = mv.end, from = %mv.from, to = %mv.to, epoch = %map.epoch,
+                moved = report.is_some(), "a move's outcome found out");
+            return Ok(report);
+        }
+        Err((
+            ErrorCode::NotReady,
+            format!(
+                "keys {}..{} were being moved from {} to {}, and {dest} could not be asked \
+                 whether it holds them; the move is settled at the next resharding or restart",
+                mv.start, mv.end, mv.from, mv.to
+            ),
+        ))
+    }
+
+    /// Settles a move a crash left in its middle (see `resolve`); run once a restarted
+    /// coordinator can reach its shards.
+    pub async fn resume(&self) {
+        let Some(caller) = self.caller.get().cloned() else {
+            return;
+        };
+        let _one = self.resharding.lock().await;
+        if let Err((_, msg)) = self.resolve(&caller).await {
+            warn!("{msg}");
+        }
+    }
+}
+
 /// What an operator asked for.
 #[derive(Clone, Debug)]
 pub enum Reshape {
@@ -180,6 +294,10 @@ impl Coordinator {
         };
         // One resharding at a time: each plan is made against the map the last one left.
         let _one = self.resharding.lock().await;
+        // A move left pending (its outcome unknown, or a restart in its middle) first.
+        if let Err((code, msg)) = self.resolve(&caller).await {
+            return Response::error(code, msg);
+        }
         let plan = match self.plan(&caller, &op).await {
             Ok(p) => p,
             Err((code, msg)) => return Response::error(code, msg),
@@ -320,24 +438,34 @@ impl Coordinator {
                     format!("{what}: {}", CallError::unexpected(&other)),
                 ));
             }
-            Err(e) => {
-                if matches!(e, CallError::Remote { .. }) {
-                    // The source answered: the range stayed there (it refused the move, or
-                    // took the range back when the hand-off failed). It may have refused
-                    // requests with the move's map meanwhile: the placement is published
-                    // again at an epoch above it.
-                    let (map, shards) = {
-                        let mut st = self.lock();
-                        (st.republish(), st.live_shards())
-                    };
-                    self.bump();
-                    self.save().await;
-                    if let Some(map) = map {
-                        announce(caller, &map, shards, &[]);
-                    }
+            Err(e @ CallError::Remote { .. }) => {
+                // The source answered: the range stayed there (it refused the move, or took
+                // the range back when the hand-off failed). It may have refused requests with
+                // the move's map meanwhile: the placement is published again at an epoch
+                // above it.
+                let (map, shards) = {
+                    let mut st = self.lock();
+                    st.drop_pending();
+                    (st.republish(), st.live_shards())
+                };
+                self.bump();
+                self.save().await;
+                if let Some(map) = map {
+                    announce(caller, &map, shards, &[]);
                 }
                 let code = e.code().unwrap_or(ErrorCode::Internal);
                 return Err((code, format!("{what}: {e}")));
+            }
+            Err(e) => {
+                // No answer: the range may have moved. Find out.
+                warn!(error = %e, "{what}: no answer from the source; finding out where the range is");
+                return match self.resolve(caller).await? {
+                    Some(report) => Ok(report),
+                    None => Err((
+                        e.code().unwrap_or(ErrorCode::Internal),
+                        format!("{what}: {e}; the range stayed on {}", mv.from),
+                    )),
+                };
             }
         };
         let shards = self.publish_move(map.clone(), report.clone(), began);

@@ -53,6 +53,7 @@ pub struct CoordinatorSnap {
     shard_names: Vec<String>,
     map: Option<ShardMap>,
     issued: MapEpoch,
+    pending: Option<(shards::Move, ShardMap)>,
     retired: Vec<ShardId>,
     workers: Vec<WorkerSnap>,
     next_worker: u64,
@@ -130,6 +131,9 @@ pub struct CoordinatorState {
     /// The highest map epoch ever sent to a shard (a move's map goes out before it is
     /// published, and may never be): every new map takes a higher one.
     issued: MapEpoch,
+    /// A move begun (its map sent to the source) and neither published nor given up: after a
+    /// crash, or an unanswered `MoveOut`, the coordinator finds out where the range is.
+    pending: Option<(shards::Move, ShardMap)>,
     /// Shards removed from the job by an operator.
     retired: Vec<ShardId>,
     workers: BTreeMap<WorkerId, Worker>,
@@ -207,6 +211,7 @@ impl CoordinatorState {
             shard_names: Vec::new(),
             map: None,
             issued: MapEpoch(0),
+            pending: None,
             retired: Vec::new(),
             workers: BTreeMap::new(),
             next_worker: 1,
@@ -255,6 +260,7 @@ impl CoordinatorState {
             shard_names: self.shard_names.clone(),
             map: self.map.clone(),
             issued: self.issued,
+            pending: self.pending.clone(),
             retired: self.retired.clone(),
             workers: self
                 .workers
@@ -310,6 +316,7 @@ impl CoordinatorState {
         st.shard_names = snap.shard_names;
         st.map = snap.map;
         st.issued = snap.issued;
+        st.pending = snap.pending;
         st.retired = snap.retired;
         st.next_worker = snap.next_worker;
         st.floor = snap.floor;

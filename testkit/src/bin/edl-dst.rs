@@ -34,8 +34,8 @@ struct Cli {
     #[arg(long)]
     give_up: bool,
     /// Let coordinator and shard crashes fall in the middle of a range move, and partitions
-    /// lose a shard's answer to the coordinator (known to fail: see the README's
-    /// "Simulation").
+    /// lose a shard's answer to the coordinator (a shard crashing during its own hand-off is
+    /// known to fail: see the README's "Simulation").
     #[arg(long)]
     mid_move: bool,
 }

@@ -12,7 +12,7 @@ use edl_shared::proto::{ErrorCode, ShardMap};
 use super::{CoordinatorState, Refusal};
 
 /// One planned move: keys `[start, end)` from one shard to another.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Move {
     /// First key.
     pub start: u64,
@@ -233,11 +233,32 @@ impl CoordinatorState {
     /// The map after `mv` at a fresh epoch, above every map this coordinator sent out before,
     /// recorded as sent: the source adopts it when it gives the range up, whether or not the
     /// move completes, so no later map may have its epoch.
+    /// The move stays pending (in the durable state) until it is published or given up.
     pub fn begin_move(&mut self, mv: Move) -> Result<ShardMap, Refusal> {
         let mut map = self.map_after(mv)?;
         map.epoch = self.fresh_epoch();
         self.issued = map.epoch;
+        self.pending = Some((mv, map.clone()));
         Ok(map)
+    }
+
+    /// The move under way, with its map, if one is: begun and neither published nor given up.
+    pub fn pending_move(&self) -> Option<(Move, ShardMap)> {
+        self.pending.clone()
+    }
+
+    /// Gives the pending move up: the current map stands.
+    pub fn drop_pending(&mut self) {
+        self.pending = None;
+    }
+
+    /// The pending move's placement at a fresh epoch: a move found done after all (its
+    /// destination holds the range) is published with it, above any map sent since.
+    pub fn pending_done(&mut self) -> Option<ShardMap> {
+        let (_, mut map) = self.pending.clone()?;
+        map.epoch = self.fresh_epoch();
+        self.issued = map.epoch;
+        Some(map)
     }
 
     /// After a move that did not happen: the current placement again, published at a fresh
@@ -260,6 +281,7 @@ impl CoordinatorState {
     pub fn commit_move(&mut self, map: ShardMap, mut report: MoveReport, began: Instant) {
         report.t_ms = self.ms(began);
         self.map = Some(map);
+        self.pending = None;
         super::push_capped(
             &mut self.moves,
             report,

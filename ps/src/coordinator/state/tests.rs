@@ -259,6 +259,45 @@ fn a_rebalance_spreads_keys_over_standby_shards_too() {
 }
 
 #[test]
+fn maps_never_share_an_epoch_and_a_pending_move_survives_a_restart() {
+    let t0 = Instant::now();
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 2, t0);
+    st.shard_join("s0", "a").expect("join");
+    let s1 = st.shard_join("s1", "b").expect("join");
+    let formed = st.map().expect("formed");
+    let mv = st.plan_move(0, 1, s1).expect("plan")[0];
+    // A move's map is above the current one and recorded as pending, across a restart.
+    let attempted = st.begin_move(mv).expect("begin");
+    assert!(attempted.epoch > formed.epoch);
+    let job = st.job().clone();
+    let mut st = CoordinatorState::restore(st.snapshot(), &job, 2, t0).expect("restore");
+    assert_eq!(st.pending_move(), Some((mv, attempted.clone())));
+    // Given up: the placement again, above the attempted map, and nothing pending.
+    let again = st.republish().expect("republish");
+    st.drop_pending();
+    assert!(again.epoch > attempted.epoch);
+    assert_eq!(again.ranges, formed.ranges);
+    assert_eq!(st.map().expect("map"), again);
+    // The next move's map is above both, and its commit clears it.
+    let next = st.begin_move(mv).expect("begin");
+    assert!(next.epoch > again.epoch);
+    let report = MoveReport {
+        t_ms: 0,
+        start: mv.start,
+        end: mv.end,
+        from: mv.from,
+        to: mv.to,
+        epoch: next.epoch,
+        bytes: 0,
+        millis: 0.0,
+        hold_ms: 0.0,
+    };
+    st.commit_move(next.clone(), report, t0);
+    assert_eq!(st.pending_move(), None);
+    assert_eq!(st.map().expect("map"), next);
+}
+
+#[test]
 fn the_trace_is_served_in_pages_and_capped() {
     let mut st = CoordinatorState::new(job(Consistency::Asp), 1, Instant::now());
     let t0 = Instant::now();

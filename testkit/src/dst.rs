@@ -44,6 +44,7 @@ use edl_proto::{
 };
 use edl_ps::checkpoint::RangeExport;
 use edl_ps::coordinator::state::CoordinatorSnap;
+use edl_ps::coordinator::state::shards::Move;
 use edl_ps::coordinator::{Coordinator, CoordinatorConfig, LinkFuture, ShardLink, StateStore};
 use edl_ps::shard::ShardState;
 use edl_shared::transport::CallError;
@@ -568,7 +569,7 @@ struct LinkCall {
     shard: usize,
     req: Request,
     /// Where the answer goes (gone if the coordinator crashed since).
-    reply: tokio::sync::oneshot::Sender<Result<Response, CallError>>,
+    reply: ReplyTo,
     /// The answer, once the shard gave it, travelling back.
     answer: Option<Result<Response, CallError>>,
 }
@@ -589,9 +590,14 @@ struct HandOff {
 
 /// The coordinator's way to its shards in the simulation: each call is a message the
 /// simulation delivers (or loses) and answers.
-struct SimLink(tokio::sync::mpsc::UnboundedSender<(String, Request, LinkReply)>);
+struct SimLink(tokio::sync::mpsc::UnboundedSender<Outgoing>);
 
-type LinkReply = tokio::sync::oneshot::Sender<Result<Response, CallError>>;
+/// Where a shard's answer to the coordinator goes.
+type ReplyTo = tokio::sync::oneshot::Sender<Result<Response, CallError>>;
+
+/// A coordinator's call to a shard as it leaves the coordinator: the shard's address, the
+/// request, where the answer goes.
+type Outgoing = (String, Request, ReplyTo);
 
 impl ShardLink for SimLink {
     fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool> {
@@ -633,7 +639,7 @@ struct Sim {
     /// What the coordinator saved last (its disk), and until when it is down.
     store: Arc<std::sync::Mutex<Option<CoordinatorSnap>>>,
     /// The coordinator's way to the shards, given to each coordinator that starts.
-    link: tokio::sync::mpsc::UnboundedSender<(String, Request, LinkReply)>,
+    link: tokio::sync::mpsc::UnboundedSender<Outgoing>,
     /// Per shard, how many times it started (a hand-off begun before a crash is forgotten).
     incarnation: Vec<u32>,
     down_until: Option<u64>,
@@ -685,7 +691,7 @@ impl Sim {
         scenario: Scenario,
         verbose: bool,
         answers: tokio::sync::mpsc::UnboundedSender<Answer>,
-        link: tokio::sync::mpsc::UnboundedSender<(String, Request, LinkReply)>,
+        link: tokio::sync::mpsc::UnboundedSender<Outgoing>,
         answered: &mut tokio::sync::mpsc::UnboundedReceiver<Answer>,
     ) -> Result<Sim, String> {
         let job = scenario.job();
@@ -956,7 +962,7 @@ impl Sim {
     async fn run(
         &mut self,
         answers: &mut tokio::sync::mpsc::UnboundedReceiver<Answer>,
-        links: &mut tokio::sync::mpsc::UnboundedReceiver<(String, Request, LinkReply)>,
+        links: &mut tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
     ) -> Result<(), String> {
         loop {
             let next = self.queue.peek().map(|Reverse((t, _))| *t);
@@ -1103,7 +1109,7 @@ impl Sim {
     }
 
     /// The coordinator calls a shard: the request travels (or its connection fails).
-    fn link_call(&mut self, addr: &str, req: Request, reply: LinkReply) {
+    fn link_call(&mut self, addr: &str, req: Request, reply: ReplyTo) {
         self.seq += 1;
         let id = self.seq;
         let shard = addr
@@ -1478,17 +1484,10 @@ impl Sim {
                 let node = match target {
                     Target::Coordinator => Node::Coordinator,
                     Target::Shard(n) => Node::Shard(n % self.shards.len()),
-                    Target::Worker(n) => {
-                        let live: Vec<usize> = (0..self.workers.len())
-                            .filter(|&s| {
-                                !matches!(self.workers[s].phase, Phase::Done | Phase::Crashed)
-                            })
-                            .collect();
-                        let Some(&slot) = live.get(n % live.len().max(1)) else {
-                            return Ok(());
-                        };
-                        Node::Worker(slot)
-                    }
+                    Target::Worker(n) => match self.live_worker(n) {
+                        Some(slot) => Node::Worker(slot),
+                        None => return Ok(()),
+                    },
                 };
                 self.note(format!("{node:?} is partitioned for {ms} ms"));
                 self.cuts.push((node, self.now + ms));
@@ -1525,13 +1524,17 @@ impl Sim {
         Ok(())
     }
 
-    /// The n-th live worker (modulo their number) stops.
-    fn crash_worker(&mut self, n: usize) {
+    /// The n-th live worker (modulo their number), if any is.
+    fn live_worker(&self, n: usize) -> Option<usize> {
         let live: Vec<usize> = (0..self.workers.len())
             .filter(|&s| !matches!(self.workers[s].phase, Phase::Done | Phase::Crashed))
             .collect();
-        if !live.is_empty() {
-            let s = live[n % live.len()];
+        live.get(n % live.len().max(1)).copied()
+    }
+
+    /// The n-th live worker (modulo their number) stops.
+    fn crash_worker(&mut self, n: usize) {
+        if let Some(s) = self.live_worker(n) {
             self.workers[s].phase = Phase::Crashed;
             self.crashed += 1;
             self.note(format!("w{s} crashes"));
@@ -1776,17 +1779,13 @@ impl Sim {
         }
         let answer = if ok {
             self.checkpoint(s);
-            Ok(Response::Moved(edl_proto::msg::MoveReport {
-                t_ms: 0,
+            let mv = Move {
                 start: h.start,
                 end: h.end,
                 from: ShardId(s as u32),
                 to: ShardId(h.to as u32),
-                epoch: h.map.epoch,
-                bytes: 0,
-                millis: 0.0,
-                hold_ms: 0.0,
-            }))
+            };
+            Ok(Response::Moved(mv.report(h.map.epoch)))
         } else {
             let export = h.export.ok_or("a failed hand-off without its range")?;
             self.shards[s]

@@ -149,31 +149,13 @@ impl Coordinator {
     }
 
     /// The durable state as it is now: what a save writes.
-    pub fn snapshot(&self) -> CoordinatorSnap {
+    fn snapshot(&self) -> CoordinatorSnap {
         self.lock().snapshot()
     }
 
     /// Reads the state (for in-process drivers: the simulation, tests, the dashboard).
     pub fn inspect<R>(&self, f: impl FnOnce(&CoordinatorState) -> R) -> R {
         f(&self.lock())
-    }
-
-    /// Publishes the map after a range move whose state the destination holds (`began` is
-    /// when the move started) and wakes the requests waiting on the state; returns the live
-    /// shards, to be told the new map. The caller saves the state next.
-    pub fn publish_move(
-        &self,
-        map: edl_shared::proto::ShardMap,
-        report: edl_shared::proto::msg::MoveReport,
-        began: Instant,
-    ) -> Vec<(edl_shared::proto::ShardId, String)> {
-        let shards = {
-            let mut st = self.lock();
-            st.commit_move(map, report, began);
-            st.live_shards()
-        };
-        self.bump();
-        shards
     }
 
     /// Keeps the durable state in `store` instead of the configured state file.

@@ -183,15 +183,15 @@ impl Coordinator {
             return Ok(None);
         };
         let began = edl_shared::clock::now();
+        let Some(fence) = self.lock().republish() else {
+            return Ok(None);
+        };
+        self.bump();
+        self.save().await;
         for attempt in 0..RESOLVE_TRIES {
             if attempt > 0 {
                 tokio::time::sleep(RESOLVE_PAUSE).await;
             }
-            let Some(fence) = self.lock().republish() else {
-                return Ok(None);
-            };
-            self.bump();
-            self.save().await;
             let set = Request::SetMap {
                 map: fence.clone(),
                 retire: false,
@@ -217,31 +217,19 @@ impl Coordinator {
             };
             let (map, shards, report) = {
                 let mut st = self.lock();
-                match st.pending_done().filter(|_| held) {
+                match held.then(|| st.pending_done()).flatten() {
                     Some(map) => {
-                        let report = MoveReport {
-                            t_ms: 0,
-                            start: mv.start,
-                            end: mv.end,
-                            from: mv.from,
-                            to: mv.to,
-                            epoch: map.epoch,
-                            bytes: 0,
-                            millis: 0.0,
-                            hold_ms: 0.0,
-                        };
+                        let report = mv.report(map.epoch);
                         st.commit_move(map.clone(), report.clone(), began);
                         (map, st.live_shards(), Some(report))
                     }
                     None => {
                         st.drop_pending();
-                        (fence, st.live_shards(), None)
+                        (fence.clone(), st.live_shards(), None)
                     }
                 }
             };
-            self.bump();
-            self.save().await;
-            announce(caller, &map, shards, &[]);
+            self.spread(caller, &map, shards, &[]).await;
             info!(start = mv.start, end = mv.end, from = %mv.from, to = %mv.to, epoch = %map.epoch,
                 moved = report.is_some(), "a move's outcome found out");
             return Ok(report);
@@ -254,6 +242,21 @@ impl Coordinator {
                 mv.start, mv.end, mv.from, mv.to
             ),
         ))
+    }
+
+    /// A map just published: wakes the requests waiting on the state, saves it (a published
+    /// map must survive a crash) and sends it to `shards` but those of `skip`. They serve their
+    /// own keys meanwhile, so nothing waits for them (nor for one that is down).
+    async fn spread(
+        &self,
+        caller: &Arc<dyn ShardLink>,
+        map: &ShardMap,
+        shards: Vec<(ShardId, String)>,
+        skip: &[ShardId],
+    ) {
+        self.bump();
+        self.save().await;
+        announce(caller, map, shards, skip);
     }
 
     /// Settles a move a crash left in its middle (see `resolve`); run once a restarted
@@ -448,10 +451,8 @@ impl Coordinator {
                     st.drop_pending();
                     (st.republish(), st.live_shards())
                 };
-                self.bump();
-                self.save().await;
                 if let Some(map) = map {
-                    announce(caller, &map, shards, &[]);
+                    self.spread(caller, &map, shards, &[]).await;
                 }
                 let code = e.code().unwrap_or(ErrorCode::Internal);
                 return Err((code, format!("{what}: {e}")));
@@ -468,13 +469,14 @@ impl Coordinator {
                 };
             }
         };
-        let shards = self.publish_move(map.clone(), report.clone(), began);
-        // A published map must survive a crash: save it now.
-        self.save().await;
-        // The source and destination know the new map; tell the others, so that what they
-        // answer to a stale request is current. They serve their own keys meanwhile, so the
-        // move does not wait for them (nor for one that is down).
-        announce(caller, &map, shards, &[mv.from, mv.to]);
+        let shards = {
+            let mut st = self.lock();
+            st.commit_move(map.clone(), report.clone(), began);
+            st.live_shards()
+        };
+        // The source and destination know the new map; the others are told, so that what they
+        // answer to a stale request is current.
+        self.spread(caller, &map, shards, &[mv.from, mv.to]).await;
         info!(start = mv.start, end = mv.end, from = %mv.from, to = %mv.to, epoch = %map.epoch,
             bytes = report.bytes, hold_ms = report.hold_ms, millis = report.millis, "range moved");
         Ok(report)

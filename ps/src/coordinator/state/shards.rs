@@ -24,6 +24,24 @@ pub struct Move {
     pub to: ShardId,
 }
 
+impl Move {
+    /// The report of this move done, published with map `epoch`, without the measurements a
+    /// source makes (bytes and times are 0): a move found done after the fact.
+    pub fn report(self, epoch: MapEpoch) -> MoveReport {
+        MoveReport {
+            t_ms: 0,
+            start: self.start,
+            end: self.end,
+            from: self.from,
+            to: self.to,
+            epoch,
+            bytes: 0,
+            millis: 0.0,
+            hold_ms: 0.0,
+        }
+    }
+}
+
 impl From<(u64, u64, ShardId, ShardId)> for Move {
     fn from((start, end, from, to): (u64, u64, ShardId, ShardId)) -> Self {
         Move {
@@ -235,9 +253,7 @@ impl CoordinatorState {
     /// move completes, so no later map may have its epoch.
     /// The move stays pending (in the durable state) until it is published or given up.
     pub fn begin_move(&mut self, mv: Move) -> Result<ShardMap, Refusal> {
-        let mut map = self.map_after(mv)?;
-        map.epoch = self.fresh_epoch();
-        self.issued = map.epoch;
+        let map = self.issue(self.map_after(mv)?);
         self.pending = Some((mv, map.clone()));
         Ok(map)
     }
@@ -255,26 +271,26 @@ impl CoordinatorState {
     /// The pending move's placement at a fresh epoch: a move found done after all (its
     /// destination holds the range) is published with it, above any map sent since.
     pub fn pending_done(&mut self) -> Option<ShardMap> {
-        let (_, mut map) = self.pending.clone()?;
-        map.epoch = self.fresh_epoch();
-        self.issued = map.epoch;
-        Some(map)
+        let (_, map) = self.pending.clone()?;
+        Some(self.issue(map))
     }
 
     /// After a move that did not happen: the current placement again, published at a fresh
     /// epoch, so that whoever adopted the move's map (the source refused requests with it
     /// while it held the range out) adopts this one over it.
     pub fn republish(&mut self) -> Option<ShardMap> {
-        let mut map = self.map.clone()?;
-        map.epoch = self.fresh_epoch();
-        self.issued = map.epoch;
+        let map = self.issue(self.map.clone()?);
         self.map = Some(map.clone());
         Some(map)
     }
 
-    fn fresh_epoch(&self) -> MapEpoch {
+    /// `map` at an epoch above the current map's and every one issued before, recorded as
+    /// issued.
+    fn issue(&mut self, mut map: ShardMap) -> ShardMap {
         let current = self.map.as_ref().map_or(MapEpoch(0), |m| m.epoch);
-        MapEpoch(current.max(self.issued).0 + 1)
+        map.epoch = MapEpoch(current.max(self.issued).0 + 1);
+        self.issued = map.epoch;
+        map
     }
 
     /// Publishes the map a completed move produced, and records the move.

@@ -235,17 +235,7 @@ fn a_rebalance_spreads_keys_over_standby_shards_too() {
     let keys = st.map().expect("formed").num_keys();
     for mv in st.plan_move(0, keys, s2).expect("plan") {
         let map = st.map_after(mv).expect("map");
-        let report = MoveReport {
-            t_ms: 0,
-            start: mv.start,
-            end: mv.end,
-            from: mv.from,
-            to: mv.to,
-            epoch: map.epoch,
-            bytes: 0,
-            millis: 0.0,
-            hold_ms: 0.0,
-        };
+        let report = mv.report(map.epoch);
         st.commit_move(map, report, t0);
     }
     assert_eq!(st.map().expect("map").owners_in_order(), vec![s2]);
@@ -281,18 +271,7 @@ fn maps_never_share_an_epoch_and_a_pending_move_survives_a_restart() {
     // The next move's map is above both, and its commit clears it.
     let next = st.begin_move(mv).expect("begin");
     assert!(next.epoch > again.epoch);
-    let report = MoveReport {
-        t_ms: 0,
-        start: mv.start,
-        end: mv.end,
-        from: mv.from,
-        to: mv.to,
-        epoch: next.epoch,
-        bytes: 0,
-        millis: 0.0,
-        hold_ms: 0.0,
-    };
-    st.commit_move(next.clone(), report, t0);
+    st.commit_move(next.clone(), mv.report(next.epoch), t0);
     assert_eq!(st.pending_move(), None);
     assert_eq!(st.map().expect("map"), next);
 }

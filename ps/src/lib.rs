@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod cluster;
 pub mod coordinator;
 pub mod ledger;
+pub mod link;
 pub mod optimizer;
 pub mod profile;
 pub mod shard;

@@ -33,6 +33,7 @@ use tracing::info;
 
 use crate::checkpoint::{self, CheckpointError, ChunkSnap, RangeExport, ShardCheckpoint};
 use crate::ledger::{Claim, Ledgers};
+use crate::link::{ShardCaller, ShardLink};
 use crate::optimizer::OptState;
 
 /// Pushes of at least this many bytes are applied on two cores (ASP and SSP) where one is
@@ -414,6 +415,12 @@ impl ShardState {
     /// True if every key in `keys` is held here.
     pub fn holds(&self, mut keys: impl Iterator<Item = Key>) -> bool {
         keys.all(|k| self.chunks.contains_key(&k))
+    }
+
+    /// Parameter `i` of `key`, if this shard holds it: what a test watches to see an update
+    /// land.
+    pub fn param(&self, key: Key, i: usize) -> Option<f32> {
+        self.chunks.get(&key)?.params.get(i).copied()
     }
 
     /// Waits (up to `limit`) until this shard knows a map of at least `epoch`: a request
@@ -1006,15 +1013,51 @@ const RETIRE_GRACE: Duration = Duration::from_secs(2);
 /// How long a shard keeps trying to hand a range to its destination before taking it back.
 const HANDOFF_WINDOW: Duration = Duration::from_secs(10);
 
+/// Where a shard keeps its checkpoint.
+#[derive(Clone)]
+pub enum CheckpointStore {
+    /// A file, written off the runtime (`edl-ps shard --checkpoint`).
+    File(PathBuf),
+    /// Handed to a function on the runtime as it is taken: the deterministic simulation's
+    /// disk, which it restarts a crashed shard from.
+    Memory(Arc<dyn Fn(ShardCheckpoint) + Send + Sync>),
+}
+
+impl CheckpointStore {
+    /// Writes a checkpoint of `st`: returns where, its bytes (0 in memory) and milliseconds.
+    pub async fn write(&self, st: &Arc<ShardState>) -> Result<(String, u64, f64), String> {
+        match self {
+            CheckpointStore::File(path) => {
+                let (st, path) = (st.clone(), path.clone());
+                let written = tokio::task::spawn_blocking(move || {
+                    write_checkpoint(&st, &path).map(|r| (r, path))
+                })
+                .await;
+                match written {
+                    Ok(Ok(((bytes, millis), path))) => {
+                        Ok((path.display().to_string(), bytes, millis))
+                    }
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            CheckpointStore::Memory(keep) => {
+                let _one = st.saving.lock().unwrap_or_else(|p| p.into_inner());
+                keep(st.snapshot());
+                Ok(("memory".to_string(), 0, 0.0))
+            }
+        }
+    }
+}
+
 /// The shard service: waits for its assignment, then serves pulls and pushes, and moves key
 /// ranges when the coordinator asks.
 pub struct ShardService {
-    state: watch::Receiver<Option<Arc<ShardState>>>,
-    checkpoint: Option<PathBuf>,
-    /// For handing ranges to other shards (this shard's identity as a client).
-    peer: quinn::Endpoint,
-    settings: TransportSettings,
-    name: String,
+    /// The shard's state, once the coordinator assigned its ranges.
+    state: watch::Sender<Option<Arc<ShardState>>>,
+    checkpoint: Option<CheckpointStore>,
+    /// For handing ranges to other shards (as this shard).
+    link: Arc<dyn ShardLink>,
     /// Checks worker tokens: the coordinator's key (learned when this shard joins) and the job
     /// in this shard's certificate.
     tokens: std::sync::OnceLock<Signer>,
@@ -1023,8 +1066,37 @@ pub struct ShardService {
 }
 
 impl ShardService {
+    /// A service with no assignment yet: it answers `NotReady` until [`ShardService::trust`]
+    /// and [`ShardService::assign`]. It reaches other shards through `link`, keeps its
+    /// checkpoints in `checkpoint` (none if `None`), and cancels `retire` when the coordinator
+    /// retires it.
+    pub fn new(
+        link: Arc<dyn ShardLink>,
+        checkpoint: Option<CheckpointStore>,
+        retire: CancellationToken,
+    ) -> ShardService {
+        ShardService {
+            state: watch::Sender::new(None),
+            checkpoint,
+            link,
+            tokens: std::sync::OnceLock::new(),
+            retire,
+        }
+    }
+
+    /// Accepts the tokens the coordinator signs with `key` for job `job` (given when this
+    /// shard joins; the first key given stays).
+    pub fn trust(&self, key: &Token, job: &str) {
+        let _ = self.tokens.set(Signer::new(key, job));
+    }
+
+    /// Serves `state`, the shard's ranges, from now on.
+    pub fn assign(&self, state: Arc<ShardState>) {
+        self.state.send_replace(Some(state));
+    }
+
     async fn ready(&self) -> Option<Arc<ShardState>> {
-        let mut rx = self.state.clone();
+        let mut rx = self.state.subscribe();
         let wait = rx.wait_for(|s| s.is_some());
         match tokio::time::timeout(Duration::from_secs(30), wait).await {
             Ok(Ok(s)) => s.clone(),
@@ -1032,21 +1104,12 @@ impl ShardService {
         }
     }
 
-    /// Writes a checkpoint off the runtime, if this shard keeps one.
+    /// Writes a checkpoint, if this shard keeps one.
     async fn checkpoint_now(
         &self,
         st: &Arc<ShardState>,
     ) -> Option<Result<(String, u64, f64), String>> {
-        let path = self.checkpoint.clone()?;
-        let st = st.clone();
-        let written =
-            tokio::task::spawn_blocking(move || write_checkpoint(&st, &path).map(|r| (r, path)))
-                .await;
-        Some(match written {
-            Ok(Ok(((bytes, millis), path))) => Ok((path.display().to_string(), bytes, millis)),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(e.to_string()),
-        })
+        Some(self.checkpoint.as_ref()?.write(st).await)
     }
 
     /// Hands keys `[start, end)` to shard `to`: gives them up here (requests for them are
@@ -1058,7 +1121,7 @@ impl ShardService {
         (start, end, to): (u64, u64, ShardId),
         map: ShardMap,
     ) -> Result<Frame<Response, Parts>, Response> {
-        let t0 = std::time::Instant::now();
+        let t0 = edl_shared::clock::now();
         let invalid = |m: String| Response::error(ErrorCode::InvalidRequest, m);
         if to == st.id() {
             return Err(invalid(format!("{to} cannot move keys to itself")));
@@ -1073,7 +1136,7 @@ impl ShardService {
         };
         let before = st.read_map();
         let export = st.export(start, end, &map).map_err(Response::from)?;
-        let held = std::time::Instant::now();
+        let held = edl_shared::clock::now();
         let sent = match export.encode() {
             Ok(payload) => {
                 let bytes = payload.len() as u64;
@@ -1132,15 +1195,10 @@ impl ShardService {
         let deadline = tokio::time::Instant::now() + HANDOFF_WINDOW;
         let mut delay = Duration::from_millis(50);
         loop {
-            let attempt = async {
-                let conn = Conn::connect(&self.peer, addr, &self.name, &self.settings).await?;
-                conn.call(req.clone(), payload.clone()).await
-            };
+            let attempt = self.link.call(addr, req.clone(), payload.clone());
             let err = match attempt.await {
-                Ok(Frame {
-                    msg: Response::Ack, ..
-                }) => return Ok(()),
-                Ok(other) => return Err(CallError::unexpected(&other.msg).to_string()),
+                Ok(Response::Ack) => return Ok(()),
+                Ok(other) => return Err(CallError::unexpected(&other).to_string()),
                 Err(e @ CallError::Remote { .. }) => return Err(e.to_string()),
                 Err(e) => e,
             };
@@ -1352,18 +1410,13 @@ pub async fn run(
     if let Some(tx) = bound {
         let _ = tx.send(addr);
     }
-    let (tx, rx) = watch::channel(None);
     // Stopping the shard: a signal (the parent token) or retirement by the coordinator.
     let shutdown = shutdown.child_token();
-    let service = Arc::new(ShardService {
-        state: rx,
-        checkpoint: config.checkpoint.clone(),
-        peer: client_endpoint(&identity, &settings, false)?,
-        settings: settings.clone(),
-        name: identity.name.clone(),
-        tokens: std::sync::OnceLock::new(),
-        retire: shutdown.clone(),
-    });
+    let service = Arc::new(ShardService::new(
+        Arc::new(ShardCaller::new(&identity, &settings)?),
+        config.checkpoint.clone().map(CheckpointStore::File),
+        shutdown.clone(),
+    ));
     let server = {
         let (service, settings, stop, job) = (
             service.clone(),
@@ -1384,7 +1437,7 @@ pub async fn run(
         server.await?;
         return Ok(());
     };
-    let _ = service.tokens.set(Signer::new(&token_key, &identity.job));
+    service.trust(&token_key, &identity.job);
     let state = match config.checkpoint.as_deref().filter(|p| p.exists()) {
         Some(path) => {
             let t = std::time::Instant::now();
@@ -1401,10 +1454,11 @@ pub async fn run(
     metrics::watch(&state);
     info!(shard = %id, %addr, keys = state.num_keys(), aes_gcm = settings.aead.name(),
         "shard serving");
-    let _ = tx.send(Some(state.clone()));
+    service.assign(state.clone());
     let periodic = match (&config.checkpoint, config.checkpoint_every) {
         (Some(path), Some(every)) => {
-            let (state, path, stop) = (state.clone(), path.clone(), shutdown.clone());
+            let store = CheckpointStore::File(path.clone());
+            let (state, stop) = (state.clone(), shutdown.clone());
             Some(tokio::spawn(async move {
                 let mut tick = tokio::time::interval(every);
                 tick.tick().await;
@@ -1413,11 +1467,9 @@ pub async fn run(
                         _ = stop.cancelled() => break,
                         _ = tick.tick() => {}
                     }
-                    let (st, p) = (state.clone(), path.clone());
-                    match tokio::task::spawn_blocking(move || write_checkpoint(&st, &p)).await {
-                        Ok(Ok((bytes, ms))) => tracing::debug!(bytes, ms, "checkpoint written"),
-                        Ok(Err(e)) => tracing::error!(error = %e, "checkpoint failed"),
-                        Err(e) => tracing::error!(error = %e, "checkpoint task failed"),
+                    match store.write(&state).await {
+                        Ok((_, bytes, ms)) => tracing::debug!(bytes, ms, "checkpoint written"),
+                        Err(e) => tracing::error!(error = %e, "checkpoint failed"),
                     }
                 }
             }))

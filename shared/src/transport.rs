@@ -461,6 +461,18 @@ impl CallError {
         }
     }
 
+    /// A peer's answer as a call's result: an error answer is [`CallError::Remote`].
+    pub fn answered(msg: Response) -> Result<Response, CallError> {
+        match msg {
+            Response::Error { code, message, map } => Err(CallError::Remote {
+                code: ErrorCode::from_u16(code),
+                message,
+                map: map.map(Box::new),
+            }),
+            msg => Ok(msg),
+        }
+    }
+
     /// An "unexpected response" error naming what arrived.
     pub fn unexpected(got: &Response) -> Self {
         let name = format!("{got:?}");
@@ -764,14 +776,7 @@ impl Conn {
         }
         send.finish()?;
         let p = read_prefix(&mut recv, &self.limits).await?;
-        match read_frame_into(&mut recv, &p, &mut AnswerSink(sink)).await? {
-            Response::Error { code, message, map } => Err(CallError::Remote {
-                code: ErrorCode::from_u16(code),
-                message,
-                map: map.map(Box::new),
-            }),
-            msg => Ok(msg),
-        }
+        CallError::answered(read_frame_into(&mut recv, &p, &mut AnswerSink(sink)).await?)
     }
 
     /// The underlying QUIC connection.

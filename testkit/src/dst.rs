@@ -40,13 +40,13 @@ use edl_proto::frame::Parts;
 use edl_proto::msg::{ChunkRef, DataSpan, Partition};
 use edl_proto::{
     Clock, Consistency, ErrorCode, JobConfig, Key, MapEpoch, Request, Response, ShardId, ShardMap,
-    WorkerId,
+    Token, WorkerId,
 };
-use edl_ps::checkpoint::RangeExport;
+use edl_ps::checkpoint::ShardCheckpoint;
 use edl_ps::coordinator::state::CoordinatorSnap;
-use edl_ps::coordinator::state::shards::Move;
 use edl_ps::coordinator::{Coordinator, CoordinatorConfig, LinkFuture, ShardLink, StateStore};
-use edl_ps::shard::ShardState;
+use edl_ps::shard::{CheckpointStore, ShardService, ShardState};
+use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::CallError;
 use edl_shared::{Peer, Role, Service};
 use rand::rngs::StdRng;
@@ -369,14 +369,12 @@ pub fn run_scenario(
         .build()
         .map_err(|e| failed(format!("no runtime: {e}")))?;
     rt.block_on(async {
-        let (tx, mut answers) = tokio::sync::mpsc::unbounded_channel();
-        let (link, mut links) = tokio::sync::mpsc::unbounded_channel();
-        let mut sim = Sim::new(seed, scenario, options.verbose, tx, link, &mut answers)
+        let (mut sim, mut inbox) = Sim::new(seed, scenario, options.verbose)
             .await
             .map_err(failed)?;
         sim.give_up = options.give_up;
         sim.mid_move = options.mid_move;
-        match sim.run(&mut answers, &mut links).await {
+        match sim.run(&mut inbox).await {
             Ok(()) => {
                 let mut report = sim.report();
                 if options.verbose {
@@ -429,6 +427,7 @@ enum Body {
         id: WorkerId,
         clock: Clock,
         map: Box<ShardMap>,
+        token: Token,
     },
     Leased {
         part: Option<Partition>,
@@ -453,14 +452,11 @@ enum Body {
         span: DataSpan,
         map: Box<ShardMap>,
     },
-    /// A coordinator request reaches a shard (`links[id]`).
+    /// A server's request (the coordinator's, or a shard's hand-off) reaches a shard
+    /// (`links[id]`).
     ShardCall(u64),
-    /// A shard's answer to the coordinator (`links[id]`) reaches it.
+    /// A shard's answer to a server's request (`links[id]`) reaches the caller.
     LinkReply(u64),
-    /// The moved range's state reaches its new shard (`handoffs[id]`).
-    MoveIn(u64),
-    /// The destination's answer to a hand-off reaches the source.
-    HandedOff(u64, bool),
     Refused(String),
     /// The coordinator's long poll timed out: ask again.
     NotReady,
@@ -533,6 +529,8 @@ struct Worker {
     /// The shard map the worker routes with.
     map: ShardMap,
     drain: bool,
+    /// What its pushes prove their sender with (from its registration).
+    token: Option<Token>,
 }
 
 /// A coordinator call's answer, from the task that served it.
@@ -555,49 +553,32 @@ const MOVE: u64 = 1;
 /// The coordinator's settling of a move after a restart (a task of its own, no answer).
 const RESUME: u64 = 2;
 
-/// A shard's refusal, as the transport hands it to the caller.
-fn remote(code: ErrorCode, message: String) -> CallError {
-    CallError::Remote {
-        code: Some(code),
-        message,
-        map: None,
-    }
-}
-
-/// A coordinator's call to a shard server, through [`SimLink`].
+/// A server's call to a shard (the coordinator's, or a shard's hand-off), through [`SimLink`].
 struct LinkCall {
+    /// The caller.
+    from: Node,
     shard: usize,
     req: Request,
-    /// Where the answer goes (gone if the coordinator crashed since).
+    payload: Bytes,
+    /// Where the answer goes (gone if the caller crashed since).
     reply: ReplyTo,
     /// The answer, once the shard gave it, travelling back.
     answer: Option<Result<Response, CallError>>,
 }
 
-/// A range on its way from one shard to another.
-struct HandOff {
-    from: usize,
-    to: usize,
-    start: u64,
-    end: u64,
-    map: ShardMap,
-    /// The source's map before, to go back to if the hand-off fails.
-    before: ShardMap,
-    export: Option<RangeExport>,
-    /// The source's incarnation when it began.
-    incarnation: u32,
+/// A server's way to the shards in the simulation: each call is a message the simulation
+/// delivers (or loses) and answers.
+struct SimLink {
+    from: Node,
+    calls: tokio::sync::mpsc::UnboundedSender<Outgoing>,
 }
 
-/// The coordinator's way to its shards in the simulation: each call is a message the
-/// simulation delivers (or loses) and answers.
-struct SimLink(tokio::sync::mpsc::UnboundedSender<Outgoing>);
-
-/// Where a shard's answer to the coordinator goes.
+/// Where a shard's answer to a server goes.
 type ReplyTo = tokio::sync::oneshot::Sender<Result<Response, CallError>>;
 
-/// A coordinator's call to a shard as it leaves the coordinator: the shard's address, the
-/// request, where the answer goes.
-type Outgoing = (String, Request, ReplyTo);
+/// A server's call to a shard as it leaves the server: the caller, the shard's address, the
+/// request and its payload, where the answer goes.
+type Outgoing = (Node, String, Request, Bytes, ReplyTo);
 
 impl ShardLink for SimLink {
     fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool> {
@@ -608,17 +589,105 @@ impl ShardLink for SimLink {
         &'a self,
         addr: &'a str,
         req: Request,
-        _payload: Bytes,
+        payload: Bytes,
     ) -> LinkFuture<'a, Result<Response, CallError>> {
         Box::pin(async move {
             let (tx, rx) = tokio::sync::oneshot::channel();
             let gone = || CallError::Address(format!("{addr}: the simulation ended"));
-            self.0
-                .send((addr.to_string(), req, tx))
+            (self.calls)
+                .send((self.from, addr.to_string(), req, payload, tx))
                 .map_err(|_| gone())?;
             rx.await.map_err(|_| gone())?
         })
     }
+}
+
+/// A shard server: the real service, over its state.
+struct SimShard {
+    service: Arc<ShardService>,
+    state: Arc<ShardState>,
+    /// Its disk, as its periodic checkpoints reach it.
+    store: CheckpointStore,
+    /// The requests it is serving and its checkpoint writes, by id: a crash aborts them.
+    tasks: BTreeMap<u64, (Serving, tokio::task::JoinHandle<()>)>,
+    /// Until when it is down, if it is.
+    down: Option<u64>,
+}
+
+/// What a shard's task serves.
+#[derive(Clone, Debug)]
+enum Serving {
+    /// A worker's push: the worker's slot and request, and what it pushed.
+    Push {
+        slot: usize,
+        seq: u64,
+        id: WorkerId,
+        span: DataSpan,
+        keys: Vec<Key>,
+    },
+    /// A server's call (`links[id]`).
+    Link(u64),
+    Checkpoint,
+}
+
+/// What the simulation's tasks give back: the coordinator's answers, the servers' calls to
+/// shards, the shards' answers.
+struct Inbox {
+    answers: tokio::sync::mpsc::UnboundedReceiver<Answer>,
+    links: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
+    shards: tokio::sync::mpsc::UnboundedReceiver<ShardAnswer>,
+}
+
+/// A shard's answer, from the task that served it.
+struct ShardAnswer {
+    shard: usize,
+    task: u64,
+    resp: Response,
+}
+
+/// A batch of data, as `(epoch, first sample)`.
+type Batch = (u32, u32);
+
+/// The shards' disks and the model of their keys, written by the shards' tasks as they apply
+/// pushes and take checkpoints (on the runtime's one thread, so a checkpoint holds exactly the
+/// batches the model says it does).
+#[derive(Default)]
+struct Disk {
+    /// Per shard, its last checkpoint.
+    checkpoints: Vec<Option<ShardCheckpoint>>,
+    /// The model: per key, the batches applied to it (and not lost since).
+    model: BTreeMap<Key, BTreeSet<Batch>>,
+    /// Per shard, the model of its keys when it wrote its checkpoint.
+    modelled: Vec<BTreeMap<Key, BTreeSet<Batch>>>,
+    /// A batch applied to a key that held it already.
+    twice: Option<String>,
+}
+
+impl Disk {
+    /// Shard `s` writes a checkpoint; the model of its keys is kept beside it.
+    fn save(&mut self, s: usize, ckpt: ShardCheckpoint) {
+        self.modelled[s] = (ckpt.chunks.iter())
+            .map(|c| {
+                let k = Key(c.key);
+                (k, self.model.get(&k).cloned().unwrap_or_default())
+            })
+            .collect();
+        self.checkpoints[s] = Some(ckpt);
+    }
+
+    /// A push applied `batch` to `key`.
+    fn applied(&mut self, s: usize, key: Key, batch: Batch) {
+        if !self.model.entry(key).or_default().insert(batch) && self.twice.is_none() {
+            self.twice = Some(format!(
+                "exactly-once: shard {s} applied batch {batch:?} to {key} twice"
+            ));
+        }
+    }
+}
+
+/// Locks the disks (a task that panicked holding it is a failed run anyway).
+fn lock_disk(d: &std::sync::Mutex<Disk>) -> std::sync::MutexGuard<'_, Disk> {
+    d.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 struct Sim {
@@ -638,23 +707,23 @@ struct Sim {
     answers: tokio::sync::mpsc::UnboundedSender<Answer>,
     /// What the coordinator saved last (its disk), and until when it is down.
     store: Arc<std::sync::Mutex<Option<CoordinatorSnap>>>,
-    /// The coordinator's way to the shards, given to each coordinator that starts.
+    /// The servers' way to the shards, given to each coordinator and shard that starts.
     link: tokio::sync::mpsc::UnboundedSender<Outgoing>,
-    /// Per shard, how many times it started (a hand-off begun before a crash is forgotten).
-    incarnation: Vec<u32>,
+    /// Where the shards' tasks put their answers.
+    shard_answers: tokio::sync::mpsc::UnboundedSender<ShardAnswer>,
+    /// The key the coordinator signs worker tokens with (given to the shards as they join).
+    token_key: Token,
     down_until: Option<u64>,
     restarts: u32,
     moved: u32,
     rerouted: u64,
-    shards: Vec<ShardState>,
+    shards: Vec<SimShard>,
     /// The map the coordinator published last.
     map: ShardMap,
     /// Every key as a chunk reference.
     keys: Vec<ChunkRef>,
-    /// The coordinator's calls to shards, by id.
+    /// The servers' calls to shards, by id.
     links: BTreeMap<u64, LinkCall>,
-    /// Ranges being handed from one shard to another, by the id of the `MoveOut` call.
-    handoffs: BTreeMap<u64, HandOff>,
     /// Every map some node adopted, by epoch: one map per epoch, or two nodes disagree.
     maps: BTreeMap<MapEpoch, ShardMap>,
     /// Crashes may hit the coordinator and the shards in the middle of a move.
@@ -662,13 +731,8 @@ struct Sim {
     /// Nodes partitioned from the others until a time; filters `(kind, answers, until)`.
     cuts: Vec<(Node, u64)>,
     filters: Vec<(Kind, bool, u64)>,
-    /// Per shard: until when it is down, if it is; its last checkpoint.
-    shard_down: Vec<Option<u64>>,
-    checkpoints: Vec<edl_ps::checkpoint::ShardCheckpoint>,
-    /// The model: per key, the batches `(epoch, first sample)` a shard acknowledged and still
-    /// holds; and per shard, the model of its keys when it wrote its checkpoint.
-    model: BTreeMap<Key, BTreeSet<(u32, u32)>>,
-    modelled: Vec<BTreeMap<Key, BTreeSet<(u32, u32)>>>,
+    /// The shards' checkpoints and the model of the keys.
+    disk: Arc<std::sync::Mutex<Disk>>,
     shard_crashes: u32,
     workers: Vec<Worker>,
     digest: u64,
@@ -686,14 +750,15 @@ struct Sim {
 }
 
 impl Sim {
-    async fn new(
-        seed: u64,
-        scenario: Scenario,
-        verbose: bool,
-        answers: tokio::sync::mpsc::UnboundedSender<Answer>,
-        link: tokio::sync::mpsc::UnboundedSender<Outgoing>,
-        answered: &mut tokio::sync::mpsc::UnboundedReceiver<Answer>,
-    ) -> Result<Sim, String> {
+    async fn new(seed: u64, scenario: Scenario, verbose: bool) -> Result<(Sim, Inbox), String> {
+        let (answers, answered) = tokio::sync::mpsc::unbounded_channel();
+        let (link, links) = tokio::sync::mpsc::unbounded_channel();
+        let (shard_answers, shards_answered) = tokio::sync::mpsc::unbounded_channel();
+        let mut inbox = Inbox {
+            answers: answered,
+            links,
+            shards: shards_answered,
+        };
         let job = scenario.job();
         let config = CoordinatorConfig {
             job: job.clone(),
@@ -706,7 +771,10 @@ impl Sim {
         let coordinator = Coordinator::new(config.clone())
             .map_err(|e| format!("coordinator: {e}"))?
             .with_store(StateStore::Memory(store.clone()));
-        coordinator.set_shard_link(Arc::new(SimLink(link.clone())));
+        coordinator.set_shard_link(Arc::new(SimLink {
+            from: Node::Coordinator,
+            calls: link.clone(),
+        }));
         let coordinator = Arc::new(coordinator);
         // The shards join through the service; each is answered once all have joined.
         for s in 0..scenario.shards {
@@ -726,18 +794,23 @@ impl Sim {
                 });
             });
         }
-        let mut map = None;
+        let mut assigned = None;
         for _ in 0..scenario.shards {
-            match answered.recv().await.map(|a| a.resp) {
-                Some(Response::ShardAssigned { map: m, .. }) => map = Some(m),
+            match inbox.answers.recv().await.map(|a| a.resp) {
+                Some(Response::ShardAssigned { map, token_key, .. }) => {
+                    assigned = Some((map, token_key));
+                }
                 other => return Err(format!("a shard's join was answered {other:?}")),
             }
         }
-        let map = map.ok_or("no shard")?;
+        let (map, token_key) = assigned.ok_or("no shard")?;
         let layout = job.layout();
-        let shards: Vec<ShardState> = (0..scenario.shards)
-            .map(|s| ShardState::new(ShardId(s), job.clone(), map.clone()))
-            .collect();
+        let n = scenario.shards as usize;
+        let disk = Arc::new(std::sync::Mutex::new(Disk {
+            checkpoints: vec![None; n],
+            modelled: vec![BTreeMap::new(); n],
+            ..Disk::default()
+        }));
         let keys = layout
             .spans()
             .iter()
@@ -749,11 +822,11 @@ impl Sim {
             .collect();
         // As its persister would within half a second.
         coordinator.save_changes().await;
-        let checkpoints = shards.iter().map(ShardState::snapshot).collect();
         let mut sim = Sim {
             store,
             link,
-            incarnation: vec![0; scenario.shards as usize],
+            shard_answers,
+            token_key,
             down_until: None,
             restarts: 0,
             moved: 0,
@@ -769,19 +842,15 @@ impl Sim {
             config,
             calls: BTreeMap::new(),
             answers,
-            shards,
-            map,
+            shards: Vec::new(),
+            map: map.clone(),
             keys,
             links: BTreeMap::new(),
-            handoffs: BTreeMap::new(),
             maps: BTreeMap::new(),
             mid_move: false,
             cuts: Vec::new(),
             filters: Vec::new(),
-            shard_down: vec![None; scenario.shards as usize],
-            checkpoints,
-            model: BTreeMap::new(),
-            modelled: vec![BTreeMap::new(); scenario.shards as usize],
+            disk,
             shard_crashes: 0,
             workers: Vec::new(),
             digest: 0xcbf2_9ce4_8422_2325,
@@ -797,6 +866,13 @@ impl Sim {
             log: std::collections::VecDeque::new(),
             scenario,
         };
+        for s in 0..n {
+            let state = ShardState::new(ShardId(s as u32), job.clone(), map.clone());
+            let shard = sim.shard_server(s, state);
+            sim.shards.push(shard);
+            // Its first checkpoint, as the shard writes it before it serves.
+            sim.checkpoint(s);
+        }
         for _ in 0..sim.scenario.workers {
             sim.start_worker();
         }
@@ -804,7 +880,35 @@ impl Sim {
             sim.at(t, Node::Coordinator, 0, 0, Body::Script(what));
         }
         sim.at(TICK_MS, Node::Coordinator, 0, 0, Body::Tick);
-        Ok(sim)
+        Ok((sim, inbox))
+    }
+
+    /// A shard server over `state`: the real service, reaching the other shards through the
+    /// simulated network and keeping its checkpoints on the simulated disk.
+    fn shard_server(&self, s: usize, state: ShardState) -> SimShard {
+        let disk = self.disk.clone();
+        let store = CheckpointStore::Memory(Arc::new(move |ckpt| {
+            lock_disk(&disk).save(s, ckpt);
+        }));
+        let link = SimLink {
+            from: Node::Shard(s),
+            calls: self.link.clone(),
+        };
+        let service = ShardService::new(
+            Arc::new(link),
+            Some(store.clone()),
+            CancellationToken::new(),
+        );
+        service.trust(&self.token_key, JOB);
+        let state = Arc::new(state);
+        service.assign(state.clone());
+        SimShard {
+            service: Arc::new(service),
+            state,
+            store,
+            tasks: BTreeMap::new(),
+            down: None,
+        }
     }
 
     fn faulty(&self) -> bool {
@@ -838,7 +942,6 @@ impl Sim {
             Body::Push { .. }
                 | Body::Pushed { .. }
                 | Body::Moved { .. }
-                | Body::MoveIn(_)
                 | Body::GetMap
                 | Body::FreshMap(_)
         );
@@ -881,7 +984,7 @@ impl Sim {
     fn cut(&self, node: Node) -> bool {
         let now = self.now;
         self.cuts.iter().any(|&(n, until)| n == node && now < until)
-            || matches!(node, Node::Shard(s) if self.shard_down[s].is_some())
+            || matches!(node, Node::Shard(s) if self.shards[s].down.is_some())
     }
 
     /// Whether a filter drops `body` now.
@@ -915,6 +1018,7 @@ impl Sim {
             acks: BTreeSet::new(),
             map: self.map.clone(),
             drain: false,
+            token: None,
         });
         self.request(slot, Body::Register);
     }
@@ -959,26 +1063,30 @@ impl Sim {
 
     /// Delivers events in virtual-time order, and the coordinator's answers as its tasks give
     /// them; the runtime's clock jumps to whichever comes next.
-    async fn run(
-        &mut self,
-        answers: &mut tokio::sync::mpsc::UnboundedReceiver<Answer>,
-        links: &mut tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
-    ) -> Result<(), String> {
+    async fn run(&mut self, inbox: &mut Inbox) -> Result<(), String> {
         loop {
             let next = self.queue.peek().map(|Reverse((t, _))| *t);
             let until = self.t0 + Duration::from_millis(next.unwrap_or(DEADLINE_MS + 1));
             tokio::select! {
                 biased;
-                Some(a) = answers.recv() => {
+                Some(a) = inbox.answers.recv() => {
                     self.catch_up();
                     self.runaway()?;
                     self.answered(a)?;
+                    self.check_now()?;
                     continue;
                 }
-                Some((addr, req, reply)) = links.recv() => {
+                Some((from, addr, req, payload, reply)) = inbox.links.recv() => {
                     self.catch_up();
                     self.runaway()?;
-                    self.link_call(&addr, req, reply);
+                    self.link_call(from, &addr, req, payload, reply)?;
+                    continue;
+                }
+                Some(a) = inbox.shards.recv() => {
+                    self.catch_up();
+                    self.runaway()?;
+                    self.shard_answered(a)?;
+                    self.check_now()?;
                     continue;
                 }
                 () = tokio::time::sleep_until(until) => {}
@@ -1012,18 +1120,7 @@ impl Sim {
                 Node::Shard(s) => self.at_shard(s, env)?,
                 Node::Worker(slot) => self.at_worker(slot, env)?,
             }
-            // Map epochs only grow, through coordinator restarts too, and no two nodes hold
-            // different maps of one epoch.
-            if let Some(map) = self.coordinator.inspect(|st| st.map()) {
-                if map.epoch < self.map.epoch {
-                    return Err(format!(
-                        "map epochs: the coordinator went back from {} to {}",
-                        self.map.epoch, map.epoch
-                    ));
-                }
-                self.saw_map(&map)?;
-                self.map = map;
-            }
+            self.check_now()?;
             // The job is over once its data is and every worker is gone, and no move is
             // still under way.
             if self.finished()
@@ -1058,6 +1155,25 @@ impl Sim {
         for (_, (_, _, task)) in std::mem::take(&mut self.calls) {
             task.abort();
         }
+        // The shards finish what reached them (a late push may wait for a map a while); a call
+        // to another shard finds none now.
+        loop {
+            for shard in &mut self.shards {
+                shard.tasks.retain(|_, (_, t)| !t.is_finished());
+            }
+            if self.shards.iter().all(|s| s.tasks.is_empty()) {
+                break;
+            }
+            tokio::select! {
+                Some((.., reply)) = inbox.links.recv() => {
+                    let _ = reply.send(Err(CallError::Address("the run is over".into())));
+                }
+                Some(_) = inbox.shards.recv() => {}
+                Some(_) = inbox.answers.recv() => {}
+                () = tokio::time::sleep(Duration::from_millis(TICK_MS)) => {}
+            }
+            self.check_now()?;
+        }
         self.check_end()
     }
 
@@ -1083,14 +1199,39 @@ impl Sim {
         self.now = self.now.max(elapsed as u64);
     }
 
-    /// A move is under way: an operator's move request not answered yet, a hand-off, or a
-    /// move the coordinator has not settled.
+    /// A move is under way: an operator's move request not answered yet, a range on its way
+    /// between shards, or a move the coordinator has not settled.
     fn moving(&self) -> bool {
-        !self.handoffs.is_empty()
+        let moves =
+            |c: &LinkCall| matches!(c.req, Request::MoveOut { .. } | Request::MoveIn { .. });
+        self.links.values().any(moves)
             || self.coordinator.inspect(|st| st.pending_move().is_some())
             || self.calls.values().any(|&(w, seq, ref task)| {
                 w == ADMIN && (seq == MOVE || (seq == RESUME && !task.is_finished()))
             })
+    }
+
+    /// What must hold after every step: map epochs only grow, through coordinator restarts
+    /// too; no two nodes hold different maps of one epoch; no key was applied a batch twice.
+    fn check_now(&mut self) -> Result<(), String> {
+        if let Some(map) = self.coordinator.inspect(|st| st.map()) {
+            if map.epoch < self.map.epoch {
+                return Err(format!(
+                    "map epochs: the coordinator went back from {} to {}",
+                    self.map.epoch, map.epoch
+                ));
+            }
+            self.saw_map(&map)?;
+            self.map = map;
+        }
+        for s in 0..self.shards.len() {
+            let map = self.shards[s].state.read_map();
+            self.saw_map(&map)?;
+        }
+        match lock_disk(&self.disk).twice.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Records a map some node adopted: one map per epoch.
@@ -1108,31 +1249,47 @@ impl Sim {
         }
     }
 
-    /// The coordinator calls a shard: the request travels (or its connection fails).
-    fn link_call(&mut self, addr: &str, req: Request, reply: ReplyTo) {
+    /// A server calls a shard: the request travels (or its connection fails). Every map a
+    /// call carries is one some node adopts.
+    fn link_call(
+        &mut self,
+        from: Node,
+        addr: &str,
+        req: Request,
+        payload: Bytes,
+        reply: ReplyTo,
+    ) -> Result<(), String> {
         self.seq += 1;
         let id = self.seq;
         let shard = addr
             .strip_prefix("sim:")
             .and_then(|n| n.parse::<usize>().ok())
             .filter(|&n| n < self.shards.len());
-        let line = format!("coordinator calls {addr} #{id}: {}", req.name());
+        let line = format!("{from:?} calls {addr} #{id}: {}", req.name());
         mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
         self.note(line);
         let Some(shard) = shard else {
             let _ = reply.send(Err(CallError::Address(format!("no shard at {addr}"))));
-            return;
+            return Ok(());
         };
+        if let Request::SetMap { map, .. }
+        | Request::MoveOut { map, .. }
+        | Request::MoveIn { map, .. } = &req
+        {
+            self.saw_map(map)?;
+        }
         self.links.insert(
             id,
             LinkCall {
+                from,
                 shard,
                 req,
+                payload,
                 reply,
                 answer: None,
             },
         );
-        if self.cut(Node::Coordinator) || self.cut(Node::Shard(shard)) {
+        if self.cut(from) || self.cut(Node::Shard(shard)) {
             self.link_failed(id);
         } else {
             let delay = self.delay();
@@ -1144,46 +1301,51 @@ impl Sim {
                 Body::ShardCall(id),
             );
         }
+        Ok(())
     }
 
-    /// The coordinator's call `id` fails with its connection, after the timeout.
+    /// The server's call `id` fails with its connection, after the timeout.
     fn link_failed(&mut self, id: u64) {
         if let Some(call) = self.links.get_mut(&id)
             && call.answer.is_none()
         {
             let addr = format!("sim:{}", call.shard);
             call.answer = Some(Err(CallError::TimedOut(format!("{addr} did not answer"))));
-            let t = self.now + CONNECTION_TIMEOUT_MS;
-            self.at(t, Node::Coordinator, 0, id, Body::LinkReply(id));
+            let (t, to) = (self.now + CONNECTION_TIMEOUT_MS, call.from);
+            self.at(t, to, 0, id, Body::LinkReply(id));
         }
     }
 
-    /// A shard answers the coordinator's call `id`: the answer travels back.
+    /// A shard answers a server's call `id`: the answer travels back.
     fn answer_link(&mut self, id: u64, answer: Result<Response, CallError>) {
-        // With `mid_move`, an answer across a partition is lost: the coordinator does not
-        // learn what the shard did (a move's outcome unknown to it).
+        // With `mid_move`, an answer across a partition is lost: the caller does not learn
+        // what the shard did (a move's outcome unknown to it).
         let lost = self.mid_move
-            && (self.cut(Node::Coordinator)
-                || self
-                    .links
-                    .get(&id)
-                    .is_some_and(|c| self.cut(Node::Shard(c.shard))));
+            && self
+                .links
+                .get(&id)
+                .is_some_and(|c| self.cut(c.from) || self.cut(Node::Shard(c.shard)));
         if lost {
             self.link_failed(id);
             return;
         }
+        let delay = self.delay();
         if let Some(call) = self.links.get_mut(&id)
             && call.answer.is_none()
         {
             call.answer = Some(answer);
-            let delay = self.delay();
-            self.at(
-                self.now + delay,
-                Node::Coordinator,
-                0,
-                id,
-                Body::LinkReply(id),
-            );
+            let (t, to) = (self.now + delay, call.from);
+            self.at(t, to, 0, id, Body::LinkReply(id));
+        }
+    }
+
+    /// The answer to call `id` reaches its caller (if the caller's task is still there).
+    fn link_reply(&mut self, id: u64) {
+        if let Some(call) = self.links.remove(&id) {
+            let answer = call
+                .answer
+                .unwrap_or_else(|| Err(CallError::Address("no answer".into())));
+            let _ = call.reply.send(answer);
         }
     }
 
@@ -1269,11 +1431,16 @@ impl Sim {
         }
         let body = match a.resp {
             Response::Registered {
-                worker, map, clock, ..
+                worker,
+                map,
+                clock,
+                token,
+                ..
             } => Body::Registered {
                 id: worker,
                 clock,
                 map: Box::new(map),
+                token,
             },
             Response::Partition { partition, clock } => Body::Leased {
                 part: partition,
@@ -1325,17 +1492,14 @@ impl Sim {
             ) => return self.fault(f),
             // A shard's answer reaches the coordinator's task (gone if it crashed since).
             Body::LinkReply(id) => {
-                if let Some(call) = self.links.remove(&id) {
-                    let answer = call
-                        .answer
-                        .unwrap_or_else(|| Err(CallError::Address("no answer".into())));
-                    let _ = call.reply.send(answer);
-                }
+                self.link_reply(id);
                 return Ok(());
             }
             Body::Tick if self.now.is_multiple_of(CHECKPOINT_MS) => {
                 for s in 0..self.shards.len() {
-                    if self.shard_down[s].is_none() {
+                    // Finished tasks are forgotten.
+                    self.shards[s].tasks.retain(|_, (_, t)| !t.is_finished());
+                    if self.shards[s].down.is_none() {
                         self.checkpoint(s);
                     }
                 }
@@ -1352,7 +1516,10 @@ impl Sim {
                     }
                     .map_err(|e| format!("the coordinator cannot restore its state: {e}"))?
                     .with_store(StateStore::Memory(self.store.clone()));
-                    restored.set_shard_link(Arc::new(SimLink(self.link.clone())));
+                    restored.set_shard_link(Arc::new(SimLink {
+                        from: Node::Coordinator,
+                        calls: self.link.clone(),
+                    }));
                     self.coordinator = Arc::new(restored);
                     // As `edl-ps coordinator` does on start: settle a move left in its middle.
                     let c = self.coordinator.clone();
@@ -1465,16 +1632,17 @@ impl Sim {
         Ok(())
     }
 
-    /// Shard `s` writes its checkpoint; the model of its keys is kept beside it.
+    /// Shard `s` writes its checkpoint, as its periodic writer does (a task of its own, on the
+    /// runtime's one thread: its disk is memory).
     fn checkpoint(&mut self, s: usize) {
-        self.checkpoints[s] = self.shards[s].snapshot();
         let shard = &self.shards[s];
-        self.modelled[s] = self
-            .keys
-            .iter()
-            .filter(|c| shard.holds(std::iter::once(c.key)))
-            .map(|c| (c.key, self.model.get(&c.key).cloned().unwrap_or_default()))
-            .collect();
+        let (state, store) = (shard.state.clone(), shard.store.clone());
+        let task = tokio::spawn(async move {
+            let _ = store.write(&state).await;
+        });
+        self.seq += 1;
+        let id = self.seq;
+        self.shards[s].tasks.insert(id, (Serving::Checkpoint, task));
     }
 
     /// Begins a fault of the network or a shard.
@@ -1503,12 +1671,19 @@ impl Sim {
             Scripted::ShardCrash(_, _) if !self.mid_move && self.moving() => {}
             Scripted::ShardCrash(n, down) => {
                 let s = n % self.shards.len();
-                if self.shard_down[s].is_none() {
+                if self.shards[s].down.is_none() {
                     self.note(format!("shard {s} crashes for {down} ms"));
-                    self.shard_down[s] = Some(self.now + down);
+                    self.shards[s].down = Some(self.now + down);
                     self.shard_crashes += 1;
-                    self.incarnation[s] += 1;
-                    // The coordinator's calls it was serving fail with their connections.
+                    // Its process ends: what it was serving fails with the connections, and
+                    // what it was doing (a hand-off, a checkpoint) stops where it was.
+                    for (_, (serving, task)) in std::mem::take(&mut self.shards[s].tasks) {
+                        task.abort();
+                        if let Serving::Push { slot, seq, .. } = serving {
+                            let t = self.now + CONNECTION_TIMEOUT_MS;
+                            self.at(t, Node::Worker(slot), slot, seq, Body::Retry);
+                        }
+                    }
                     let serving: Vec<u64> = (self.links.iter())
                         .filter(|(_, c)| c.shard == s && c.answer.is_none())
                         .map(|(id, _)| *id)
@@ -1542,27 +1717,19 @@ impl Sim {
     }
 
     fn at_shard(&mut self, s: usize, env: Envelope) -> Result<(), String> {
-        if self.shard_down[s].is_some() {
+        // A shard's answer reaches the server that called (gone if it crashed since).
+        if let Body::LinkReply(id) = env.body {
+            self.link_reply(id);
+            return Ok(());
+        }
+        if self.shards[s].down.is_some() {
             match env.body {
                 // It starts again from its checkpoint and the map the coordinator gives it
                 // when it joins (once the coordinator is up).
                 Body::ShardRestart if self.down_until.is_some() => {
                     self.at(self.now + TICK_MS, Node::Shard(s), 0, 0, Body::ShardRestart);
                 }
-                Body::ShardRestart => {
-                    let (job, map) = self.coordinator.inspect(|st| (st.job().clone(), st.map()));
-                    let map = map.ok_or("the coordinator has no map")?;
-                    let ckpt = self.checkpoints[s].clone();
-                    // The model forgets, as the shard does, what came after the checkpoint.
-                    for c in &ckpt.chunks {
-                        let kept = self.modelled[s].get(&Key(c.key)).cloned();
-                        self.model.insert(Key(c.key), kept.unwrap_or_default());
-                    }
-                    self.shards[s] = ShardState::restore(ShardId(s as u32), job, map, ckpt)
-                        .map_err(|e| format!("shard {s} cannot restore its checkpoint: {e}"))?;
-                    self.shard_down[s] = None;
-                    self.note(format!("shard {s} restarted from its checkpoint"));
-                }
+                Body::ShardRestart => self.restart_shard(s)?,
                 // What reaches a dead process fails with the connection.
                 Body::Push { .. } => {
                     let (w, seq) = (env.worker, env.seq);
@@ -1570,70 +1737,208 @@ impl Sim {
                     self.at(t, Node::Worker(w), w, seq, Body::Retry);
                 }
                 Body::ShardCall(id) => self.link_failed(id),
-                Body::MoveIn(id) => {
-                    if let Some(from) = self.handoffs.get(&id).map(|h| h.from) {
-                        let t = self.now + CONNECTION_TIMEOUT_MS;
-                        self.at(t, Node::Shard(from), 0, id, Body::HandedOff(id, false));
-                    }
-                }
-                // The source died: its hand-off died with it.
-                Body::HandedOff(id, _) => {
-                    self.handoffs.remove(&id);
-                }
                 other => return Err(format!("shard {s} got {other:?} while down")),
             }
             return Ok(());
         }
-        let (id, clock, span, epoch, chunks) = match env.body {
+        match env.body {
             Body::Push {
                 id,
                 clock,
                 span,
                 epoch,
                 chunks,
-            } => (id, clock, span, epoch, chunks),
-            Body::MoveIn(id) => return self.move_in(s, id),
-            Body::ShardCall(id) => return self.shard_call(s, id),
-            Body::HandedOff(id, ok) => return self.handed_off(s, id, ok),
+            } => self.serve_push(s, (env.worker, env.seq), (id, clock, span, epoch), chunks),
+            Body::ShardCall(id) => self.serve_link(s, id),
             other => return Err(format!("shard {s} got {other:?}")),
+        }
+        Ok(())
+    }
+
+    /// Shard `s` restarts from its last checkpoint with the coordinator's map; the model forgets,
+    /// as the shard does, what came after the checkpoint.
+    fn restart_shard(&mut self, s: usize) -> Result<(), String> {
+        let (job, map) = self.coordinator.inspect(|st| (st.job().clone(), st.map()));
+        let map = map.ok_or("the coordinator has no map")?;
+        let ckpt = {
+            let mut d = lock_disk(&self.disk);
+            let ckpt = d.checkpoints[s]
+                .clone()
+                .ok_or("a shard without a checkpoint")?;
+            for c in &ckpt.chunks {
+                let kept = d.modelled[s].get(&Key(c.key)).cloned();
+                d.model.insert(Key(c.key), kept.unwrap_or_default());
+            }
+            ckpt
+        };
+        let state = ShardState::restore(ShardId(s as u32), job, map, ckpt)
+            .map_err(|e| format!("shard {s} cannot restore its checkpoint: {e}"))?;
+        self.shards[s] = self.shard_server(s, state);
+        self.note(format!("shard {s} restarted from its checkpoint"));
+        Ok(())
+    }
+
+    /// A worker's push reaches shard `s`: its service serves it in a task of its own. The task
+    /// watches the pushed keys' counters around each step of the service, so the model learns,
+    /// as it happens, which keys this push was applied to.
+    fn serve_push(
+        &mut self,
+        s: usize,
+        (slot, seq): (usize, u64),
+        (id, clock, span, epoch): (WorkerId, Clock, DataSpan, MapEpoch),
+        chunks: Vec<ChunkRef>,
+    ) {
+        let Some(token) = self.workers[slot].token else {
+            return;
         };
         let floats: u32 = chunks.iter().map(|c| c.len).sum();
         let payload: Vec<u8> = (0..floats).flat_map(|_| (-1.0f32).to_le_bytes()).collect();
-        let answer = match self.shards[s].push(epoch, id, clock, &chunks, &payload, Some(&span)) {
-            Ok(claim) => {
-                // An applied batch is held by each key once. A batch the shard's ledger says
-                // it applied already is not added: applied before, the model holds it; or
-                // lost with a crash, behind a batch applied since (the ledger counts it
-                // missing), and then the key does not hold it.
-                if claim == edl_ps::ledger::Claim::Apply {
-                    for c in &chunks {
-                        self.model
-                            .entry(c.key)
-                            .or_default()
-                            .insert((span.epoch, span.start));
-                    }
-                } else {
-                    self.note(format!("shard {s}: {span:?} already applied"));
-                }
-                Body::Pushed {
-                    keys: chunks.iter().map(|c| c.key).collect(),
-                    span,
-                }
-            }
-            Err(e) => match e.map {
-                Some(map) if e.code == edl_proto::ErrorCode::StaleEpoch => {
-                    Body::Moved { span, map }
-                }
-                _ => {
-                    return Err(format!(
-                        "shard {s} refused {id}'s push of {span:?}: {}",
-                        e.message
-                    ));
-                }
-            },
+        let keys: Vec<Key> = chunks.iter().map(|c| c.key).collect();
+        let req = Request::Push {
+            epoch,
+            worker: id,
+            clock,
+            chunks,
+            span: Some(span),
+            covers: Vec::new(),
+            token,
         };
-        let to = Node::Worker(env.worker);
-        self.send(Node::Shard(s), to, env.worker, env.seq, answer);
+        let peer = Peer::in_process(Role::Worker, &format!("w{slot}"), JOB, addr(0, slot));
+        self.seq += 1;
+        let task_id = self.seq;
+        let shard = &self.shards[s];
+        let (service, state, disk) = (
+            shard.service.clone(),
+            shard.state.clone(),
+            self.disk.clone(),
+        );
+        let tx = self.shard_answers.clone();
+        let serving = Serving::Push {
+            slot,
+            seq,
+            id,
+            span,
+            keys: keys.clone(),
+        };
+        let task = tokio::spawn(async move {
+            let batch = (span.epoch, span.start);
+            let counters = |st: &ShardState| -> Vec<Option<f32>> {
+                keys.iter().map(|&k| st.param(k, 0)).collect()
+            };
+            let mut serving =
+                std::pin::pin!(service.handle(&peer, req, Parts(vec![Bytes::from(payload)])));
+            let frame = std::future::poll_fn(|cx| {
+                let before = counters(&state);
+                let step = serving.as_mut().poll(cx);
+                let after = counters(&state);
+                for ((k, b), a) in keys.iter().zip(before).zip(after) {
+                    if b.is_some() && a != b {
+                        lock_disk(&disk).applied(s, *k, batch);
+                    }
+                }
+                step
+            })
+            .await;
+            let _ = tx.send(ShardAnswer {
+                shard: s,
+                task: task_id,
+                resp: frame.msg,
+            });
+        });
+        self.shards[s].tasks.insert(task_id, (serving, task));
+    }
+
+    /// A server's call reaches shard `s`: its service serves it in a task of its own.
+    fn serve_link(&mut self, s: usize, id: u64) {
+        // A request whose connection failed (the shard restarted since) was never served.
+        let Some(call) = self.links.get(&id).filter(|c| c.answer.is_none()) else {
+            return;
+        };
+        let role = match call.from {
+            Node::Shard(_) => Role::Shard,
+            _ => Role::Coordinator,
+        };
+        let (req, payload) = (call.req.clone(), call.payload.clone());
+        let peer = Peer::in_process(role, &format!("{:?}", call.from), JOB, addr(1, s));
+        self.seq += 1;
+        let task_id = self.seq;
+        let (service, tx) = (self.shards[s].service.clone(), self.shard_answers.clone());
+        let task = tokio::spawn(async move {
+            let frame = service.handle(&peer, req, Parts(vec![payload])).await;
+            let _ = tx.send(ShardAnswer {
+                shard: s,
+                task: task_id,
+                resp: frame.msg,
+            });
+        });
+        self.shards[s]
+            .tasks
+            .insert(task_id, (Serving::Link(id), task));
+    }
+
+    /// A shard's task answered: a worker's push (acknowledged, or refused with the shard's
+    /// map), or a server's call.
+    fn shard_answered(&mut self, a: ShardAnswer) -> Result<(), String> {
+        let Some((serving, _)) = self.shards[a.shard].tasks.remove(&a.task) else {
+            return Ok(());
+        };
+        let (slot, seq, id, span, keys) = match serving {
+            Serving::Link(id) => {
+                let line = format!("shard {} answers call #{id}", a.shard);
+                mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
+                self.note(line);
+                self.answer_link(id, CallError::answered(a.resp));
+                return Ok(());
+            }
+            Serving::Checkpoint => return Ok(()),
+            Serving::Push {
+                slot,
+                seq,
+                id,
+                span,
+                keys,
+            } => (slot, seq, id, span, keys),
+        };
+        let line = format!("shard {} answers w{slot} #{seq}", a.shard);
+        mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
+        self.note(line);
+        let answer = match CallError::answered(a.resp) {
+            Ok(Response::Ack) => {
+                // Acknowledged: every key of the push holds its batch (applied now or before),
+                // unless a shard crash lost it since.
+                let batch = (span.epoch, span.start);
+                let d = lock_disk(&self.disk);
+                let lost: Vec<Key> = (keys.iter())
+                    .filter(|k| !d.model.get(k).is_some_and(|b| b.contains(&batch)))
+                    .copied()
+                    .collect();
+                drop(d);
+                if !lost.is_empty() {
+                    let what = format!(
+                        "shard {} acknowledged {id}'s {span:?} for {lost:?}, which do not hold it",
+                        a.shard
+                    );
+                    if self.shard_crashes == 0 {
+                        return Err(format!("exactly-once: {what}"));
+                    }
+                    self.note(format!("{what} (lost with a crash)"));
+                }
+                Body::Pushed { keys, span }
+            }
+            Err(CallError::Remote {
+                code: Some(ErrorCode::StaleEpoch),
+                map: Some(map),
+                ..
+            }) => Body::Moved { span, map },
+            Err(e) => {
+                return Err(format!(
+                    "shard {} refused {id}'s push of {span:?}: {e}",
+                    a.shard
+                ));
+            }
+            Ok(other) => return Err(format!("shard {} answered a push {other:?}", a.shard)),
+        };
+        self.send(Node::Shard(a.shard), Node::Worker(slot), slot, seq, answer);
         Ok(())
     }
 
@@ -1658,149 +1963,6 @@ impl Sim {
             to: format!("s{to}"),
         };
         self.call(ADMIN, MOVE, Clock(0), req);
-    }
-
-    /// A coordinator request at a live shard, served as the shard service does.
-    fn shard_call(&mut self, s: usize, id: u64) -> Result<(), String> {
-        // A request whose connection failed (the shard restarted since) was never served.
-        let Some(req) = (self.links.get(&id))
-            .filter(|c| c.answer.is_none())
-            .map(|c| c.req.clone())
-        else {
-            return Ok(());
-        };
-        let shard = &self.shards[s];
-        let answer = match req {
-            Request::GetMap => Ok(Response::Map((*shard.read_map()).clone())),
-            Request::Pull {
-                epoch,
-                ranges,
-                apply_through,
-            } => match shard.pull(epoch, &ranges, apply_through) {
-                Ok(frame) => Ok(frame.msg),
-                Err(e) => Err(CallError::Remote {
-                    code: Some(e.code),
-                    message: e.message,
-                    map: e.map,
-                }),
-            },
-            Request::SetMap { map, .. } => {
-                shard.install_map(&map);
-                self.saw_map(&map)?;
-                Ok(Response::Ack)
-            }
-            Request::MoveOut {
-                start,
-                end,
-                to,
-                map,
-            } => {
-                let before = (*shard.read_map()).clone();
-                match shard.export(start, end, &map) {
-                    Err(e) => Err(remote(e.code, e.message)),
-                    Ok(export) => {
-                        self.saw_map(&map)?;
-                        let to = to.0 as usize;
-                        self.handoffs.insert(
-                            id,
-                            HandOff {
-                                from: s,
-                                to,
-                                start,
-                                end,
-                                map,
-                                before,
-                                export: Some(export),
-                                incarnation: self.incarnation[s],
-                            },
-                        );
-                        // The state streams to the destination; the answer waits for it.
-                        if self.cut(Node::Shard(to)) || self.cut(Node::Shard(s)) {
-                            let t = self.now + CONNECTION_TIMEOUT_MS;
-                            self.at(t, Node::Shard(s), 0, id, Body::HandedOff(id, false));
-                        } else {
-                            let delay = self.delay() * 4;
-                            self.at(self.now + delay, Node::Shard(to), 0, id, Body::MoveIn(id));
-                        }
-                        return Ok(());
-                    }
-                }
-            }
-            other => Err(remote(
-                ErrorCode::InvalidRequest,
-                format!("the simulated shard does not serve {}", other.name()),
-            )),
-        };
-        self.answer_link(id, answer);
-        Ok(())
-    }
-
-    /// A moved range reaches its destination, which takes it, writes its checkpoint and
-    /// answers the source.
-    fn move_in(&mut self, s: usize, id: u64) -> Result<(), String> {
-        let Some(h) = self.handoffs.get(&id) else {
-            return Ok(());
-        };
-        let (start, end, map, from) = (h.start, h.end, h.map.clone(), h.from);
-        let Some(export) = h.export.clone() else {
-            return Ok(());
-        };
-        let ok = match self.shards[s].import(start, end, &map, export) {
-            Ok(()) => {
-                self.saw_map(&map)?;
-                self.checkpoint(s);
-                true
-            }
-            Err(e) => {
-                self.note(format!("shard {s} refuses {start}..{end}: {}", e.message));
-                false
-            }
-        };
-        let delay = self.delay();
-        self.at(
-            self.now + delay,
-            Node::Shard(from),
-            0,
-            id,
-            Body::HandedOff(id, ok),
-        );
-        Ok(())
-    }
-
-    /// The source learns how its hand-off ended: it writes its checkpoint and reports the
-    /// move, or takes the range back with its old map and reports the failure.
-    fn handed_off(&mut self, s: usize, id: u64, ok: bool) -> Result<(), String> {
-        let Some(h) = self.handoffs.remove(&id) else {
-            return Ok(());
-        };
-        // A source that crashed since has forgotten the hand-off.
-        if h.incarnation != self.incarnation[s] {
-            return Ok(());
-        }
-        let answer = if ok {
-            self.checkpoint(s);
-            let mv = Move {
-                start: h.start,
-                end: h.end,
-                from: ShardId(s as u32),
-                to: ShardId(h.to as u32),
-            };
-            Ok(Response::Moved(mv.report(h.map.epoch)))
-        } else {
-            let export = h.export.ok_or("a failed hand-off without its range")?;
-            self.shards[s]
-                .reinstate(h.start, h.end, &h.before, h.map.epoch, export)
-                .map_err(|e| format!("shard {s} cannot take its range back: {}", e.message))?;
-            // As the shard service does: a checkpoint written while the range was out must
-            // not be what a restart finds.
-            self.checkpoint(s);
-            Err(remote(
-                ErrorCode::Internal,
-                format!("handing keys {}..{} off failed", h.start, h.end),
-            ))
-        };
-        self.answer_link(id, answer);
-        Ok(())
     }
 
     fn at_worker(&mut self, slot: usize, env: Envelope) -> Result<(), String> {
@@ -1836,9 +1998,15 @@ impl Sim {
                 self.note(format!("w{slot} exits: {m}"));
                 self.workers[slot].phase = Phase::Done;
             }
-            Body::Registered { id, clock, map } if current && phase == Phase::Registering => {
+            Body::Registered {
+                id,
+                clock,
+                map,
+                token,
+            } if current && phase == Phase::Registering => {
                 let w = &mut self.workers[slot];
                 w.id = Some(id);
+                w.token = Some(token);
                 w.clock = clock;
                 w.map = *map;
                 w.phase = Phase::Leasing;
@@ -1999,6 +2167,7 @@ impl Sim {
         let epochs = self.coordinator.inspect(|st| st.job().epochs);
         let (samples, partition, batch) = self.scenario.data;
         for (s, shard) in self.shards.iter().enumerate() {
+            let shard = &shard.state;
             let report = shard.ledger_report();
             if shard.num_keys() == 0 {
                 continue;
@@ -2029,7 +2198,7 @@ impl Sim {
         // Every key is held by one shard: the one the final map names.
         for c in &self.keys {
             let holders: Vec<usize> = (0..self.shards.len())
-                .filter(|&s| self.shards[s].holds(std::iter::once(c.key)))
+                .filter(|&s| self.shards[s].state.holds(std::iter::once(c.key)))
                 .collect();
             let owner = self.map.owner(c.key).map(|o| o.0 as usize);
             if holders.len() != 1 || owner != holders.first().copied() {
@@ -2039,8 +2208,9 @@ impl Sim {
                 ));
             }
         }
+        let model = std::mem::take(&mut lock_disk(&self.disk).model);
         for (s, shard) in self.shards.iter().enumerate() {
-            let mut chunks = shard.snapshot().chunks;
+            let mut chunks = shard.state.snapshot().chunks;
             chunks.sort_by_key(|c| c.key);
             for c in chunks {
                 // The final state is part of the history's digest.
@@ -2049,17 +2219,17 @@ impl Sim {
                 }
                 // Each counter holds one per batch the model says the key holds: every batch of
                 // the job, unless a shard crash lost some.
-                let modelled = self.model.get(&Key(c.key)).map_or(0, BTreeSet::len) as f32;
+                let modelled = model.get(&Key(c.key)).map_or(0, BTreeSet::len) as f32;
                 if self.shard_crashes == 0 && modelled != want {
                     return Err(format!(
-                        "model: key {} was acknowledged for {modelled} batches, not {want}",
+                        "model: key {} was applied {modelled} batches, not {want}",
                         c.key
                     ));
                 }
                 if let Some(v) = c.params.iter().find(|v| **v != modelled) {
                     return Err(format!(
-                        "counters: shard {s} key {} holds {v}, not {modelled} (one per batch it \
-                         acknowledged and kept)",
+                        "counters: shard {s} key {} holds {v}, not {modelled} (one per batch \
+                         applied to it and kept)",
                         c.key
                     ));
                 }

@@ -9,7 +9,7 @@ mod probe;
 mod reshard;
 pub mod state;
 
-pub use reshard::{LinkFuture, ShardCaller, ShardLink};
+pub use crate::link::{LinkFuture, ShardCaller, ShardLink};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -654,7 +654,7 @@ pub fn bind(
 ) -> anyhow::Result<BoundCoordinator> {
     let probe_sockets = config.probe_sockets;
     let coordinator = Coordinator::open(config)?;
-    coordinator.set_shard_link(Arc::new(reshard::ShardCaller::new(identity, &settings)?));
+    coordinator.set_shard_link(Arc::new(ShardCaller::new(identity, &settings)?));
     let _ = coordinator.job_name.set(identity.job.clone());
     let coordinator = Arc::new(coordinator);
     metrics::watch(&coordinator);

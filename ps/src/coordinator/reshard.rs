@@ -7,132 +7,20 @@
 //! stopped: a request for a moving key is refused with the new map, or held by the
 //! destination until the keys arrive, and the client library re-routes it.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use edl_shared::Identity;
 use edl_shared::proto::ids::Clock;
 use edl_shared::proto::ids::ShardId;
 use edl_shared::proto::msg::{KeyRange, MoveReport};
 use edl_shared::proto::{ErrorCode, Request, Response, ShardMap};
-use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
+use edl_shared::transport::CallError;
 use tracing::{info, warn};
 
 use super::Coordinator;
 use super::state::shards::Move;
-
-/// A boxed future, as [`ShardLink`]'s methods return.
-pub type LinkFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
-
-/// How the coordinator reaches shard servers: [`ShardCaller`] (QUIC) in production; the
-/// deterministic simulation passes messages instead.
-pub trait ShardLink: Send + Sync + 'static {
-    /// Whether a shard server answers at `addr` (within a few seconds).
-    fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool>;
-
-    /// One request to the shard at `addr`.
-    fn call<'a>(
-        &'a self,
-        addr: &'a str,
-        req: Request,
-        payload: Bytes,
-    ) -> LinkFuture<'a, Result<Response, CallError>>;
-}
-
-impl ShardLink for ShardCaller {
-    fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool> {
-        Box::pin(ShardCaller::answers(self, addr))
-    }
-
-    fn call<'a>(
-        &'a self,
-        addr: &'a str,
-        req: Request,
-        payload: Bytes,
-    ) -> LinkFuture<'a, Result<Response, CallError>> {
-        Box::pin(ShardCaller::call(self, addr, req, payload))
-    }
-}
-
-/// The coordinator's connections to shards, as a client with its own certificate.
-pub struct ShardCaller {
-    endpoint: quinn::Endpoint,
-    settings: TransportSettings,
-    name: String,
-    conns: tokio::sync::Mutex<HashMap<String, Conn>>,
-}
-
-/// How long the coordinator waits for one shard request of a resharding.
-const SHARD_CALL: Duration = Duration::from_secs(60);
-/// How long the coordinator waits for a shard to answer whether it is still there.
-const PROBE: Duration = Duration::from_secs(3);
-
-impl ShardCaller {
-    /// A caller with the coordinator's identity.
-    pub fn new(identity: &Identity, settings: &TransportSettings) -> Result<Self, CallError> {
-        Ok(ShardCaller {
-            endpoint: client_endpoint(identity, settings, false)?,
-            settings: settings.clone(),
-            name: identity.name.clone(),
-            conns: tokio::sync::Mutex::new(HashMap::new()),
-        })
-    }
-
-    /// Whether a shard server answers at `addr` (within a few seconds).
-    pub async fn answers(&self, addr: &str) -> bool {
-        let probe = async {
-            let conn = Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
-            let r = conn.call(Request::GetMap, Bytes::new()).await;
-            conn.close();
-            r
-        };
-        match tokio::time::timeout(PROBE, probe).await {
-            Ok(Ok(_)) => true,
-            // An answer, even an error (a shard not assigned yet), means a server is there.
-            Ok(Err(CallError::Remote { .. })) => true,
-            _ => false,
-        }
-    }
-
-    /// One request to the shard at `addr`, on a cached connection (replaced once if it failed).
-    pub async fn call(
-        &self,
-        addr: &str,
-        req: Request,
-        payload: Bytes,
-    ) -> Result<Response, CallError> {
-        for attempt in 0..2 {
-            let conn = {
-                let mut conns = self.conns.lock().await;
-                match conns.get(addr) {
-                    Some(c) if attempt == 0 => c.clone(),
-                    _ => {
-                        let c =
-                            Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
-                        conns.insert(addr.to_string(), c.clone());
-                        c
-                    }
-                }
-            };
-            let call = conn.call(req.clone(), payload.clone());
-            match tokio::time::timeout(SHARD_CALL, call).await {
-                Ok(Ok(f)) => return Ok(f.msg),
-                Ok(Err(e @ CallError::Remote { .. })) => return Err(e),
-                Ok(Err(e)) if attempt == 1 => return Err(e),
-                Ok(Err(_)) => continue,
-                Err(_) => {
-                    return Err(CallError::TimedOut(format!(
-                        "{addr} did not answer {} within {SHARD_CALL:?}",
-                        req.name()
-                    )));
-                }
-            }
-        }
-        Err(CallError::Address(format!("{addr} unreachable")))
-    }
-}
+use crate::link::ShardLink;
 
 /// Sends `map` to every shard of `shards` but those of `skip`, each in a task of its own (a
 /// shard that is down is not waited for).

@@ -1,31 +1,32 @@
-//! Deterministic simulation of a job (`edl-dst`): the coordinator service, the shards' ledgers
-//! and optimizer, and workers running the client's loop (register, lease, push, commit, wait
-//! for their clock, leave), in one thread on virtual time, over a simulated network of named
-//! nodes that delays, reorders, loses and duplicates requests and answers, cuts nodes off
-//! (partitions) and drops messages by kind (filters), while workers join, drain and crash,
-//! key ranges move between shards (workers re-route on the shards' refusals), shards crash
-//! and restart from their checkpoints, and the coordinator crashes and comes back from the
-//! state it saved last. Every run is a pure function of its seed; a run is checked for the
-//! consistency model at every grant (against the clocks the counting workers sent: a check
-//! that a wrong membership count at the coordinator fails, tried), map epochs that only grow,
-//! one map per epoch, exactly-once data on every
-//! shard, counters equal, to the float, to a model of the batches each key was acknowledged
-//! for and kept (every batch, unless a shard crash lost some), and liveness (the job
-//! finishes once the faults stop).
+//! Deterministic simulation of a job (`edl-dst`): the coordinator and shard services, and
+//! workers running the client's loop (register, lease, push, commit, wait for their clock,
+//! leave), in one thread on virtual time, over a simulated network of named nodes that delays,
+//! reorders, loses and duplicates requests and answers, cuts nodes off (partitions) and drops
+//! messages by kind (filters), while workers join, drain and crash, key ranges move between
+//! shards (workers re-route on the shards' refusals), shards crash and restart from their
+//! checkpoints, and the coordinator crashes and comes back from the state it saved last. Every
+//! run is a pure function of its seed; a run is checked for the consistency model at every
+//! grant (against the clocks the counting workers sent: a check that a wrong membership count
+//! at the coordinator fails, tried), map epochs that only grow, one map per epoch,
+//! exactly-once data on every shard, a model of the batches applied to each key (none twice;
+//! every acknowledged one held, unless a shard crash lost it) that the counters equal to the
+//! float, and liveness (the job finishes once the faults stop).
 //!
-//! The coordinator is the real service ([`Coordinator`]): every worker and operator request is
-//! its `Service::handle`, the code a QUIC connection calls, run as a task on a tokio runtime
-//! whose time is paused, so its long polls wait on its own state changes and time out after
-//! 60 s of virtual time, and its clock ([`edl_shared::clock`]) is the simulation's. It saves
-//! to memory ([`StateStore::Memory`]) as its persister would, and reaches the shards through
-//! `SimLink`, so an operator's move runs its real resharding code. A crash aborts its tasks;
-//! a restart is [`Coordinator::restored`] from what it saved last. The shards are their state
-//! machines ([`ShardState`]), driven as the shard service drives them (a `MoveOut` exports,
-//! streams the range to the destination, which imports it and writes its checkpoint, and
-//! answers once the destination has; a failed hand-off takes the range back). Workers route
-//! with their own map, adopt a newer one from a refusal and otherwise ask the coordinator, as
-//! the client does. The transport, the shard service itself (its hand-off window), BSP, and
-//! shard crashes in the middle of their own hand-off (`Options::mid_move`, off by default:
+//! The coordinator and the shards are the real services ([`Coordinator`], [`ShardService`]):
+//! every request is their `Service::handle`, the code a QUIC connection calls, run as a task
+//! on a tokio runtime whose time is paused, so long polls wait on state changes and time out
+//! after 60 s of virtual time, a hand-off retries within its window, and their clock
+//! ([`edl_shared::clock`]) is the simulation's. The coordinator saves to memory
+//! ([`StateStore::Memory`]) as its persister would; the shards write their checkpoints to
+//! memory ([`CheckpointStore::Memory`]) where the service writes them, and every second as
+//! their periodic writer does. Both reach shards through `SimLink`, so an operator's move runs
+//! the real resharding and hand-off code. A crash aborts the node's tasks; a restart is
+//! [`Coordinator::restored`] from what it saved last, or a shard [`ShardState::restore`]d from
+//! its last checkpoint. A push's task watches its keys' counters around each step of the
+//! shard service, so the model learns which keys the push was applied to as it happens.
+//! Workers route with their own map, adopt a newer one from a refusal and otherwise ask the
+//! coordinator, as the client does (the client library itself is not run). The transport, BSP,
+//! and shard crashes in the middle of their own hand-off (`Options::mid_move`, off by default:
 //! known to break) are not covered yet.
 
 use std::cmp::Reverse;
@@ -214,7 +215,11 @@ impl Scenario {
                 2 => Target::Shard(rng.random_range(0..4)),
                 _ => Target::Coordinator,
             };
-            let ms = rng.random_range(100..3000);
+            // A shard may be cut off past the 10 s in which a hand-off to it is retried.
+            let ms = match target {
+                Target::Shard(_) => rng.random_range(100..12_000),
+                _ => rng.random_range(100..3000),
+            };
             script.push((
                 rng.random_range(0..FAULTS_END_MS),
                 Scripted::Partition(target, ms),
@@ -230,6 +235,19 @@ impl Scenario {
             let (n, down) = (rng.random_range(0..4), rng.random_range(50..2000));
             let at = rng.random_range(0..FAULTS_END_MS);
             script.push((at, Scripted::ShardCrash(n, down)));
+        }
+        // Some moves run into a partition of a shard longer than a hand-off is retried: if it
+        // is the source or the destination, the source takes the range back.
+        let moves: Vec<u64> = (script.iter())
+            .filter(|(_, s)| matches!(s, Scripted::Move(..)))
+            .map(|(t, _)| *t)
+            .collect();
+        for t in moves {
+            if rng.random_bool(0.3) {
+                let (n, ms) = (rng.random_range(0..4), rng.random_range(10_500..12_000));
+                let at = t + rng.random_range(1..60);
+                script.push((at, Scripted::Partition(Target::Shard(n), ms)));
+            }
         }
         script.sort_by_key(|(t, _)| *t);
         scenario
@@ -278,6 +296,8 @@ pub struct Report {
     pub cuts: u32,
     /// Key ranges moved between shards, and pushes refused with a newer map and routed again.
     pub moves: (u32, u64),
+    /// Moves whose source took the range back (its hand-off failed) or refused them.
+    pub taken_back: u32,
     /// With `verbose`, every event of the run.
     pub log: Vec<String>,
 }
@@ -716,6 +736,7 @@ struct Sim {
     down_until: Option<u64>,
     restarts: u32,
     moved: u32,
+    taken_back: u32,
     rerouted: u64,
     shards: Vec<SimShard>,
     /// The map the coordinator published last.
@@ -830,6 +851,7 @@ impl Sim {
             down_until: None,
             restarts: 0,
             moved: 0,
+            taken_back: 0,
             rerouted: 0,
             seed,
             rng: StdRng::seed_from_u64(seed),
@@ -1887,7 +1909,12 @@ impl Sim {
                 let line = format!("shard {} answers call #{id}", a.shard);
                 mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
                 self.note(line);
-                self.answer_link(id, CallError::answered(a.resp));
+                let answer = CallError::answered(a.resp);
+                let move_out = |c: &LinkCall| matches!(c.req, Request::MoveOut { .. });
+                if answer.is_err() && self.links.get(&id).is_some_and(move_out) {
+                    self.taken_back += 1;
+                }
+                self.answer_link(id, answer);
                 return Ok(());
             }
             Serving::Checkpoint => return Ok(()),
@@ -2257,6 +2284,7 @@ impl Sim {
             left: self.left,
             cuts: (self.cuts.len() + self.filters.len()) as u32,
             moves: (self.moved, self.rerouted),
+            taken_back: self.taken_back,
             log: Vec::new(),
         }
     }
@@ -2271,7 +2299,7 @@ impl fmt::Display for Report {
             "seed {}: finished at {} ms virtual, {} events; {started} workers started, {crashed} \
              crashed, {dead} declared dead, {drained} drained; {} messages lost, {} duplicated; \
              {} coordinator restarts, {} shard crashes, {} partitions or filters; {} ranges \
-             moved, {} pushes routed again",
+             moved, {} taken back; {} pushes routed again",
             self.seed,
             self.virtual_ms,
             self.events,
@@ -2281,6 +2309,7 @@ impl fmt::Display for Report {
             self.shard_crashes,
             self.cuts,
             self.moves.0,
+            self.taken_back,
             self.moves.1
         );
         f.write_str(&s)

@@ -38,10 +38,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use edl_proto::frame::Parts;
-use edl_proto::msg::{ChunkRef, DataSpan, Partition};
+use edl_proto::msg::{ChunkRef, DataSpan, JobTrace, Partition};
 use edl_proto::{
     Clock, Consistency, ErrorCode, JobConfig, Key, MapEpoch, Request, Response, ShardId, ShardMap,
-    Token, WorkerId,
+    StragglerSettings, Token, WorkerId,
 };
 use edl_ps::checkpoint::ShardCheckpoint;
 use edl_ps::coordinator::state::CoordinatorSnap;
@@ -68,6 +68,8 @@ const CONNECTION_TIMEOUT_MS: u64 = 1000;
 const SAVE_MS: u64 = 500;
 /// How often shards write their checkpoints (`edl-ps shard --checkpoint-every`).
 const CHECKPOINT_MS: u64 = 1000;
+/// How long the placer takes to start a worker.
+const PLACE_MS: u64 = 300;
 
 /// One run's scenario, drawn from its seed.
 #[derive(Clone, Debug)]
@@ -88,6 +90,12 @@ pub struct Scenario {
     pub max_delay_ms: u64,
     /// Scripted events: `(virtual ms, what)`.
     pub script: Vec<(u64, Scripted)>,
+    /// A worker's compute time per batch in milliseconds, between the grant of its clock
+    /// (or its lease) and its push (0 in the seeds' scenarios).
+    pub step_ms: u64,
+    /// The coordinator's straggler detector and policy (a placer in the simulation starts a
+    /// worker for every placement the coordinator asks for).
+    pub stragglers: StragglerSettings,
 }
 
 /// A scripted membership change or fault.
@@ -123,6 +131,9 @@ pub enum Scripted {
     /// from its last checkpoint (written periodically and after every move), with the
     /// coordinator's current map; what it applied since is lost.
     ShardCrash(usize, u64),
+    /// The n-th live worker (modulo their number) computes this many times slower from now on
+    /// (1: at its normal speed again).
+    Slow(usize, u32),
 }
 
 /// A node a fault names.
@@ -206,6 +217,8 @@ impl Scenario {
             duplicate: rng.random_range(0.0..0.04),
             max_delay_ms: rng.random_range(1..=40),
             script,
+            step_ms: 0,
+            stragglers: StragglerSettings::default(),
         };
         // Drawn after the rest, so that adding them left each seed's other choices alone.
         let script = &mut scenario.script;
@@ -300,6 +313,11 @@ pub struct Report {
     pub taken_back: u32,
     /// With `verbose`, every event of the run.
     pub log: Vec<String>,
+    /// With `Options::trace`, the coordinator's trace: every step and membership event, at
+    /// virtual milliseconds since it (last) started.
+    pub trace: Option<JobTrace>,
+    /// The id each worker (by the order they started) registered with last, if it did.
+    pub ids: Vec<Option<WorkerId>>,
 }
 
 /// A failed run: what broke, when, and the history up to it.
@@ -360,6 +378,8 @@ pub struct Options {
     /// to it). Off by default: a shard crashing during its own hand-off is known to break
     /// (see the README's "Simulation").
     pub mid_move: bool,
+    /// Return the coordinator's trace (steps and events, in its clock) in the report.
+    pub trace: bool,
 }
 
 /// Runs seed `seed`, on a runtime of its own whose time is paused.
@@ -397,6 +417,17 @@ pub fn run_scenario(
         match sim.run(&mut inbox).await {
             Ok(()) => {
                 let mut report = sim.report();
+                if options.trace {
+                    report.trace = Some(sim.coordinator.inspect(|st| {
+                        let mut trace = st.trace(0);
+                        while trace.more {
+                            let page = st.trace(trace.next_step);
+                            trace.steps.extend(page.steps);
+                            (trace.next_step, trace.more) = (page.next_step, page.more);
+                        }
+                        trace
+                    }));
+                }
                 if options.verbose {
                     report.log = sim.log.iter().cloned().collect();
                 }
@@ -486,6 +517,10 @@ enum Body {
     HeartbeatDue,
     Tick,
     Restart,
+    /// A worker's compute for its batch is done: it pushes.
+    Computed,
+    /// The placer starts a worker for placement `id`.
+    Place(u64),
     /// A crashed shard starts again from its checkpoint.
     ShardRestart,
     Script(Scripted),
@@ -551,6 +586,10 @@ struct Worker {
     drain: bool,
     /// What its pushes prove their sender with (from its registration).
     token: Option<Token>,
+    /// The placement it was started for.
+    placement: Option<u64>,
+    /// How many times slower than the scenario's step it computes.
+    slow: u32,
 }
 
 /// A coordinator call's answer, from the task that served it.
@@ -737,6 +776,8 @@ struct Sim {
     restarts: u32,
     moved: u32,
     taken_back: u32,
+    /// Placements the placer started a worker for.
+    placed: BTreeSet<u64>,
     rerouted: u64,
     shards: Vec<SimShard>,
     /// The map the coordinator published last.
@@ -785,7 +826,7 @@ impl Sim {
             job: job.clone(),
             shards: scenario.shards,
             state_file: None,
-            stragglers: Default::default(),
+            stragglers: scenario.stragglers,
             probe_sockets: false,
         };
         let store = Arc::new(std::sync::Mutex::new(None));
@@ -852,6 +893,7 @@ impl Sim {
             restarts: 0,
             moved: 0,
             taken_back: 0,
+            placed: BTreeSet::new(),
             rerouted: 0,
             seed,
             rng: StdRng::seed_from_u64(seed),
@@ -896,7 +938,7 @@ impl Sim {
             sim.checkpoint(s);
         }
         for _ in 0..sim.scenario.workers {
-            sim.start_worker();
+            sim.start_worker(None);
         }
         for (t, what) in sim.scenario.script.clone() {
             sim.at(t, Node::Coordinator, 0, 0, Body::Script(what));
@@ -1028,7 +1070,8 @@ impl Sim {
         }
     }
 
-    fn start_worker(&mut self) {
+    /// A worker starts (for a placement the coordinator asked for, if `placement`).
+    fn start_worker(&mut self, placement: Option<u64>) {
         let slot = self.workers.len();
         self.workers.push(Worker {
             id: None,
@@ -1041,6 +1084,8 @@ impl Sim {
             map: self.map.clone(),
             drain: false,
             token: None,
+            placement,
+            slow: 1,
         });
         self.request(slot, Body::Register);
     }
@@ -1517,6 +1562,18 @@ impl Sim {
                 self.link_reply(id);
                 return Ok(());
             }
+            Body::Script(Scripted::Slow(n, factor)) => {
+                if let Some(slot) = self.live_worker(n) {
+                    self.note(format!("w{slot} computes {factor} times slower"));
+                    self.workers[slot].slow = factor;
+                }
+                return Ok(());
+            }
+            Body::Place(id) => {
+                self.note(format!("the placer starts a worker for placement {id}"));
+                self.start_worker(Some(id));
+                return Ok(());
+            }
             Body::Tick if self.now.is_multiple_of(CHECKPOINT_MS) => {
                 for s in 0..self.shards.len() {
                     // Finished tasks are forgotten.
@@ -1553,7 +1610,7 @@ impl Sim {
                     self.note("coordinator restarted from its saved state".into());
                 }
                 Body::Tick => self.at(self.now + TICK_MS, Node::Coordinator, 0, 0, Body::Tick),
-                Body::Script(Scripted::Join) => self.start_worker(),
+                Body::Script(Scripted::Join) => self.start_worker(None),
                 Body::Script(Scripted::Crash(n)) => self.crash_worker(n),
                 // An operator's drain fails; a crashed coordinator cannot crash again.
                 Body::Script(_) => {}
@@ -1592,6 +1649,20 @@ impl Sim {
             }
             Body::Script(Scripted::Move(n, m)) => self.operator_move(n, m),
             Body::Tick => {
+                // A placer: a worker for every placement the coordinator asks for, started
+                // a moment later.
+                let placements = self.coordinator.inspect(|st| st.placements());
+                for p in placements.iter().filter(|p| p.is_pending()) {
+                    if self.placed.insert(p.id) {
+                        self.at(
+                            self.now + PLACE_MS,
+                            Node::Coordinator,
+                            0,
+                            0,
+                            Body::Place(p.id),
+                        );
+                    }
+                }
                 if self.now.is_multiple_of(SAVE_MS) {
                     let c = self.coordinator.clone();
                     tokio::spawn(async move { c.save_changes().await });
@@ -1609,11 +1680,11 @@ impl Sim {
                     && !self.finished()
                 {
                     self.note("no worker left: a new one starts".into());
-                    self.start_worker();
+                    self.start_worker(None);
                 }
                 self.at(self.now + TICK_MS, Node::Coordinator, 0, 0, Body::Tick);
             }
-            Body::Script(Scripted::Join) => self.start_worker(),
+            Body::Script(Scripted::Join) => self.start_worker(None),
             Body::Script(Scripted::Drain(n)) => {
                 let ids: Vec<WorkerId> = self.workers.iter().filter_map(|w| w.id).collect();
                 if !ids.is_empty() {
@@ -1625,7 +1696,7 @@ impl Sim {
             Body::Register => {
                 let req = Request::Register {
                     name: format!("w{slot}"),
-                    placement: None,
+                    placement: self.workers[slot].placement,
                 };
                 self.call(slot, seq, Clock(0), req);
             }
@@ -2001,6 +2072,7 @@ impl Sim {
         match env.body {
             // A retry of an older round of pushes is stale: the current round carries its keys.
             Body::Retry if current && phase == Phase::Pushing => self.push(slot),
+            Body::Computed if current && phase == Phase::Pushing => self.push(slot),
             Body::ConnectionLost if current && !self.give_up => self.repeat(slot),
             Body::ConnectionLost if current => {
                 self.note(format!(
@@ -2166,7 +2238,19 @@ impl Sim {
                 w.span = Some(span);
                 w.acks.clear();
                 w.phase = Phase::Pushing;
-                self.push(slot);
+                let compute = self.scenario.step_ms * u64::from(w.slow);
+                if compute == 0 {
+                    self.push(slot);
+                } else {
+                    let seq = w.seq;
+                    self.at(
+                        self.now + compute,
+                        Node::Worker(slot),
+                        slot,
+                        seq,
+                        Body::Computed,
+                    );
+                }
             }
             _ => {
                 w.part = None;
@@ -2286,6 +2370,8 @@ impl Sim {
             moves: (self.moved, self.rerouted),
             taken_back: self.taken_back,
             log: Vec::new(),
+            trace: None,
+            ids: self.workers.iter().map(|w| w.id).collect(),
         }
     }
 }

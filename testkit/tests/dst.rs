@@ -3,7 +3,8 @@
 
 use std::time::Instant;
 
-use edl_proto::Consistency;
+use edl_proto::msg::{EventKind, JobTrace};
+use edl_proto::{Consistency, StragglerPolicy, StragglerSettings, WorkerId};
 use edl_testkit::dst::{self, Kind, Options, Report, Scenario, Scripted, Target};
 
 /// Seeds CI runs (about five seconds each way): joins, drains, worker, coordinator and shard
@@ -75,6 +76,8 @@ fn quiet(script: Vec<(u64, Scripted)>) -> Scenario {
         duplicate: 0.0,
         max_delay_ms: 5,
         script,
+        step_ms: 0,
+        stragglers: StragglerSettings::default(),
     }
 }
 
@@ -161,4 +164,147 @@ fn a_move_the_coordinator_crashed_in_is_settled_from_the_destination() {
     for seed in [1203, 32, 692] {
         dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
     }
+}
+
+/// Four workers in lockstep (SSP(0): BSP's barrier, as the coordinator grants clocks), 20 ms of
+/// compute a step; at 4 s the third computes `factor` times slower, and at 20 s at its normal
+/// speed again. The straggler detector and `policy` run on virtual time: the measured rates
+/// are exact, whatever the machine's load.
+const SLOWED_MS: u64 = 4_000;
+
+#[derive(Debug)]
+struct StragglerRun {
+    /// Samples per second in the 3 s before the slowdown, and in the 4 s from 1 s after the
+    /// straggler left (or was flagged, if it stays).
+    before: f64,
+    after: f64,
+    detect_ms: u64,
+    /// From the slowdown to the straggler's departure.
+    recover_ms: Option<u64>,
+    /// Fewest active workers from the slowdown to the end of the "after" window.
+    fewest_active: i64,
+}
+
+fn straggler_run(policy: StragglerPolicy, factor: u32) -> StragglerRun {
+    let scenario = Scenario {
+        shards: 2,
+        workers: 4,
+        consistency: Consistency::Ssp { staleness: 0 },
+        data: (12_000, 400, 4),
+        loss: 0.0,
+        duplicate: 0.0,
+        max_delay_ms: 2,
+        script: vec![
+            (SLOWED_MS, Scripted::Slow(2, factor)),
+            (20_000, Scripted::Slow(2, 1)),
+        ],
+        step_ms: 20,
+        stragglers: StragglerSettings {
+            policy,
+            ..StragglerSettings::default()
+        },
+    };
+    let options = Options {
+        trace: true,
+        ..Options::default()
+    };
+    let r = dst::run_scenario(1, scenario, options).unwrap_or_else(|f| panic!("{f}"));
+    let trace = r.trace.as_ref().expect("a trace");
+    let straggler = r.ids[2].expect("w2 registered");
+    let first = |kind: EventKind, worker: WorkerId| {
+        (trace.events.iter())
+            .find(|e| e.kind == kind && e.worker == worker && e.t_ms >= SLOWED_MS)
+            .map(|e| e.t_ms)
+    };
+    let flagged =
+        first(EventKind::Straggler, straggler).unwrap_or_else(|| panic!("not flagged: {r}"));
+    // No other worker is flagged.
+    let others: Vec<WorkerId> = (trace.events.iter())
+        .filter(|e| e.kind == EventKind::Straggler && e.worker != straggler)
+        .map(|e| e.worker)
+        .collect();
+    assert!(others.is_empty(), "flagged besides w2: {others:?}");
+    let left = match policy {
+        StragglerPolicy::Ignore => None,
+        _ => first(EventKind::Leave, straggler),
+    };
+    let recovered = left.unwrap_or(flagged);
+    let end = recovered + 5_000;
+    assert!(
+        end < 20_000,
+        "the window ends after the slowdown: {r}\n{:?}",
+        trace.events
+    );
+    // Active workers at the slowdown and after each membership change until the window ends.
+    let active_at = |t: u64| -> i64 {
+        (trace.events.iter().filter(|e| e.t_ms <= t))
+            .map(|e| match e.kind {
+                EventKind::Join => 1,
+                EventKind::Leave | EventKind::Dead => -1,
+                _ => 0,
+            })
+            .sum()
+    };
+    let fewest = (trace.events.iter())
+        .filter(|e| e.t_ms >= SLOWED_MS && e.t_ms <= end)
+        .map(|e| active_at(e.t_ms))
+        .fold(active_at(SLOWED_MS), i64::min);
+    StragglerRun {
+        before: rate(trace, SLOWED_MS - 3_000, SLOWED_MS),
+        after: rate(trace, recovered + 1_000, end),
+        detect_ms: flagged - SLOWED_MS,
+        recover_ms: left.map(|l| l - SLOWED_MS),
+        fewest_active: fewest,
+    }
+}
+
+/// Samples per second over `[from, to)` of the coordinator's clock (a batch of 4 per step).
+fn rate(trace: &JobTrace, from: u64, to: u64) -> f64 {
+    let steps = (trace.steps.iter())
+        .filter(|s| s.t_ms >= from && s.t_ms < to)
+        .count();
+    steps as f64 * 4.0 * 1000.0 / (to - from) as f64
+}
+
+/// What `elastic_ops.rs` measured on real time with the real trainer (and still does for the
+/// replacement under BSP, over QUIC): ignored, a 3x straggler holds every lockstep step back;
+/// replaced, the job is back to speed within a bounded time and never runs with fewer than its
+/// four workers; and the detector flags a 3x straggler within 2 s of its slowdown.
+#[test]
+fn a_straggler_in_lockstep_costs_throughput_until_it_is_replaced() {
+    let ignored = straggler_run(StragglerPolicy::Ignore, 3);
+    let replaced = straggler_run(StragglerPolicy::Replace, 3);
+    eprintln!("ignore:  {ignored:?}\nreplace: {replaced:?}");
+    assert!(
+        ignored.after < 0.7 * ignored.before,
+        "ignoring a 3x straggler should cost throughput: {ignored:?}"
+    );
+    assert!(
+        replaced.after >= 0.85 * replaced.before,
+        "after the replacement the job should be back to speed: {replaced:?}"
+    );
+    let recover = replaced.recover_ms.expect("the straggler left");
+    assert!(recover < 15_000, "recovery took {recover} ms");
+    assert!(
+        replaced.detect_ms < 2_000 && ignored.detect_ms < 2_000,
+        "a 3x straggler was flagged after {} and {} ms",
+        ignored.detect_ms,
+        replaced.detect_ms
+    );
+    assert!(
+        replaced.fewest_active >= 4,
+        "the worker count dipped: {replaced:?}"
+    );
+}
+
+/// A worker slowed twofold is flagged within 5 s (moved here from `elastic_ops.rs`).
+#[test]
+fn a_worker_slowed_twofold_is_flagged_within_five_seconds() {
+    let run = straggler_run(StragglerPolicy::Ignore, 2);
+    eprintln!("2x: {run:?}");
+    assert!(
+        run.detect_ms < 5_000,
+        "a 2x straggler was flagged after {} ms",
+        run.detect_ms
+    );
 }

@@ -1,7 +1,7 @@
 //! What cheap elasticity buys one job, on an in-process cluster with synthetic compute (a
 //! step sleeps a set time, so throughput ratios do not depend on how busy the machine is):
-//! a straggler under BSP costs throughput until it is replaced; profiling finds a known
-//! scaling limit; a preemption notice shorter than a step abandons the step and loses
+//! a straggler under BSP is replaced and the job gets back to speed (what an ignored one costs
+//! is measured on virtual time in `dst.rs`); profiling finds a known scaling limit; a preemption notice shorter than a step abandons the step and loses
 //! nothing. Every worker is the real trainer; the placer starts workers in threads.
 
 use std::time::Duration;
@@ -202,17 +202,15 @@ async fn run(
     Ok((slowed, flagged, left, straggler))
 }
 
+/// The real trainer over QUIC under BSP: a 3x straggler is flagged and replaced, and the job
+/// is back to speed. (What an ignored straggler costs, and the detector's 2x target, are
+/// measured on virtual time in `dst.rs`: `a_straggler_in_lockstep_costs_throughput_until_it_is_
+/// replaced` and `a_worker_slowed_twofold_is_flagged_within_five_seconds`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_straggler_under_bsp_costs_throughput_until_it_is_replaced() -> anyhow::Result<()> {
+async fn a_straggler_under_bsp_is_replaced_and_the_job_is_back_to_speed() -> anyhow::Result<()> {
     let _one = ONE_AT_A_TIME.lock().await;
-    let ignored = straggler_run(StragglerPolicy::Ignore, 3.0).await?;
     let replaced = straggler_run(StragglerPolicy::Replace, 3.0).await?;
-    println!("ignore:  {ignored:?}\nreplace: {replaced:?}");
-    // Ignored, the slowed worker holds every BSP step back: about a third of the speed.
-    assert!(
-        ignored.after < 0.7 * ignored.before,
-        "ignoring a 3x straggler should cost throughput: {ignored:?}"
-    );
+    println!("replace: {replaced:?}");
     // Replaced, the job is back within 15% of its speed before the slowdown, within a
     // bounded time, and never ran with fewer than its 4 workers.
     assert!(
@@ -221,29 +219,15 @@ async fn a_straggler_under_bsp_costs_throughput_until_it_is_replaced() -> anyhow
     );
     let recover = replaced.recover_ms.expect("the straggler left");
     assert!(recover < 15_000, "recovery took {recover} ms");
-    // The detector's targets: a 3x straggler is flagged within 2 s of its slowdown.
+    // The detector's target: a 3x straggler is flagged within 2 s of its slowdown.
     assert!(
-        replaced.detect_ms < 2_000 && ignored.detect_ms < 2_000,
-        "a 3x straggler was flagged after {} and {} ms",
-        ignored.detect_ms,
+        replaced.detect_ms < 2_000,
+        "a 3x straggler was flagged after {} ms",
         replaced.detect_ms
     );
     assert!(
         replaced.fewest_active >= WORKERS as u32,
         "the worker count dipped: {replaced:?}"
-    );
-    Ok(())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_slowed_twofold_is_flagged_within_five_seconds() -> anyhow::Result<()> {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let run = straggler_run(StragglerPolicy::Ignore, 2.0).await?;
-    println!("2x: {run:?}");
-    assert!(
-        run.detect_ms < 5_000,
-        "a 2x straggler was flagged after {} ms",
-        run.detect_ms
     );
     Ok(())
 }

@@ -62,6 +62,7 @@ fn main() -> ExitCode {
             verbose: cli.verbose,
             give_up: cli.give_up,
             mid_move: cli.mid_move,
+            ..dst::Options::default()
         };
         return match dst::run(seed, options) {
             Ok(report) => {
@@ -87,6 +88,7 @@ fn main() -> ExitCode {
             verbose: false,
             give_up: cli.give_up,
             mid_move: cli.mid_move,
+            ..dst::Options::default()
         };
         match dst::run(seed, options) {
             Ok(r) => {

@@ -236,7 +236,16 @@ pub struct ShardState {
     /// The latest epoch of any push's samples: what an epoch schedule counts for a push
     /// that names none.
     epoch_seen: AtomicU32,
+    /// A range given up for a hand-off and neither taken by its destination nor taken back.
+    out: Mutex<Option<(u64, u64)>>,
+    /// The ranges this shard took from others, with their moves' map epochs (the latest
+    /// [`IMPORTS_KEPT`]; since it started): an offer of one again is acknowledged even after
+    /// the range moved on, so that its source does not take it back.
+    imported: Mutex<std::collections::VecDeque<(u64, u64, MapEpoch)>>,
 }
+
+/// Imports a shard remembers.
+const IMPORTS_KEPT: usize = 1024;
 
 /// Request counters for operators.
 #[derive(Debug, Default)]
@@ -286,6 +295,10 @@ fn write_lock<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(|p| p.into_inner())
 }
 
+fn lock<T>(l: &Mutex<T>) -> MutexGuard<'_, T> {
+    l.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl ShardState {
     /// Initializes the chunks `map` places on `id`, seeded per key so that values do not depend
     /// on placement.
@@ -310,6 +323,8 @@ impl ShardState {
             gate: RwLock::new(()),
             saving: Mutex::new(()),
             epoch_seen: AtomicU32::new(0),
+            out: Mutex::new(None),
+            imported: Mutex::new(std::collections::VecDeque::new()),
             job,
             chunks,
         }
@@ -802,15 +817,31 @@ impl ShardState {
         ledgers.retain(&used);
         drop(ledgers);
         self.install_map(map);
+        *lock(&self.out) = Some((start, end));
         Ok(export)
     }
 
+    /// The range this shard gave up for a hand-off that has not ended yet (its destination
+    /// has not taken it, nor refused it so that it came back here), if any.
+    pub fn range_out(&self) -> Option<(u64, u64)> {
+        *lock(&self.out)
+    }
+
+    /// The destination took keys `[start, end)`: they are no longer out.
+    pub fn handed_over(&self, start: u64, end: u64) {
+        let mut out = lock(&self.out);
+        if *out == Some((start, end)) {
+            *out = None;
+        }
+    }
+
     /// Takes keys `[start, end)` from another shard and adopts `map`. Repeating an import that
-    /// succeeded (the sender did not hear the answer) is acknowledged and changes nothing.
-    /// Fails, changing nothing, if the export does not hold exactly those keys with state that
-    /// fits the job, if some of them are held here already, or if this shard has a map as new
-    /// as `map` without them: the coordinator gave up on the move and published the old
-    /// placement again, and taking them now would leave them where no map points.
+    /// succeeded (the sender did not hear the answer) is acknowledged and changes nothing, even
+    /// once the keys moved on. Fails, changing nothing, if the export does not hold exactly
+    /// those keys with state that fits the job, if some of them are held here already, or if
+    /// this shard has a map as new as `map` without them and never took them: the coordinator
+    /// gave up on the move and published the old placement again, and taking them now would
+    /// leave them where no map points.
     pub fn import(
         &self,
         start: u64,
@@ -822,7 +853,8 @@ impl ShardState {
         exactly(start, end, &export)?;
         let held = self.map_epoch();
         if held >= map.epoch {
-            if self.holds((start..end).map(Key)) {
+            let took = lock(&self.imported).contains(&(start, end, map.epoch));
+            if took || self.holds((start..end).map(Key)) {
                 return Ok(());
             }
             return Err(Refusal::new(
@@ -835,6 +867,11 @@ impl ShardState {
         }
         self.take_in(start, end, export)?;
         self.install_map(map);
+        let mut imported = lock(&self.imported);
+        if imported.len() == IMPORTS_KEPT {
+            imported.pop_front();
+        }
+        imported.push_back((start, end, map.epoch));
         Ok(())
     }
 
@@ -849,11 +886,14 @@ impl ShardState {
         attempted: MapEpoch,
         export: RangeExport,
     ) -> Result<(), Refusal> {
-        let _gate = write_lock(&self.gate);
-        self.take_in(start, end, export)?;
-        if self.map_epoch() <= attempted {
-            self.map.send_replace(Arc::new(before.clone()));
+        {
+            let _gate = write_lock(&self.gate);
+            self.take_in(start, end, export)?;
+            if self.map_epoch() <= attempted {
+                self.map.send_replace(Arc::new(before.clone()));
+            }
         }
+        self.handed_over(start, end);
         Ok(())
     }
 
@@ -1010,8 +1050,129 @@ const EPOCH_WAIT: Duration = Duration::from_secs(5);
 const UNASSIGNED: &str = "shard has no assignment yet";
 /// How long a retired shard keeps answering before it stops.
 const RETIRE_GRACE: Duration = Duration::from_secs(2);
-/// How long a shard keeps trying to hand a range to its destination before taking it back.
+/// How long a shard tries to hand a range to its destination before it answers the
+/// coordinator (and goes on trying in the background).
 const HANDOFF_WINDOW: Duration = Duration::from_secs(10);
+
+/// A range on its way to another shard.
+struct HandOff {
+    addr: String,
+    /// The `MoveIn`, and the range's state.
+    req: Request,
+    payload: Bytes,
+    range: (u64, u64),
+    /// The map from before the move, and the move's map epoch.
+    before: ShardMap,
+    attempted: MapEpoch,
+    export: RangeExport,
+}
+
+/// How an offer of a range ended.
+enum Handed {
+    /// The destination took it.
+    Taken,
+    /// The destination refused it: it does not have it and never will.
+    Refused(String),
+    /// No answer within the window: the destination may have taken it.
+    Unanswered(String),
+}
+
+impl HandOff {
+    fn new(
+        addr: String,
+        (start, end): (u64, u64),
+        before: &ShardMap,
+        map: &ShardMap,
+        payload: Bytes,
+        export: RangeExport,
+    ) -> HandOff {
+        HandOff {
+            addr,
+            req: Request::MoveIn {
+                start,
+                end,
+                map: map.clone(),
+            },
+            payload,
+            range: (start, end),
+            before: before.clone(),
+            attempted: map.epoch,
+            export,
+        }
+    }
+
+    /// Offers the range to its destination, again on connection failures (an import is
+    /// idempotent), until it answers or `window` (if any) ends.
+    async fn offer(&self, link: &dyn ShardLink, window: Option<Duration>) -> Handed {
+        let deadline = window.map(|w| tokio::time::Instant::now() + w);
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let call = link.call(&self.addr, self.req.clone(), self.payload.clone());
+            let err = match call.await {
+                Ok(Response::Ack) => return Handed::Taken,
+                Ok(other) => return Handed::Refused(CallError::unexpected(&other).to_string()),
+                Err(e @ CallError::Remote { .. }) => return Handed::Refused(e.to_string()),
+                Err(e) => e,
+            };
+            if deadline.is_some_and(|d| tokio::time::Instant::now() + delay >= d) {
+                return Handed::Unanswered(err.to_string());
+            }
+            tracing::debug!(addr = %self.addr, error = %err, "hand-off: retrying");
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// Takes the range back (its destination refused it) and writes a checkpoint: one written
+    /// while the range was out must not be what a restart finds.
+    async fn take_back(
+        self,
+        st: &Arc<ShardState>,
+        store: Option<&CheckpointStore>,
+    ) -> Result<(), Refusal> {
+        let (start, end) = self.range;
+        st.reinstate(start, end, &self.before, self.attempted, self.export)?;
+        if let Some(Err(e)) = checkpoint_to(store, st).await {
+            tracing::error!(error = %e, "checkpoint after a failed hand-off failed");
+        }
+        Ok(())
+    }
+
+    /// Offers the range until the destination answers: taken, or refused and taken back.
+    async fn finish(
+        self,
+        st: &Arc<ShardState>,
+        link: &dyn ShardLink,
+        store: Option<&CheckpointStore>,
+    ) {
+        let (start, end) = self.range;
+        match self.offer(link, None).await {
+            Handed::Taken => {
+                st.handed_over(start, end);
+                if let Some(Err(e)) = checkpoint_to(store, st).await {
+                    tracing::error!(error = %e, "checkpoint after a move failed");
+                }
+                info!(shard = %st.id(), start, end, "range handed off after all");
+            }
+            Handed::Refused(e) | Handed::Unanswered(e) => {
+                info!(shard = %st.id(), start, end, error = %e,
+                    "hand-off refused; taking the range back");
+                if let Err(r) = self.take_back(st, store).await {
+                    tracing::error!(shard = %st.id(), start, end, error = %r.message,
+                        "taking a range back failed");
+                }
+            }
+        }
+    }
+}
+
+/// Writes a checkpoint of `st` to `store`, if there is one.
+async fn checkpoint_to(
+    store: Option<&CheckpointStore>,
+    st: &Arc<ShardState>,
+) -> Option<Result<(String, u64, f64), String>> {
+    Some(store?.write(st).await)
+}
 
 /// Where a shard keeps its checkpoint.
 #[derive(Clone)]
@@ -1109,12 +1270,16 @@ impl ShardService {
         &self,
         st: &Arc<ShardState>,
     ) -> Option<Result<(String, u64, f64), String>> {
-        Some(self.checkpoint.as_ref()?.write(st).await)
+        checkpoint_to(self.checkpoint.as_ref(), st).await
     }
 
     /// Hands keys `[start, end)` to shard `to`: gives them up here (requests for them are
-    /// refused with the new map from then on), streams their state to `to`, and takes them
-    /// back if `to` cannot be reached within [`HANDOFF_WINDOW`] or refuses them.
+    /// refused with the new map from then on), streams their state to `to`, and answers once
+    /// `to` took them. If `to` refuses them, they are taken back. If `to` does not answer within
+    /// [`HANDOFF_WINDOW`], it may have taken them all the same (its answer lost), so they are
+    /// not taken back: a task keeps offering them until `to` answers one way or the other, and
+    /// the coordinator is answered with an error at once, on which it fences `to` and asks it
+    /// where the range is.
     async fn move_out(
         &self,
         st: &Arc<ShardState>,
@@ -1137,30 +1302,29 @@ impl ShardService {
         let before = st.read_map();
         let export = st.export(start, end, &map).map_err(Response::from)?;
         let held = edl_shared::clock::now();
-        let sent = match export.encode() {
-            Ok(payload) => {
-                let bytes = payload.len() as u64;
-                let req = Request::MoveIn {
-                    start,
-                    end,
-                    map: map.clone(),
-                };
-                self.hand_off(&addr, req, payload).await.map(|()| bytes)
-            }
-            Err(e) => Err(format!("encoding the range: {e}")),
-        };
-        let bytes = match sent {
-            Ok(b) => b,
+        let payload = match export.encode() {
+            Ok(p) => p,
             Err(e) => {
-                st.reinstate(start, end, &before, map.epoch, export)
-                    .map_err(Response::from)?;
-                // A checkpoint written while the range was out must not be what a restart
-                // finds: the coordinator's map still places the range here.
-                if let Some(Err(e)) = self.checkpoint_now(st).await {
-                    tracing::error!(error = %e, "checkpoint after a failed hand-off failed");
-                }
+                // Nothing left: the range goes back at once.
+                let never = HandOff::new(addr, (start, end), &before, &map, Bytes::new(), export);
+                never.take_back(st, self.checkpoint.as_ref()).await?;
+                return Err(Response::error(
+                    ErrorCode::Internal,
+                    format!(
+                        "encoding keys {start}..{end}: {e}; they stay on {}",
+                        st.id()
+                    ),
+                ));
+            }
+        };
+        let bytes = payload.len() as u64;
+        let offer = HandOff::new(addr, (start, end), &before, &map, payload, export);
+        match offer.offer(&*self.link, Some(HANDOFF_WINDOW)).await {
+            Handed::Taken => {}
+            Handed::Refused(e) => {
+                offer.take_back(st, self.checkpoint.as_ref()).await?;
                 tracing::warn!(shard = %st.id(), %to, start, end, error = %e,
-                    "hand-off failed; the range stays here");
+                    "hand-off refused; the range stays here");
                 return Err(Response::error(
                     ErrorCode::Internal,
                     format!(
@@ -1169,7 +1333,28 @@ impl ShardService {
                     ),
                 ));
             }
-        };
+            Handed::Unanswered(e) => {
+                tracing::warn!(shard = %st.id(), %to, start, end, error = %e,
+                    "hand-off unanswered; offering the range until the destination answers");
+                let (st, link, store) = (st.clone(), self.link.clone(), self.checkpoint.clone());
+                let stop = self.retire.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        biased;
+                        _ = stop.cancelled() => {}
+                        () = offer.finish(&st, &*link, store.as_ref()) => {}
+                    }
+                });
+                return Err(Response::error(
+                    ErrorCode::Internal,
+                    format!(
+                        "{to} did not answer the hand-off of keys {start}..{end} within \
+                         {HANDOFF_WINDOW:?} ({e}); they are held at neither end until it does"
+                    ),
+                ));
+            }
+        }
+        st.handed_over(start, end);
         let hold_ms = held.elapsed().as_secs_f64() * 1000.0;
         // The checkpoint on disk must agree with the new placement, or a restart would fail.
         if let Some(Err(e)) = self.checkpoint_now(st).await {
@@ -1187,28 +1372,6 @@ impl ShardService {
             millis: t0.elapsed().as_secs_f64() * 1000.0,
             hold_ms,
         })))
-    }
-
-    /// Sends a `MoveIn` to the shard at `addr`, retrying on connection failures (the import is
-    /// idempotent) until [`HANDOFF_WINDOW`] ends.
-    async fn hand_off(&self, addr: &str, req: Request, payload: Bytes) -> Result<(), String> {
-        let deadline = tokio::time::Instant::now() + HANDOFF_WINDOW;
-        let mut delay = Duration::from_millis(50);
-        loop {
-            let attempt = self.link.call(addr, req.clone(), payload.clone());
-            let err = match attempt.await {
-                Ok(Response::Ack) => return Ok(()),
-                Ok(other) => return Err(CallError::unexpected(&other).to_string()),
-                Err(e @ CallError::Remote { .. }) => return Err(e.to_string()),
-                Err(e) => e,
-            };
-            if tokio::time::Instant::now() + delay >= deadline {
-                return Err(err.to_string());
-            }
-            tracing::debug!(%addr, error = %err, "hand-off: retrying");
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(1));
-        }
     }
 
     /// Takes keys handed over by another shard, and makes the checkpoint agree before

@@ -671,6 +671,8 @@ struct SimShard {
     tasks: BTreeMap<u64, (Serving, tokio::task::JoinHandle<()>)>,
     /// Until when it is down, if it is.
     down: Option<u64>,
+    /// Stops what the service runs in the background (a hand-off still offering its range).
+    stop: CancellationToken,
 }
 
 /// What a shard's task serves.
@@ -958,11 +960,8 @@ impl Sim {
             from: Node::Shard(s),
             calls: self.link.clone(),
         };
-        let service = ShardService::new(
-            Arc::new(link),
-            Some(store.clone()),
-            CancellationToken::new(),
-        );
+        let stop = CancellationToken::new();
+        let service = ShardService::new(Arc::new(link), Some(store.clone()), stop.clone());
         service.trust(&self.token_key, JOB);
         let state = Arc::new(state);
         service.assign(state.clone());
@@ -972,6 +971,7 @@ impl Sim {
             store,
             tasks: BTreeMap::new(),
             down: None,
+            stop,
         }
     }
 
@@ -1272,6 +1272,7 @@ impl Sim {
         let moves =
             |c: &LinkCall| matches!(c.req, Request::MoveOut { .. } | Request::MoveIn { .. });
         self.links.values().any(moves)
+            || (self.shards.iter()).any(|s| s.down.is_none() && s.state.range_out().is_some())
             || self.coordinator.inspect(|st| st.pending_move().is_some())
             || self.calls.values().any(|&(w, seq, ref task)| {
                 w == ADMIN && (seq == MOVE || (seq == RESUME && !task.is_finished()))
@@ -1767,6 +1768,7 @@ impl Sim {
                 if self.shards[s].down.is_none() {
                     self.note(format!("shard {s} crashes for {down} ms"));
                     self.shards[s].down = Some(self.now + down);
+                    self.shards[s].stop.cancel();
                     self.shard_crashes += 1;
                     // Its process ends: what it was serving fails with the connections, and
                     // what it was doing (a hand-off, a checkpoint) stops where it was.

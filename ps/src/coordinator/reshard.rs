@@ -329,30 +329,19 @@ impl Coordinator {
                     format!("{what}: {}", CallError::unexpected(&other)),
                 ));
             }
-            Err(e @ CallError::Remote { .. }) => {
-                // The source answered: the range stayed there (it refused the move, or took
-                // the range back when the hand-off failed). It may have refused requests with
-                // the move's map meanwhile: the placement is published again at an epoch
-                // above it.
-                let (map, shards) = {
-                    let mut st = self.lock();
-                    st.drop_pending();
-                    (st.republish(), st.live_shards())
-                };
-                if let Some(map) = map {
-                    self.spread(caller, &map, shards, &[]).await;
-                }
-                let code = e.code().unwrap_or(ErrorCode::Internal);
-                return Err((code, format!("{what}: {e}")));
-            }
             Err(e) => {
-                // No answer: the range may have moved. Find out.
-                warn!(error = %e, "{what}: no answer from the source; finding out where the range is");
+                // The source refused the move, or its destination refused the range (it took
+                // it back), or the destination did not answer it (the source offers the range
+                // until it does: it may have taken it, its answer lost), or the source did not
+                // answer. Either way the destination decides: it is fenced and asked, and
+                // where the range is gets published above the move's map (which the source may
+                // have refused requests with meanwhile).
+                warn!(error = %e, "{what} failed; finding out where the range is");
                 return match self.resolve(caller).await? {
                     Some(report) => Ok(report),
                     None => Err((
                         e.code().unwrap_or(ErrorCode::Internal),
-                        format!("{what}: {e}; the range stayed on {}", mv.from),
+                        format!("{what}: {e}; the range stays on {}", mv.from),
                     )),
                 };
             }

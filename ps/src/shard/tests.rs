@@ -490,6 +490,38 @@ fn a_superseded_move_is_refused_at_both_ends_and_a_take_back_keeps_the_newer_map
     assert!(b.holds([Key(1)].into_iter()));
 }
 
+/// Found by `edl-dst --mid-move` (seed 1014): a destination took a range, its answer was
+/// lost, the coordinator found the range there and moved it on; the source, offering it again,
+/// was refused as superseded and took it back: two shards held it. A destination acknowledges
+/// an offer of a range it took before, wherever the range is now.
+#[test]
+fn an_offer_of_a_range_taken_before_is_acknowledged_after_it_moved_on() {
+    let (a, b, moved) = two_shards();
+    // a hands keys 1..3 to b for map 2; b takes them, but a does not hear it.
+    let out = a.export(1, 3, &moved).expect("export");
+    b.import(1, 3, &moved, out.clone()).expect("import");
+    assert_eq!(a.range_out(), Some((1, 3)));
+    // The range moves on from b to a for map 3.
+    let s0 = ShardInfo {
+        id: ShardId(0),
+        addr: "s0".into(),
+    };
+    let on = moved.with_move(1, 3, &s0);
+    let again = b.export(1, 3, &on).expect("export");
+    a.import(1, 3, &on, again).expect("import");
+    assert!(!b.holds([Key(1)].into_iter()));
+    // a offers the first hand-off again: b took it, so it is acknowledged, and nothing changes.
+    b.import(1, 3, &moved, out.clone()).expect("taken before");
+    assert!(!b.holds([Key(1)].into_iter()));
+    // An offer of the range that b never took, for a map it has seen, is still refused.
+    let other = ShardMap {
+        epoch: on.epoch,
+        ..moved.clone()
+    };
+    let err = b.import(1, 3, &other, out).expect_err("superseded");
+    assert!(err.message.contains("superseded"), "{}", err.message);
+}
+
 #[test]
 fn a_checkpoint_after_moves_restores_the_moved_keys_and_ledgers() {
     let (a, b, moved) = two_shards();

@@ -76,7 +76,12 @@ fn rss(pid: u32) -> anyhow::Result<u64> {
 /// Writes a push frame that announces `FRAME` payload bytes but sends all but 4 KiB of them,
 /// then waits for the answer (the server's refusal, or its deadline).
 async fn half_sent(conn: Conn) -> Option<ErrorCode> {
-    let (mut send, mut recv) = conn.quic().open_bi().await.ok()?;
+    let (mut send, mut recv) = conn
+        .quic()
+        .expect("a QUIC connection")
+        .open_bi()
+        .await
+        .ok()?;
     let header = Request::Push {
         epoch: MapEpoch(1),
         worker: WorkerId(1),

@@ -133,6 +133,22 @@ pub struct Identity {
     pub ca: CertificateDer<'static>,
 }
 
+impl Identity {
+    /// An identity without a certificate, for in-process connections (the deterministic
+    /// simulation's [`crate::transport::Dialer::Local`]), which carry no TLS: no peer over
+    /// QUIC accepts it.
+    pub fn unsigned(role: Role, name: &str, job: &str) -> Identity {
+        Identity {
+            role,
+            name: name.to_string(),
+            job: job.to_string(),
+            cert: CertificateDer::from(Vec::new()),
+            key: PrivateKeyDer::Pkcs8(Vec::new().into()),
+            ca: CertificateDer::from(Vec::new()),
+        }
+    }
+}
+
 impl Clone for Identity {
     fn clone(&self) -> Self {
         Identity {

@@ -698,11 +698,53 @@ impl<R: Release + Sync> Release for Option<R> {
 /// The stream reset code of a request withdrawn by its sender ([`Release`]).
 pub const WITHDRAWN: u32 = 0x5749;
 
+/// A boxed future, as the local connections' methods return.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A connection that is not a network's: each call is handed to something in the same process
+/// (the deterministic simulation, `edl-dst`, passes it as a message to a service it runs).
+pub trait LocalConn: Send + Sync + std::fmt::Debug {
+    /// One request and its answer (an error answer as it is: the caller turns it into
+    /// [`CallError::Remote`]). A failed connection is a [`CallError`] other than `Remote`.
+    fn call(
+        &self,
+        req: Request,
+        payload: Parts,
+    ) -> BoxFuture<'_, Result<Frame<Response, Parts>, CallError>>;
+}
+
+/// Opens [`LocalConn`]s.
+pub trait LocalNet: Send + Sync + std::fmt::Debug {
+    /// A connection to the server at `addr`, as the client named `name`.
+    fn connect<'a>(
+        &'a self,
+        addr: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Arc<dyn LocalConn>, CallError>>;
+}
+
+/// How a client reaches servers: over QUIC from an endpoint (every process), or through a
+/// [`LocalNet`] (the simulation).
+#[derive(Clone, Debug)]
+pub enum Dialer {
+    /// QUIC, from this endpoint (with the client's certificate).
+    Quic(Endpoint),
+    /// In-process connections.
+    Local(Arc<dyn LocalNet>),
+}
+
 /// An authenticated connection to an EDL server, after the version handshake.
 #[derive(Clone, Debug)]
 pub struct Conn {
-    conn: quinn::Connection,
+    link: Link,
     limits: FrameLimits,
+}
+
+/// What a connection runs on.
+#[derive(Clone, Debug)]
+enum Link {
+    Quic(quinn::Connection),
+    Local(Arc<dyn LocalConn>),
 }
 
 impl Conn {
@@ -716,7 +758,7 @@ impl Conn {
         let sock = resolve(addr).await?;
         let conn = endpoint.connect(sock, CLUSTER_SERVER_NAME)?.await?;
         let c = Conn {
-            conn,
+            link: Link::Quic(conn),
             limits: settings.limits,
         };
         let resp = c
@@ -731,6 +773,22 @@ impl Conn {
         match resp.msg {
             Response::Hello { version, .. } if version == PROTOCOL_VERSION => Ok(c),
             other => Err(CallError::unexpected(&other)),
+        }
+    }
+
+    /// Connects to `addr` through `dialer`: [`Conn::connect`] over QUIC, or a local connection.
+    pub async fn dial(
+        dialer: &Dialer,
+        addr: &str,
+        name: &str,
+        settings: &TransportSettings,
+    ) -> Result<Conn, CallError> {
+        match dialer {
+            Dialer::Quic(endpoint) => Conn::connect(endpoint, addr, name, settings).await,
+            Dialer::Local(net) => Ok(Conn {
+                link: Link::Local(net.connect(addr, name).await?),
+                limits: settings.limits,
+            }),
         }
     }
 
@@ -768,7 +826,23 @@ impl Conn {
         release: &impl Release,
         sink: &mut S,
     ) -> Result<Response, CallError> {
-        let (mut send, mut recv) = self.conn.open_bi().await.map_err(CallError::NotSent)?;
+        let conn = match &self.link {
+            Link::Quic(conn) => conn,
+            Link::Local(local) => {
+                let mut parts = Vec::new();
+                payload.append_to(&mut parts);
+                if !release.release().await {
+                    return Err(CallError::Withdrawn);
+                }
+                let answer = local.call(req, Parts(parts)).await?;
+                let mut sink = AnswerSink(sink);
+                let len = answer.payload.byte_len() as u64;
+                sink.header(&answer.msg, len).map_err(CallError::Refused)?;
+                answer.payload.0.into_iter().for_each(|p| sink.part(p));
+                return CallError::answered(answer.msg);
+            }
+        };
+        let (mut send, mut recv) = conn.open_bi().await.map_err(CallError::NotSent)?;
         queue_frame(&mut send, Frame::with_payload(req, payload)).await?;
         if !release.release().await {
             let _ = send.reset(VarInt::from_u32(WITHDRAWN));
@@ -779,14 +853,19 @@ impl Conn {
         CallError::answered(read_frame_into(&mut recv, &p, &mut AnswerSink(sink)).await?)
     }
 
-    /// The underlying QUIC connection.
-    pub fn quic(&self) -> &quinn::Connection {
-        &self.conn
+    /// The underlying QUIC connection (none for a local one).
+    pub fn quic(&self) -> Option<&quinn::Connection> {
+        match &self.link {
+            Link::Quic(conn) => Some(conn),
+            Link::Local(_) => None,
+        }
     }
 
     /// Closes the connection.
     pub fn close(&self) {
-        self.conn.close(VarInt::from_u32(0), b"bye");
+        if let Link::Quic(conn) = &self.link {
+            conn.close(VarInt::from_u32(0), b"bye");
+        }
     }
 }
 

@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use edl_proto::frame::Parts;
+use edl_proto::frame::{Frame, Parts};
 use edl_proto::msg::{ChunkRef, DataSpan, JobTrace, Partition};
 use edl_proto::{
     Clock, Consistency, ErrorCode, JobConfig, Key, MapEpoch, Request, Response, ShardId, ShardMap,
@@ -48,7 +48,7 @@ use edl_ps::coordinator::state::CoordinatorSnap;
 use edl_ps::coordinator::{Coordinator, CoordinatorConfig, LinkFuture, ShardLink, StateStore};
 use edl_ps::shard::{CheckpointStore, ShardService, ShardState};
 use edl_shared::shutdown::CancellationToken;
-use edl_shared::transport::CallError;
+use edl_shared::transport::{BoxFuture, CallError, Dialer, LocalConn, LocalNet};
 use edl_shared::{Peer, Role, Service};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -96,6 +96,10 @@ pub struct Scenario {
     /// The coordinator's straggler detector and policy (a placer in the simulation starts a
     /// worker for every placement the coordinator asks for).
     pub stragglers: StragglerSettings,
+    /// The workers are the real client library (`edl_client`: its `Session` in the trainer's
+    /// loop) over in-process connections of the simulated network, instead of the
+    /// simulation's model of the client's loop.
+    pub clients: bool,
 }
 
 /// A scripted membership change or fault.
@@ -219,6 +223,7 @@ impl Scenario {
             script,
             step_ms: 0,
             stragglers: StragglerSettings::default(),
+            clients: false,
         };
         // Drawn after the rest, so that adding them left each seed's other choices alone.
         let script = &mut scenario.script;
@@ -275,7 +280,9 @@ impl Scenario {
             train_samples: samples,
             partition_size: partition,
             batch_size: batch,
-            lease_ms: 1000,
+            // A real client's heartbeat waits for a call that failed (a lost message here)
+            // until its connection times out, a second: its lease must outlast a few.
+            lease_ms: if self.clients { 5000 } else { 1000 },
             ..crate::counter_job(8 * self.shards, 4, self.consistency)
         }
     }
@@ -345,20 +352,15 @@ impl fmt::Display for Failure {
         for line in &self.log {
             writeln!(f, "  {line}")?;
         }
-        let give_up = if self.options.give_up {
-            " --give-up"
-        } else {
-            ""
-        };
-        let mid_move = if self.options.mid_move {
-            " --mid-move"
-        } else {
-            ""
-        };
+        let o = &self.options;
+        let flag = |on: bool, name: &'static str| if on { name } else { "" };
         write!(
             f,
-            "replay: edl-dst --seed {}{give_up}{mid_move} --verbose",
-            self.seed
+            "replay: edl-dst --seed {}{}{}{} --verbose",
+            self.seed,
+            flag(o.give_up, " --give-up"),
+            flag(o.mid_move, " --mid-move"),
+            flag(o.clients, " --clients"),
         )
     }
 }
@@ -380,11 +382,17 @@ pub struct Options {
     pub mid_move: bool,
     /// Return the coordinator's trace (steps and events, in its clock) in the report.
     pub trace: bool,
+    /// The seed's workers are real clients (`Scenario::clients`).
+    pub clients: bool,
 }
 
 /// Runs seed `seed`, on a runtime of its own whose time is paused.
 pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
-    run_scenario(seed, Scenario::of(seed), options)
+    let scenario = Scenario {
+        clients: options.clients,
+        ..Scenario::of(seed)
+    };
+    run_scenario(seed, scenario, options)
 }
 
 /// Runs `scenario` (a test's own, or a seed's with changes), its network's delays and losses
@@ -505,7 +513,7 @@ enum Body {
     },
     /// A server's request (the coordinator's, or a shard's hand-off) reaches a shard
     /// (`links[id]`).
-    ShardCall(u64),
+    Call(u64),
     /// A shard's answer to a server's request (`links[id]`) reaches the caller.
     LinkReply(u64),
     Refused(String),
@@ -590,7 +598,12 @@ struct Worker {
     placement: Option<u64>,
     /// How many times slower than the scenario's step it computes.
     slow: u32,
+    /// A real client's task, and how it ended (with `Scenario::clients`).
+    client: Option<(tokio::task::JoinHandle<()>, Outcome)>,
 }
+
+/// How a real client's task ended, once it did.
+type Outcome = Arc<std::sync::Mutex<Option<String>>>;
 
 /// A coordinator call's answer, from the task that served it.
 #[derive(Debug)]
@@ -606,24 +619,31 @@ struct Answer {
 
 /// The caller slot of an operator's requests.
 const ADMIN: usize = usize::MAX;
+/// The caller slot of a call over the network (its request number is the call's id).
+const LINK: usize = usize::MAX - 1;
 /// The request number of an operator's drain and move requests.
 const DRAIN: u64 = 0;
 const MOVE: u64 = 1;
 /// The coordinator's settling of a move after a restart (a task of its own, no answer).
 const RESUME: u64 = 2;
 
-/// A server's call to a shard (the coordinator's, or a shard's hand-off), through [`SimLink`].
+/// A call over a connection of the simulated network: a server's to a shard (the
+/// coordinator's, or a shard's hand-off) through [`SimLink`], or a real client's to the
+/// coordinator or a shard through [`SimNet`].
 struct LinkCall {
-    /// The caller.
+    /// The caller and the server.
     from: Node,
-    shard: usize,
+    to: Node,
     req: Request,
-    payload: Bytes,
+    payload: Parts,
     /// Where the answer goes (gone if the caller crashed since).
     reply: ReplyTo,
-    /// The answer, once the shard gave it, travelling back.
-    answer: Option<Result<Response, CallError>>,
+    /// The answer, once the server gave it, travelling back.
+    answer: Option<Answered>,
 }
+
+/// A server's answer as its caller gets it.
+type Answered = Result<Frame<Response, Parts>, CallError>;
 
 /// A server's way to the shards in the simulation: each call is a message the simulation
 /// delivers (or loses) and answers.
@@ -633,11 +653,11 @@ struct SimLink {
 }
 
 /// Where a shard's answer to a server goes.
-type ReplyTo = tokio::sync::oneshot::Sender<Result<Response, CallError>>;
+type ReplyTo = tokio::sync::oneshot::Sender<Answered>;
 
 /// A server's call to a shard as it leaves the server: the caller, the shard's address, the
 /// request and its payload, where the answer goes.
-type Outgoing = (Node, String, Request, Bytes, ReplyTo);
+type Outgoing = (Node, String, Request, Parts, ReplyTo);
 
 impl ShardLink for SimLink {
     fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool> {
@@ -651,15 +671,112 @@ impl ShardLink for SimLink {
         payload: Bytes,
     ) -> LinkFuture<'a, Result<Response, CallError>> {
         Box::pin(async move {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let gone = || CallError::Address(format!("{addr}: the simulation ended"));
-            (self.calls)
-                .send((self.from, addr.to_string(), req, payload, tx))
-                .map_err(|_| gone())?;
-            rx.await.map_err(|_| gone())?
+            let frame = call(&self.calls, self.from, addr, req, Parts(vec![payload])).await?;
+            CallError::answered(frame.msg)
         })
     }
 }
+
+/// One call through the simulated network, answered when the simulation delivers the answer.
+async fn call(
+    calls: &tokio::sync::mpsc::UnboundedSender<Outgoing>,
+    from: Node,
+    addr: &str,
+    req: Request,
+    payload: Parts,
+) -> Answered {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let gone = || CallError::Address(format!("{addr}: the simulation ended"));
+    calls
+        .send((from, addr.to_string(), req, payload, tx))
+        .map_err(|_| gone())?;
+    rx.await.map_err(|_| gone())?
+}
+
+/// A real client's way to the servers in the simulation: its connections pass each call as a
+/// message the simulation delivers (or loses, as a connection that fails).
+#[derive(Debug)]
+struct SimNet {
+    from: Node,
+    calls: tokio::sync::mpsc::UnboundedSender<Outgoing>,
+}
+
+/// A connection of [`SimNet`].
+#[derive(Debug)]
+struct SimConn {
+    from: Node,
+    addr: String,
+    calls: tokio::sync::mpsc::UnboundedSender<Outgoing>,
+}
+
+impl LocalNet for SimNet {
+    fn connect<'a>(
+        &'a self,
+        addr: &'a str,
+        _name: &'a str,
+    ) -> BoxFuture<'a, Result<Arc<dyn LocalConn>, CallError>> {
+        let conn = SimConn {
+            from: self.from,
+            addr: addr.to_string(),
+            calls: self.calls.clone(),
+        };
+        Box::pin(async move { Ok(Arc::new(conn) as Arc<dyn LocalConn>) })
+    }
+}
+
+impl LocalConn for SimConn {
+    fn call(&self, req: Request, payload: Parts) -> BoxFuture<'_, Answered> {
+        Box::pin(call(&self.calls, self.from, &self.addr, req, payload))
+    }
+}
+
+/// The kind of a client's request, for filters.
+fn kind_of(req: &Request) -> Option<Kind> {
+    Some(match req {
+        Request::Register { .. } => Kind::Register,
+        Request::NextPartition { .. } => Kind::Lease,
+        Request::Clock { .. } => Kind::Clock,
+        Request::Heartbeat { .. } => Kind::Heartbeat,
+        Request::Leave { .. } => Kind::Leave,
+        Request::Push { .. } => Kind::Push,
+        _ => return None,
+    })
+}
+
+/// A real client in the trainer's loop: pull, compute (a sleep of `step`), push gradients of
+/// -1 everywhere, commit; leaves when there is no data left or it is asked to drain. Returns
+/// its steps.
+async fn client_loop(
+    cfg: edl_worker::ClientConfig,
+    dialer: Dialer,
+    placement: Option<u64>,
+    step: Duration,
+) -> Result<u64, edl_worker::ClientError> {
+    let job = edl_worker::Job::connect_with(&cfg, dialer)
+        .await?
+        .for_placement(placement);
+    let mut session = job.register(&cfg.identity.name).await?;
+    let n = session.spec().param_count();
+    let (mut params, grads) = (vec![0.0f32; n], vec![-1.0f32; n]);
+    let mut steps = 0;
+    while let Some(batch) = session.next_batch().await? {
+        session.pull(&mut params).await?;
+        if !step.is_zero() {
+            tokio::time::sleep(step).await;
+        }
+        session.push(&batch, &grads).await?;
+        session.commit(batch, 0.0).await?;
+        steps += 1;
+        if session.drain_requested() {
+            break;
+        }
+    }
+    session.leave().await?;
+    Ok(steps)
+}
+
+/// The coordinator's address in the simulation.
+const COORDINATOR: &str = "sim:coordinator";
 
 /// A shard server: the real service, over its state.
 struct SimShard {
@@ -703,7 +820,7 @@ struct Inbox {
 struct ShardAnswer {
     shard: usize,
     task: u64,
-    resp: Response,
+    frame: Frame<Response, Parts>,
 }
 
 /// A batch of data, as `(epoch, first sample)`.
@@ -1086,8 +1203,60 @@ impl Sim {
             token: None,
             placement,
             slow: 1,
+            client: None,
         });
-        self.request(slot, Body::Register);
+        if self.scenario.clients {
+            self.start_client(slot, placement);
+        } else {
+            self.request(slot, Body::Register);
+        }
+    }
+
+    /// Worker `slot` is a real client: the client library's `Session`, in the trainer's loop
+    /// (pull, compute, push, commit; leave when out of data or drained), over the simulated
+    /// network.
+    fn start_client(&mut self, slot: usize, placement: Option<u64>) {
+        let name = format!("w{slot}");
+        let cfg = edl_worker::ClientConfig {
+            coordinator: COORDINATOR.to_string(),
+            identity: edl_shared::Identity::unsigned(Role::Worker, &name, JOB),
+            settings: edl_shared::transport::TransportSettings::default(),
+        };
+        let net = SimNet {
+            from: Node::Worker(slot),
+            calls: self.link.clone(),
+        };
+        let step = Duration::from_millis(self.scenario.step_ms);
+        let outcome = Arc::new(std::sync::Mutex::new(None));
+        let ended = outcome.clone();
+        let task = tokio::spawn(async move {
+            let r = client_loop(cfg, Dialer::Local(Arc::new(net)), placement, step).await;
+            let line = match r {
+                Ok(steps) => format!("left after {steps} steps"),
+                Err(e) => format!("exited: {e}"),
+            };
+            *ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(line);
+        });
+        self.workers[slot].phase = Phase::Pushing;
+        self.workers[slot].client = Some((task, outcome));
+    }
+
+    /// Real clients whose task ended are done.
+    fn clients_ended(&mut self) {
+        for slot in 0..self.workers.len() {
+            let w = &mut self.workers[slot];
+            let Some((task, outcome)) = &w.client else {
+                continue;
+            };
+            if w.phase == Phase::Pushing && task.is_finished() {
+                w.phase = Phase::Done;
+                let line = outcome.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if line.as_deref().is_some_and(|l| l.starts_with("left")) {
+                    self.left += 1;
+                }
+                self.note(format!("w{slot} {}", line.unwrap_or_default()));
+            }
+        }
     }
 
     /// A worker's next request to the coordinator, awaited.
@@ -1188,6 +1357,7 @@ impl Sim {
                 Node::Worker(slot) => self.at_worker(slot, env)?,
             }
             self.check_now()?;
+            self.clients_ended();
             // The job is over once its data is and every worker is gone, and no move is
             // still under way.
             if self.finished()
@@ -1317,27 +1487,31 @@ impl Sim {
         }
     }
 
-    /// A server calls a shard: the request travels (or its connection fails). Every map a
-    /// call carries is one some node adopts.
+    /// A call over the network: the request travels (or its connection fails). Every map a
+    /// call carries is one some node adopts. A real client's call may be lost, its answer too,
+    /// at random while faults last, and is dropped by a filter of its kind.
     fn link_call(
         &mut self,
         from: Node,
         addr: &str,
         req: Request,
-        payload: Bytes,
+        payload: Parts,
         reply: ReplyTo,
     ) -> Result<(), String> {
         self.seq += 1;
         let id = self.seq;
-        let shard = addr
-            .strip_prefix("sim:")
-            .and_then(|n| n.parse::<usize>().ok())
-            .filter(|&n| n < self.shards.len());
+        let to = match addr.strip_prefix("sim:") {
+            Some("coordinator") => Some(Node::Coordinator),
+            Some(n) => (n.parse::<usize>().ok())
+                .filter(|&n| n < self.shards.len())
+                .map(Node::Shard),
+            None => None,
+        };
         let line = format!("{from:?} calls {addr} #{id}: {}", req.name());
         mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
         self.note(line);
-        let Some(shard) = shard else {
-            let _ = reply.send(Err(CallError::Address(format!("no shard at {addr}"))));
+        let Some(to) = to else {
+            let _ = reply.send(Err(CallError::Address(format!("no server at {addr}"))));
             return Ok(());
         };
         if let Request::SetMap { map, .. }
@@ -1346,64 +1520,74 @@ impl Sim {
         {
             self.saw_map(map)?;
         }
+        let lost = self.lost_call(from, &req, false);
         self.links.insert(
             id,
             LinkCall {
                 from,
-                shard,
+                to,
                 req,
                 payload,
                 reply,
                 answer: None,
             },
         );
-        if self.cut(from) || self.cut(Node::Shard(shard)) {
+        if lost || self.cut(from) || self.cut(to) {
             self.link_failed(id);
         } else {
             let delay = self.delay();
-            self.at(
-                self.now + delay,
-                Node::Shard(shard),
-                0,
-                id,
-                Body::ShardCall(id),
-            );
+            self.at(self.now + delay, to, 0, id, Body::Call(id));
         }
         Ok(())
     }
 
-    /// The server's call `id` fails with its connection, after the timeout.
+    /// Whether a real client's call (or, with `answer`, its answer) is lost: at random while
+    /// faults last, or by a filter of its kind.
+    fn lost_call(&mut self, from: Node, req: &Request, answer: bool) -> bool {
+        if !matches!(from, Node::Worker(_)) {
+            return false;
+        }
+        let now = self.now;
+        let filtered = kind_of(req).is_some_and(|kind| {
+            (self.filters.iter()).any(|&(k, a, until)| k == kind && a == answer && now < until)
+        });
+        filtered || (self.faulty() && self.rng.random_bool(self.scenario.loss))
+    }
+
+    /// The call `id` fails with its connection, after the timeout.
     fn link_failed(&mut self, id: u64) {
         if let Some(call) = self.links.get_mut(&id)
             && call.answer.is_none()
         {
-            let addr = format!("sim:{}", call.shard);
-            call.answer = Some(Err(CallError::TimedOut(format!("{addr} did not answer"))));
+            let why = format!("{:?} did not answer", call.to);
+            call.answer = Some(Err(CallError::Connection(quinn::ConnectionError::TimedOut)));
             let (t, to) = (self.now + CONNECTION_TIMEOUT_MS, call.from);
             self.at(t, to, 0, id, Body::LinkReply(id));
+            self.lost += 1;
+            self.note(format!("call #{id} fails: {why}"));
         }
     }
 
-    /// A shard answers a server's call `id`: the answer travels back.
-    fn answer_link(&mut self, id: u64, answer: Result<Response, CallError>) {
-        // With `mid_move`, an answer across a partition is lost: the caller does not learn
-        // what the shard did (a move's outcome unknown to it).
-        let lost = self.mid_move
-            && self
-                .links
-                .get(&id)
-                .is_some_and(|c| self.cut(c.from) || self.cut(Node::Shard(c.shard)));
-        if lost {
+    /// A server answers call `id`: the answer travels back.
+    fn answer_link(&mut self, id: u64, answer: Answered) {
+        let Some((from, to, req)) = (self.links.get(&id)).map(|c| (c.from, c.to, c.req.clone()))
+        else {
+            return;
+        };
+        // With `mid_move`, a server's answer across a partition is lost: the caller does not
+        // learn what the shard did (a move's outcome unknown to it). A client's always is.
+        let across = self.cut(from) || self.cut(to);
+        let client = matches!(from, Node::Worker(_));
+        if (across && (self.mid_move || client)) || self.lost_call(from, &req, true) {
             self.link_failed(id);
             return;
         }
-        let delay = self.delay();
-        if let Some(call) = self.links.get_mut(&id)
-            && call.answer.is_none()
-        {
-            call.answer = Some(answer);
-            let (t, to) = (self.now + delay, call.from);
-            self.at(t, to, 0, id, Body::LinkReply(id));
+        if self.links.get(&id).is_some_and(|c| c.answer.is_none()) {
+            let delay = self.delay();
+            if let Some(call) = self.links.get_mut(&id) {
+                call.answer = Some(answer);
+            }
+            self.at(self.now + delay, from, 0, id, Body::LinkReply(id));
         }
     }
 
@@ -1478,10 +1662,64 @@ impl Sim {
         self.calls.insert(call, (worker, seq, task));
     }
 
+    /// A real client's call reaches the coordinator: its service serves it in a task of its
+    /// own, which reports the answer when it has one.
+    fn serve_coordinator(&mut self, id: u64) {
+        let Some(call) = self.links.get(&id).filter(|c| c.answer.is_none()) else {
+            return;
+        };
+        let Node::Worker(slot) = call.from else {
+            return;
+        };
+        let peer = Peer::in_process(Role::Worker, &format!("w{slot}"), JOB, addr(0, slot));
+        let (req, payload) = (call.req.clone(), call.payload.clone());
+        self.seq += 1;
+        let n = self.seq;
+        let (c, tx) = (self.coordinator.clone(), self.answers.clone());
+        let task = tokio::spawn(async move {
+            let resp = if c.allowed(peer.role, &req) {
+                c.handle(&peer, req, payload).await.msg
+            } else {
+                Response::error(ErrorCode::Forbidden, "not allowed")
+            };
+            let _ = tx.send(Answer {
+                call: n,
+                worker: LINK,
+                seq: id,
+                clock: Clock(0),
+                resp,
+            });
+        });
+        self.calls.insert(n, (LINK, id, task));
+    }
+
     /// An answer from the coordinator goes back over the network; a grant is checked against
     /// the consistency model first.
     fn answered(&mut self, a: Answer) -> Result<(), String> {
         self.calls.remove(&a.call);
+        if a.worker == LINK {
+            let line = format!("coordinator answers call #{}", a.seq);
+            mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
+            self.note(line);
+            // SSP(s): a worker at clock c goes on only while the slowest counting worker is at
+            // c - s or later (a draining one leaves instead).
+            let asked = self.links.get(&a.seq).map(|c| &c.req);
+            if let (
+                Some(Request::Clock { clock, worker, .. }),
+                Response::ClockGranted { min_clock, drain },
+            ) = (asked, &a.resp)
+            {
+                let bound = self.scenario.consistency.staleness();
+                if bound.is_some_and(|s| !drain && min_clock.0.saturating_add(s) < clock.0) {
+                    return Err(format!(
+                        "consistency: {worker} granted clock {} with the slowest at {}, {}",
+                        clock.0, min_clock.0, self.scenario.consistency
+                    ));
+                }
+            }
+            self.answer_link(a.seq, Ok(Frame::new(a.resp)));
+            return Ok(());
+        }
         let line = format!("coordinator answers w{} #{}", a.worker, a.seq);
         mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
         self.note(line);
@@ -1616,6 +1854,7 @@ impl Sim {
                 // An operator's drain fails; a crashed coordinator cannot crash again.
                 Body::Script(_) => {}
                 // A call to a coordinator that is down fails with its connection.
+                Body::Call(id) => self.link_failed(id),
                 Body::Heartbeat(_) => {}
                 Body::GetMap => {
                     let t = self.now + CONNECTION_TIMEOUT_MS;
@@ -1641,7 +1880,9 @@ impl Sim {
                 // Its process ends: the calls it was serving fail with their connections.
                 for (_, (worker, seq, task)) in std::mem::take(&mut self.calls) {
                     task.abort();
-                    if worker != ADMIN {
+                    if worker == LINK {
+                        self.link_failed(seq);
+                    } else if worker != ADMIN {
                         let t = self.now + CONNECTION_TIMEOUT_MS;
                         self.at(t, Node::Worker(worker), worker, seq, Body::ConnectionLost);
                     }
@@ -1687,7 +1928,13 @@ impl Sim {
             }
             Body::Script(Scripted::Join) => self.start_worker(None),
             Body::Script(Scripted::Drain(n)) => {
-                let ids: Vec<WorkerId> = self.workers.iter().filter_map(|w| w.id).collect();
+                let mut ids: Vec<WorkerId> = self.workers.iter().filter_map(|w| w.id).collect();
+                if self.scenario.clients {
+                    let now = edl_shared::clock::now();
+                    ids = self
+                        .coordinator
+                        .inspect(|st| st.members(now).into_iter().map(|m| m.id).collect());
+                }
                 if !ids.is_empty() {
                     let worker = ids[n % ids.len()];
                     self.call(ADMIN, DRAIN, Clock(0), Request::Drain { worker });
@@ -1720,6 +1967,7 @@ impl Sim {
                 self.call(slot, seq, Clock(0), Request::Heartbeat { worker })
             }
             Body::Leave(worker) => self.call(slot, seq, Clock(0), Request::Leave { worker }),
+            Body::Call(id) => self.serve_coordinator(id),
             Body::GetMap => self.call(slot, seq, Clock(0), Request::GetMap),
             other => return Err(format!("the coordinator got {other:?}")),
         }
@@ -1780,7 +2028,7 @@ impl Sim {
                         }
                     }
                     let serving: Vec<u64> = (self.links.iter())
-                        .filter(|(_, c)| c.shard == s && c.answer.is_none())
+                        .filter(|(_, c)| c.to == Node::Shard(s) && c.answer.is_none())
                         .map(|(id, _)| *id)
                         .collect();
                     for id in serving {
@@ -1808,6 +2056,11 @@ impl Sim {
             self.workers[s].phase = Phase::Crashed;
             self.crashed += 1;
             self.note(format!("w{s} crashes"));
+            // A real client's process ends: its tasks stop, and nothing more of it is heard.
+            if let Some((task, _)) = &self.workers[s].client {
+                task.abort();
+                self.cuts.push((Node::Worker(s), u64::MAX));
+            }
         }
     }
 
@@ -1831,7 +2084,7 @@ impl Sim {
                     let t = self.now + CONNECTION_TIMEOUT_MS;
                     self.at(t, Node::Worker(w), w, seq, Body::Retry);
                 }
-                Body::ShardCall(id) => self.link_failed(id),
+                Body::Call(id) => self.link_failed(id),
                 other => return Err(format!("shard {s} got {other:?} while down")),
             }
             return Ok(());
@@ -1844,7 +2097,7 @@ impl Sim {
                 epoch,
                 chunks,
             } => self.serve_push(s, (env.worker, env.seq), (id, clock, span, epoch), chunks),
-            Body::ShardCall(id) => self.serve_link(s, id),
+            Body::Call(id) => self.serve_link(s, id),
             other => return Err(format!("shard {s} got {other:?}")),
         }
         Ok(())
@@ -1873,9 +2126,7 @@ impl Sim {
         Ok(())
     }
 
-    /// A worker's push reaches shard `s`: its service serves it in a task of its own. The task
-    /// watches the pushed keys' counters around each step of the service, so the model learns,
-    /// as it happens, which keys this push was applied to.
+    /// A worker's push reaches shard `s` (the simulation's own worker's).
     fn serve_push(
         &mut self,
         s: usize,
@@ -1898,7 +2149,48 @@ impl Sim {
             covers: Vec::new(),
             token,
         };
-        let peer = Peer::in_process(Role::Worker, &format!("w{slot}"), JOB, addr(0, slot));
+        let serving = Serving::Push {
+            slot,
+            seq,
+            id,
+            span,
+            keys,
+        };
+        let payload = Parts(vec![Bytes::from(payload)]);
+        self.serve(s, Node::Worker(slot), req, payload, serving);
+    }
+
+    /// A call over the network reaches shard `s`.
+    fn serve_link(&mut self, s: usize, id: u64) {
+        // A request whose connection failed (the shard restarted since) was never served.
+        let Some(call) = self.links.get(&id).filter(|c| c.answer.is_none()) else {
+            return;
+        };
+        let (from, req, payload) = (call.from, call.req.clone(), call.payload.clone());
+        self.serve(s, from, req, payload, Serving::Link(id));
+    }
+
+    /// Shard `s`'s service serves `req` from `from` in a task of its own. A push's task
+    /// watches the pushed keys' counters around each step of the service, so the model learns,
+    /// as it happens, which keys the push was applied to.
+    fn serve(&mut self, s: usize, from: Node, req: Request, payload: Parts, serving: Serving) {
+        let peer = match from {
+            Node::Worker(slot) => {
+                Peer::in_process(Role::Worker, &format!("w{slot}"), JOB, addr(0, slot))
+            }
+            Node::Shard(n) => Peer::in_process(Role::Shard, &format!("s{n}"), JOB, addr(1, n)),
+            Node::Coordinator => {
+                Peer::in_process(Role::Coordinator, "coordinator", JOB, addr(3, 0))
+            }
+        };
+        let pushed = match &req {
+            Request::Push {
+                chunks,
+                span: Some(span),
+                ..
+            } => Some((chunks.iter().map(|c| c.key).collect::<Vec<Key>>(), *span)),
+            _ => None,
+        };
         self.seq += 1;
         let task_id = self.seq;
         let shard = &self.shards[s];
@@ -1908,71 +2200,69 @@ impl Sim {
             self.disk.clone(),
         );
         let tx = self.shard_answers.clone();
-        let serving = Serving::Push {
-            slot,
-            seq,
-            id,
-            span,
-            keys: keys.clone(),
-        };
         let task = tokio::spawn(async move {
-            let batch = (span.epoch, span.start);
-            let counters = |st: &ShardState| -> Vec<Option<f32>> {
-                keys.iter().map(|&k| st.param(k, 0)).collect()
-            };
-            let mut serving =
-                std::pin::pin!(service.handle(&peer, req, Parts(vec![Bytes::from(payload)])));
-            let frame = std::future::poll_fn(|cx| {
-                let before = counters(&state);
-                let step = serving.as_mut().poll(cx);
-                let after = counters(&state);
-                for ((k, b), a) in keys.iter().zip(before).zip(after) {
-                    if b.is_some() && a != b {
-                        lock_disk(&disk).applied(s, *k, batch);
+            let frame = if !service.allowed(peer.role, &req) {
+                Frame::new(Response::error(ErrorCode::Forbidden, "not allowed"))
+            } else if let Some((keys, span)) = pushed {
+                let batch = (span.epoch, span.start);
+                let counters = |st: &ShardState| -> Vec<Option<f32>> {
+                    keys.iter().map(|&k| st.param(k, 0)).collect()
+                };
+                let mut serving = std::pin::pin!(service.handle(&peer, req, payload));
+                std::future::poll_fn(|cx| {
+                    let before = counters(&state);
+                    let step = serving.as_mut().poll(cx);
+                    let after = counters(&state);
+                    for ((k, b), a) in keys.iter().zip(before).zip(after) {
+                        if b.is_some() && a != b {
+                            lock_disk(&disk).applied(s, *k, batch);
+                        }
                     }
-                }
-                step
-            })
-            .await;
+                    step
+                })
+                .await
+            } else {
+                service.handle(&peer, req, payload).await
+            };
             let _ = tx.send(ShardAnswer {
                 shard: s,
                 task: task_id,
-                resp: frame.msg,
+                frame,
             });
         });
         self.shards[s].tasks.insert(task_id, (serving, task));
     }
 
-    /// A server's call reaches shard `s`: its service serves it in a task of its own.
-    fn serve_link(&mut self, s: usize, id: u64) {
-        // A request whose connection failed (the shard restarted since) was never served.
-        let Some(call) = self.links.get(&id).filter(|c| c.answer.is_none()) else {
-            return;
-        };
-        let role = match call.from {
-            Node::Shard(_) => Role::Shard,
-            _ => Role::Coordinator,
-        };
-        let (req, payload) = (call.req.clone(), call.payload.clone());
-        let peer = Peer::in_process(role, &format!("{:?}", call.from), JOB, addr(1, s));
-        self.seq += 1;
-        let task_id = self.seq;
-        let (service, tx) = (self.shards[s].service.clone(), self.shard_answers.clone());
-        let task = tokio::spawn(async move {
-            let frame = service.handle(&peer, req, Parts(vec![payload])).await;
-            let _ = tx.send(ShardAnswer {
-                shard: s,
-                task: task_id,
-                resp: frame.msg,
-            });
-        });
-        self.shards[s]
-            .tasks
-            .insert(task_id, (Serving::Link(id), task));
+    /// An acknowledged push: every key of it holds its batch (applied now or before), unless a
+    /// shard crash lost it since.
+    fn acknowledged(
+        &mut self,
+        s: usize,
+        id: WorkerId,
+        span: DataSpan,
+        keys: &[Key],
+    ) -> Result<(), String> {
+        let batch = (span.epoch, span.start);
+        let d = lock_disk(&self.disk);
+        let lost: Vec<Key> = (keys.iter())
+            .filter(|k| !d.model.get(k).is_some_and(|b| b.contains(&batch)))
+            .copied()
+            .collect();
+        drop(d);
+        if !lost.is_empty() {
+            let what = format!(
+                "shard {s} acknowledged {id}'s {span:?} for {lost:?}, which do not hold it"
+            );
+            if self.shard_crashes == 0 {
+                return Err(format!("exactly-once: {what}"));
+            }
+            self.note(format!("{what} (lost with a crash)"));
+        }
+        Ok(())
     }
 
     /// A shard's task answered: a worker's push (acknowledged, or refused with the shard's
-    /// map), or a server's call.
+    /// map), or a call over the network.
     fn shard_answered(&mut self, a: ShardAnswer) -> Result<(), String> {
         let Some((serving, _)) = self.shards[a.shard].tasks.remove(&a.task) else {
             return Ok(());
@@ -1982,12 +2272,22 @@ impl Sim {
                 let line = format!("shard {} answers call #{id}", a.shard);
                 mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
                 self.note(line);
-                let answer = CallError::answered(a.resp);
-                let move_out = |c: &LinkCall| matches!(c.req, Request::MoveOut { .. });
-                if answer.is_err() && self.links.get(&id).is_some_and(move_out) {
-                    self.taken_back += 1;
+                let failed = matches!(a.frame.msg, Response::Error { .. });
+                let req = self.links.get(&id).map(|c| c.req.clone());
+                match req {
+                    Some(Request::MoveOut { .. }) if failed => self.taken_back += 1,
+                    Some(Request::Push {
+                        worker,
+                        chunks,
+                        span: Some(span),
+                        ..
+                    }) if matches!(a.frame.msg, Response::Ack) => {
+                        let keys: Vec<Key> = chunks.iter().map(|c| c.key).collect();
+                        self.acknowledged(a.shard, worker, span, &keys)?;
+                    }
+                    _ => {}
                 }
-                self.answer_link(id, answer);
+                self.answer_link(id, Ok(a.frame));
                 return Ok(());
             }
             Serving::Checkpoint => return Ok(()),
@@ -2002,27 +2302,9 @@ impl Sim {
         let line = format!("shard {} answers w{slot} #{seq}", a.shard);
         mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
         self.note(line);
-        let answer = match CallError::answered(a.resp) {
+        let answer = match CallError::answered(a.frame.msg) {
             Ok(Response::Ack) => {
-                // Acknowledged: every key of the push holds its batch (applied now or before),
-                // unless a shard crash lost it since.
-                let batch = (span.epoch, span.start);
-                let d = lock_disk(&self.disk);
-                let lost: Vec<Key> = (keys.iter())
-                    .filter(|k| !d.model.get(k).is_some_and(|b| b.contains(&batch)))
-                    .copied()
-                    .collect();
-                drop(d);
-                if !lost.is_empty() {
-                    let what = format!(
-                        "shard {} acknowledged {id}'s {span:?} for {lost:?}, which do not hold it",
-                        a.shard
-                    );
-                    if self.shard_crashes == 0 {
-                        return Err(format!("exactly-once: {what}"));
-                    }
-                    self.note(format!("{what} (lost with a crash)"));
-                }
+                self.acknowledged(a.shard, id, span, &keys)?;
                 Body::Pushed { keys, span }
             }
             Err(CallError::Remote {
@@ -2066,6 +2348,11 @@ impl Sim {
     }
 
     fn at_worker(&mut self, slot: usize, env: Envelope) -> Result<(), String> {
+        // An answer to a real client's call reaches it (if its task is still there).
+        if let Body::LinkReply(id) = env.body {
+            self.link_reply(id);
+            return Ok(());
+        }
         let phase = self.workers[slot].phase;
         if matches!(phase, Phase::Done | Phase::Crashed) {
             return Ok(());

@@ -44,6 +44,39 @@ fn every_seed_of_the_ci_range_keeps_the_invariants() {
     }
 }
 
+/// The same faults with the real client library as the workers (`--clients`): its `Session`
+/// in the trainer's loop (pull, push, commit, leave), its reconnects, re-routing and
+/// heartbeats, over in-process connections of the simulated network (a lost message is a
+/// connection that fails after a second). Planted bugs it catches: a shard applying a span
+/// twice (seed 1), a coordinator leasing a second partition when asked again (seed 3, where
+/// the model of the client found it first).
+#[test]
+fn real_clients_keep_the_invariants() {
+    let options = Options {
+        clients: true,
+        ..Options::default()
+    };
+    let mut faults = [0u64; 5];
+    for seed in 1..=400 {
+        let r = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
+        let seen = [
+            r.lost,
+            r.workers.2.into(),
+            r.restarts.into(),
+            r.moves.0.into(),
+            r.shard_crashes.into(),
+        ];
+        for (sum, n) in faults.iter_mut().zip(seen) {
+            *sum += n;
+        }
+    }
+    // Lost messages, workers declared dead, coordinator restarts, moves, shard crashes.
+    assert!(faults.iter().all(|&n| n > 100), "{faults:?}");
+    let a = dst::run(7, options).expect("seed 7");
+    let b = dst::run(7, options).expect("seed 7");
+    assert_eq!(a.digest, b.digest);
+}
+
 #[test]
 fn a_seed_replays_to_the_same_history() {
     let a = dst::run(7, Options::default()).expect("seed 7");
@@ -79,6 +112,7 @@ fn quiet(script: Vec<(u64, Scripted)>) -> Scenario {
         script,
         step_ms: 0,
         stragglers: StragglerSettings::default(),
+        clients: false,
     }
 }
 
@@ -226,6 +260,7 @@ fn straggler_run(policy: StragglerPolicy, factor: u32) -> StragglerRun {
             policy,
             ..StragglerSettings::default()
         },
+        clients: false,
     };
     let options = Options {
         trace: true,

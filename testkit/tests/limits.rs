@@ -75,7 +75,11 @@ async fn idle_connections_are_closed_and_clients_reconnect() -> anyhow::Result<(
         &settings,
     )
     .await?;
-    let why = tokio::time::timeout(Duration::from_secs(10), conn.quic().closed()).await?;
+    let why = tokio::time::timeout(
+        Duration::from_secs(10),
+        conn.quic().expect("a QUIC connection").closed(),
+    )
+    .await?;
     assert!(
         matches!(why, quinn::ConnectionError::ApplicationClosed(_)),
         "{why}"

@@ -112,7 +112,7 @@ async fn roles_are_checked() -> anyhow::Result<()> {
 
 /// Opens a handshaken connection and sends raw bytes as one request.
 async fn raw_call(conn: &Conn, bytes: Vec<u8>) -> anyhow::Result<Response> {
-    let (mut send, mut recv) = conn.quic().open_bi().await?;
+    let (mut send, mut recv) = conn.quic().expect("a QUIC connection").open_bi().await?;
     send.write_all(&bytes).await?;
     send.finish()?;
     let f: Frame<Response> = read_frame(&mut recv, &FrameLimits::default()).await?;

@@ -265,7 +265,9 @@ async fn frame_group(
                 let mut slots = JoinSet::new();
                 for _ in 0..n {
                     slots.spawn(frame_slot(
-                        conn.quic().clone(),
+                        conn.quic()
+                            .expect("Conn::connect makes QUIC connections")
+                            .clone(),
                         frame.clone(),
                         c.clone(),
                         stop.clone(),

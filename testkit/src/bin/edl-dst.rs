@@ -38,6 +38,10 @@ struct Cli {
     /// known to fail: see the README's "Simulation").
     #[arg(long)]
     mid_move: bool,
+    /// The workers are the real client library (its Session in the trainer's loop) over
+    /// in-process connections, instead of the simulation's model of it.
+    #[arg(long, conflicts_with = "give_up")]
+    clients: bool,
 }
 
 fn parse_range(s: &str) -> Result<RangeInclusive<u64>, String> {
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
             verbose: cli.verbose,
             give_up: cli.give_up,
             mid_move: cli.mid_move,
+            clients: cli.clients,
             ..dst::Options::default()
         };
         return match dst::run(seed, options) {
@@ -88,6 +93,7 @@ fn main() -> ExitCode {
             verbose: false,
             give_up: cli.give_up,
             mid_move: cli.mid_move,
+            clients: cli.clients,
             ..dst::Options::default()
         };
         match dst::run(seed, options) {

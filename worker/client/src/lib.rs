@@ -49,7 +49,9 @@ use edl_shared::proto::{
     ErrorCode, Frame, JobConfig, KeyLayout, Parts, Request, Response, ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
-use edl_shared::transport::{CallError, Conn, Release, Sink, TransportSettings, client_endpoint};
+use edl_shared::transport::{
+    CallError, Conn, Dialer, Release, Sink, TransportSettings, client_endpoint,
+};
 use thiserror::Error;
 
 pub mod blocking;
@@ -239,8 +241,7 @@ impl CoordLink {
             };
             outage.failed(err).await?;
             let net = &self.net;
-            if let Ok(c) = Conn::connect(&net.endpoint, &self.addr, &net.name, &net.settings).await
-            {
+            if let Ok(c) = Conn::dial(&net.dialer, &self.addr, &net.name, &net.settings).await {
                 *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
             }
         }
@@ -250,7 +251,7 @@ impl CoordLink {
 /// What a client needs to reconnect.
 #[derive(Debug)]
 struct Net {
-    endpoint: quinn::Endpoint,
+    dialer: Dialer,
     settings: TransportSettings,
     name: String,
 }
@@ -418,7 +419,7 @@ impl Job {
                     map: Some(Box::new(map)),
                 });
             };
-            if let Ok(c) = Conn::connect(&net.endpoint, &addr, &net.name, &net.settings).await {
+            if let Ok(c) = Conn::dial(&net.dialer, &addr, &net.name, &net.settings).await {
                 *conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
             }
         }
@@ -449,13 +450,19 @@ impl Job {
     /// Connects to the coordinator, waits for the shard map and connects to every shard.
     pub async fn connect(cfg: &ClientConfig) -> Result<Job, ClientError> {
         let ep = client_endpoint(&cfg.identity, &cfg.settings, false)?;
+        Job::connect_with(cfg, Dialer::Quic(ep)).await
+    }
+
+    /// [`Job::connect`] through `dialer` (the simulation's in-process connections, say),
+    /// as the identity's name.
+    pub async fn connect_with(cfg: &ClientConfig, dialer: Dialer) -> Result<Job, ClientError> {
         let name = &cfg.identity.name;
-        let conn = connect_retry(&ep, &cfg.coordinator, name, &cfg.settings).await?;
+        let conn = connect_retry(&dialer, &cfg.coordinator, name, &cfg.settings).await?;
         let coordinator = CoordLink {
             addr: cfg.coordinator.clone(),
             conn: Arc::new(Mutex::new(conn)),
             net: Arc::new(Net {
-                endpoint: ep.clone(),
+                dialer,
                 settings: cfg.settings.clone(),
                 name: name.to_string(),
             }),
@@ -782,14 +789,14 @@ async fn fetch_job(coordinator: &CoordLink) -> Result<JobConfig, ClientError> {
 }
 
 async fn connect_retry(
-    ep: &quinn::Endpoint,
+    dialer: &Dialer,
     addr: &str,
     name: &str,
     settings: &TransportSettings,
 ) -> Result<Conn, ClientError> {
     let mut outage = Outage::new(Server::At(addr), settings.reconnect);
     loop {
-        match Conn::connect(ep, addr, name, settings).await {
+        match Conn::dial(dialer, addr, name, settings).await {
             Ok(c) => {
                 outage.over();
                 return Ok(c);

@@ -159,7 +159,7 @@ impl Job {
                     Some(c) => c.clone(),
                     None => {
                         let net = &self.net;
-                        let c = connect_retry(&net.endpoint, &info.addr, &net.name, &net.settings)
+                        let c = connect_retry(&net.dialer, &info.addr, &net.name, &net.settings)
                             .await?;
                         let c = Arc::new(Mutex::new(c));
                         conns.insert(info.id, c.clone());

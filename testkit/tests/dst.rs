@@ -47,7 +47,8 @@ fn every_seed_of_the_ci_range_keeps_the_invariants() {
 /// The same faults with the real client library as the workers (`--clients`): its `Session`
 /// in the trainer's loop (pull, push, commit, leave), its reconnects, re-routing and
 /// heartbeats, over in-process connections of the simulated network (a lost message is a
-/// connection that fails after a second). Planted bugs it catches: a shard applying a span
+/// connection that fails after a second). The seeds that draw SSP(0) and no coordinator crash
+/// run BSP. Planted bugs it catches: a shard applying a span
 /// twice (seed 1), a coordinator leasing a second partition when asked again (seed 3, where
 /// the model of the client found it first).
 #[test]
@@ -56,7 +57,7 @@ fn real_clients_keep_the_invariants() {
         clients: true,
         ..Options::default()
     };
-    let mut faults = [0u64; 5];
+    let mut faults = [0u64; 6];
     for seed in 1..=400 {
         let r = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
         let seen = [
@@ -65,13 +66,16 @@ fn real_clients_keep_the_invariants() {
             r.restarts.into(),
             r.moves.0.into(),
             r.shard_crashes.into(),
+            (r.consistency == Consistency::Bsp).into(),
         ];
         for (sum, n) in faults.iter_mut().zip(seen) {
             *sum += n;
         }
     }
-    // Lost messages, workers declared dead, coordinator restarts, moves, shard crashes.
-    assert!(faults.iter().all(|&n| n > 100), "{faults:?}");
+    // Lost messages, workers declared dead, coordinator restarts, moves, shard crashes; and
+    // runs under BSP.
+    assert!(faults[..5].iter().all(|&n| n > 100), "{faults:?}");
+    assert!(faults[5] > 10, "BSP runs: {faults:?}");
     let a = dst::run(7, options).expect("seed 7");
     let b = dst::run(7, options).expect("seed 7");
     assert_eq!(a.digest, b.digest);

@@ -57,10 +57,24 @@ fn a_signal_before_admission_exits_cleanly_and_promptly() {
         .args(["--coordinator", "127.0.0.1:9"])
         .arg("--state-dir")
         .arg(dir.path())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawns");
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // Its first log line (the dev CA it creates in the fresh state directory) comes after it
+    // listens for signals: it is running, and not admitted. The rest of its log is read on, so
+    // that it never waits on a full pipe.
+    let stderr = child.stderr.take().expect("stderr");
+    let (first, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut lines = std::io::BufReader::new(stderr).lines();
+        let _ = first.send(lines.next());
+        lines.for_each(drop);
+    });
+    let line = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the worker logs a first line");
+    assert!(line.is_some_and(|l| l.is_ok()), "the worker wrote nothing");
     let pid = child.id().to_string();
     let killed = Command::new("kill")
         .args(["-TERM", &pid])

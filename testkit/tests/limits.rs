@@ -9,7 +9,7 @@ use edl_shared::Role;
 use edl_shared::pki::CLUSTER_SERVER_NAME;
 use edl_shared::proto::{Consistency, ErrorCode, Request, Response};
 use edl_shared::transport::{self, Conn, TransportSettings};
-use edl_testkit::{TestCluster, counter_job};
+use edl_testkit::{TestCluster, counter_job, until};
 
 fn tight() -> TransportSettings {
     let mut s = TransportSettings::default();
@@ -54,10 +54,12 @@ async fn one_identity_cannot_hold_more_connections_than_its_budget() -> anyhow::
             Response::Map(_)
         ));
     }
-    // Closing one frees its slot.
+    // Closing one frees its slot (once the server has seen the close).
     held.pop().expect("held").close();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    Conn::connect(&ep, &addr, "hog", &settings).await?;
+    until(Duration::from_secs(10), || async {
+        Ok(Conn::connect(&ep, &addr, "hog", &settings).await.ok())
+    })
+    .await?;
     Ok(())
 }
 

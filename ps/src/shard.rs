@@ -236,8 +236,8 @@ pub struct ShardState {
     /// The latest epoch of any push's samples: what an epoch schedule counts for a push
     /// that names none.
     epoch_seen: AtomicU32,
-    /// A range given up for a hand-off and neither taken by its destination nor taken back.
-    out: Mutex<Option<(u64, u64)>>,
+    /// Ranges given up for a hand-off and neither taken by their destination nor taken back.
+    out: Mutex<Vec<(u64, u64)>>,
     /// The ranges this shard took from others, with their moves' map epochs (the latest
     /// [`IMPORTS_KEPT`]; since it started): an offer of one again is acknowledged even after
     /// the range moved on, so that its source does not take it back.
@@ -323,7 +323,7 @@ impl ShardState {
             gate: RwLock::new(()),
             saving: Mutex::new(()),
             epoch_seen: AtomicU32::new(0),
-            out: Mutex::new(None),
+            out: Mutex::new(Vec::new()),
             imported: Mutex::new(std::collections::VecDeque::new()),
             job,
             chunks,
@@ -817,22 +817,19 @@ impl ShardState {
         ledgers.retain(&used);
         drop(ledgers);
         self.install_map(map);
-        *lock(&self.out) = Some((start, end));
+        lock(&self.out).push((start, end));
         Ok(export)
     }
 
-    /// The range this shard gave up for a hand-off that has not ended yet (its destination
-    /// has not taken it, nor refused it so that it came back here), if any.
-    pub fn range_out(&self) -> Option<(u64, u64)> {
-        *lock(&self.out)
+    /// The ranges this shard gave up for hand-offs that have not ended yet (their destination
+    /// has not taken them, nor refused them so that they came back here).
+    pub fn ranges_out(&self) -> Vec<(u64, u64)> {
+        lock(&self.out).clone()
     }
 
     /// The destination took keys `[start, end)`: they are no longer out.
     pub fn handed_over(&self, start: u64, end: u64) {
-        let mut out = lock(&self.out);
-        if *out == Some((start, end)) {
-            *out = None;
-        }
+        lock(&self.out).retain(|r| *r != (start, end));
     }
 
     /// Takes keys `[start, end)` from another shard and adopts `map`. Repeating an import that

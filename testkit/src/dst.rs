@@ -1465,7 +1465,7 @@ impl Sim {
         let moves =
             |c: &LinkCall| matches!(c.req, Request::MoveOut { .. } | Request::MoveIn { .. });
         self.links.values().any(moves)
-            || (self.shards.iter()).any(|s| s.down.is_none() && s.state.range_out().is_some())
+            || (self.shards.iter()).any(|s| s.down.is_none() && !s.state.ranges_out().is_empty())
             || self.coordinator.inspect(|st| st.pending_move().is_some())
             || self.calls.values().any(|&(w, seq, ref task)| {
                 w == ADMIN && (seq == MOVE || (seq == RESUME && !task.is_finished()))

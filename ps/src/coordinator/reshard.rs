@@ -329,13 +329,28 @@ impl Coordinator {
                     format!("{what}: {}", CallError::unexpected(&other)),
                 ));
             }
+            Err(e @ CallError::Remote { .. }) if e.code() != Some(ErrorCode::Internal) => {
+                // The source refused the move before giving anything up (a move to itself, a
+                // stale map, keys it does not hold): the range stays there. The placement is
+                // published again above the move's map all the same.
+                let (map, shards) = {
+                    let mut st = self.lock();
+                    st.drop_pending();
+                    (st.republish(), st.live_shards())
+                };
+                if let Some(map) = map {
+                    self.spread(caller, &map, shards, &[]).await;
+                }
+                let code = e.code().unwrap_or(ErrorCode::Internal);
+                return Err((code, format!("{what}: {e}")));
+            }
             Err(e) => {
-                // The source refused the move, or its destination refused the range (it took
-                // it back), or the destination did not answer it (the source offers the range
-                // until it does: it may have taken it, its answer lost), or the source did not
-                // answer. Either way the destination decides: it is fenced and asked, and
-                // where the range is gets published above the move's map (which the source may
-                // have refused requests with meanwhile).
+                // The source gave the range up and its destination refused it (the source took
+                // it back), or did not answer it (the source offers the range until it does:
+                // it may have taken it, its answer lost); or the source did not answer. Either
+                // way the destination decides: it is fenced and asked, and where the range is
+                // gets published above the move's map (which the source may have refused
+                // requests with meanwhile).
                 warn!(error = %e, "{what} failed; finding out where the range is");
                 return match self.resolve(caller).await? {
                     Some(report) => Ok(report),

@@ -500,7 +500,7 @@ fn an_offer_of_a_range_taken_before_is_acknowledged_after_it_moved_on() {
     // a hands keys 1..3 to b for map 2; b takes them, but a does not hear it.
     let out = a.export(1, 3, &moved).expect("export");
     b.import(1, 3, &moved, out.clone()).expect("import");
-    assert_eq!(a.range_out(), Some((1, 3)));
+    assert_eq!(a.ranges_out(), vec![(1, 3)]);
     // The range moves on from b to a for map 3.
     let s0 = ShardInfo {
         id: ShardId(0),

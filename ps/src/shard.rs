@@ -221,8 +221,11 @@ pub struct ShardState {
     /// The job's keys and their lengths.
     layout: KeyLayout,
     /// The newest map this shard knows; it changes when ranges move.
-    /// Requests routed with a newer map wait on it.
     map: watch::Sender<Arc<ShardMap>>,
+    /// Wakes the requests routed with a newer map than this shard's when it learns one, in
+    /// the order they began to wait (a `watch` wakes in a random order, which made the
+    /// simulation's runs differ).
+    map_changed: tokio::sync::Notify,
     chunks: DashMap<Key, Chunk>,
     ledgers: Mutex<Ledgers>,
     load: Load,
@@ -324,6 +327,7 @@ impl ShardState {
             saving: Mutex::new(()),
             epoch_seen: AtomicU32::new(0),
             out: Mutex::new(Vec::new()),
+            map_changed: tokio::sync::Notify::new(),
             imported: Mutex::new(std::collections::VecDeque::new()),
             job,
             chunks,
@@ -418,13 +422,17 @@ impl ShardState {
 
     /// Adopts `map` if it is newer than the one held; true if it was.
     pub fn install_map(&self, map: &ShardMap) -> bool {
-        self.map.send_if_modified(|held| {
+        let newer = self.map.send_if_modified(|held| {
             let newer = map.epoch > held.epoch;
             if newer {
                 *held = Arc::new(map.clone());
             }
             newer
-        })
+        });
+        if newer {
+            self.map_changed.notify_waiters();
+        }
+        newer
     }
 
     /// True if every key in `keys` is held here.
@@ -441,8 +449,18 @@ impl ShardState {
     /// Waits (up to `limit`) until this shard knows a map of at least `epoch`: a request
     /// routed with a map newer than this shard's may concern keys that are on their way here.
     pub async fn wait_for_epoch(&self, epoch: MapEpoch, limit: Duration) {
-        let mut rx = self.map.subscribe();
-        let _ = tokio::time::timeout(limit, rx.wait_for(|m| m.epoch >= epoch)).await;
+        let learnt = async {
+            loop {
+                let changed = self.map_changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                if self.map_epoch() >= epoch {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        let _ = tokio::time::timeout(limit, learnt).await;
     }
 
     /// Why `key` cannot be used here: it is not part of the job, or (a key of the job this
@@ -888,6 +906,7 @@ impl ShardState {
             self.take_in(start, end, export)?;
             if self.map_epoch() <= attempted {
                 self.map.send_replace(Arc::new(before.clone()));
+                self.map_changed.notify_waiters();
             }
         }
         self.handed_over(start, end);

@@ -81,14 +81,32 @@ fn real_clients_keep_the_invariants() {
     assert_eq!(a.digest, b.digest);
 }
 
+/// Every run of a seed is the same history: seeds run twice, with the model of the client and
+/// with the real one. (Found so: requests waiting on a shard's map were woken by a `watch`,
+/// and a stopped client's heartbeat raced its next tick in an unbiased `select!`, both in a
+/// random order; seed 7 alone had replayed.)
 #[test]
 fn a_seed_replays_to_the_same_history() {
-    let a = dst::run(7, Options::default()).expect("seed 7");
-    let b = dst::run(7, Options::default()).expect("seed 7");
-    assert_eq!(a.digest, b.digest);
-    assert_eq!((a.events, a.virtual_ms), (b.events, b.virtual_ms));
+    for clients in [false, true] {
+        let options = Options {
+            clients,
+            ..Options::default()
+        };
+        // More seeds with real clients: their tasks interleave with more of the services'.
+        let seeds = if clients { 1..=500 } else { 1..=200 };
+        for seed in seeds {
+            let a = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
+            let b = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
+            assert_eq!(
+                (a.digest, a.events, a.virtual_ms),
+                (b.digest, b.events, b.virtual_ms),
+                "seed {seed}, clients {clients}"
+            );
+        }
+    }
+    let seven = dst::run(7, Options::default()).expect("seed 7");
     let other = dst::run(8, Options::default()).expect("seed 8");
-    assert_ne!(a.digest, other.digest);
+    assert_ne!(seven.digest, other.digest);
 }
 
 /// Found by the simulation (at seed 3): with a coordinator call repeated on a new connection

@@ -821,7 +821,10 @@ async fn heartbeat(
 ) {
     let mut tick = tokio::time::interval(period);
     loop {
+        // Biased: a stopped session sends no heartbeat even when one is due, and the choice
+        // does not depend on chance (the simulation replays it).
         tokio::select! {
+            biased;
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }

@@ -78,6 +78,7 @@ impl Notices {
                 Some(d) => {
                     let at = d.checked_sub(margin).unwrap_or(d);
                     tokio::select! {
+                        biased;
                         _ = tokio::time::sleep_until(at.into()) => return,
                         _ = changed => {}
                     }

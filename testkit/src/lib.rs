@@ -29,6 +29,7 @@ pub mod dst;
 pub mod placer;
 pub mod synthetic;
 pub mod tenants;
+pub mod traces;
 
 /// A running in-process cluster. Dropping it stops every server.
 pub struct TestCluster {

@@ -3,9 +3,10 @@
 
 use std::time::Instant;
 
-use edl_proto::msg::{EventKind, JobTrace};
+use edl_proto::msg::EventKind;
 use edl_proto::{Consistency, StragglerPolicy, StragglerSettings, WorkerId};
 use edl_testkit::dst::{self, Kind, Options, Report, Scenario, Scripted, Target};
+use edl_testkit::traces::{StragglerRun, fewest_active, first_event_since, rate};
 
 /// Seeds CI runs (about five seconds each way): joins, drains, worker, coordinator and shard
 /// crashes, partitions, dropped requests and answers by kind, resharding moves, lost and
@@ -251,38 +252,21 @@ fn an_unanswered_hand_off_is_not_taken_back() {
 /// are exact, whatever the machine's load.
 const SLOWED_MS: u64 = 4_000;
 
-#[derive(Debug)]
-struct StragglerRun {
-    /// Samples per second in the 3 s before the slowdown, and in the 4 s from 1 s after the
-    /// straggler left (or was flagged, if it stays).
-    before: f64,
-    after: f64,
-    detect_ms: u64,
-    /// From the slowdown to the straggler's departure.
-    recover_ms: Option<u64>,
-    /// Fewest active workers from the slowdown to the end of the "after" window.
-    fewest_active: i64,
-}
-
 fn straggler_run(policy: StragglerPolicy, factor: u32) -> StragglerRun {
     let scenario = Scenario {
-        shards: 2,
         workers: 4,
         consistency: Consistency::Ssp { staleness: 0 },
         data: (12_000, 400, 4),
-        loss: 0.0,
-        duplicate: 0.0,
         max_delay_ms: 2,
-        script: vec![
-            (SLOWED_MS, Scripted::Slow(2, factor)),
-            (20_000, Scripted::Slow(2, 1)),
-        ],
         step_ms: 20,
         stragglers: StragglerSettings {
             policy,
             ..StragglerSettings::default()
         },
-        clients: false,
+        ..quiet(vec![
+            (SLOWED_MS, Scripted::Slow(2, factor)),
+            (20_000, Scripted::Slow(2, 1)),
+        ])
     };
     let options = Options {
         trace: true,
@@ -291,11 +275,8 @@ fn straggler_run(policy: StragglerPolicy, factor: u32) -> StragglerRun {
     let r = dst::run_scenario(1, scenario, options).unwrap_or_else(|f| panic!("{f}"));
     let trace = r.trace.as_ref().expect("a trace");
     let straggler = r.ids[2].expect("w2 registered");
-    let first = |kind: EventKind, worker: WorkerId| {
-        (trace.events.iter())
-            .find(|e| e.kind == kind && e.worker == worker && e.t_ms >= SLOWED_MS)
-            .map(|e| e.t_ms)
-    };
+    let first =
+        |kind: EventKind, worker: WorkerId| first_event_since(trace, kind, worker, SLOWED_MS);
     let flagged =
         first(EventKind::Straggler, straggler).unwrap_or_else(|| panic!("not flagged: {r}"));
     // No other worker is flagged.
@@ -315,35 +296,13 @@ fn straggler_run(policy: StragglerPolicy, factor: u32) -> StragglerRun {
         "the window ends after the slowdown: {r}\n{:?}",
         trace.events
     );
-    // Active workers at the slowdown and after each membership change until the window ends.
-    let active_at = |t: u64| -> i64 {
-        (trace.events.iter().filter(|e| e.t_ms <= t))
-            .map(|e| match e.kind {
-                EventKind::Join => 1,
-                EventKind::Leave | EventKind::Dead => -1,
-                _ => 0,
-            })
-            .sum()
-    };
-    let fewest = (trace.events.iter())
-        .filter(|e| e.t_ms >= SLOWED_MS && e.t_ms <= end)
-        .map(|e| active_at(e.t_ms))
-        .fold(active_at(SLOWED_MS), i64::min);
     StragglerRun {
-        before: rate(trace, SLOWED_MS - 3_000, SLOWED_MS),
-        after: rate(trace, recovered + 1_000, end),
+        before: rate(trace, 4, SLOWED_MS - 3_000, SLOWED_MS),
+        after: rate(trace, 4, recovered + 1_000, end),
         detect_ms: flagged - SLOWED_MS,
         recover_ms: left.map(|l| l - SLOWED_MS),
-        fewest_active: fewest,
+        fewest_active: fewest_active(trace, SLOWED_MS, end),
     }
-}
-
-/// Samples per second over `[from, to)` of the coordinator's clock (a batch of 4 per step).
-fn rate(trace: &JobTrace, from: u64, to: u64) -> f64 {
-    let steps = (trace.steps.iter())
-        .filter(|s| s.t_ms >= from && s.t_ms < to)
-        .count();
-    steps as f64 * 4.0 * 1000.0 / (to - from) as f64
 }
 
 /// What `elastic_ops.rs` measured on real time with the real trainer (and still does for the

@@ -12,6 +12,7 @@ use edl_shared::proto::msg::{EventKind, JobTrace};
 use edl_shared::proto::{Consistency, StragglerPolicy, StragglerSettings};
 use edl_shared::shutdown::CancellationToken;
 use edl_testkit::synthetic::{SleepModel, Units, run_placer, spawn_worker, synthetic_job};
+use edl_testkit::traces::{StragglerRun, fewest_active, first_event_since, rate};
 use edl_testkit::{TestCluster, assert_exactly_once, until};
 use edl_worker::Job;
 use edl_worker::trainer::{Slowdown, TrainSummary};
@@ -33,44 +34,8 @@ async fn join_all(handles: Vec<Worker>) -> anyhow::Result<Vec<TrainSummary>> {
     Ok(out)
 }
 
-/// Samples per second over `[from, to)` of the coordinator's clock, a batch per step.
-fn rate(trace: &JobTrace, batch: u32, from: u64, to: u64) -> f64 {
-    let steps = trace
-        .steps
-        .iter()
-        .filter(|s| s.t_ms >= from && s.t_ms < to)
-        .count();
-    steps as f64 * f64::from(batch) * 1000.0 / (to - from) as f64
-}
-
 fn first_event(trace: &JobTrace, kind: EventKind, worker: WorkerId) -> Option<u64> {
     first_event_since(trace, kind, worker, 0)
-}
-
-/// The time of the first `kind` event of `worker` at or after `since`.
-fn first_event_since(
-    trace: &JobTrace,
-    kind: EventKind,
-    worker: WorkerId,
-    since: u64,
-) -> Option<u64> {
-    trace
-        .events
-        .iter()
-        .find(|e| e.kind == kind && e.worker == worker && e.t_ms >= since)
-        .map(|e| e.t_ms)
-}
-
-/// What one straggler run measured.
-#[derive(Debug)]
-struct StragglerRun {
-    before: f64,
-    after: f64,
-    detect_ms: u64,
-    /// From the slowdown to the straggler's departure.
-    recover_ms: Option<u64>,
-    /// Fewest active workers from the slowdown to the end of the "after" window.
-    fewest_active: u32,
 }
 
 const STEP: Duration = Duration::from_millis(20);
@@ -137,25 +102,14 @@ async fn straggler_run(policy: StragglerPolicy, factor: f64) -> anyhow::Result<S
     // Active workers after each membership change from the slowdown to the end of the
     // window after: the count the job ran with.
     let end = left.unwrap_or(flagged) + 6_000;
-    let mut active = 0i64;
-    let mut fewest = i64::MAX;
-    for e in &trace.events {
-        match e.kind {
-            EventKind::Join => active += 1,
-            EventKind::Leave | EventKind::Dead => active -= 1,
-            _ => continue,
-        }
-        if e.t_ms >= slowed && e.t_ms <= end {
-            fewest = fewest.min(active);
-        }
-    }
+    let fewest = fewest_active(&trace, slowed, end);
     let recovered = left.unwrap_or(flagged);
     Ok(StragglerRun {
         before: rate(&trace, batch, slowed.saturating_sub(3_000), slowed),
         after: rate(&trace, batch, recovered + 1_000, recovered + 5_000),
         detect_ms: flagged.saturating_sub(slowed),
         recover_ms: left.map(|l| l.saturating_sub(slowed)),
-        fewest_active: u32::try_from(fewest.min(i64::from(u32::MAX))).unwrap_or(0),
+        fewest_active: fewest,
     })
 }
 
@@ -226,7 +180,7 @@ async fn a_straggler_under_bsp_is_replaced_and_the_job_is_back_to_speed() -> any
         replaced.detect_ms
     );
     assert!(
-        replaced.fewest_active >= WORKERS as u32,
+        replaced.fewest_active >= WORKERS as i64,
         "the worker count dipped: {replaced:?}"
     );
     Ok(())

@@ -50,8 +50,9 @@ const RESOLVE_TRIES: u32 = 30;
 const RESOLVE_PAUSE: Duration = Duration::from_secs(1);
 
 impl Coordinator {
-    /// Finds out where the pending move, if any, left its range (its `MoveOut` went unanswered,
-    /// or the coordinator restarted in its middle), and publishes that. First it fences the
+    /// Finds out where the pending move, if any, left its range (its `MoveOut` failed after the
+    /// source gave the range up, or went unanswered, or the coordinator restarted in its
+    /// middle), and publishes that. First it fences the
     /// destination: the placement from before the move, at a fresh epoch, which from then on
     /// makes the destination refuse the range. Then it asks the destination for the range.
     /// Held: the move happened, and its placement is published above the fence. Not held: it

@@ -46,6 +46,9 @@ pub enum ErrorCode {
     Conflict = 18,
     /// The peer's certificate belongs to another job.
     WrongJob = 19,
+    /// A commit names a data partition the coordinator does not hold as leased to the worker
+    /// (a lease lost with a coordinator's state): give the span back and lease again.
+    LeaseUnknown = 20,
 }
 
 impl ErrorCode {
@@ -72,6 +75,7 @@ impl ErrorCode {
             17 => Busy,
             18 => Conflict,
             19 => WrongJob,
+            20 => LeaseUnknown,
             _ => return None,
         })
     }

@@ -47,8 +47,7 @@ use edl_proto::{
     StragglerSettings, Token, WorkerId,
 };
 use edl_ps::checkpoint::ShardCheckpoint;
-use edl_ps::coordinator::state::CoordinatorSnap;
-use edl_ps::coordinator::{Coordinator, CoordinatorConfig, LinkFuture, ShardLink, StateStore};
+use edl_ps::coordinator::{Coordinator, CoordinatorConfig, LinkFuture, MemoryStore, ShardLink};
 use edl_ps::shard::{CheckpointStore, ShardService, ShardState};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{BoxFuture, CallError, Dialer, LocalConn, LocalNet};
@@ -399,13 +398,11 @@ pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
     };
     // Real clients pull every step, so the seeds that draw SSP(0) run BSP with them (the same
     // barrier at the coordinator, and shards that stage a step's gradients until it is
-    // pulled), unless the coordinator crashes: a restarted coordinator's clocks may be older
-    // than the steps the shards applied (it saves every half second), and every worker that
-    // joins then pushes a step already applied, is refused (`StaleClock`) and exits, so the
-    // job stalls (seeds 69, 363 and 585 did so): for the [ha] work, which makes what the
-    // coordinator acknowledged durable.
-    let crashes = (scenario.script.iter()).any(|(_, s)| matches!(s, Scripted::CoordinatorCrash(_)));
-    if scenario.clients && !crashes && scenario.consistency == (Consistency::Ssp { staleness: 0 }) {
+    // pulled). Coordinator crashes included: what it acknowledged is durable, so a restarted
+    // coordinator's clocks are never older than the steps the shards applied (with a state
+    // saved every half second instead, seeds 69, 363 and 585 stalled: every worker that
+    // joined pushed a step already applied, was refused with `StaleClock` and exited).
+    if scenario.clients && scenario.consistency == (Consistency::Ssp { staleness: 0 }) {
         scenario.consistency = Consistency::Bsp;
     }
     run_scenario(seed, scenario, options)
@@ -907,7 +904,7 @@ struct Sim {
     calls: BTreeMap<u64, (usize, u64, tokio::task::JoinHandle<()>)>,
     answers: tokio::sync::mpsc::UnboundedSender<Answer>,
     /// What the coordinator saved last (its disk), and until when it is down.
-    store: Arc<std::sync::Mutex<Option<CoordinatorSnap>>>,
+    store: MemoryStore,
     /// The servers' way to the shards, given to each coordinator and shard that starts.
     link: tokio::sync::mpsc::UnboundedSender<Outgoing>,
     /// Where the shards' tasks put their answers.
@@ -971,10 +968,10 @@ impl Sim {
             stragglers: scenario.stragglers,
             probe_sockets: false,
         };
-        let store = Arc::new(std::sync::Mutex::new(None));
+        let store = MemoryStore::default();
         let coordinator = Coordinator::new(config.clone())
             .map_err(|e| format!("coordinator: {e}"))?
-            .with_store(StateStore::Memory(store.clone()));
+            .with_store(Arc::new(store.clone()));
         coordinator.set_shard_link(Arc::new(SimLink {
             from: Node::Coordinator,
             calls: link.clone(),
@@ -1475,6 +1472,14 @@ impl Sim {
     /// What must hold after every step: map epochs only grow, through coordinator restarts
     /// too; no two nodes hold different maps of one epoch; no key was applied a batch twice.
     fn check_now(&mut self) -> Result<(), String> {
+        // Every answer waited for its changes to be durable: a restarted coordinator never
+        // meets a report of something it acknowledged and forgot.
+        let lost = self.coordinator.inspect(|st| st.lost_acks());
+        if lost > 0 {
+            return Err(format!(
+                "durability: {lost} acknowledged changes were missing after a restart"
+            ));
+        }
         if let Some(map) = self.coordinator.inspect(|st| st.map()) {
             if map.epoch < self.map.epoch {
                 return Err(format!(
@@ -1850,13 +1855,13 @@ impl Sim {
         if self.down_until.is_some() {
             match env.body {
                 Body::Restart => {
-                    let saved = self.store.lock().map_err(|e| e.to_string())?.clone();
+                    let saved = self.store.latest().map_err(|e| e.to_string())?;
                     let restored = match saved {
                         Some(snap) => Coordinator::restored(snap, self.config.clone()),
                         None => Coordinator::new(self.config.clone()),
                     }
                     .map_err(|e| format!("the coordinator cannot restore its state: {e}"))?
-                    .with_store(StateStore::Memory(self.store.clone()));
+                    .with_store(Arc::new(self.store.clone()));
                     restored.set_shard_link(Arc::new(SimLink {
                         from: Node::Coordinator,
                         calls: self.link.clone(),

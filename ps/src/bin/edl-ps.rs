@@ -125,9 +125,10 @@ struct CoordinatorArgs {
     /// Worker heartbeat lease in milliseconds; silent workers are dropped after it.
     #[arg(long, default_value_t = defaults::LEASE_MS)]
     lease_ms: u32,
-    /// Keep no durable state. By default the coordinator saves membership, the shard map, the
-    /// job and the data progress to STATE_DIR/coordinator/state.bin (twice a second while it
-    /// changes, and at shutdown) and restores them on start.
+    /// Keep no durable state. By default the coordinator keeps membership, the shard map, the
+    /// job, the data leases and the data progress in STATE_DIR/coordinator (a log,
+    /// state.wal, folded into state.bin now and then), makes every change durable before it
+    /// answers the request that made it, and restores them on start.
     #[arg(long)]
     no_persist: bool,
     /// Declare a worker dead only when its lease expires. By default a worker silent for

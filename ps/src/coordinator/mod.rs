@@ -4,6 +4,7 @@
 
 pub mod data;
 mod http;
+pub mod meta;
 mod metrics;
 mod probe;
 mod reshard;
@@ -12,7 +13,7 @@ pub mod state;
 pub use crate::link::{LinkFuture, ShardCaller, ShardLink};
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -27,10 +28,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::Notify;
 use tracing::{info, warn};
 
-use rkyv::rancor::BoxedError;
+pub use meta::{FileLog, MemoryStore, MetaStore, StoreError, read_state};
 use state::{CoordinatorSnap, CoordinatorState, Poll};
-
-use crate::checkpoint;
 
 /// How long a long-polling request waits before it is answered with `NotReady`.
 const LONG_POLL: Duration = Duration::from_secs(60);
@@ -53,20 +52,11 @@ pub struct CoordinatorConfig {
     pub probe_sockets: bool,
 }
 
-/// Where a coordinator keeps its durable state.
-#[derive(Clone, Debug)]
-pub enum StateStore {
-    /// A file, replaced atomically on every save (`STATE_DIR/coordinator/state.bin`).
-    File(PathBuf),
-    /// Memory that outlives the coordinator: the deterministic simulation's disk.
-    Memory(Arc<Mutex<Option<CoordinatorSnap>>>),
-}
-
-/// Magic bytes of the coordinator's state file.
-const STATE_MAGIC: &[u8; 8] = b"EDLCOORD";
-
-/// How often the durable state is written while it changes.
+/// How often changes no answer waited for (leases that expired, stalls) are written.
 const PERSIST_EVERY: Duration = Duration::from_millis(500);
+
+/// How long a write to an unavailable store waits before it is tried again, at most.
+const STORE_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// The coordinator service: the state behind a lock, and a version counter that wakes waiters
 /// whenever the state changes.
@@ -77,10 +67,14 @@ pub struct Coordinator {
     /// simulation's runs would not be functions of their seeds).
     version: AtomicU64,
     changed: Notify,
-    /// Where the durable state is saved, if anywhere.
-    store: Option<StateStore>,
-    /// The state version the last save began from.
+    /// Where the durable state is kept, if anywhere.
+    store: Option<Arc<dyn MetaStore>>,
+    /// The state version the last periodic save began from.
     saved_version: AtomicU64,
+    /// Group commit: tickets taken by callers of `durable` (each after its changes)...
+    wanted: AtomicU64,
+    /// ...and the highest ticket whose changes a finished write holds.
+    done: AtomicU64,
     /// Connections to shards for resharding (set once the coordinator has an identity).
     caller: std::sync::OnceLock<Arc<dyn ShardLink>>,
     /// The job named in the coordinator's certificate (set with its identity), which worker
@@ -88,9 +82,9 @@ pub struct Coordinator {
     job_name: std::sync::OnceLock<String>,
     /// Held while a resharding runs: one at a time.
     resharding: tokio::sync::Mutex<()>,
-    /// Held from a save's snapshot to its rename: saves reach the disk one at a time and in
-    /// snapshot order.
-    saving: tokio::sync::Mutex<()>,
+    /// Held from a write's snapshot until it is durable: writes reach the store one at a
+    /// time and in snapshot order. Holds the record written last.
+    writing: tokio::sync::Mutex<Option<Arc<[u8]>>>,
 }
 
 impl Coordinator {
@@ -100,38 +94,48 @@ impl Coordinator {
         state
             .set_stragglers(config.stragglers)
             .map_err(|(_, e)| anyhow::anyhow!(e))?;
-        Ok(Self::with_state(state, config.state_file))
+        Ok(Self::with_state(state))
     }
 
-    fn with_state(state: CoordinatorState, state_file: Option<PathBuf>) -> Self {
-        let store = state_file.map(StateStore::File);
+    fn with_state(state: CoordinatorState) -> Self {
         Coordinator {
             state: Mutex::new(state),
             version: AtomicU64::new(0),
             changed: Notify::new(),
-            store,
+            store: None,
             saved_version: AtomicU64::new(0),
+            wanted: AtomicU64::new(0),
+            done: AtomicU64::new(0),
             caller: std::sync::OnceLock::new(),
             job_name: std::sync::OnceLock::new(),
             resharding: tokio::sync::Mutex::new(()),
-            saving: tokio::sync::Mutex::new(()),
+            writing: tokio::sync::Mutex::new(None),
         }
     }
 
-    /// A coordinator for `config`, restored from its state file when there is one.
+    /// A coordinator for `config`, restored from its state file when it holds a state, and
+    /// keeping its state there.
     pub fn open(config: CoordinatorConfig) -> anyhow::Result<Self> {
-        let Some(path) = config.state_file.clone().filter(|p| p.exists()) else {
+        let Some(path) = config.state_file.clone() else {
             return Self::new(config);
         };
-        let snap = read_state(&path)?;
-        let restored =
-            Self::restored(snap, config).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        info!(path = %path.display(), "coordinator state restored");
-        Ok(restored)
+        let (log, latest) = meta::FileLog::open(&path)?;
+        let coordinator = match latest {
+            None => Self::new(config)?,
+            Some(record) => {
+                let snap = meta::decode(&record)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                let restored = Self::restored(snap, config)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                info!(path = %path.display(), "coordinator state restored");
+                restored
+            }
+        };
+        Ok(coordinator.with_store(Arc::new(log)))
     }
 
     /// A coordinator for `config` restored from `snap` (what [`Coordinator::snapshot`] took;
-    /// `open` reads it from the state file).
+    /// `open` reads it from the state file). It keeps no state until given a store.
     pub fn restored(snap: CoordinatorSnap, config: CoordinatorConfig) -> anyhow::Result<Self> {
         let mut state =
             CoordinatorState::restore(snap, &config.job, config.shards, edl_shared::clock::now())
@@ -139,7 +143,7 @@ impl Coordinator {
         state
             .set_stragglers(config.stragglers)
             .map_err(|(_, e)| anyhow::anyhow!(e))?;
-        Ok(Self::with_state(state, config.state_file))
+        Ok(Self::with_state(state))
     }
 
     /// How this coordinator reaches shards (for resharding, and to check that a shard's name
@@ -158,44 +162,72 @@ impl Coordinator {
         f(&self.lock())
     }
 
-    /// Keeps the durable state in `store` instead of the configured state file.
-    pub fn with_store(mut self, store: StateStore) -> Self {
+    /// Keeps the durable state in `store`.
+    pub fn with_store(mut self, store: Arc<dyn MetaStore>) -> Self {
         self.store = Some(store);
         self
     }
 
-    /// Saves the durable state if it changed since the last save began.
+    /// Makes the state durable if it changed since the last periodic save began: changes no
+    /// answer waited for (a lease that expired, a stall).
     pub async fn save_changes(&self) {
         let now = self.version.load(Ordering::Acquire);
         if self.saved_version.swap(now, Ordering::AcqRel) != now {
-            self.save().await;
+            self.durable().await;
         }
     }
 
-    /// Writes the durable state to its store, if it has one (a file off the runtime); logs a
-    /// failure. Returns the bytes written.
-    async fn save(&self) -> Option<u64> {
-        let path = match self.store.as_ref()? {
-            StateStore::File(path) => path.clone(),
-            StateStore::Memory(slot) => {
-                let snap = self.snapshot();
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap);
-                return Some(0);
-            }
+    /// Returns once every change made to the state before the call is durable in the store
+    /// (at once without one). Concurrent callers share a write: the first to get the writer
+    /// writes the state as it is then, which holds the changes of everyone who asked before
+    /// (group commit); a state equal to the one written last is not written again. While
+    /// the store is unavailable the write is tried again, and the answers waiting on it
+    /// wait: nothing is acknowledged that a crash could lose. Returns the bytes written.
+    pub async fn durable(&self) -> u64 {
+        let Some(store) = self.store.as_ref() else {
+            return 0;
         };
-        let _one = self.saving.lock().await;
-        let snap = self.snapshot();
-        let written = tokio::task::spawn_blocking(move || persist_snap(&path, &snap))
-            .await
-            .map_err(anyhow::Error::from)
-            .and_then(|r| r);
-        match written {
-            Ok(bytes) => Some(bytes),
-            Err(e) => {
-                tracing::error!(error = %e, "saving coordinator state failed");
-                None
-            }
+        let ticket = self.wanted.fetch_add(1, Ordering::AcqRel) + 1;
+        let mut last = self.writing.lock().await;
+        if self.done.load(Ordering::Acquire) >= ticket {
+            return 0;
         }
+        // Every ticket up to here was taken after its changes: the snapshot holds them.
+        let upto = self.wanted.load(Ordering::Acquire);
+        let record: Arc<[u8]> = meta::encode(&self.snapshot()).into();
+        let mut written = 0;
+        if last.as_ref() != Some(&record) {
+            let mut pause = Duration::from_millis(20);
+            let mut failing_since: Option<tokio::time::Instant> = None;
+            loop {
+                match store.write(record.clone()).await {
+                    Ok(()) => break,
+                    Err(e) => {
+                        let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+                        if pause == Duration::from_millis(20) || pause >= STORE_RETRY_MAX {
+                            warn!(
+                                store = %store.describe(),
+                                waiting_ms = since.elapsed().as_millis() as u64,
+                                "{e}; the answers that depend on the state wait until it is \
+                                 written"
+                            );
+                        }
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(STORE_RETRY_MAX);
+                    }
+                }
+            }
+            if let Some(since) = failing_since {
+                info!(
+                    waited_ms = since.elapsed().as_millis() as u64,
+                    "the state store is writable again"
+                );
+            }
+            written = record.len() as u64;
+            *last = Some(record);
+        }
+        self.done.fetch_max(upto, Ordering::AcqRel);
+        written
     }
 
     fn lock(&self) -> MutexGuard<'_, CoordinatorState> {
@@ -366,7 +398,24 @@ impl Service for Coordinator {
     }
 
     async fn handle(&self, peer: &Peer, req: Request, payload: Parts) -> Frame<Response, Parts> {
+        let reads_only = matches!(
+            req,
+            Request::Status
+                | Request::History { .. }
+                | Request::Trace { .. }
+                | Request::Members
+                | Request::GetJob
+                | Request::ShardList
+                | Request::GetMap
+                | Request::Placements
+                | Request::Heartbeat { .. }
+                | Request::Stragglers { set: None }
+        );
         let answer = self.answer(peer, req, payload).await;
+        // Nothing is acknowledged before the changes it depends on are durable.
+        if !reads_only {
+            self.durable().await;
+        }
         let (news, stalls) = {
             let mut st = self.lock();
             (st.take_news(), st.take_stalls())
@@ -621,19 +670,6 @@ impl Coordinator {
     }
 }
 
-/// Reads the durable state a coordinator saved to `path`.
-pub fn read_state(path: &Path) -> anyhow::Result<CoordinatorSnap> {
-    let body = checkpoint::read_blob(path, STATE_MAGIC)?;
-    rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&body)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
-}
-
-/// Writes a snapshot of the durable state to `path`; returns the bytes written.
-fn persist_snap(path: &Path, snap: &CoordinatorSnap) -> anyhow::Result<u64> {
-    let body = rkyv::to_bytes::<BoxedError>(snap)?;
-    Ok(checkpoint::write_blob(path, STATE_MAGIC, &body)?)
-}
-
 /// A coordinator bound to an address, ready to serve.
 pub struct BoundCoordinator {
     /// The service, for in-process inspection.
@@ -737,7 +773,8 @@ impl BoundCoordinator {
         if let Some(p) = persister {
             let _ = p.await;
         }
-        if let Some(bytes) = self.coordinator.save().await {
+        if self.coordinator.store.is_some() {
+            let bytes = self.coordinator.durable().await;
             info!(bytes, "coordinator state saved");
         }
     }

@@ -76,7 +76,7 @@ impl Coordinator {
             return Ok(None);
         };
         self.bump();
-        self.save().await;
+        self.durable().await;
         for attempt in 0..RESOLVE_TRIES {
             if attempt > 0 {
                 tokio::time::sleep(RESOLVE_PAUSE).await;
@@ -144,7 +144,7 @@ impl Coordinator {
         skip: &[ShardId],
     ) {
         self.bump();
-        self.save().await;
+        self.durable().await;
         announce(caller, map, shards, skip);
     }
 
@@ -222,7 +222,7 @@ impl Coordinator {
             };
             self.bump();
             // A published map must survive a crash: save it now.
-            self.save().await;
+            self.durable().await;
             if let (Some(map), Some(entry)) = (map, addr) {
                 let req = Request::SetMap { map, retire: true };
                 if let Err(e) = caller.call(&entry.addr, req, Bytes::new()).await {
@@ -311,7 +311,7 @@ impl Coordinator {
         };
         // The move's map epoch is recorded as sent before it goes out, so that no later map
         // (after a crash, too) gets it.
-        self.save().await;
+        self.durable().await;
         let req = Request::MoveOut {
             start: mv.start,
             end: mv.end,

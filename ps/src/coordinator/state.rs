@@ -162,6 +162,10 @@ pub struct CoordinatorState {
     news: Vec<String>,
     /// Progress over time, evaluations, event counts and live stalls.
     history: History,
+    /// Reports that showed an acknowledged change missing from the state restored: a clock
+    /// or a commit past the saved one, a commit of a lease unknown. Zero while every answer
+    /// waits for its changes to be durable (nonzero only for a state written otherwise).
+    lost_acks: u64,
 }
 
 /// Step records kept for the trace; older ones are dropped.
@@ -230,7 +234,22 @@ impl CoordinatorState {
             next_placement: 1,
             news: Vec::new(),
             history: History::default(),
+            lost_acks: 0,
         }
+    }
+
+    /// Reports that showed an acknowledged change missing from the restored state (see
+    /// `lost_acks`); the simulation requires zero.
+    pub fn lost_acks(&self) -> u64 {
+        self.lost_acks
+    }
+
+    /// Counts an acknowledged change found missing, and says so.
+    fn lost_ack(&mut self, what: String) {
+        self.lost_acks += 1;
+        self.news.push(format!(
+            "{what}: an acknowledged change is missing from the restored state"
+        ));
     }
 
     /// The key worker tokens are signed with.
@@ -748,7 +767,8 @@ impl CoordinatorState {
         }
         // A restored worker may report past the saved clock: steps whose reports were lost
         // with the coordinator's crash.
-        if Some(clock.0) != w.clock.0.checked_add(1) && !(w.restored && clock.0 > w.clock.0) {
+        let jumped = w.restored && clock.0 > w.clock.0.saturating_add(1);
+        if Some(clock.0) != w.clock.0.checked_add(1) && !jumped {
             return Err((
                 ErrorCode::InvalidRequest,
                 format!(
@@ -757,22 +777,23 @@ impl CoordinatorState {
                 ),
             ));
         }
+        let mut lost = jumped.then(|| format!("{worker} reported clock {clock} past {}", w.clock));
         let lease = match span {
             None => None,
             Some(span) => {
-                let i = w
-                    .leased
-                    .iter()
-                    .position(|l| l.part.epoch == span.epoch && l.part.index == span.partition)
-                    .ok_or_else(|| {
-                        (
-                            ErrorCode::InvalidRequest,
-                            format!(
-                                "partition {}/{} is not leased to {worker}",
-                                span.epoch, span.partition
-                            ),
-                        )
-                    })?;
+                let at = (w.leased.iter())
+                    .position(|l| l.part.epoch == span.epoch && l.part.index == span.partition);
+                let Some(i) = at else {
+                    let msg = format!(
+                        "partition {}/{} is not leased to {worker}",
+                        span.epoch, span.partition
+                    );
+                    // A restored worker's lease was acknowledged before the crash.
+                    if w.restored {
+                        self.lost_ack(msg.clone());
+                    }
+                    return Err((ErrorCode::LeaseUnknown, msg));
+                };
                 let l = &w.leased[i];
                 // A restored worker's span may start past the saved position: those samples
                 // were pushed and committed (the shards' ledgers have them), but the commit
@@ -800,10 +821,16 @@ impl CoordinatorState {
                 }
                 // Count the lost commits now, so that the progress counters come back exact
                 // (their losses are unknown: they count as samples only).
-                let lost = u64::from(span.start - l.committed);
-                w.samples += lost;
-                stats.samples += lost;
-                self.samples_done += lost;
+                let skipped = u64::from(span.start - l.committed);
+                if skipped > 0 {
+                    lost = Some(format!(
+                        "{worker} committed {}/{} from {} past {}",
+                        span.epoch, span.partition, span.start, l.committed
+                    ));
+                }
+                w.samples += skipped;
+                stats.samples += skipped;
+                self.samples_done += skipped;
                 Some((i, span.end))
             }
         };
@@ -836,6 +863,9 @@ impl CoordinatorState {
         self.history
             .step(t_ms, worker, u64::from(samples), loss_sum, active);
         self.paced(worker, now);
+        if let Some(what) = lost {
+            self.lost_ack(what);
+        }
         Ok(())
     }
 

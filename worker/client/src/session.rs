@@ -598,21 +598,35 @@ impl Session {
         self.check_lost()?;
         let next = Clock(self.clock.0 + 1);
         self.feed.committing = true;
-        let resp = retry_not_ready(u32::MAX, || {
-            self.job.coordinator.call(
-                Request::Clock {
-                    worker: self.worker,
-                    clock: next,
-                    epoch,
-                    samples,
-                    loss_sum,
-                    span,
-                    last,
-                },
-                Bytes::new(),
-            )
-        })
-        .await;
+        let mut span = span;
+        let (mut samples, mut loss_sum) = (samples, loss_sum);
+        let resp = loop {
+            let r = self
+                .report_step(next, epoch, samples, loss_sum, span, last)
+                .await;
+            match (&r, span) {
+                // The coordinator does not hold the span's partition as leased to this worker
+                // (its state lost the lease): the span goes back, uncommitted. Its gradient
+                // is in the shards' ledgers, so whoever commits the span next is skipped
+                // there and counts it once. The step itself is reported without it, and the
+                // next batch comes from a new lease.
+                (Err(e), Some(s)) if e.code() == Some(ErrorCode::LeaseUnknown) => {
+                    tracing::warn!(
+                        worker = %self.worker,
+                        "{e}: giving epoch {} positions {}..{} back and leasing again",
+                        s.epoch,
+                        s.start,
+                        s.end
+                    );
+                    self.feed.part = None;
+                    if self.feed.outstanding.is_some_and(|(o, _)| o == s) {
+                        self.feed.outstanding = None;
+                    }
+                    (span, samples, loss_sum) = (None, 0, 0.0);
+                }
+                _ => break r,
+            }
+        };
         // An answer, even a refusal, settles the report; a failed connection does not.
         if !matches!(&resp, Err(e) if is_connection_failure(e)) {
             self.feed.committing = false;
@@ -632,6 +646,33 @@ impl Session {
             }
             other => Err(CallError::unexpected(&other).into()),
         }
+    }
+
+    /// Reports the end of step `next` (see [`Session::end_step`]).
+    async fn report_step(
+        &self,
+        next: Clock,
+        epoch: u32,
+        samples: u32,
+        loss_sum: f64,
+        span: Option<DataSpan>,
+        last: bool,
+    ) -> Result<edl_shared::proto::Frame<Response>, CallError> {
+        retry_not_ready(u32::MAX, || {
+            self.job.coordinator.call(
+                Request::Clock {
+                    worker: self.worker,
+                    clock: next,
+                    epoch,
+                    samples,
+                    loss_sum,
+                    span,
+                    last,
+                },
+                Bytes::new(),
+            )
+        })
+        .await
     }
 
     /// Leases the next data partition. `None` means no data is left in any epoch.

@@ -1,0 +1,303 @@
+//! Where a coordinator keeps its durable state: the [`MetaStore`] seam.
+//!
+//! A coordinator answers a request only once every change the answer depends on is durable
+//! (see `Coordinator::durable`): the state is written as one record, the whole durable state
+//! (a few KiB: the job, the shard map, the workers with their leases and committed positions,
+//! the data plan's cursor, the counters), and concurrent requests share one write (group
+//! commit). A record of the whole state costs about what a delta would at this size, and
+//! reading one back needs no replay that could drift from the state machine.
+//!
+//! - [`FileLog`] (the default, one machine): records appended to `coordinator/state.wal`
+//!   with a length and a CRC-32 each, made durable with `fdatasync` before the answers
+//!   waiting on them go out; when the log passes [`COMPACT_BYTES`] the latest record is
+//!   written to `coordinator/state.bin` (atomically: temporary file, fsync, rename, fsync of
+//!   the directory) and the log starts again. A torn record at the log's tail (a crash in
+//!   the middle of an append) was never acknowledged and is cut off when the log is opened.
+//! - [`MemoryStore`]: memory that outlives the coordinator, for the deterministic simulation.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use edl_shared::transport::BoxFuture;
+use rkyv::rancor::BoxedError;
+use thiserror::Error;
+
+use super::state::CoordinatorSnap;
+use crate::checkpoint;
+
+/// Magic bytes of the coordinator's state file (`state.bin`).
+const STATE_MAGIC: &[u8; 8] = b"EDLCOORD";
+
+/// The log is folded into `state.bin` once it is this long.
+pub const COMPACT_BYTES: u64 = 4 << 20;
+
+/// Bytes before each log record: its length and the CRC-32 of its body.
+const RECORD_HEADER: usize = 8;
+
+/// Why a record could not be written.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    /// The store cannot be reached or written now; the write may be tried again.
+    #[error("the state store is unavailable: {0}")]
+    Unavailable(String),
+    /// This coordinator no longer leads: another one writes the state now.
+    #[error("this coordinator was deposed: {0}")]
+    Fenced(String),
+}
+
+/// A coordinator's durable store: the latest record of its state, written durably.
+pub trait MetaStore: Send + Sync + 'static {
+    /// Writes `record`, the whole durable state; `Ok` means it survives a crash.
+    fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Where the state is kept, for logs and errors.
+    fn describe(&self) -> String;
+}
+
+/// Encodes a state record.
+pub fn encode(snap: &CoordinatorSnap) -> Vec<u8> {
+    // Serializing plain owned data into a growable buffer cannot fail; an error here would be a
+    // bug in the snapshot's types, so it is reported as an empty record the reader refuses.
+    rkyv::to_bytes::<BoxedError>(snap)
+        .map(|b| b.to_vec())
+        .unwrap_or_default()
+}
+
+/// Decodes a state record.
+pub fn decode(record: &[u8]) -> anyhow::Result<CoordinatorSnap> {
+    let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(record.len());
+    aligned.extend_from_slice(record);
+    rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&aligned)
+        .map_err(|e| anyhow::anyhow!("undecodable coordinator state record: {e}"))
+}
+
+/// The embedded store: `DIR/state.bin` and the log `DIR/state.wal` beside it.
+pub struct FileLog {
+    base: PathBuf,
+    wal: PathBuf,
+    /// The open log, appended to one record at a time.
+    file: Arc<Mutex<fs::File>>,
+}
+
+impl FileLog {
+    /// Opens the store whose base file is `base` (`STATE_DIR/coordinator/state.bin`), creating
+    /// its directory and log as needed. Returns the store and the latest record it holds.
+    pub fn open(base: &Path) -> anyhow::Result<(FileLog, Option<Vec<u8>>)> {
+        let dir = base.parent().unwrap_or(Path::new("."));
+        fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+        let wal = base.with_extension("wal");
+        let fresh = !wal.exists();
+        let mut file = fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(&wal)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", wal.display()))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", wal.display()))?;
+        let (latest, valid) = last_record(&bytes);
+        if valid < bytes.len() {
+            tracing::warn!(
+                path = %wal.display(),
+                cut = bytes.len() - valid,
+                "the state log ends in a torn record (a crash while appending it); it was never \
+                 acknowledged and is cut off"
+            );
+            file.set_len(valid as u64)
+                .and_then(|()| file.sync_all())
+                .map_err(|e| anyhow::anyhow!("{}: {e}", wal.display()))?;
+        }
+        if fresh {
+            // The new log's directory entry must be durable before a record in it counts.
+            fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+        }
+        let latest = match latest {
+            Some(r) => Some(r.to_vec()),
+            None if base.exists() => Some(
+                checkpoint::read_blob(base, STATE_MAGIC)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .to_vec(),
+            ),
+            None => None,
+        };
+        let log = FileLog {
+            base: base.to_path_buf(),
+            wal,
+            file: Arc::new(Mutex::new(file)),
+        };
+        Ok((log, latest))
+    }
+
+    /// Appends `record` and makes it durable; folds the log into the base file once it is long.
+    fn append(
+        base: &Path,
+        wal: &Path,
+        file: &Mutex<fs::File>,
+        record: &[u8],
+    ) -> Result<(), String> {
+        let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = Vec::with_capacity(RECORD_HEADER + record.len());
+        out.extend_from_slice(&(record.len() as u32).to_le_bytes());
+        out.extend_from_slice(&crc32fast::hash(record).to_le_bytes());
+        out.extend_from_slice(record);
+        let at = |e: std::io::Error| format!("{}: {e}", wal.display());
+        let len = file.metadata().map_err(at)?.len();
+        if let Err(e) = file.write_all(&out).and_then(|()| file.sync_data()) {
+            // Whatever part of the record reached the file is cut off, so the next append
+            // starts on a record boundary.
+            let _ = file.set_len(len);
+            return Err(at(e));
+        }
+        if len + out.len() as u64 >= COMPACT_BYTES {
+            checkpoint::write_blob(base, STATE_MAGIC, record).map_err(|e| e.to_string())?;
+            // The base file now holds this record: the log may start again.
+            file.set_len(0).and_then(|()| file.sync_all()).map_err(at)?;
+        }
+        Ok(())
+    }
+}
+
+impl MetaStore for FileLog {
+    fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>> {
+        let (base, wal, file) = (self.base.clone(), self.wal.clone(), self.file.clone());
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || Self::append(&base, &wal, &file, &record))
+                .await
+                .map_err(|e| StoreError::Unavailable(e.to_string()))?
+                .map_err(StoreError::Unavailable)
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (log {})", self.base.display(), self.wal.display())
+    }
+}
+
+/// The last complete record in a log's bytes and the length of the valid prefix.
+fn last_record(bytes: &[u8]) -> (Option<&[u8]>, usize) {
+    let (mut at, mut last) = (0, None);
+    while let Some(header) = bytes.get(at..at + RECORD_HEADER) {
+        let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+        let start = at + RECORD_HEADER;
+        match bytes.get(start..start + len) {
+            Some(body) if crc32fast::hash(body) == crc => {
+                last = Some(body);
+                at = start + len;
+            }
+            _ => break,
+        }
+    }
+    (last, at)
+}
+
+/// Reads the durable state a coordinator keeps at `base` (`STATE_DIR/coordinator/state.bin`
+/// and its log), without opening it for writing.
+pub fn read_state(base: &Path) -> anyhow::Result<Option<CoordinatorSnap>> {
+    let wal = base.with_extension("wal");
+    let logged = match fs::read(&wal) {
+        Ok(bytes) => last_record(&bytes).0.map(<[u8]>::to_vec),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => anyhow::bail!("{}: {e}", wal.display()),
+    };
+    let record = match logged {
+        Some(r) => r,
+        None if base.exists() => checkpoint::read_blob(base, STATE_MAGIC)
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .to_vec(),
+        None => return Ok(None),
+    };
+    decode(&record)
+        .map(Some)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", base.display()))
+}
+
+/// Memory that outlives a coordinator: the simulation's disk. Clones share the memory.
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    latest: Arc<Mutex<Option<Arc<[u8]>>>>,
+}
+
+impl MemoryStore {
+    /// The state last written, decoded.
+    pub fn latest(&self) -> anyhow::Result<Option<CoordinatorSnap>> {
+        let record = self
+            .latest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        record.map(|r| decode(&r)).transpose()
+    }
+}
+
+impl MetaStore for MemoryStore {
+    fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>> {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(record);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_torn_tail_is_cut_and_the_last_whole_record_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path().join("coordinator/state.bin");
+        let (log, latest) = FileLog::open(&base).expect("open");
+        assert!(latest.is_none());
+        for r in [&b"first"[..], b"second", b"third"] {
+            FileLog::append(&log.base, &log.wal, &log.file, r).expect("append");
+        }
+        drop(log);
+        // A crash in the middle of a fourth append: its header and part of its body.
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(base.with_extension("wal"))
+            .expect("log");
+        f.write_all(&10u32.to_le_bytes()).expect("write");
+        f.write_all(&crc32fast::hash(b"fourth rec").to_le_bytes())
+            .expect("write");
+        f.write_all(b"four").expect("write");
+        drop(f);
+        let (log, latest) = FileLog::open(&base).expect("reopen");
+        assert_eq!(latest.as_deref(), Some(&b"third"[..]));
+        // The next record follows the last whole one.
+        FileLog::append(&log.base, &log.wal, &log.file, b"fifth").expect("append");
+        let (_, latest) = FileLog::open(&base).expect("reopen");
+        assert_eq!(latest.as_deref(), Some(&b"fifth"[..]));
+    }
+
+    #[test]
+    fn a_long_log_is_folded_into_the_base_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path().join("state.bin");
+        let (log, _) = FileLog::open(&base).expect("open");
+        let record = vec![7u8; 1 << 20];
+        for i in 0..5u8 {
+            let mut r = record.clone();
+            r[0] = i;
+            FileLog::append(&log.base, &log.wal, &log.file, &r).expect("append");
+        }
+        // 4 MiB passed at the fourth record: folded into state.bin, and the log restarted.
+        let wal_len = fs::metadata(base.with_extension("wal")).expect("log").len();
+        assert_eq!(wal_len, (RECORD_HEADER + record.len()) as u64);
+        let folded = checkpoint::read_blob(&base, STATE_MAGIC).expect("base");
+        assert_eq!(folded[0], 3);
+        let (_, latest) = FileLog::open(&base).expect("reopen");
+        assert_eq!(latest.map(|r| r[0]), Some(4));
+        // Without the log, the base file is the state.
+        fs::remove_file(base.with_extension("wal")).expect("rm");
+        let (_, latest) = FileLog::open(&base).expect("reopen");
+        assert_eq!(latest.map(|r| r[0]), Some(3));
+    }
+}

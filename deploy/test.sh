@@ -15,6 +15,14 @@ failed=()
 mkdir -p target
 export EDL_SKIP_LOG="$PWD/target/skipped-tests.log"
 : > "$EDL_SKIP_LOG"
+# The build needs protoc (the etcd client's gRPC code); the failover tests run Debian's etcd.
+if ! command -v protoc >/dev/null || ! command -v etcd >/dev/null; then
+  echo "the build needs protoc and the failover tests etcd: installing protobuf-compiler and etcd-server" >&2
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq protobuf-compiler etcd-server
+fi
 cargo test --locked --workspace --no-fail-fast || failed+=("cargo test (the failing binaries are named above)")
 
 py=/usr/bin/python3

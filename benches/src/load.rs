@@ -532,6 +532,7 @@ fn call_kind(e: &CallError) -> String {
         CallError::Proto(p) => format!("bad frame ({:?})", p.code()),
         CallError::Unexpected(_) | CallError::Refused(_) => "unexpected answer".into(),
         CallError::Withdrawn => "withdrawn".into(),
+        CallError::NotLeader { .. } => "not the leader".into(),
         CallError::Bind(_) | CallError::Address(_) | CallError::Pki(_) => "set-up".into(),
     }
 }

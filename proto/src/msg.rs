@@ -732,6 +732,12 @@ pub enum Response {
         /// The role the server read from the client's certificate.
         role: String,
     },
+    /// This coordinator stands by (another one of the job leads, elected through the job's
+    /// metadata store): ask the leader, at `leader` if known (unknown during an election).
+    NotLeader {
+        /// The leader's address, as it advertises it.
+        leader: Option<String>,
+    },
     /// Done, nothing to report.
     Ack,
     /// A heartbeat's answer: whether the worker is asked to leave, and by when.

@@ -3,6 +3,7 @@
 
 use bytes::Bytes;
 use edl_shared::Identity;
+use edl_shared::leader::Coordinators;
 use edl_shared::proto::ErrorCode;
 use edl_shared::proto::msg::{
     JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
@@ -15,31 +16,150 @@ use serde::Serialize;
 
 /// An authenticated admin connection to a job.
 pub struct Admin {
-    coordinator: Conn,
+    coordinator: std::sync::Mutex<Conn>,
+    /// The job's coordinators (one, or the leader and standbys) and the one in use.
+    coordinators: std::sync::Mutex<Coordinators>,
     endpoint: quinn::Endpoint,
     settings: TransportSettings,
     name: String,
 }
 
+/// Tries of a request across a job's coordinators before the last error is given back.
+const LEADER_TRIES: usize = 8;
+
+/// What one of a job's coordinators is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CoordinatorRole {
+    /// It leads: it answered.
+    Leader,
+    /// It stands by; it named the leader, if one is elected.
+    Standby {
+        /// The leader's address.
+        leader: Option<String>,
+    },
+}
+
 impl Admin {
-    /// Connects to the coordinator at `addr`.
+    /// Connects to the coordinator at `addrs`: one address, or several separated by commas
+    /// (a job's coordinators sharing an etcd), of which the first that answers is used; a
+    /// standby's answer moves the requests on to the leader it names.
     pub async fn connect(
-        addr: &str,
+        addrs: &str,
         identity: &Identity,
         settings: TransportSettings,
     ) -> Result<Admin, CallError> {
+        let mut coordinators = Coordinators::parse(addrs).map_err(CallError::Address)?;
         let endpoint = client_endpoint(identity, &settings, false)?;
-        let coordinator = Conn::connect(&endpoint, addr, &identity.name, &settings).await?;
+        let mut tried = 0;
+        let coordinator = loop {
+            match Conn::connect(&endpoint, coordinators.current(), &identity.name, &settings).await
+            {
+                Ok(c) => break c,
+                Err(e) if tried + 1 < coordinators.all().len() => {
+                    tracing::debug!(error = %e, "coordinator at {} does not answer", coordinators.current());
+                    coordinators.advance();
+                    tried += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         Ok(Admin {
-            coordinator,
+            coordinator: std::sync::Mutex::new(coordinator),
+            coordinators: std::sync::Mutex::new(coordinators),
             endpoint,
             settings,
             name: identity.name.clone(),
         })
     }
 
+    /// The address of the coordinator in use (the leader, once a request found it).
+    pub fn coordinator_addr(&self) -> String {
+        self.coordinators
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .current()
+            .to_string()
+    }
+
     pub(crate) async fn ask(&self, req: Request) -> Result<Response, CallError> {
-        Ok(self.coordinator.call(req, Bytes::new()).await?.msg)
+        let mut tries = 0;
+        loop {
+            let conn = self
+                .coordinator
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            let err = match conn.call(req.clone(), Bytes::new()).await {
+                Ok(answer) => return Ok(answer.msg),
+                Err(e @ CallError::NotLeader { .. }) => e,
+                Err(e) if e.connection_failed() && self.several() => e,
+                Err(e) => return Err(e),
+            };
+            tries += 1;
+            if tries >= LEADER_TRIES {
+                return Err(err);
+            }
+            let to = {
+                let mut c = self.coordinators.lock().unwrap_or_else(|p| p.into_inner());
+                match &err {
+                    CallError::NotLeader { leader: Some(l) } => c.follow(Some(l)).to_string(),
+                    _ => c.advance().to_string(),
+                }
+            };
+            if !matches!(err, CallError::NotLeader { leader: Some(_) }) {
+                // An election may be under way.
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            tracing::info!("{err}; asking the coordinator at {to}");
+            if let Ok(c) = Conn::connect(&self.endpoint, &to, &self.name, &self.settings).await {
+                *self.coordinator.lock().unwrap_or_else(|p| p.into_inner()) = c;
+            }
+        }
+    }
+
+    fn several(&self) -> bool {
+        self.coordinators
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .all()
+            .len()
+            > 1
+    }
+
+    /// Each of the job's coordinators (the addresses given, and the leader if a standby names
+    /// another): its address and what it is, leader, standby or unreachable (with why).
+    pub async fn coordinators(&self) -> Vec<(String, Result<CoordinatorRole, String>)> {
+        let mut addrs = self
+            .coordinators
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .all()
+            .to_vec();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while let Some(addr) = addrs.get(i).cloned() {
+            i += 1;
+            let asked = async {
+                let conn = Conn::connect(&self.endpoint, &addr, &self.name, &self.settings).await?;
+                conn.call(Request::Status, Bytes::new()).await
+            };
+            let role = match tokio::time::timeout(std::time::Duration::from_secs(3), asked).await {
+                Ok(Ok(_)) => Ok(CoordinatorRole::Leader),
+                Ok(Err(CallError::NotLeader { leader })) => {
+                    if let Some(l) = &leader
+                        && !addrs.contains(l)
+                    {
+                        addrs.push(l.clone());
+                    }
+                    Ok(CoordinatorRole::Standby { leader })
+                }
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("no answer within 3 s".into()),
+            };
+            out.push((addr, role));
+        }
+        out
     }
 
     /// The job status.

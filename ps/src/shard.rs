@@ -1554,7 +1554,8 @@ impl Service for ShardService {
 /// Where a shard listens and how it finds the coordinator.
 #[derive(Clone, Debug)]
 pub struct ShardConfig {
-    /// The coordinator's address.
+    /// The coordinators' addresses (one, or several separated by commas: the job's leader
+    /// and standbys).
     pub coordinator: String,
     /// The address to bind.
     pub listen: SocketAddr,
@@ -1677,10 +1678,13 @@ async fn join(
     settings: &TransportSettings,
 ) -> anyhow::Result<(ShardId, JobConfig, ShardMap, Token)> {
     let ep = client_endpoint(identity, settings, false)?;
+    let mut coordinators =
+        edl_shared::leader::Coordinators::parse(coordinator).map_err(anyhow::Error::msg)?;
     let mut delay = Duration::from_millis(50);
     loop {
+        let at = coordinators.current().to_string();
         let attempt = async {
-            let conn = Conn::connect(&ep, coordinator, &identity.name, settings).await?;
+            let conn = Conn::connect(&ep, &at, &identity.name, settings).await?;
             let resp = conn
                 .call(
                     Request::ShardJoin {
@@ -1704,8 +1708,14 @@ async fn join(
             Err(e @ CallError::Remote { .. }) if e.code() != Some(ErrorCode::NotReady) => {
                 return Err(e.into());
             }
+            // A standby: join the leader it names.
+            Err(CallError::NotLeader { leader: Some(l) }) => {
+                tracing::info!(leader = %l, "the coordinator at {at} stands by: joining the leader");
+                coordinators.follow(Some(&l));
+            }
             Err(e) => {
-                tracing::debug!(error = %e, "coordinator not ready; retrying");
+                tracing::debug!(error = %e, "coordinator at {at} not ready; retrying");
+                coordinators.advance();
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(1));
             }

@@ -12,6 +12,7 @@ pub mod faults;
 #[cfg(feature = "observe")]
 pub mod http;
 pub mod jobfile;
+pub mod leader;
 pub mod libsvm;
 pub mod metrics;
 pub mod pki;

@@ -442,6 +442,20 @@ pub enum CallError {
     /// The request was withdrawn before it was complete ([`Release`]): the server dropped it.
     #[error("request withdrawn before it was complete")]
     Withdrawn,
+    /// The coordinator asked stands by: another one leads (at `leader`, if known). It did
+    /// nothing with the request, so repeating it at the leader is always safe.
+    #[error("{}", not_leader_text(.leader.as_deref()))]
+    NotLeader {
+        /// The leader's address, if one is elected.
+        leader: Option<String>,
+    },
+}
+
+fn not_leader_text(leader: Option<&str>) -> String {
+    match leader {
+        Some(at) => format!("this coordinator stands by; the leader is at {at}"),
+        None => "this coordinator stands by and no leader is elected yet".into(),
+    }
 }
 
 /// An error code as operators read it (`Busy`, `StaleEpoch`), or that it was not known.
@@ -461,6 +475,22 @@ impl CallError {
         }
     }
 
+    /// True for failures of the connection itself, after which a retry on a new connection
+    /// (or to another of a job's coordinators) may succeed; false for answers (errors the
+    /// server sent, malformed replies) and set-up errors.
+    pub fn connection_failed(&self) -> bool {
+        matches!(
+            self,
+            CallError::Connect(_)
+                | CallError::Connection(_)
+                | CallError::NotSent(_)
+                | CallError::Read(_)
+                | CallError::ReadChunk(_)
+                | CallError::Write(_)
+                | CallError::Closed(_)
+        )
+    }
+
     /// A peer's answer as a call's result: an error answer is [`CallError::Remote`].
     pub fn answered(msg: Response) -> Result<Response, CallError> {
         match msg {
@@ -469,6 +499,7 @@ impl CallError {
                 message,
                 map: map.map(Box::new),
             }),
+            Response::NotLeader { leader } => Err(CallError::NotLeader { leader }),
             msg => Ok(msg),
         }
     }
@@ -630,7 +661,7 @@ struct AnswerSink<'a, S>(&'a mut S);
 impl<S: Sink<Response>> Sink<Response> for AnswerSink<'_, S> {
     fn header(&mut self, msg: &Response, len: u64) -> Result<(), String> {
         match msg {
-            Response::Error { .. } if len == 0 => Ok(()),
+            Response::Error { .. } | Response::NotLeader { .. } if len == 0 => Ok(()),
             Response::Error { .. } => Err(format!("an error answer with {len} payload bytes")),
             _ => self.0.header(msg, len),
         }

@@ -26,6 +26,7 @@ use edl_worker::{ClientConfig, Job, Session};
 use tokio::task::JoinSet;
 
 pub mod dst;
+pub mod etcd;
 pub mod placer;
 pub mod synthetic;
 pub mod tenants;

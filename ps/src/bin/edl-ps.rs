@@ -139,6 +139,22 @@ struct CoordinatorArgs {
     /// could answer so for a live worker.
     #[arg(long)]
     no_socket_probe: bool,
+    /// Keep the state in etcd instead of STATE_DIR (etcd://HOST:PORT[,HOST:PORT...], every
+    /// member with its client port). Several coordinators of one job may run with the same
+    /// --meta: one leads (through an etcd lease), the others stand by and tell clients where
+    /// the leader is, and one of them takes over within --leader-ttl of the leader's death.
+    /// Give clients every coordinator: --coordinator A,B.
+    #[arg(long, value_name = "URL", conflicts_with = "no_persist")]
+    meta: Option<String>,
+    /// With --meta: the address clients and the other coordinators reach this one at
+    /// (default: --listen, which must then be a specific address, not 0.0.0.0).
+    #[arg(long, value_name = "ADDR", requires = "meta")]
+    advertise: Option<String>,
+    /// With --meta: the leader's etcd lease. A dead leader is replaced within about this
+    /// long; a leader cut off from etcd this long steps down (and exits). Shorter fails over
+    /// sooner; longer rides out longer etcd outages and pauses without a false failover.
+    #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = humantime::parse_duration, requires = "meta")]
+    leader_ttl: std::time::Duration,
     /// Serve the live dashboard at http://ADDR/ (membership, throughput, loss and accuracy,
     /// shards, stragglers, events), its JSON API (/api/status, /api/history, /api/shards) and
     /// /metrics (e.g. 127.0.0.1:8080; port 0 picks one). Plain HTTP without authentication:
@@ -160,7 +176,8 @@ struct CoordinatorArgs {
 
 #[derive(clap::Args, Debug)]
 struct ShardArgs {
-    /// The coordinator's address.
+    /// The coordinator's address; with several coordinators (--meta), all of them separated
+    /// by commas: the shard joins whichever leads.
     #[arg(long, default_value = "127.0.0.1:7070")]
     coordinator: String,
     /// Address to listen on (UDP, QUIC).
@@ -368,6 +385,41 @@ async fn main() -> anyhow::Result<()> {
                 budgets: a.budgets.budgets(),
                 ..TransportSettings::default()
             };
+            if let Some(url) = &a.meta {
+                let endpoints = coordinator::etcd::parse_url(url).map_err(anyhow::Error::msg)?;
+                let advertise = match &a.advertise {
+                    Some(ad) => ad.clone(),
+                    None if a.listen.ip().is_unspecified() || a.listen.port() == 0 => {
+                        anyhow::bail!(
+                            "--meta needs the address clients reach this coordinator at: give \
+                             --advertise HOST:PORT, or --listen with a specific address and port"
+                        )
+                    }
+                    None => a.listen.to_string(),
+                };
+                anyhow::ensure!(
+                    a.http.is_none(),
+                    "--http is not served with --meta yet: read the leader's status with edlctl"
+                );
+                let elected = coordinator::ElectedConfig {
+                    endpoints,
+                    advertise,
+                    ttl: a.leader_ttl,
+                };
+                let stop = shutdown::on_signals();
+                a.metrics.start(stop.clone()).await?;
+                let addr_file = a.addr_file.clone();
+                return coordinator::run_elected(
+                    cfg,
+                    elected,
+                    a.listen,
+                    &identity,
+                    settings,
+                    stop,
+                    |addr| write_addr(&addr_file, addr),
+                )
+                .await;
+            }
             let bound = coordinator::bind(cfg, a.listen, &identity, settings)
                 .context("starting the coordinator")?;
             write_addr(&a.addr_file, bound.addr)?;

@@ -4,7 +4,7 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
-use edl_ps::admin::{self, Admin, ShardRow, StatusView, WorkerRow};
+use edl_ps::admin::{self, Admin, CoordinatorRole, ShardRow, StatusView, WorkerRow};
 use edl_ps::cluster::{JobRow, SlotRow};
 use edl_shared::cli::{IdentityArgs, ms};
 use edl_shared::proto::msg::WorkerState;
@@ -16,7 +16,9 @@ use serde::Serialize;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Cli {
-    /// The coordinator's address.
+    /// The coordinator's address; with several coordinators of a job (`edl-ps coordinator
+    /// --meta`), all of them separated by commas: requests go to whichever leads, and
+    /// `status` shows which leads and which stand by.
     #[arg(long, env = "EDL_COORDINATOR", default_value = "127.0.0.1:7070")]
     coordinator: String,
     /// The cluster scheduler's address (`edl-sched`), for `job` and `slots`.
@@ -307,10 +309,24 @@ async fn main() -> anyhow::Result<()> {
                 admin.shard_list().await?,
             );
             let v = StatusView::new(&job, &st, &members, &shards);
+            // With several coordinators (a leader and standbys), what each one is.
+            let several = cli.coordinator.contains(',');
+            let roles = if several {
+                admin.coordinators().await
+            } else {
+                Vec::new()
+            };
             if cli.json {
-                return print_json(&v);
+                let mut out = serde_json::to_value(&v)?;
+                if several && let Some(o) = out.as_object_mut() {
+                    o.insert("coordinators".into(), coordinators_json(&roles));
+                }
+                return print_json(&out);
             }
             println!("{}", status_table(&v));
+            if several {
+                println!("coordinators: {}", coordinators_line(&roles));
+            }
         }
         Cmd::Watch { every } => loop {
             let (job, st, members, shards) = (
@@ -767,6 +783,30 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The job's coordinators as `edlctl status` prints them: `A leader, B standby, C
+/// unreachable (why)`.
+fn coordinators_line(roles: &[(String, Result<CoordinatorRole, String>)]) -> String {
+    let each: Vec<String> = roles
+        .iter()
+        .map(|(addr, role)| match role {
+            Ok(CoordinatorRole::Leader) => format!("{addr} leader"),
+            Ok(CoordinatorRole::Standby { .. }) => format!("{addr} standby"),
+            Err(why) => format!("{addr} unreachable ({why})"),
+        })
+        .collect();
+    each.join(", ")
+}
+
+fn coordinators_json(roles: &[(String, Result<CoordinatorRole, String>)]) -> serde_json::Value {
+    roles
+        .iter()
+        .map(|(addr, role)| match role {
+            Ok(r) => serde_json::json!({ "addr": addr, "role": r }),
+            Err(why) => serde_json::json!({ "addr": addr, "role": "unreachable", "error": why }),
+        })
+        .collect()
 }
 
 async fn scheduler(addr: &str, identity: &edl_shared::Identity) -> anyhow::Result<Admin> {

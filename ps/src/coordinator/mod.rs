@@ -3,6 +3,7 @@
 //! long-polls where the protocol waits (shard assignment, admission, clock grants, data).
 
 pub mod data;
+pub mod etcd;
 mod http;
 pub mod meta;
 mod metrics;
@@ -85,6 +86,9 @@ pub struct Coordinator {
     /// Held from a write's snapshot until it is durable: writes reach the store one at a
     /// time and in snapshot order. Holds the record written last.
     writing: tokio::sync::Mutex<Option<Arc<[u8]>>>,
+    /// Cancelled when the store refused a write because another coordinator leads now: this
+    /// one answers nothing more that depends on its state, and its process ends.
+    deposed: CancellationToken,
 }
 
 impl Coordinator {
@@ -110,6 +114,7 @@ impl Coordinator {
             job_name: std::sync::OnceLock::new(),
             resharding: tokio::sync::Mutex::new(()),
             writing: tokio::sync::Mutex::new(None),
+            deposed: CancellationToken::new(),
         }
     }
 
@@ -178,19 +183,29 @@ impl Coordinator {
     }
 
     /// Returns once every change made to the state before the call is durable in the store
-    /// (at once without one). Concurrent callers share a write: the first to get the writer
-    /// writes the state as it is then, which holds the changes of everyone who asked before
-    /// (group commit); a state equal to the one written last is not written again. While
-    /// the store is unavailable the write is tried again, and the answers waiting on it
-    /// wait: nothing is acknowledged that a crash could lose. Returns the bytes written.
-    pub async fn durable(&self) -> u64 {
+    /// (at once without one); `false` if it never will be, because another coordinator leads
+    /// now (the store fenced this one off: see [`Coordinator::deposed`]). Concurrent callers
+    /// share a write: the first to get the writer writes the state as it is then, which holds
+    /// the changes of everyone who asked before (group commit); a state equal to the one
+    /// written last is not written again. While the store is unavailable the write is tried
+    /// again, and the answers waiting on it wait: nothing is acknowledged that a crash could
+    /// lose.
+    pub async fn durable(&self) -> bool {
+        self.durable_bytes().await.is_some()
+    }
+
+    /// [`Coordinator::durable`], returning the bytes written.
+    async fn durable_bytes(&self) -> Option<u64> {
         let Some(store) = self.store.as_ref() else {
-            return 0;
+            return Some(0);
         };
         let ticket = self.wanted.fetch_add(1, Ordering::AcqRel) + 1;
         let mut last = self.writing.lock().await;
+        if self.deposed.is_cancelled() {
+            return None;
+        }
         if self.done.load(Ordering::Acquire) >= ticket {
-            return 0;
+            return Some(0);
         }
         // Every ticket up to here was taken after its changes: the snapshot holds them.
         let upto = self.wanted.load(Ordering::Acquire);
@@ -202,6 +217,14 @@ impl Coordinator {
             loop {
                 match store.write(record.clone()).await {
                     Ok(()) => break,
+                    Err(StoreError::Fenced(why)) => {
+                        tracing::error!(
+                            store = %store.describe(),
+                            "{why}: this coordinator was deposed and answers nothing more"
+                        );
+                        self.deposed.cancel();
+                        return None;
+                    }
                     Err(e) => {
                         let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
                         if pause == Duration::from_millis(20) || pause >= STORE_RETRY_MAX {
@@ -227,7 +250,12 @@ impl Coordinator {
             *last = Some(record);
         }
         self.done.fetch_max(upto, Ordering::AcqRel);
-        written
+        Some(written)
+    }
+
+    /// Cancelled once the store fenced this coordinator off: another one leads.
+    pub fn deposed(&self) -> CancellationToken {
+        self.deposed.clone()
     }
 
     fn lock(&self) -> MutexGuard<'_, CoordinatorState> {
@@ -412,9 +440,10 @@ impl Service for Coordinator {
                 | Request::Stragglers { set: None }
         );
         let answer = self.answer(peer, req, payload).await;
-        // Nothing is acknowledged before the changes it depends on are durable.
-        if !reads_only {
-            self.durable().await;
+        // Nothing is acknowledged before the changes it depends on are durable; a deposed
+        // coordinator acknowledges nothing.
+        if !reads_only && !self.durable().await {
+            return Frame::new(Response::NotLeader { leader: None });
         }
         let (news, stalls) = {
             let mut st = self.lock();
@@ -719,10 +748,34 @@ impl BoundCoordinator {
 
     /// Serves until `shutdown` is cancelled, sweeping expired leases in the background.
     pub async fn run(self, shutdown: CancellationToken) {
-        let lease = Duration::from_millis(u64::from(self.coordinator.lock().job().lease_ms));
-        let c = self.coordinator.clone();
-        let sweep_stop = shutdown.clone();
-        let probing = self.probe_sockets;
+        let background = Background::start(&self.coordinator, self.probe_sockets, &shutdown);
+        info!(addr = %self.addr, aes_gcm = self.settings.aead.name(), "coordinator serving");
+        let job = self.coordinator.job_name().to_string();
+        edl_shared::serve(
+            self.endpoint,
+            self.coordinator.clone(),
+            &job,
+            &self.settings,
+            shutdown,
+        )
+        .await;
+        background.stop(&self.coordinator).await;
+    }
+}
+
+/// A coordinator's work besides answering: the sweeper (expired leases, stalls, the probe of
+/// silent workers), the periodic save of changes no answer waited for, and the settling of
+/// a move a crash left in its middle.
+struct Background {
+    sweeper: tokio::task::JoinHandle<()>,
+    persister: Option<tokio::task::JoinHandle<()>>,
+    resuming: tokio::task::JoinHandle<()>,
+}
+
+impl Background {
+    fn start(coordinator: &Arc<Coordinator>, probing: bool, stop: &CancellationToken) -> Self {
+        let lease = Duration::from_millis(u64::from(coordinator.lock().job().lease_ms));
+        let (c, sweep_stop) = (coordinator.clone(), stop.clone());
         let sweeper = tokio::spawn(async move {
             let mut tick =
                 tokio::time::interval((lease / 8).clamp(Duration::from_millis(20), probe::TICK));
@@ -741,8 +794,8 @@ impl BoundCoordinator {
                 }
             }
         });
-        let persister = self.coordinator.store.is_some().then(|| {
-            let (c, stop) = (self.coordinator.clone(), shutdown.clone());
+        let persister = coordinator.store.is_some().then(|| {
+            let (c, stop) = (coordinator.clone(), stop.clone());
             tokio::spawn(async move {
                 loop {
                     tokio::select! {
@@ -754,28 +807,163 @@ impl BoundCoordinator {
             })
         });
         // A move a crash left in its middle is settled once the shards can be reached.
-        let resuming = {
-            let c = self.coordinator.clone();
-            tokio::spawn(async move { c.resume().await })
-        };
-        info!(addr = %self.addr, aes_gcm = self.settings.aead.name(), "coordinator serving");
-        let job = self.coordinator.job_name().to_string();
-        edl_shared::serve(
-            self.endpoint,
-            self.coordinator.clone(),
-            &job,
-            &self.settings,
-            shutdown,
-        )
-        .await;
-        sweeper.abort();
-        resuming.abort();
-        if let Some(p) = persister {
+        let c = coordinator.clone();
+        let resuming = tokio::spawn(async move { c.resume().await });
+        Background {
+            sweeper,
+            persister,
+            resuming,
+        }
+    }
+
+    /// Stops the background work (the caller cancelled its token) and saves the state.
+    async fn stop(self, coordinator: &Coordinator) {
+        self.sweeper.abort();
+        self.resuming.abort();
+        if let Some(p) = self.persister {
             let _ = p.await;
         }
-        if self.coordinator.store.is_some() {
-            let bytes = self.coordinator.durable().await;
+        if coordinator.store.is_some()
+            && let Some(bytes) = coordinator.durable_bytes().await
+        {
             info!(bytes, "coordinator state saved");
+        }
+    }
+}
+
+/// One of several coordinators of a job sharing an etcd (`--meta etcd://...`): it answers
+/// every request with where the leader is until it is elected, then as the coordinator.
+struct Elected {
+    leader: std::sync::OnceLock<Arc<Coordinator>>,
+    standby: tokio::sync::watch::Receiver<Option<String>>,
+}
+
+impl Service for Elected {
+    fn allowed(&self, role: Role, req: &Request) -> bool {
+        self.leader.get().is_none_or(|c| c.allowed(role, req))
+    }
+
+    async fn handle(&self, peer: &Peer, req: Request, payload: Parts) -> Frame<Response, Parts> {
+        match self.leader.get() {
+            Some(c) => c.handle(peer, req, payload).await,
+            None => Frame::new(Response::NotLeader {
+                leader: self.standby.borrow().clone(),
+            }),
+        }
+    }
+}
+
+/// How a coordinator that shares its job with others through etcd runs.
+pub struct ElectedConfig {
+    /// The etcd members (`etcd://H:P,...`, parsed by [`etcd::parse_url`]).
+    pub endpoints: Vec<String>,
+    /// The address the others and the clients reach this coordinator at.
+    pub advertise: String,
+    /// The leader's etcd lease: a leader that dies is replaced after at most this long
+    /// (plus a standby's poll); a leader cut off from etcd this long steps down.
+    pub ttl: Duration,
+}
+
+/// Runs a coordinator of a job whose state is in etcd until `shutdown`: it answers at once (as
+/// a standby, naming the leader), campaigns, and once elected restores the state etcd holds
+/// and serves. `on_bound` gets the bound address as soon as it is known. Returns an error if
+/// it was deposed (its lease lapsed or another coordinator took the lead): the process should
+/// end, and may be started again as a standby.
+pub async fn run_elected(
+    config: CoordinatorConfig,
+    elected: ElectedConfig,
+    listen: SocketAddr,
+    identity: &Identity,
+    settings: TransportSettings,
+    shutdown: CancellationToken,
+    on_bound: impl FnOnce(SocketAddr) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let meta =
+        etcd::EtcdMeta::connect(elected.endpoints.clone(), &identity.job, "coordinator").await?;
+    let endpoint = server_endpoint(listen, identity, &settings)?;
+    on_bound(endpoint.local_addr()?)?;
+    let (standby, watching) = tokio::sync::watch::channel(None);
+    let service = Arc::new(Elected {
+        leader: std::sync::OnceLock::new(),
+        standby: watching,
+    });
+    let server = {
+        let (service, job, settings, stop) = (
+            service.clone(),
+            identity.job.clone(),
+            settings.clone(),
+            shutdown.clone(),
+        );
+        tokio::spawn(
+            async move { edl_shared::serve(endpoint, service, &job, &settings, stop).await },
+        )
+    };
+    info!(advertise = %elected.advertise, etcd = %elected.endpoints.join(","), "coordinator campaigning for the lead");
+    let Some(lead) = meta
+        .campaign(&elected.advertise, elected.ttl, &standby, &shutdown)
+        .await
+    else {
+        let _ = server.await;
+        return Ok(());
+    };
+    let started = async {
+        let probing = config.probe_sockets;
+        let coordinator = match meta
+            .load()
+            .await
+            .map_err(|e| anyhow::anyhow!("etcd: {e}"))?
+        {
+            Some(record) => {
+                let snap = meta::decode(&record)?;
+                Coordinator::restored(snap, config)?
+            }
+            None => Coordinator::new(config)?,
+        };
+        let coordinator = coordinator.with_store(Arc::new(meta.store(&lead)));
+        coordinator.set_shard_link(Arc::new(ShardCaller::new(identity, &settings)?));
+        let _ = coordinator.job_name.set(identity.job.clone());
+        anyhow::Ok((Arc::new(coordinator), probing))
+    };
+    let (coordinator, probing) = match started.await {
+        Ok(c) => c,
+        Err(e) => {
+            meta.resign(&lead).await;
+            shutdown.cancel();
+            let _ = server.await;
+            return Err(e.context("taking the lead"));
+        }
+    };
+    metrics::watch(&coordinator);
+    let _ = service.leader.set(coordinator.clone());
+    info!(term = lead.term, advertise = %elected.advertise, "coordinator elected: leading the job");
+    let work = shutdown.child_token();
+    let background = Background::start(&coordinator, probing, &work);
+    let deposed = coordinator.deposed();
+    let outcome = tokio::select! {
+        _ = shutdown.cancelled() => Ok(()),
+        _ = lead.lost.cancelled() => Err(anyhow::anyhow!(
+            "deposed: the lead's etcd lease (term {}) may have expired; another coordinator may \
+             lead now",
+            lead.term
+        )),
+        _ = deposed.cancelled() => Err(anyhow::anyhow!(
+            "deposed: another coordinator took the lead (term {} is over)",
+            lead.term
+        )),
+    };
+    work.cancel();
+    match outcome {
+        Ok(()) => {
+            let _ = server.await;
+            background.stop(&coordinator).await;
+            meta.resign(&lead).await;
+            Ok(())
+        }
+        Err(e) => {
+            // Nothing more is answered or written: the state is the new leader's.
+            shutdown.cancel();
+            let _ = server.await;
+            Err(e)
         }
     }
 }

@@ -43,6 +43,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use edl_shared::Identity;
+use edl_shared::leader::Coordinators;
 use edl_shared::proto::ids::{Clock, ShardId, WorkerId};
 use edl_shared::proto::msg::{EpochLedger, JobHistory, JobStatus, JobTrace};
 use edl_shared::proto::{
@@ -208,42 +209,99 @@ pub struct Job {
     placement: Option<u64>,
 }
 
-/// The connection to the coordinator, replaced when the coordinator restarts.
+/// The connection to the coordinator, replaced when the coordinator restarts or another one
+/// of the job's coordinators takes the lead.
 #[derive(Clone, Debug)]
 struct CoordLink {
-    addr: String,
+    /// The job's coordinators (`--coordinator A,B,C`), the one in use among them.
+    addrs: Arc<Mutex<Coordinators>>,
     conn: Arc<Mutex<Conn>>,
     net: Arc<Net>,
 }
 
 impl CoordLink {
+    /// The addresses, as log lines name them.
+    fn addrs(&self) -> String {
+        self.addrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .to_string()
+    }
+
     /// Calls the coordinator; a failed connection is replaced and the call repeated, with
     /// capped backoff, for as long as the transport settings' `reconnect` allows (by default
-    /// until the coordinator answers). Every coordinator request can be repeated: a repeated
-    /// clock report or leave is recognized, and a partition leased twice returns to the pool
-    /// when the worker leaves.
+    /// until the coordinator answers). With several coordinators, a failed connection moves
+    /// on to the next address, and a standby's answer to the leader it names (one log line).
+    /// Every coordinator request can be repeated: a repeated clock report or leave is
+    /// recognized, a partition leased twice returns to the pool when the worker leaves, and
+    /// a standby does nothing with a request.
     async fn call(&self, req: Request, payload: Bytes) -> Result<Frame<Response>, CallError> {
-        let what = Server::Coordinator(&self.addr);
+        let addrs = self.addrs();
+        let what = Server::Coordinator(&addrs);
         let mut outage = Outage::new(what, self.net.settings.reconnect);
         let mut busy = Busy::default();
+        // The address whose connection failed last in this call: a standby may still name it
+        // as the leader until the dead leader's lease runs out.
+        let mut failed: Option<String> = None;
         loop {
             let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let err = match conn.call(req.clone(), payload.clone()).await {
-                Err(e) if is_connection_failure(&e) => e,
+                Err(e) if is_connection_failure(&e) => {
+                    failed = Some(
+                        self.addrs
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .current()
+                            .to_string(),
+                    );
+                    e
+                }
                 Err(e) if e.code() == Some(ErrorCode::Busy) => {
                     busy.pause(what, &e).await;
                     continue;
                 }
+                // The leader named is the one that just failed: ask this standby again once
+                // the election had time to settle, rather than wait out a dead address.
+                Err(e @ CallError::NotLeader { leader: Some(_) }) if matches!(&e, CallError::NotLeader { leader } if *leader == failed) =>
+                {
+                    outage.failed(e).await?;
+                    continue;
+                }
+                Err(CallError::NotLeader { leader: Some(at) }) => {
+                    let to = self.move_to(Some(&at), None);
+                    tracing::info!(leader = %to, "the coordinator asked stands by: following the leader");
+                    self.redial(&to).await;
+                    continue;
+                }
+                // An election is under way: ask the others, backing off as in an outage.
+                Err(e @ CallError::NotLeader { leader: None }) => e,
                 other => {
                     outage.over();
                     return other;
                 }
             };
             outage.failed(err).await?;
-            let net = &self.net;
-            if let Ok(c) = Conn::dial(&net.dialer, &self.addr, &net.name, &net.settings).await {
-                *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
-            }
+            let to = self.move_to(None, failed.as_deref());
+            self.redial(&to).await;
+        }
+    }
+
+    /// Moves to the leader named, or (none named) on from the address that failed, if no
+    /// other call moved on already; returns the address now in use.
+    fn move_to(&self, leader: Option<&str>, failed: Option<&str>) -> String {
+        let mut addrs = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
+        match (leader, failed) {
+            (Some(_), _) => addrs.follow(leader).to_string(),
+            (None, Some(f)) => addrs.move_past(f).to_string(),
+            (None, None) => addrs.advance().to_string(),
+        }
+    }
+
+    /// Replaces the connection with one to `addr`, if it answers.
+    async fn redial(&self, addr: &str) {
+        let net = &self.net;
+        if let Ok(c) = Conn::dial(&net.dialer, addr, &net.name, &net.settings).await {
+            *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
         }
     }
 }
@@ -352,16 +410,7 @@ impl<'a> Outage<'a> {
 /// True for failures of the connection itself, after which a retry on a new connection may
 /// succeed; false for answers (errors the server sent, malformed replies).
 fn is_connection_failure(e: &CallError) -> bool {
-    matches!(
-        e,
-        CallError::Connect(_)
-            | CallError::Connection(_)
-            | CallError::NotSent(_)
-            | CallError::Read(_)
-            | CallError::ReadChunk(_)
-            | CallError::Write(_)
-            | CallError::Closed(_)
-    )
+    e.connection_failed()
 }
 
 impl Job {
@@ -457,9 +506,10 @@ impl Job {
     /// as the identity's name.
     pub async fn connect_with(cfg: &ClientConfig, dialer: Dialer) -> Result<Job, ClientError> {
         let name = &cfg.identity.name;
-        let conn = connect_retry(&dialer, &cfg.coordinator, name, &cfg.settings).await?;
+        let mut addrs = Coordinators::parse(&cfg.coordinator).map_err(ClientError::Setup)?;
+        let conn = connect_any(&dialer, &mut addrs, name, &cfg.settings).await?;
         let coordinator = CoordLink {
-            addr: cfg.coordinator.clone(),
+            addrs: Arc::new(Mutex::new(addrs)),
             conn: Arc::new(Mutex::new(conn)),
             net: Arc::new(Net {
                 dialer,
@@ -767,7 +817,7 @@ async fn wait_for_map(coordinator: &CoordLink) -> Result<ShardMap, CallError> {
                 ..
             }) => {
                 if !said {
-                    tracing::info!(coordinator = %coordinator.addr, "waiting for the shard map: {message}");
+                    tracing::info!(coordinator = %coordinator.addrs(), "waiting for the shard map: {message}");
                     said = true;
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
@@ -785,6 +835,40 @@ async fn fetch_job(coordinator: &CoordLink) -> Result<JobConfig, ClientError> {
     {
         Response::Job(job) => Ok(job),
         other => Err(CallError::unexpected(&other).into()),
+    }
+}
+
+/// Connects to one of the job's coordinators, trying each address in turn while none
+/// answers (which leads is settled by the first call: a standby names the leader).
+async fn connect_any(
+    dialer: &Dialer,
+    addrs: &mut Coordinators,
+    name: &str,
+    settings: &TransportSettings,
+) -> Result<Conn, ClientError> {
+    let list = addrs.to_string();
+    let mut outage = Outage::new(Server::Coordinator(&list), settings.reconnect);
+    loop {
+        let mut last = None;
+        for _ in 0..addrs.all().len() {
+            match Conn::dial(dialer, addrs.current(), name, settings).await {
+                Ok(c) => {
+                    outage.over();
+                    return Ok(c);
+                }
+                // A coordinator that does not answer may be starting up, or down: try the
+                // others, then again. Anything else (a refused certificate, a wrong version)
+                // is final.
+                Err(e @ CallError::Connection(quinn::ConnectionError::TimedOut)) => {
+                    last = Some(e);
+                    addrs.advance();
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if let Some(e) = last {
+            outage.failed(e).await?;
+        }
     }
 }
 

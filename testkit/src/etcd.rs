@@ -1,0 +1,197 @@
+//! A real etcd cluster on loopback for the failover tests: Debian's `etcd` (3.4) processes,
+//! each member on ports of its own, in a temporary directory. Members can be killed and
+//! restarted on their data; the whole cluster stopped and started again.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One member's ports and process.
+struct Member {
+    name: String,
+    client: u16,
+    peer: u16,
+    child: Option<Child>,
+}
+
+/// A running etcd cluster.
+pub struct EtcdCluster {
+    members: Vec<Member>,
+    dir: PathBuf,
+    initial: String,
+}
+
+/// True when `etcd` and `etcdctl` are installed. Without them a test says it was skipped (and
+/// returns), unless `EDL_REQUIRE_ETCD=1` (set by CI) makes that a failure.
+///
+/// # Panics
+/// When etcd is missing and `EDL_REQUIRE_ETCD=1`.
+pub fn have_etcd() -> bool {
+    let found = |p: &str, arg: &str| {
+        Command::new(p)
+            .arg(arg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if found("etcd", "--version") && found("etcdctl", "version") {
+        return true;
+    }
+    assert!(
+        std::env::var("EDL_REQUIRE_ETCD").as_deref() != Ok("1"),
+        "etcd is missing and EDL_REQUIRE_ETCD=1"
+    );
+    edl_shared::skip::skipped("", "etcd not installed (apt-get install etcd-server)");
+    false
+}
+
+/// A free TCP port on loopback (bound and released).
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl EtcdCluster {
+    /// Starts `n` members under `dir` and waits until the cluster answers.
+    pub fn start(n: usize, dir: &Path) -> anyhow::Result<EtcdCluster> {
+        std::fs::create_dir_all(dir)?;
+        let mut members = Vec::new();
+        for i in 0..n {
+            members.push(Member {
+                name: format!("m{i}"),
+                client: free_port()?,
+                peer: free_port()?,
+                child: None,
+            });
+        }
+        let initial = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = EtcdCluster {
+            members,
+            dir: dir.to_path_buf(),
+            initial,
+        };
+        for i in 0..n {
+            cluster.spawn(i)?;
+        }
+        cluster.wait_healthy(Duration::from_secs(30))?;
+        Ok(cluster)
+    }
+
+    fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
+        let m = &self.members[i];
+        let data = self.dir.join(&m.name);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{}.log", m.name)))?;
+        let client = format!("http://127.0.0.1:{}", m.client);
+        let peer = format!("http://127.0.0.1:{}", m.peer);
+        let child = Command::new("etcd")
+            .arg("--name")
+            .arg(&m.name)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &self.initial])
+            .args(["--initial-cluster-token", "edl-test"])
+            .args(["--initial-cluster-state", "new"])
+            // Loopback: a quick heartbeat and election, so a member's death costs little.
+            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .args(["--logger", "zap", "--log-level", "warn"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("starting etcd: {e}"))?;
+        self.members[i].child = Some(child);
+        Ok(())
+    }
+
+    /// `etcd://127.0.0.1:C0,127.0.0.1:C1,...`: every member, for `--meta`.
+    pub fn url(&self) -> String {
+        let members: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client))
+            .collect();
+        format!("etcd://{}", members.join(","))
+    }
+
+    fn endpoints(&self, running_only: bool) -> String {
+        self.members
+            .iter()
+            .filter(|m| !running_only || m.child.is_some())
+            .map(|m| format!("http://127.0.0.1:{}", m.client))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Waits until every running member reports healthy.
+    pub fn wait_healthy(&self, limit: Duration) -> anyhow::Result<()> {
+        let start = Instant::now();
+        loop {
+            let ok = Command::new("etcdctl")
+                .args(["--endpoints", &self.endpoints(true)])
+                .args(["--dial-timeout", "1s", "--command-timeout", "2s"])
+                .args(["endpoint", "health"])
+                .env("ETCDCTL_API", "3")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ok {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                start.elapsed() < limit,
+                "etcd did not become healthy within {limit:?} (logs in {})",
+                self.dir.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills member `i` with SIGKILL.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts member `i` again on its data.
+    pub fn restart(&mut self, i: usize) -> anyhow::Result<()> {
+        self.spawn(i)
+    }
+
+    /// Kills every member.
+    pub fn stop_all(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+
+    /// Starts every stopped member again and waits until the cluster answers.
+    pub fn start_all(&mut self) -> anyhow::Result<()> {
+        for i in 0..self.members.len() {
+            if self.members[i].child.is_none() {
+                self.spawn(i)?;
+            }
+        }
+        self.wait_healthy(Duration::from_secs(30))
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}

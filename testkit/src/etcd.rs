@@ -46,26 +46,31 @@ pub fn have_etcd() -> bool {
     false
 }
 
-/// A free TCP port on loopback (bound and released).
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+/// `n` distinct free TCP ports on loopback (all bound before any is released, so that none is
+/// handed out twice).
+fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+    let held = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(held
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect::<Result<Vec<_>, _>>()?)
 }
 
 impl EtcdCluster {
     /// Starts `n` members under `dir` and waits until the cluster answers.
     pub fn start(n: usize, dir: &Path) -> anyhow::Result<EtcdCluster> {
         std::fs::create_dir_all(dir)?;
-        let mut members = Vec::new();
-        for i in 0..n {
-            members.push(Member {
+        let ports = free_ports(2 * n)?;
+        let members: Vec<Member> = (0..n)
+            .map(|i| Member {
                 name: format!("m{i}"),
-                client: free_port()?,
-                peer: free_port()?,
+                client: ports[2 * i],
+                peer: ports[2 * i + 1],
                 child: None,
-            });
-        }
+            })
+            .collect();
         let initial = members
             .iter()
             .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
@@ -150,11 +155,20 @@ impl EtcdCluster {
             if ok {
                 return Ok(());
             }
-            anyhow::ensure!(
-                start.elapsed() < limit,
-                "etcd did not become healthy within {limit:?} (logs in {})",
-                self.dir.display()
-            );
+            if start.elapsed() >= limit {
+                let tails: Vec<String> = (self.members.iter())
+                    .map(|m| {
+                        let log = self.dir.join(format!("{}.log", m.name));
+                        let text = std::fs::read_to_string(log).unwrap_or_default();
+                        let last: Vec<&str> = text.lines().rev().take(3).collect();
+                        format!("{}: {}", m.name, last.join(" | "))
+                    })
+                    .collect();
+                anyhow::bail!(
+                    "etcd did not become healthy within {limit:?}; the members' last log lines:\n{}",
+                    tails.join("\n")
+                );
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }

@@ -123,6 +123,14 @@ impl EtcdMeta {
         loop {
             match self.try_lead(me, ttl).await {
                 Ok(Ok(won)) => return Some(won),
+                // The key names this address: a process here before this one (killed, its
+                // lease not run out yet). No one leads until it expires.
+                Ok(Err(leader)) if leader == me => {
+                    if standby.borrow().is_some() {
+                        standby.send_replace(None);
+                    }
+                    failing = false;
+                }
                 Ok(Err(leader)) => {
                     if standby.borrow().as_deref() != Some(leader.as_str()) {
                         info!(%leader, "standing by: another coordinator leads");

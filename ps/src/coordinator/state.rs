@@ -168,6 +168,11 @@ pub struct CoordinatorState {
     lost_acks: u64,
 }
 
+/// What a restored worker is given on top of its lease to reach the restored coordinator: a
+/// client's connection to a dead coordinator times out after 6 s (the transport's idle
+/// timeout), then it reconnects with backoff.
+pub const RESTORE_GRACE: Duration = Duration::from_secs(10);
+
 /// Step records kept for the trace; older ones are dropped.
 const MAX_STEP_RECORDS: usize = 1 << 20;
 /// Membership events kept for the trace; older ones are dropped.
@@ -309,7 +314,8 @@ impl CoordinatorState {
     }
 
     /// The state saved in `snap`, for the job `job` (they must be the same job). Active
-    /// workers get a fresh lease from `now`: those that do not come back are dropped by it.
+    /// workers get a fresh lease from `now` plus [`RESTORE_GRACE`]: those that do not come
+    /// back are dropped by it.
     pub fn restore(
         snap: CoordinatorSnap,
         job: &JobConfig,
@@ -354,7 +360,11 @@ impl CoordinatorState {
                     samples: w.samples,
                     state: w.state,
                     clock: w.clock,
-                    last_seen: now,
+                    // Their lease runs from the restore, after a grace: a worker learns that
+                    // its coordinator is gone only when its connection times out, and then
+                    // finds the new one (the restarted process, or the standby that took the
+                    // lead).
+                    last_seen: now + RESTORE_GRACE,
                     leased: w
                         .leased
                         .into_iter()

@@ -240,31 +240,33 @@ impl CoordLink {
         let what = Server::Coordinator(&addrs);
         let mut outage = Outage::new(what, self.net.settings.reconnect);
         let mut busy = Busy::default();
-        // The address whose connection failed last in this call: a standby may still name it
-        // as the leader until the dead leader's lease runs out.
-        let mut failed: Option<String> = None;
+        // The address whose connection failed last in this call, and when: a standby may still
+        // name it as the leader until the dead leader's lease runs out.
+        let mut failed: Option<(String, tokio::time::Instant)> = None;
         loop {
             let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let err = match conn.call(req.clone(), payload.clone()).await {
                 Err(e) if is_connection_failure(&e) => {
-                    failed = Some(
-                        self.addrs
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .current()
-                            .to_string(),
-                    );
+                    failed = Some((self.current(), tokio::time::Instant::now()));
                     e
                 }
                 Err(e) if e.code() == Some(ErrorCode::Busy) => {
                     busy.pause(what, &e).await;
                     continue;
                 }
-                // The leader named is the one that just failed: ask this standby again once
-                // the election had time to settle, rather than wait out a dead address.
-                Err(e @ CallError::NotLeader { leader: Some(_) }) if matches!(&e, CallError::NotLeader { leader } if *leader == failed) =>
+                // The leader named is the one this call just saw fail (its lease has not run
+                // out yet), or the one asked: ask again once the election had time to
+                // settle, rather than wait out a dead address. (After a while the one named
+                // is followed even so: it may have come back at the same address and won.)
+                Err(CallError::NotLeader { leader: Some(at) })
+                    if self.current() == at
+                        || failed.as_ref().is_some_and(|(f, t)| {
+                            *f == at && t.elapsed() < FOLLOW_FAILED_AFTER
+                        }) =>
                 {
-                    outage.failed(e).await?;
+                    outage
+                        .failed(CallError::NotLeader { leader: Some(at) })
+                        .await?;
                     continue;
                 }
                 Err(CallError::NotLeader { leader: Some(at) }) => {
@@ -281,9 +283,15 @@ impl CoordLink {
                 }
             };
             outage.failed(err).await?;
-            let to = self.move_to(None, failed.as_deref());
+            let to = self.move_to(None, failed.as_ref().map(|(f, _)| f.as_str()));
             self.redial(&to).await;
         }
+    }
+
+    /// The address in use.
+    fn current(&self) -> String {
+        let addrs = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
+        addrs.current().to_string()
     }
 
     /// Moves to the leader named, or (none named) on from the address that failed, if no
@@ -305,6 +313,10 @@ impl CoordLink {
         }
     }
 }
+
+/// How long after a coordinator's connection failed a client declines to follow a standby
+/// that names it as the leader (its lease may not have run out): longer than a leader's lease.
+const FOLLOW_FAILED_AFTER: Duration = Duration::from_secs(5);
 
 /// What a client needs to reconnect.
 #[derive(Debug)]

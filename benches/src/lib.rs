@@ -1,10 +1,12 @@
 //! EDL's benchmarks, run by the `edl-bench` binary: transport (EDL against bare quinn and
 //! TCP), apply (server-side optimizers against memcpy), scale (synthetic workers over shards),
-//! elastic (membership changes on a running job), tta (time to accuracy) and load (many
-//! clients, and optionally a hostile one, against real server processes). Each prints a
-//! table and can write JSON; `edl-bench all` regenerates `BENCHMARKS.md`.
+//! elastic (membership changes on a running job), tta (time to accuracy), load (many
+//! clients, and optionally a hostile one, against real server processes) and control (the
+//! coordinator's commits with each durable store). Each prints a table and can write JSON;
+//! `edl-bench all` regenerates `BENCHMARKS.md`.
 
 pub mod apply;
+pub mod control;
 pub mod detect;
 pub mod elastic;
 pub mod load;

@@ -7,7 +7,7 @@ use anyhow::Context;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use serde::Serialize;
 
-use crate::{apply, elastic, load, scale, transport, tta};
+use crate::{apply, control, elastic, load, scale, transport, tta};
 
 pub use edl_shared::transport::LOOPBACK_DATAGRAM;
 
@@ -408,6 +408,65 @@ pub fn load_table(r: &load::Results) -> String {
     out
 }
 
+/// The control-plane results: per worker count, each store's commits per second and a
+/// commit's latency, against the coordinator without a store.
+pub fn control_table(r: &control::Results) -> String {
+    let mut t = table(&[
+        "workers",
+        "store",
+        "commits/s",
+        "rounds min–max",
+        "vs none",
+        "commit p50 µs",
+        "commit p99 µs",
+        "step p50 µs",
+        "store writes/s",
+        "commits/write",
+    ]);
+    let opt =
+        |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |v| format!("{v:.digits$}"));
+    for row in &r.rows {
+        t.add_row(vec![
+            row.workers.to_string(),
+            row.store.name().to_string(),
+            format!("{:.0}", row.commits_per_s),
+            format!("{:.0}–{:.0}", row.round_min, row.round_max),
+            opt(row.vs_none, 2),
+            format!("{:.0}", row.commit_p50_us),
+            format!("{:.0}", row.commit_p99_us),
+            format!("{:.0}", row.step_p50_us),
+            opt(row.writes_per_s, 0),
+            opt(row.commits_per_write, 1),
+        ]);
+    }
+    let p = &r.probe;
+    let mut out = format!(
+        "control plane, commits of a {}-float counter over {} shards, asp, {} samples per commit; \
+         {} round{} of {:.1} s after {:.1} s of warm-up, stores alternating:\n{t}\n\
+         state directory on {}: a bare append of {} bytes and fdatasync takes {:.0} µs p50, \
+         {:.0} µs p99 ({} appends)",
+        r.floats,
+        r.shards,
+        r.batch,
+        r.rounds,
+        if r.rounds == 1 { "" } else { "s" },
+        r.window_s,
+        r.warmup_s,
+        p.disk,
+        p.bytes,
+        p.p50_us,
+        p.p99_us,
+        p.writes,
+    );
+    if let Some(e) = &r.etcd {
+        let _ = write!(out, "\netcd: {e}");
+    }
+    for s in &r.skipped {
+        let _ = write!(out, "\nnot measured: {s}");
+    }
+    out
+}
+
 /// Writes `BENCHMARKS.md` (method, machine, tables) and its plots into `dir`.
 pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir.join("benches/plots"))
@@ -465,6 +524,7 @@ pub fn write_markdown(all: &All, dir: &Path) -> anyhow::Result<()> {
     // is written here.
     md.push('\n');
     md.push_str(LOAD_METHOD);
+    md.push_str(&control_section(dir));
     md.push_str(&detect_section(dir));
     let path = dir.join("BENCHMARKS.md");
     std::fs::write(&path, md).with_context(|| format!("writing {}", path.display()))?;
@@ -555,6 +615,199 @@ even on a noisy machine, where absolute figures move from run to run.
   backend on 2 cores, more than 2 workers cannot compute faster: the figures show what each
   consistency model costs in samples to reach the target more than a speed-up.
 ";
+
+/// Where `edl-bench control` keeps its table (BENCHMARKS.md includes it).
+pub const CONTROL: &str = "benches/control.md";
+
+/// What `edl-bench control` measures and how: the heading of its section in BENCHMARKS.md
+/// (between the load and the detection sections), followed by the table of [`CONTROL`].
+const CONTROL_METHOD: &str = "\
+## Control plane: the cost of durability
+
+`edl-bench all` does not run this one; it takes about 1.5 minutes.
+
+```sh
+cargo build -p edl-benches --bins
+target/debug/edl-bench control [--workers 1,4,16] [--stores none,wal,etcd] \\
+    [--etcd etcd://HOST:PORT] [--json control.json]
+```
+
+The coordinator answers a request that changed its state only once the change is durable,
+and concurrent requests share a write (group commit; `Coordinator::durable`). This measures
+what that costs a worker's commit (the `Clock` report of a data span, `commit_span`) with
+each store, against the coordinator without one (`none`: its behaviour before durability,
+answers waiting for no write). `wal` is the embedded store: a record of the whole state
+appended to `coordinator/state.wal` and made durable with `fdatasync`. `etcd` keeps the state
+in etcd through a conditional transaction, the coordinator elected (`run_elected`, a single
+candidate); without `--etcd`, one member is started on loopback ports with its data on the
+same disk, when `etcd` and `etcdctl` are installed. Each round starts a fresh in-process
+cluster over QUIC on loopback (a coordinator, 2 shard servers and K workers, each with its own
+certificate and connections) for a 4-float counter (2 keys, one per shard) under ASP, so that
+no worker waits on another's clock. A worker leases a partition of 1024 samples and loops
+push (`push_span`, to both shards) and commit (`commit_span`, 4 samples), leasing the next
+partition when one is done. Commits are counted over a 2 s window after 0.5 s of warm-up,
+three rounds per point, the stores taking turns in an order rotating by round; commits/s is
+over all rounds (the range is the rounds'), latency is per call, p50 and p99 by nearest rank
+over all rounds, and a *step* is a push and its commit. *Store writes* are counted from the
+log's growth over its mean record, and from etcd's revision (one per transaction), so
+*commits/write* is how many commits a write carried. The workers, the shards, the coordinator
+(and etcd) share the machine's cores, and the figures are of the dev profile the tests use
+(dependencies optimized, EDL's crates at `opt-level` 1). The line under the table gives the
+floor of a durable commit on this disk: a bare append of about a record's size and
+`fdatasync`.
+";
+
+/// The control-plane section of BENCHMARKS.md: its method and, if `edl-bench control` has
+/// run, its table.
+fn control_section(dir: &Path) -> String {
+    let table = std::fs::read_to_string(dir.join(CONTROL)).unwrap_or_else(|_| {
+        format!("\n(not measured yet: `edl-bench control` writes `{CONTROL}`)\n")
+    });
+    format!("\n{CONTROL_METHOD}\n{}\n", table.trim_end())
+}
+
+/// Writes `edl-bench control`'s `table` and `summary` (a sentence on what it means) to
+/// `dir/`[`CONTROL`] and puts its section into `dir/BENCHMARKS.md` in place of the one there
+/// (or before the detection section, or at the end), if the file exists.
+pub fn write_control(r: &control::Results, dir: &Path) -> anyhow::Result<()> {
+    let path = dir.join(CONTROL);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    let text = format!(
+        "Machine: {}. The run took {:.1} minutes.\n\n```text\n{}\n```\n\n{}\n",
+        r.machine,
+        r.seconds / 60.0,
+        control_table(r).trim_end(),
+        control_summary(r),
+    );
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    let md_path = dir.join("BENCHMARKS.md");
+    if let Ok(md) = std::fs::read_to_string(&md_path) {
+        let heading = CONTROL_METHOD.lines().next().unwrap_or_default();
+        let next = DETECT_METHOD.lines().next().unwrap_or_default();
+        let section = control_section(dir);
+        let updated = match md.find(heading) {
+            Some(i) => {
+                let rest = &md[i + heading.len()..];
+                let end = rest
+                    .find("\n## ")
+                    .map_or(md.len(), |j| i + heading.len() + j);
+                format!(
+                    "{}\n{}\n{}",
+                    md[..i].trim_end(),
+                    section.trim_end(),
+                    &md[end..]
+                )
+            }
+            None => match md.find(next) {
+                Some(i) => format!(
+                    "{}\n{}\n\n{}",
+                    md[..i].trim_end(),
+                    section.trim_end(),
+                    &md[i..]
+                ),
+                None => format!("{}\n{}", md.trim_end(), section),
+            },
+        };
+        std::fs::write(&md_path, updated)
+            .with_context(|| format!("writing {}", md_path.display()))?;
+    }
+    Ok(())
+}
+
+/// One sentence on what the control-plane table says: what a write of its own adds to a
+/// commit at the fewest workers, and how many commits a write carries at the most (group
+/// commit), with the share of the commits/s without a store each keeps. Empty without `none`
+/// and a durable store.
+pub fn control_summary(r: &control::Results) -> String {
+    use control::Store;
+    let least = r.rows.iter().map(|x| x.workers).min().unwrap_or(1);
+    let most = r.rows.iter().map(|x| x.workers).max().unwrap_or(1);
+    let find = |store: Store, k: usize| r.rows.iter().find(|x| x.store == store && x.workers == k);
+    let (Some(none1), Some(none_k)) = (find(Store::None, least), find(Store::None, most)) else {
+        return String::new();
+    };
+    let durable: Vec<(&control::Row, &control::Row)> = [Store::Wal, Store::Etcd]
+        .into_iter()
+        .filter_map(|s| Some((find(s, least)?, find(s, most)?)))
+        .collect();
+    if durable.is_empty() {
+        return String::new();
+    }
+    let list = |f: &dyn Fn(&control::Row, &control::Row) -> String| {
+        durable
+            .iter()
+            .map(|(one, many)| f(one, many))
+            .collect::<Vec<_>>()
+            .join(" and ")
+    };
+    let pct = |row: &control::Row| {
+        row.vs_none
+            .map_or("-".into(), |v| format!("{:.0}%", v * 100.0))
+    };
+    let per_write = |row: &control::Row| {
+        row.commits_per_write
+            .map_or("-".into(), |c| format!("{c:.1}"))
+    };
+    let workers = |k: usize| format!("{k} worker{}", if k == 1 { "" } else { "s" });
+    let alone = if least == 1 {
+        "a commit waits for a write of its own".to_string()
+    } else {
+        format!(
+            "a write carries {} commits",
+            list(&|one, _| format!("{} (`{}`)", per_write(one), one.store.name()))
+        )
+    };
+    let mut sentence = format!(
+        "At {} {alone}, which adds {} to a commit's p50 ({:.0} µs without a store; a bare append \
+         and fdatasync on this disk takes {:.0} µs) and leaves {} of the commits/s without a \
+         store",
+        workers(least),
+        list(&|one, _| format!(
+            "{:.0} µs with `{}`",
+            one.commit_p50_us - none1.commit_p50_us,
+            one.store.name()
+        )),
+        none1.commit_p50_us,
+        r.probe.p50_us,
+        list(&|one, _| pct(one)),
+    );
+    if most > least {
+        let _ = write!(
+            sentence,
+            "; at {} group commit shares a write among {} commits, so the durable stores keep \
+             {} of the commits/s ({} against {:.0})",
+            workers(most),
+            list(&|_, many| format!("{} (`{}`)", per_write(many), many.store.name())),
+            list(&|_, many| pct(many)),
+            list(&|_, many| format!("{:.0}", many.commits_per_s)),
+            none_k.commits_per_s,
+        );
+    }
+    sentence.push('.');
+    wrap(&sentence, 95)
+}
+
+/// `text` with its words wrapped into lines of at most `width` characters.
+fn wrap(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    let mut line = 0;
+    for word in text.split_whitespace() {
+        let len = word.chars().count();
+        if line > 0 && line + 1 + len > width {
+            out.push('\n');
+            line = 0;
+        } else if line > 0 {
+            out.push(' ');
+            line += 1;
+        }
+        out.push_str(word);
+        line += len;
+    }
+    out
+}
 
 /// Where `edl-bench detect` keeps its tables (BENCHMARKS.md includes them).
 pub const DETECT: &str = "benches/detect.md";
@@ -660,3 +913,109 @@ the three servers. Whatever a server does about one (an error answer, a reset, c
 connection) is counted by kind, and the hostile client tries again 100 ms later, so that the
 pressure lasts the whole run. Clients, hostile client and servers share the machine's cores.
 ";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn results(commits_per_s: f64) -> control::Results {
+        let row = |store, vs_none| control::Row {
+            store,
+            workers: 4,
+            commits: 10,
+            seconds: 1.0,
+            commits_per_s,
+            round_min: commits_per_s,
+            round_max: commits_per_s,
+            vs_none,
+            commit_p50_us: 100.0,
+            commit_p99_us: 200.0,
+            step_p50_us: 300.0,
+            step_p99_us: 400.0,
+            writes_per_s: None,
+            commits_per_write: None,
+        };
+        control::Results {
+            machine: "test".into(),
+            probe: control::DiskProbe {
+                disk: "ext4 on /dev/test".into(),
+                bytes: 2048,
+                writes: 1,
+                p50_us: 1.0,
+                p99_us: 1.0,
+            },
+            etcd: None,
+            skipped: Vec::new(),
+            floats: 4,
+            shards: 2,
+            batch: 4,
+            partition: 1024,
+            rounds: 1,
+            warmup_s: 0.1,
+            window_s: 1.0,
+            rows: vec![
+                row(control::Store::None, Some(1.0)),
+                row(control::Store::Wal, Some(0.5)),
+            ],
+            seconds: 60.0,
+        }
+    }
+
+    #[test]
+    fn the_control_summary_reads_the_cost_at_one_worker_and_the_sharing_at_the_most() {
+        let mut r = results(1000.0);
+        let mut more = r.rows.clone();
+        for row in &mut r.rows {
+            row.workers = 1;
+        }
+        r.rows[1].commit_p50_us = 400.0;
+        r.rows[1].commits_per_write = Some(1.0);
+        for row in &mut more {
+            row.workers = 16;
+        }
+        more[1].commits_per_write = Some(5.55);
+        more[1].vs_none = Some(0.48);
+        r.rows.extend(more);
+        let s = control_summary(&r);
+        assert!(s.lines().all(|l| l.chars().count() <= 95), "{s}");
+        let s = s.replace('\n', " ");
+        assert!(
+            s.starts_with("At 1 worker a commit waits for a write of its own"),
+            "{s}"
+        );
+        assert!(s.contains("adds 300 µs with `wal`"), "{s}");
+        assert!(
+            s.contains("group commit shares a write among 5.5 (`wal`) commits"),
+            "{s}"
+        );
+        assert!(s.contains("keep 48% of"), "{s}");
+        r.rows.retain(|row| row.store == control::Store::None);
+        assert_eq!(control_summary(&r), "");
+    }
+
+    #[test]
+    fn the_control_section_goes_before_detection_and_is_replaced_in_place() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let md = dir.path().join("BENCHMARKS.md");
+        let detect = DETECT_METHOD.lines().next().expect("heading");
+        std::fs::write(
+            &md,
+            format!("# Benchmarks\n\n## Load\n\nload\n\n{detect}\n\nflags\n"),
+        )
+        .expect("write");
+        for rate in [1234.0, 5678.0] {
+            write_control(&results(rate), dir.path()).expect("written");
+        }
+        let text = std::fs::read_to_string(&md).expect("read");
+        let control = CONTROL_METHOD.lines().next().expect("heading");
+        assert_eq!(text.matches(control).count(), 1, "{text}");
+        let (at, load, det) = (
+            text.find(control).expect("control"),
+            text.find("## Load").expect("load"),
+            text.find(detect).expect("detect"),
+        );
+        assert!(load < at && at < det, "{text}");
+        assert!(text.contains("5678") && !text.contains("1234"), "{text}");
+        assert!(text.ends_with("flags\n"), "{text}");
+    }
+}

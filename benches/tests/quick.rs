@@ -235,6 +235,42 @@ fn load_runs_and_loses_nothing() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The coordinator's commits with each store for a moment: every store measured commits, the
+/// ratios are against `none`, and the log's writes were counted.
+#[test]
+fn control_runs() -> anyhow::Result<()> {
+    let v = bench(&["control", "--workers", "1,2"])?;
+    let rows = v["rows"].as_array().expect("rows");
+    let stores: Vec<&str> = rows
+        .iter()
+        .map(|r| r["store"].as_str().expect("store"))
+        .collect();
+    // etcd is measured only where it is installed (or given); it is said when it was not.
+    let etcd = stores.contains(&"etcd");
+    let per_k: &[&str] = if etcd {
+        &["none", "wal", "etcd"]
+    } else {
+        &["none", "wal"]
+    };
+    assert_eq!(stores, [per_k, per_k].concat(), "{v}");
+    assert_eq!(v["etcd"].is_string(), etcd, "{v}");
+    assert_eq!(v["skipped"].as_array().expect("skipped").is_empty(), etcd);
+    for r in rows {
+        assert!(num(r, "commits_per_s") > 0.0, "{r}");
+        assert!(num(r, "commit_p99_us") >= num(r, "commit_p50_us"), "{r}");
+        assert!(num(r, "step_p50_us") > 0.0, "{r}");
+        if r["store"] == "none" {
+            assert!((num(r, "vs_none") - 1.0).abs() < 1e-9, "{r}");
+            assert!(r["writes_per_s"].is_null(), "{r}");
+        } else {
+            assert!(num(r, "writes_per_s") > 0.0, "{r}");
+            assert!(num(r, "commits_per_write") > 0.0, "{r}");
+        }
+    }
+    assert!(num(&v["probe"], "p50_us") > 0.0, "{v}");
+    Ok(())
+}
+
 #[test]
 fn transport_and_apply_run() -> anyhow::Result<()> {
     let t = bench(&["transport", "--sizes", "4K", "--points", "1x1"])?;

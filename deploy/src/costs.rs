@@ -23,8 +23,8 @@
 //!
 //! Shard events belong to no worker, so every worker that had stepped is an other: a key-range
 //! move of the trace at its start, and the launcher's shard events (adding, removing, killing
-//! and restarting a shard server) at the moment the launcher acted, are measured as the moments
-//! of [`stall_noise`] are. A move also reports how long its range was held (neither readable
+//! and restarting a shard server; killing and restarting the coordinator) at the moment the
+//! launcher acted, are measured as the moments of [`stall_noise`] are. A move also reports how long its range was held (neither readable
 //! nor writable) and the bytes it streamed.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -180,13 +180,15 @@ pub fn event_costs(trace: &JobTrace) -> Vec<EventReport> {
 pub struct ShardAction {
     /// When the launcher acted, in milliseconds since the coordinator started.
     pub t_ms: u64,
-    /// `shard_add`, `shard_remove`, `kill_shard` or `restart_shard`.
+    /// `shard_add`, `shard_remove`, `kill_shard` or `restart_shard`; `kill_coordinator` or
+    /// `restart_coordinator`.
     pub kind: &'static str,
-    /// The shard's process name.
+    /// The shard's process name (`coordinator` for the coordinator's events).
     pub shard: String,
     /// How long the launcher's part took: for an add, from starting the process to the
     /// coordinator's answer (its moves done); for a remove, the coordinator's answer; for a
-    /// restart, until the shard served again. `None` for a kill.
+    /// restart, until the shard served again (the coordinator: until it answered again).
+    /// `None` for a kill.
     pub took_ms: Option<f64>,
 }
 
@@ -248,16 +250,21 @@ pub fn shard_costs(
 }
 
 /// The times a noise floor must keep clear of, besides the trace's membership events: every
-/// move, every shard event, and a killed shard's whole absence (from the kill to the end of
-/// its restart).
+/// move, every shard or coordinator event, and a killed shard's or coordinator's whole
+/// absence (from the kill to the end of its restart).
 pub fn shard_quiet_spans(trace: &JobTrace, actions: &[ShardAction]) -> Vec<(u64, u64)> {
     let mut spans: Vec<(u64, u64)> = trace.moves.iter().map(|m| (m.t_ms, m.t_ms)).collect();
     for (i, a) in actions.iter().enumerate() {
         let mut end = a.t_ms + a.took_ms.map_or(0, |t| t as u64);
-        if a.kind == "kill_shard"
+        let restart = match a.kind {
+            "kill_shard" => Some("restart_shard"),
+            "kill_coordinator" => Some("restart_coordinator"),
+            _ => None,
+        };
+        if let Some(restart) = restart
             && let Some(back) = actions[i + 1..]
                 .iter()
-                .find(|b| b.kind == "restart_shard" && b.shard == a.shard)
+                .find(|b| b.kind == restart && b.shard == a.shard)
         {
             end = back.t_ms + back.took_ms.map_or(0, |t| t as u64);
         }
@@ -368,7 +375,7 @@ pub fn epoch_reports(
 }
 
 /// The event kinds in the order the summary lists them.
-pub const KINDS: [&str; 9] = [
+pub const KINDS: [&str; 11] = [
     "join",
     "drain",
     "leave",
@@ -378,6 +385,8 @@ pub const KINDS: [&str; 9] = [
     "shard_remove",
     "kill_shard",
     "restart_shard",
+    "kill_coordinator",
+    "restart_coordinator",
 ];
 
 /// Per event kind (in the order of [`KINDS`]): how many, and the median and largest stall,

@@ -60,14 +60,16 @@ pub struct EpochReport {
 /// One membership or shard event and what it cost the workers (see [`crate::costs`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EventReport {
-    /// Milliseconds since the coordinator started.
+    /// Milliseconds since the coordinator started (the first one, where the scenario
+    /// restarted it: a restarted coordinator's trace holds only what happened since).
     pub t_ms: u64,
     /// `join`, `drain`, `leave` or `dead` (the coordinator's membership events); `move` (a
     /// key-range move of the coordinator's trace); `shard_add`, `shard_remove`, `kill_shard`
-    /// or `restart_shard` (the launcher's shard events).
+    /// or `restart_shard` (the launcher's shard events); `kill_coordinator` or
+    /// `restart_coordinator` (the launcher's coordinator events).
     pub kind: String,
     /// The worker's name; for a move, its keys and shards (`keys 3..6 s0→s2`); for a shard
-    /// event, the shard's name.
+    /// event, the shard's name (`coordinator` for the coordinator's events).
     pub worker: String,
     /// The other workers' median step time just before the event.
     pub step_ms: Option<f64>,
@@ -487,7 +489,12 @@ impl fmt::Display for Report {
             .iter()
             .filter(|e| !["join", "drain", "leave", "dead"].contains(&e.kind.as_str()))
             .collect();
-        if !shard_events.is_empty() {
+        if shard_events
+            .iter()
+            .any(|e| e.kind.ends_with("_coordinator"))
+        {
+            writeln!(f, "  shard and coordinator events:")?;
+        } else if !shard_events.is_empty() {
             writeln!(f, "  shard events:")?;
         }
         for e in shard_events {

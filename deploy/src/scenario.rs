@@ -1,13 +1,15 @@
 //! Scenario files for `edl-local --scenario`: timed changes replayed against a running job,
 //! of the worker membership (add, drain, kill, term, preempt, migrate), of a worker's speed
-//! (slow, a test aid) and of the shard servers (shard_add, shard_remove, move, kill_shard,
-//! restart_shard).
+//! (slow, a test aid), of the shard servers (shard_add, shard_remove, move, kill_shard,
+//! restart_shard) and of the coordinator (kill_coordinator, restart_coordinator).
 //!
 //! ```toml
 //! [[event]]
 //! at_s = 3.0          # seconds after training started (the first worker was admitted)
-//! action = "add"      # add | drain | kill | term | shard_add | shard_remove | move
-//! count = 2           # add only                  | kill_shard | restart_shard
+//! action = "add"      # add | drain | kill | term | preempt | migrate | slow | pause
+//!                     # | shard_add | shard_remove | move | kill_shard | restart_shard
+//!                     # | kill_coordinator | restart_coordinator
+//! count = 2           # add only
 //! [[event]]
 //! at_s = 7.0
 //! action = "drain"
@@ -47,6 +49,12 @@
 //! at_s = 11.0
 //! action = "restart_shard"
 //! shard = "s1"
+//! [[event]]
+//! at_s = 12.0
+//! action = "kill_coordinator"    # SIGKILL; no fields, and the next event must restart it
+//! [[event]]
+//! at_s = 12.4
+//! action = "restart_coordinator" # the same arguments, state directory and address
 //! ```
 //!
 //! A file is checked whole before anything starts: every field, the time order, every worker
@@ -56,8 +64,10 @@
 //! leave no worker running is refused, since training could never finish; so is one that
 //! removes the last shard holding keys, restarts a shard that was not killed, kills a shard
 //! and never restarts it, or reshapes the shard map (shard_add, shard_remove, move) while a
-//! killed shard is down, since a move may need any shard. Key ranges are checked against the
-//! job's keys once it runs ([`Scenario::check_keys`]).
+//! killed shard is down, since a move may need any shard. A restart_coordinator must follow a
+//! kill_coordinator, every kill_coordinator needs one, and no other event may come between the
+//! two (each asks the coordinator something or needs it to notice what happened).
+//! Key ranges are checked against the job's keys once it runs ([`Scenario::check_keys`]).
 //!
 //! Events happen in order: one that is not possible yet (a shard that has not joined, a
 //! worker to drain that has not been admitted) holds back the ones after it. In elastic runs a
@@ -154,6 +164,12 @@ pub enum Action {
         /// The shard's process name.
         shard: String,
     },
+    /// Send SIGKILL to the coordinator's process: it keeps what it acknowledged (its state
+    /// directory's write-ahead log); workers and shards wait for it to answer again.
+    KillCoordinator,
+    /// Start the killed coordinator again with the same arguments, state directory and
+    /// address; it restores its state and the workers reconnect.
+    RestartCoordinator,
     /// A test aid: make this worker's steps `factor` times slower from now on (1 restores
     /// its speed), as a slower or shared device would.
     Slow {
@@ -201,7 +217,8 @@ impl Action {
         }
     }
 
-    /// True for the events that act on shard servers rather than on the worker membership.
+    /// True for the events that act on the servers (the shards and the coordinator) rather
+    /// than on the worker membership: carried out the same way with `--restart-on-change`.
     pub fn is_shard_event(&self) -> bool {
         matches!(
             self,
@@ -210,6 +227,8 @@ impl Action {
                 | Action::Move { .. }
                 | Action::KillShard { .. }
                 | Action::RestartShard { .. }
+                | Action::KillCoordinator
+                | Action::RestartCoordinator
         )
     }
 
@@ -237,6 +256,8 @@ impl Action {
             Action::Move { .. } => "move",
             Action::KillShard { .. } => "kill_shard",
             Action::RestartShard { .. } => "restart_shard",
+            Action::KillCoordinator => "kill_coordinator",
+            Action::RestartCoordinator => "restart_coordinator",
             Action::Slow { .. } => "slow",
             Action::Pause { .. } => "pause",
             Action::Preempt { .. } => "preempt",
@@ -257,6 +278,8 @@ impl fmt::Display for Action {
             Action::Move { start, end, to } => write!(f, "move keys {start}..{end} to {to}"),
             Action::KillShard { shard } => write!(f, "kill -9 shard {shard}"),
             Action::RestartShard { shard } => write!(f, "restart shard {shard}"),
+            Action::KillCoordinator => write!(f, "kill -9 coordinator"),
+            Action::RestartCoordinator => write!(f, "restart coordinator"),
             Action::Slow { worker, factor } => write!(f, "slow {worker} {factor}x"),
             Action::Pause { worker, for_s } => {
                 write!(f, "pause {worker} for {for_s} s (SIGSTOP, then SIGCONT)")
@@ -422,6 +445,8 @@ impl Scenario {
         let mut gone: Vec<(String, String)> = Vec::new();
         let mut next = workers;
         let mut roster = ShardRoster::new(shards);
+        // The event that killed the coordinator, while it is down.
+        let mut coordinator_down: Option<usize> = None;
         let mut last: Option<f64> = None;
         let mut events = Vec::new();
         for (i, e) in raw.event.into_iter().enumerate() {
@@ -448,7 +473,8 @@ impl Scenario {
             let action = e.action.ok_or_else(|| {
                 bad(
                     "missing field `action` (add, drain, kill, term, preempt, migrate, slow, \
-                     pause, shard_add, shard_remove, move, kill_shard or restart_shard)"
+                     pause, shard_add, shard_remove, move, kill_shard, restart_shard, \
+                     kill_coordinator or restart_coordinator)"
                         .into(),
                 )
             })?;
@@ -634,17 +660,54 @@ impl Scenario {
                     roster.serving.push(shard.clone());
                     Action::RestartShard { shard }
                 }
+                "kill_coordinator" => {
+                    only(&[])?;
+                    Action::KillCoordinator
+                }
+                "restart_coordinator" => {
+                    only(&[])?;
+                    if coordinator_down.take().is_none() {
+                        return Err(bad(
+                            "cannot restart the coordinator: it is running; only a killed \
+                             coordinator restarts (a kill_coordinator event must come just \
+                             before)"
+                                .into(),
+                        ));
+                    }
+                    Action::RestartCoordinator
+                }
                 other => {
                     return Err(bad(format!(
                         "unknown action {other:?}; expected add, drain, kill, term, preempt, \
-                         migrate, slow, pause, shard_add, shard_remove, move, kill_shard or \
-                         restart_shard"
+                         migrate, slow, pause, shard_add, shard_remove, move, kill_shard, \
+                         restart_shard, kill_coordinator or restart_coordinator"
                     )));
                 }
             };
+            // Between a kill of the coordinator and its restart nothing else may happen: every
+            // other event asks the coordinator something, or needs it to notice what happened.
+            if let Some(killed) = coordinator_down {
+                return Err(bad(format!(
+                    "cannot {} while the coordinator is down (killed by event {killed}): no \
+                     other event may come between a kill_coordinator and its \
+                     restart_coordinator",
+                    action.kind()
+                )));
+            }
+            if action == Action::KillCoordinator {
+                coordinator_down = Some(index);
+            }
             events.push(ScenarioEvent {
                 at: Duration::from_secs_f64(at_s),
                 action,
+            });
+        }
+        if let Some(index) = coordinator_down {
+            return Err(ScenarioError::Event {
+                index,
+                what: "the coordinator is killed and never restarted: without it training could \
+                       never finish; add a restart_coordinator event after it"
+                    .into(),
             });
         }
         if let Some((shard, index)) = roster.down.first() {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use edl_benches::{apply, detect, elastic, load, report, scale, transport, tta};
+use edl_benches::{apply, control, detect, elastic, load, report, scale, transport, tta};
 use edl_shared::proto::Consistency;
 use edl_shared::transport::TransportSettings;
 use edl_worker::data::DEFAULT_DATA_DIR;
@@ -160,6 +160,38 @@ enum Cmd {
         /// Where `edl-ps` and `edl-worker` are [default: next to edl-bench].
         #[arg(long)]
         bin_dir: Option<PathBuf>,
+        /// Where BENCHMARKS.md is.
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+    },
+    /// The coordinator's commits with each durable store (none: no store, as before
+    /// durability; wal: the embedded log with fdatasync; etcd) for 1, 4 and 16 concurrent
+    /// workers: commits/s, a commit's p50/p99 latency and commits per store write. Writes its
+    /// table to `OUT/benches/control.md`, which BENCHMARKS.md includes (updated in place too),
+    /// except with --quick.
+    Control {
+        /// Only these worker counts (e.g. `1,4,16`) [default: 1,4,16; 1,4 with --quick].
+        #[arg(long, value_delimiter = ',')]
+        workers: Vec<usize>,
+        /// Only these stores (none, wal, etcd) [default: all three; etcd only where one is
+        /// given or installed].
+        #[arg(long, value_delimiter = ',')]
+        stores: Vec<control::Store>,
+        /// An etcd to keep the state in (`etcd://HOST:PORT,...`); each round's job writes its
+        /// own keys (`/edl/edl-bench-control-PID-N/`), left there. Without it, one member is
+        /// started on free loopback ports for the run if `etcd` and `etcdctl` are installed.
+        #[arg(long)]
+        etcd: Option<String>,
+        /// Rounds per point, the stores alternating [default: 3; 1 with --quick].
+        #[arg(long)]
+        rounds: Option<usize>,
+        /// The measured window of a round, seconds [default: 2; 0.3 with --quick].
+        #[arg(long)]
+        seconds: Option<f64>,
+        /// Where the coordinator's state (and a started etcd's data) goes: the disk measured
+        /// [default: the system's temporary directory].
+        #[arg(long)]
+        dir: Option<PathBuf>,
         /// Where BENCHMARKS.md is.
         #[arg(long, default_value = ".")]
         out: PathBuf,
@@ -399,6 +431,45 @@ async fn main() -> anyhow::Result<()> {
                 out.join(report::DETECT).display(),
                 out.join("BENCHMARKS.md").display()
             );
+        }
+        Cmd::Control {
+            workers,
+            stores,
+            etcd,
+            rounds,
+            seconds,
+            dir,
+            out,
+        } => {
+            let mut plan = control::Plan::standard(cli.quick, local);
+            if !workers.is_empty() {
+                plan.workers = workers.clone();
+            }
+            if !stores.is_empty() {
+                plan.stores = control::Store::ALL
+                    .into_iter()
+                    .filter(|s| stores.contains(s))
+                    .collect();
+            }
+            plan.etcd = etcd.clone();
+            plan.rounds = rounds.unwrap_or(plan.rounds);
+            if let Some(s) = seconds {
+                anyhow::ensure!(s.is_finite() && *s > 0.0, "--seconds {s}: more than 0");
+                plan.window = std::time::Duration::from_secs_f64(*s);
+            }
+            plan.dir = dir.clone();
+            let r = control::run(&plan).await?;
+            println!("{}", report::control_table(&r));
+            println!("{}", report::control_summary(&r));
+            write_json(&cli.json, &r)?;
+            if !cli.quick {
+                report::write_control(&r, out)?;
+                println!(
+                    "wrote {} and updated {}",
+                    out.join(report::CONTROL).display(),
+                    out.join("BENCHMARKS.md").display()
+                );
+            }
         }
         Cmd::Apply => {
             let rows = apply_run(cli.quick);

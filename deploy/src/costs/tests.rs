@@ -376,3 +376,30 @@ fn moves_and_shard_events_cost_what_the_others_wait() {
         [(505, 505), (1005, 1300), (1200, 1300)]
     );
 }
+
+#[test]
+fn a_killed_coordinator_is_quiet_until_its_restart_and_summed_up_apart() {
+    let t = trace(vec![], vec![steps(1, (1..=100).map(|i| i * 10))]);
+    let act = |t_ms: u64, kind: &'static str, shard: &str, took_ms: Option<f64>| ShardAction {
+        t_ms,
+        kind,
+        shard: shard.into(),
+        took_ms,
+    };
+    let actions = [
+        act(200, "kill_shard", "s1", None),
+        act(300, "kill_coordinator", "coordinator", None),
+        act(700, "restart_coordinator", "coordinator", Some(60.0)),
+        act(800, "restart_shard", "s1", Some(10.0)),
+    ];
+    // Each absence runs from the kill to the end of the matching restart: the coordinator's
+    // restart does not end a shard's.
+    assert_eq!(
+        shard_quiet_spans(&t, &actions),
+        [(200, 810), (300, 760), (700, 760), (800, 810)]
+    );
+    let r = shard_costs(&t, &BTreeMap::new(), &actions[1..3]);
+    let s = kind_summaries(&r);
+    let kinds: Vec<(&str, usize)> = s.iter().map(|k| (k.kind.as_str(), k.count)).collect();
+    assert_eq!(kinds, [("kill_coordinator", 1), ("restart_coordinator", 1)]);
+}

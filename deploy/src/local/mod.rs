@@ -9,10 +9,12 @@
 //! With a scenario ([`crate::scenario`]) the launcher also changes the membership while the job
 //! trains (module `play`): elastically, or with the stop-everything restarts of the
 //! `--restart-on-change` baseline; and it reshapes the shard servers online in both modes
-//! (module `shards`). Afterwards it reads the coordinator's trace, the shards' ledgers and
-//! the final shard layout, so the report says what every event and key-range move cost and
-//! whether each sample was applied exactly once.
+//! (module `shards`), and kills and restarts the coordinator (module `coordinator`).
+//! Afterwards it reads the coordinator's trace, the shards' ledgers and the final shard
+//! layout, so the report says what every event and key-range move cost and whether each
+//! sample was applied exactly once.
 
+mod coordinator;
 mod place;
 mod play;
 mod setup;
@@ -220,9 +222,10 @@ pub const RESTART_NOTE: &str = "The classic stop-everything baseline, for compar
     new names. The parameter servers keep running and keep the parameters, so the new \
     workers' first pull is the restore; the checkpoint file is written but never read back. A \
     kill is SIGKILL to the victim first, then the same restart with one worker fewer; as in \
-    elastic mode, the coordinator counts the victim until its lease expires. Shard events \
-    (shard_add, shard_remove, move, kill_shard, restart_shard) change no worker: they are \
-    carried out online, exactly as in elastic mode.";
+    elastic mode, the coordinator counts the victim until its lease expires. Shard and \
+    coordinator events (shard_add, shard_remove, move, kill_shard, restart_shard, \
+    kill_coordinator, restart_coordinator) change no worker: they are carried out online, \
+    exactly as in elastic mode.";
 
 /// What elastic membership means, for the report.
 const ELASTIC_NOTE: &str = "Workers are added, drained, sent SIGTERM or killed while \
@@ -305,6 +308,8 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         progress: Progress::new(cfg.progress_bar)?,
         coordinator: None,
         coordinator_addr: None,
+        coordinator_run: coordinator::CoordinatorRun::default(),
+        identity: None,
         shards: Shards::default(),
         workers: Workers::default(),
         poller: None,
@@ -452,8 +457,13 @@ struct Launch<'a> {
     state_dir: PathBuf,
     logs: PathBuf,
     progress: Progress,
+    /// The coordinator process now (a killed one until its restart).
     coordinator: Option<Proc>,
     coordinator_addr: Option<SocketAddr>,
+    /// How the coordinator was started, whether it is down, and its clock across restarts.
+    coordinator_run: coordinator::CoordinatorRun,
+    /// The launcher's own identity, for connecting again after a coordinator restart.
+    identity: Option<edl_shared::Identity>,
     shards: Shards,
     workers: Workers,
     poller: Option<JoinHandle<()>>,
@@ -461,8 +471,9 @@ struct Launch<'a> {
     admin: Option<Admin>,
     /// The shard events carried out so far.
     shard_actions: Vec<ShardAction>,
-    /// The coordinator's clock (milliseconds since it started) as of the latest status, and
-    /// when that status arrived.
+    /// The coordinator's clock as of the latest status, and when that status arrived: in
+    /// milliseconds since the first coordinator started (a restarted coordinator's clock
+    /// starts at 0 again; [`coordinator::CoordinatorRun::offset_ms`] is added).
     clock: Option<(u64, Instant)>,
     /// Slots, placements fulfilled and the elastic actions carried out.
     placer: place::Placer,
@@ -477,15 +488,17 @@ impl Launch<'_> {
     /// the servers to [`Launch::stop`].
     async fn drive(&mut self, launcher: edl_shared::Identity) -> anyhow::Result<Trained> {
         let coordinator = self.start_coordinator().await?;
-        self.admin = Some(
-            Admin::connect(
-                &coordinator.to_string(),
-                &launcher,
-                TransportSettings::default(),
-            )
-            .await
-            .context("connecting to the coordinator as an admin")?,
-        );
+        self.identity = Some(launcher.clone());
+        let admin = Admin::connect(
+            &coordinator.to_string(),
+            &launcher,
+            TransportSettings::default(),
+        )
+        .await
+        .context("connecting to the coordinator as an admin")?;
+        // The time base of the report: the first coordinator's clock.
+        self.coordinator_run.first_zero = Some(coordinator::clock_zero(&admin).await?.0);
+        self.admin = Some(admin);
         self.start_shards().await?;
         self.start_workers().await?;
         let workers_started = Instant::now();
@@ -535,7 +548,7 @@ impl Launch<'_> {
                         job = Some(*j);
                     }
                     Some(Polled::Status(st, at)) => {
-                        self.clock = Some((st.t_ms, at));
+                        self.clock = Some((st.t_ms + self.coordinator_run.offset_ms, at));
                         if first_active.is_none() && active_workers(&st) > 0 {
                             first_active = Some(at);
                         }
@@ -612,10 +625,12 @@ impl Launch<'_> {
             .await
             .context("the final status request timed out")?
             .context("asking the coordinator for the final status")?;
-        let trace = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.trace())
+        let mut trace = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.trace())
             .await
             .context("the trace request timed out")?
             .context("asking the coordinator for its event trace")?;
+        // A restarted coordinator dates from its own start: the report, from the first's.
+        coordinator::shift_trace(&mut trace, self.coordinator_run.offset_ms);
         // `job`'s connections may be to shards that were killed and restarted since (a dead
         // connection fails the call rather than reconnecting): a fresh client reads the
         // ledgers of the shards that hold keys now (a retired shard holds none).
@@ -664,10 +679,11 @@ impl Launch<'_> {
             )
         };
         // After the evaluation, so that the history holds it.
-        let history = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.history(0))
+        let mut history = tokio::time::timeout(FINAL_STATUS_TIMEOUT, job.history(0))
             .await
             .context("the history request timed out")?
             .context("asking the coordinator for its history")?;
+        coordinator::shift_history(&mut history, self.coordinator_run.offset_ms);
         Ok(Trained {
             status,
             trace,
@@ -689,10 +705,7 @@ impl Launch<'_> {
     /// Starts the coordinator and waits until it has written its address.
     async fn start_coordinator(&mut self) -> anyhow::Result<SocketAddr> {
         let cfg = self.cfg;
-        let addr_file = self.state_dir.join("coordinator.addr");
-        // A state directory can be reused; an address left by an earlier run must not be
-        // mistaken for this coordinator's.
-        launch::remove_stale(&addr_file)?;
+        let addr_file = self.coordinator_addr_file();
         let layers = cfg
             .layers
             .iter()
@@ -707,14 +720,12 @@ impl Launch<'_> {
             None,
         );
         args.extend(launch::metrics_args(&self.state_dir, COORDINATOR_NAME));
-        let http_file = self.state_dir.join("dashboard.addr");
-        launch::remove_stale(&http_file)?;
         if let Some(http) = cfg.observe.http {
             args.extend([
                 "--http".into(),
                 http.to_string().into(),
                 "--http-file".into(),
-                http_file.clone().into_os_string(),
+                self.dashboard_addr_file().into_os_string(),
             ]);
         }
         if let Some(job) = &cfg.job {
@@ -741,24 +752,9 @@ impl Launch<'_> {
                 cfg.lease_ms.to_string().into(),
             ]);
         }
-        let proc = self.coordinator.insert(Proc::spawn(Spawn {
-            name: COORDINATOR_NAME.into(),
-            program: self.bins.ps.clone(),
-            args,
-            log: self.logs.join("coordinator.log"),
-            ..Spawn::default()
-        })?);
-
-        let addr = proc
-            .wait_for_addr(&addr_file, COORDINATOR_START, ADDR_CHECK)
-            .await?;
-        if cfg.observe.http.is_some() {
-            let at = proc
-                .wait_for_addr(&http_file, COORDINATOR_START, ADDR_CHECK)
-                .await?;
-            self.progress
-                .println(&format!("edl-local: dashboard at http://{at}/"));
-        }
+        // A restart runs the same arguments, on the address this start gets.
+        self.coordinator_run.args = args.clone();
+        let addr = self.spawn_coordinator(args, "coordinator.log").await?;
         self.progress.println(&format!(
             "edl-local: every process serves Prometheus metrics; addresses in {}",
             self.state_dir.join("metrics").display()
@@ -832,11 +828,12 @@ impl Launch<'_> {
         Ok(())
     }
 
-    /// Fails if the coordinator or a shard has exited, unless it was a shard the launcher
-    /// killed or the coordinator removed (see [`Shards::check`]): training cannot go on
-    /// without them.
+    /// Fails if the coordinator or a shard has exited, unless it was the coordinator or a
+    /// shard the launcher killed, or a shard the coordinator removed (see [`Shards::check`]):
+    /// training cannot go on without them.
     fn check_servers(&mut self) -> anyhow::Result<()> {
-        if let Some(p) = self.coordinator.as_mut()
+        if !self.coordinator_run.down
+            && let Some(p) = self.coordinator.as_mut()
             && let Some(status) = p.try_exit()?
         {
             bail!("{}", p.failure("exited during training", status));
@@ -897,7 +894,12 @@ impl Launch<'_> {
         self.procs.stop_job(&self.job.name).await;
         let mut problems = self.shards.stop(STOP_GRACE).await;
         if let Some(p) = self.coordinator.as_mut() {
-            problems.extend(stop_server(p, STOP_GRACE).await);
+            let problem = stop_server(p, STOP_GRACE).await;
+            // A coordinator the scenario killed (the run failed before its restart) died as
+            // it was meant to.
+            if !self.coordinator_run.down {
+                problems.extend(problem);
+            }
         }
         problems
     }

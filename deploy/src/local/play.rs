@@ -1,8 +1,8 @@
 //! Scenario playback: each event, once due, is carried out against the running job. A worker
 //! event is carried out either elastically (start workers, drain one through the coordinator,
 //! signal one) or, with `--restart-on-change`, as a stop-everything restart (see
-//! [`super::RESTART_NOTE`]); a shard event the same way in both modes (module `shards`),
-//! since it does not change the worker membership.
+//! [`super::RESTART_NOTE`]); a shard or coordinator event the same way in both modes (modules
+//! `shards` and `coordinator`), since it does not change the worker membership.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -260,6 +260,9 @@ impl Launch<'_> {
             | Action::Pause { .. }
             | Action::Preempt { .. }
             | Action::Migrate { .. } => self.apply_elastic(ev).await,
+            Action::KillCoordinator | Action::RestartCoordinator => {
+                self.apply_coordinator(ev).await
+            }
             _ => self.apply_shard(ev).await,
         }
     }
@@ -356,7 +359,7 @@ impl Launch<'_> {
         let start_ms = ms(starting.elapsed());
 
         let report = RestartReport {
-            t_ms: coordinator_ms(begun, job.status()).await?,
+            t_ms: coordinator_ms(begun, job.status()).await? + self.coordinator_run.offset_ms,
             cause: ev.action.to_string(),
             workers_before: before.len() as u32,
             workers_after: after.len() as u32,

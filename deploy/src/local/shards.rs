@@ -230,7 +230,8 @@ impl Launch<'_> {
         at: Instant,
         took: Option<Duration>,
     ) -> anyhow::Result<()> {
-        let t_ms = coordinator_ms(at, self.admin()?.status()).await?;
+        let t_ms =
+            coordinator_ms(at, self.admin()?.status()).await? + self.coordinator_run.offset_ms;
         self.shard_actions.push(ShardAction {
             t_ms,
             kind,

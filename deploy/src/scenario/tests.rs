@@ -134,6 +134,7 @@ fn the_shipped_scenarios_are_valid_for_their_worker_counts() {
         (include_str!("../../scenarios/straggler.toml"), 4, 4),
         // The preempted worker counts as gone: its substitute depends on the policy.
         (include_str!("../../scenarios/spot.toml"), 3, 2),
+        (include_str!("../../scenarios/coordinator.toml"), 3, 3),
     ] {
         let s = Scenario::parse(text, workers, 2).expect("valid");
         assert_eq!(s.final_workers(workers), end, "{text}");
@@ -352,6 +353,118 @@ fn elastic_events_parse_and_are_checked() {
         1,
     );
     assert!(e.contains("no worker running"), "{e}");
+}
+
+#[test]
+fn coordinator_events_parse_and_are_checked() {
+    let ev = |at: f64, action: &str| format!("[[event]]\nat_s = {at}\naction = \"{action}\"\n");
+    let kill = |at: f64| ev(at, "kill_coordinator");
+    let restart = |at: f64| ev(at, "restart_coordinator");
+    let with = |at: f64, action: &str, field: &str| ev(at, action) + field + "\n";
+    let s = Scenario::parse(
+        &(kill(1.0) + &restart(1.4) + &kill(2.0) + &restart(2.0)),
+        2,
+        2,
+    )
+    .expect("valid");
+    let actions: Vec<String> = s.events.iter().map(|e| e.action.to_string()).collect();
+    assert_eq!(
+        actions,
+        [
+            "kill -9 coordinator",
+            "restart coordinator",
+            "kill -9 coordinator",
+            "restart coordinator"
+        ]
+    );
+    assert_eq!(s.events[0].action, Action::KillCoordinator);
+    assert_eq!(s.events[1].action, Action::RestartCoordinator);
+    assert_eq!(
+        (s.events[0].action.kind(), s.events[1].action.kind()),
+        ("kill_coordinator", "restart_coordinator")
+    );
+    // Carried out like shard events with --restart-on-change: they change no worker.
+    assert!(s.events.iter().all(|e| e.action.is_shard_event()));
+    assert!(s.events.iter().all(|e| !e.action.is_elastic_event()));
+    assert!(s.events.iter().all(|e| e.action.target().is_none()));
+    assert!(s.has_shard_events());
+    assert_eq!(s.final_workers(2), 2);
+
+    let check = |text: String, want: &[&str]| {
+        let e = Scenario::parse(&text, 2, 2)
+            .expect_err("should be refused")
+            .to_string();
+        for w in want {
+            assert!(e.contains(w), "{w:?} not in {e}");
+        }
+    };
+    check(
+        restart(1.0),
+        &[
+            "event 1",
+            "cannot restart the coordinator",
+            "only a killed coordinator restarts",
+        ],
+    );
+    check(
+        kill(1.0) + &restart(2.0) + &restart(3.0),
+        &["event 3", "cannot restart the coordinator"],
+    );
+    check(
+        kill(1.0),
+        &[
+            "event 1",
+            "the coordinator is killed and never restarted",
+            "add a restart_coordinator event",
+        ],
+    );
+    check(
+        kill(1.0) + &restart(2.0) + &kill(3.0),
+        &["event 3", "killed and never restarted"],
+    );
+    check(
+        kill(1.0) + &kill(2.0) + &restart(3.0),
+        &[
+            "event 2",
+            "cannot kill_coordinator while the coordinator is down (killed by event 1)",
+        ],
+    );
+    // Nothing may come between a kill and its restart, not even an event that needs no answer.
+    for between in [
+        "action = \"add\"\ncount = 1",
+        "action = \"kill\"\nworker = \"w0\"",
+        "action = \"slow\"\nworker = \"w0\"\nfactor = 2.0",
+        "action = \"shard_add\"",
+        "action = \"kill_shard\"\nshard = \"s0\"",
+    ] {
+        let text = kill(1.0) + &format!("[[event]]\nat_s = 1.5\n{between}\n") + &restart(2.0);
+        let e = Scenario::parse(&text, 2, 2)
+            .expect_err("should be refused")
+            .to_string();
+        assert!(
+            e.contains("event 2")
+                && e.contains("while the coordinator is down (killed by event 1)")
+                && e.contains(
+                    "no other event may come between a kill_coordinator and its \
+                     restart_coordinator"
+                ),
+            "{between}: {e}"
+        );
+    }
+    check(
+        with(1.0, "kill_coordinator", "worker = \"w0\"") + &restart(2.0),
+        &["event 1", "`worker` does not apply to kill_coordinator"],
+    );
+    check(
+        kill(1.0) + &with(2.0, "restart_coordinator", "shard = \"s0\""),
+        &["event 2", "`shard` does not apply to restart_coordinator"],
+    );
+    check(
+        kill(1.0) + &with(2.0, "restart_coordinator", "count = 1"),
+        &["event 2", "`count` does not apply to restart_coordinator"],
+    );
+    let e = err("[[event]]\nat_s = 1\naction = \"explode\"\n", 2);
+    assert!(e.contains("kill_coordinator or restart_coordinator"), "{e}");
 }
 
 #[test]

@@ -31,7 +31,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Cli {
-    /// The coordinator's address.
+    /// The coordinator's address; with several coordinators of a job (`edl-ps coordinator
+    /// --meta`), all of them separated by commas: the worker follows whichever leads.
     #[arg(long, default_value = "127.0.0.1:7070")]
     coordinator: String,
     /// This worker's name (its certificate name).

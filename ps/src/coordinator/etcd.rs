@@ -68,6 +68,8 @@ pub struct Leadership {
     /// for a whole TTL): another coordinator may lead by now.
     pub lost: CancellationToken,
     lease: i64,
+    /// Cancelled when the lead is given up: the keep-alive stops quietly.
+    resigned: CancellationToken,
 }
 
 impl EtcdMeta {
@@ -188,9 +190,20 @@ impl EtcdMeta {
             return Ok(Err(holder.unwrap_or_default()));
         }
         let term = resp.header().map_or(0, |h| h.revision());
-        let lost = CancellationToken::new();
-        tokio::spawn(keep_alive(client, lease, ttl, lost.clone()));
-        Ok(Ok(Leadership { term, lost, lease }))
+        let (lost, resigned) = (CancellationToken::new(), CancellationToken::new());
+        tokio::spawn(keep_alive(
+            client,
+            lease,
+            ttl,
+            lost.clone(),
+            resigned.clone(),
+        ));
+        Ok(Ok(Leadership {
+            term,
+            lost,
+            lease,
+            resigned,
+        }))
     }
 
     /// The state record, if one was written.
@@ -209,16 +222,26 @@ impl EtcdMeta {
 
     /// Gives the lead up (at shutdown): the leader key goes at once, not after a TTL.
     pub async fn resign(&self, leadership: &Leadership) {
+        leadership.resigned.cancel();
         let _ = self.client.clone().lease_revoke(leadership.lease).await;
     }
 }
 
 /// Keeps the leader's lease alive, a third of its TTL apart; cancels `lost` once it may have
 /// expired: etcd answered that it has, or nothing got through for a whole TTL.
-async fn keep_alive(mut client: Client, lease: i64, ttl: Duration, lost: CancellationToken) {
+async fn keep_alive(
+    mut client: Client,
+    lease: i64,
+    ttl: Duration,
+    lost: CancellationToken,
+    resigned: CancellationToken,
+) {
     let mut last_ok = tokio::time::Instant::now();
     let mut stream = None;
     loop {
+        if resigned.is_cancelled() {
+            return;
+        }
         if last_ok.elapsed() >= ttl {
             warn!(
                 ttl_ms = ttl.as_millis() as u64,
@@ -240,6 +263,7 @@ async fn keep_alive(mut client: Client, lease: i64, ttl: Duration, lost: Cancell
             };
             match tokio::time::timeout(REQUEST_TIMEOUT, beat).await {
                 Ok(Ok(Some(resp))) if resp.ttl() > 0 => last_ok = tokio::time::Instant::now(),
+                Ok(Ok(Some(_))) if resigned.is_cancelled() => return,
                 Ok(Ok(Some(_))) => {
                     warn!("etcd says the leader's lease expired: stepping down");
                     lost.cancel();
@@ -248,7 +272,10 @@ async fn keep_alive(mut client: Client, lease: i64, ttl: Duration, lost: Cancell
                 _ => stream = None,
             }
         }
-        tokio::time::sleep(ttl / 3).await;
+        tokio::select! {
+            _ = resigned.cancelled() => return,
+            _ = tokio::time::sleep(ttl / 3) => {}
+        }
     }
 }
 

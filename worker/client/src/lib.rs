@@ -264,9 +264,8 @@ impl CoordLink {
                             *f == at && t.elapsed() < FOLLOW_FAILED_AFTER
                         }) =>
                 {
-                    outage
-                        .failed(CallError::NotLeader { leader: Some(at) })
-                        .await?;
+                    let e = CallError::NotLeader { leader: Some(at) };
+                    outage.failed_every(e, ELECTION_POLL).await?;
                     continue;
                 }
                 Err(CallError::NotLeader { leader: Some(at) }) => {
@@ -275,8 +274,13 @@ impl CoordLink {
                     self.redial(&to).await;
                     continue;
                 }
-                // An election is under way: ask the others, backing off as in an outage.
-                Err(e @ CallError::NotLeader { leader: None }) => e,
+                // An election is under way: ask the others, as often as a standby looks.
+                Err(e @ CallError::NotLeader { leader: None }) => {
+                    outage.failed_every(e, ELECTION_POLL).await?;
+                    let to = self.move_to(None, None);
+                    self.redial(&to).await;
+                    continue;
+                }
                 other => {
                     outage.over();
                     return other;
@@ -313,6 +317,10 @@ impl CoordLink {
         }
     }
 }
+
+/// How often a client asks again while the job's coordinators elect a leader (a standby polls
+/// the leader key four times a second).
+const ELECTION_POLL: Duration = Duration::from_millis(200);
 
 /// How long after a coordinator's connection failed a client declines to follow a standby
 /// that names it as the leader (its lease may not have run out): longer than a leader's lease.
@@ -405,6 +413,16 @@ impl<'a> Outage<'a> {
         tokio::time::sleep(self.delay).await;
         self.delay = (self.delay * 2).min(MAX_BACKOFF);
         Ok(())
+    }
+
+    /// [`Outage::failed`], waiting `every` instead of backing off: while coordinators elect a
+    /// leader, which a standby finds within a fraction of a second of the old lease's end.
+    async fn failed_every(&mut self, err: CallError, every: Duration) -> Result<(), CallError> {
+        let delay = self.delay;
+        self.delay = every;
+        let r = self.failed(err).await;
+        self.delay = delay;
+        r
     }
 
     /// The server answered: logs the end of the outage, if there was one.

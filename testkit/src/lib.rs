@@ -28,6 +28,7 @@ use tokio::task::JoinSet;
 pub mod dst;
 pub mod etcd;
 pub mod placer;
+pub mod procs;
 pub mod synthetic;
 pub mod tenants;
 pub mod traces;

@@ -5,7 +5,6 @@
 //! holds, and the worker, given both addresses, follows it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use edl_ps::admin::{Admin, CoordinatorRole};
@@ -14,45 +13,8 @@ use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::DataSpan;
 use edl_shared::transport::TransportSettings;
 use edl_testkit::etcd::{EtcdCluster, have_etcd};
+use edl_testkit::procs::{Proc, bin, free_port, spawn};
 use edl_worker::{ClientConfig, Job};
-
-/// The binaries `cargo test --workspace` builds beside this test.
-fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test path");
-    exe.parent()
-        .and_then(|deps| deps.parent())
-        .expect("target directory")
-        .join(name)
-}
-
-/// A free UDP port on loopback (bound and released).
-fn free_port() -> u16 {
-    let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-    s.local_addr().expect("addr").port()
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(args: &[&str], state: &Path, log: &str) -> Proc {
-    let log = std::fs::File::create(state.join(log)).expect("log file");
-    let child = Command::new(bin("edl-ps"))
-        .args(args)
-        .arg("--state-dir")
-        .arg(state)
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("edl-ps starts");
-    Proc(child)
-}
 
 /// Samples of the job: a 4-4 MLP (20 floats) under SGD at rate 1, batches of 4.
 const SAMPLES: u32 = 192;

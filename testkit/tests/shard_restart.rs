@@ -4,8 +4,7 @@
 //! SIGKILL comes back with everything it acknowledged and the job finishes with an exact
 //! ledger.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use edl_ps::admin::Admin;
@@ -14,45 +13,8 @@ use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::DataSpan;
 use edl_shared::proto::{Clock, Key};
 use edl_shared::transport::TransportSettings;
+use edl_testkit::procs::{Proc, bin, free_port, spawn};
 use edl_worker::{ClientConfig, Job};
-
-/// The binaries `cargo test --workspace` builds beside this test.
-fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test path");
-    exe.parent()
-        .and_then(|deps| deps.parent())
-        .expect("target directory")
-        .join(name)
-}
-
-/// A free UDP port on loopback (bound and released; the shard binds it again at once).
-fn free_port() -> u16 {
-    let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-    s.local_addr().expect("addr").port()
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(args: &[&str], state: &Path, log: &str) -> Proc {
-    let log = std::fs::File::create(state.join(log)).expect("log file");
-    let child = Command::new(bin("edl-ps"))
-        .args(args)
-        .arg("--state-dir")
-        .arg(state)
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("edl-ps starts");
-    Proc(child)
-}
 
 fn wait_for_file(path: &Path) -> String {
     let t = Instant::now();

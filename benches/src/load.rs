@@ -526,7 +526,7 @@ fn call_kind(e: &CallError) -> String {
         }
         CallError::Write(quinn::WriteError::ConnectionLost(c)) => connection_kind(c),
         CallError::Write(_) => "write failed".into(),
-        CallError::Connect(_) => "cannot connect".into(),
+        CallError::Connect(_) | CallError::Unreachable { .. } => "cannot connect".into(),
         CallError::Closed(_) => "stream closed".into(),
         CallError::TimedOut(_) => "timed out".into(),
         CallError::Proto(p) => format!("bad frame ({:?})", p.code()),

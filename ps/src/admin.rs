@@ -51,17 +51,22 @@ impl Admin {
     ) -> Result<Admin, CallError> {
         let mut coordinators = Coordinators::parse(addrs).map_err(CallError::Address)?;
         let endpoint = client_endpoint(identity, &settings, false)?;
-        let mut tried = 0;
+        let mut tried = Vec::new();
         let coordinator = loop {
-            match Conn::connect(&endpoint, coordinators.current(), &identity.name, &settings).await
-            {
+            let at = coordinators.current().to_string();
+            match Conn::connect(&endpoint, &at, &identity.name, &settings).await {
                 Ok(c) => break c,
-                Err(e) if tried + 1 < coordinators.all().len() => {
-                    tracing::debug!(error = %e, "coordinator at {} does not answer", coordinators.current());
+                Err(e) => {
+                    tracing::debug!(error = %e, "coordinator at {at} does not answer");
+                    tried.push(at);
+                    if tried.len() == coordinators.all().len() {
+                        return Err(CallError::Unreachable {
+                            tried,
+                            cause: Box::new(e),
+                        });
+                    }
                     coordinators.advance();
-                    tried += 1;
                 }
-                Err(e) => return Err(e),
             }
         };
         Ok(Admin {

@@ -99,3 +99,86 @@ fn bad_consistency_is_refused_before_starting() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("ssp:N"));
 }
+
+/// A client (`edlctl`) never creates a CA or replaces one, and a client that cannot connect
+/// names the address it tried and what to check: a wrong CA, nothing listening.
+#[test]
+fn a_client_makes_no_ca_and_says_what_to_check_when_it_cannot_connect() {
+    let edlctl = |state: &std::path::Path, coordinator: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_edlctl"))
+            .args(["--coordinator", coordinator, "--state-dir"])
+            .arg(state)
+            .arg("status")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("runs");
+        assert!(!out.status.success(), "status succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let cluster = tempfile::tempdir().expect("tempdir");
+    let addr_file = cluster.path().join("addr");
+    let mut coordinator = edl_ps()
+        .args(["coordinator", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(cluster.path())
+        .arg("--addr-file")
+        .arg(&addr_file)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawns");
+    let started = std::time::Instant::now();
+    let addr = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file)
+            && !a.trim().is_empty()
+        {
+            break a.trim().to_string();
+        }
+        assert!(
+            started.elapsed().as_secs() < 60,
+            "the coordinator never bound"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+
+    // An empty state directory: no CA is made, and the error says what to give.
+    let empty = tempfile::tempdir().expect("tempdir");
+    let err = edlctl(empty.path(), &addr);
+    assert!(err.contains("no cluster CA"), "{err}");
+    assert!(!empty.path().join("pki").exists(), "a client made a PKI");
+
+    // The cluster's CA certificate without its key: kept, and the missing certificate named.
+    let copied = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(copied.path().join("pki")).expect("mkdir");
+    let ca = edl_shared::pki::PkiDir::new(cluster.path()).ca_cert();
+    let ca_pem = std::fs::read(&ca).expect("the cluster CA");
+    std::fs::write(copied.path().join("pki/ca.pem"), &ca_pem).expect("copy");
+    let err = edlctl(copied.path(), &addr);
+    assert!(err.contains("admin-edlctl.pem is not issued"), "{err}");
+    assert_eq!(
+        std::fs::read(copied.path().join("pki/ca.pem")).expect("still there"),
+        ca_pem
+    );
+
+    // Another cluster's CA: the handshake fails, and the error says why.
+    let other = tempfile::tempdir().expect("tempdir");
+    edl_shared::pki::PkiDir::new(other.path())
+        .init_ca()
+        .expect("another CA");
+    let err = edlctl(other.path(), &addr);
+    assert!(
+        err.contains(&format!("could not connect to {addr}")),
+        "{err}"
+    );
+    assert!(err.contains("not of one cluster CA"), "{err}");
+
+    // Nothing listening (a port held by a silent socket): both addresses named.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let dead = silent.local_addr().expect("addr").to_string();
+    let err = edlctl(cluster.path(), &format!("{dead},{dead}"));
+    assert!(
+        err.contains(&format!("could not connect to {dead}, {dead}")),
+        "{err}"
+    );
+    assert!(err.contains("UDP to that port"), "{err}");
+    let _ = coordinator.kill();
+    let _ = coordinator.wait();
+}

@@ -8,8 +8,10 @@ use crate::server::Budgets;
 /// Credential and state flags.
 #[derive(Clone, Debug, clap::Args)]
 pub struct IdentityArgs {
-    /// State directory. Holds the cluster PKI under `pki/` unless --ca/--cert/--key are given;
-    /// if no CA exists there, a dev CA and this node's certificate are created (local runs).
+    /// State directory. Holds the cluster PKI under `pki/` unless --ca/--cert/--key are given.
+    /// A server (coordinator, shard, scheduler) creates a dev CA there if none exists (local
+    /// runs); a client (worker, edlctl) never does, and is issued its certificate by the CA
+    /// there if its key is there too.
     #[arg(long, env = "EDL_STATE_DIR", default_value = "edl-state")]
     pub state_dir: PathBuf,
     /// Cluster CA certificate (PEM). Peers must present certificates signed by it.
@@ -25,7 +27,8 @@ pub struct IdentityArgs {
 
 impl IdentityArgs {
     /// Loads the explicit certificate files, or the state directory's certificate for
-    /// `role/name` (issuing it, and a dev CA, if missing).
+    /// `role/name` (issuing it if missing, and for a server a dev CA too: see
+    /// [`PkiDir::ensure`] and [`PkiDir::member`]).
     pub fn identity(&self, role: Role, name: &str) -> Result<Identity, PkiError> {
         match (&self.ca, &self.cert, &self.key) {
             (Some(ca), Some(cert), Some(key)) => {
@@ -39,7 +42,13 @@ impl IdentityArgs {
                 }
                 Ok(id)
             }
-            _ => PkiDir::new(&self.state_dir).ensure(role, name),
+            _ => {
+                let pki = PkiDir::new(&self.state_dir);
+                match role {
+                    Role::Worker | Role::Admin => pki.member(role, name, crate::pki::DEFAULT_JOB),
+                    Role::Coordinator | Role::Shard => pki.ensure(role, name),
+                }
+            }
         }
     }
 }

@@ -101,6 +101,31 @@ pub enum PkiError {
         "no cluster CA at {0}: run `edl-ps ca init --state-dir DIR` (or let edl-local create a dev CA)"
     )]
     NoCa(PathBuf),
+    /// A client's state directory holds no cluster CA (clients never create one).
+    #[error(
+        "no cluster CA at {0}: a client joins an existing cluster; give the cluster's state \
+         directory (--state-dir, the one its coordinator uses) or the cluster CA with a \
+         certificate and key it issued (--ca --cert --key; `edl-ps ca issue` makes them)"
+    )]
+    NoClusterCa(PathBuf),
+    /// The CA certificate is here without its key, and the certificate asked for is not.
+    #[error(
+        "{} is not issued and the cluster CA's key is not in {dir}: issue it where the key is \
+         (`edl-ps ca issue --role ROLE --name NAME`) and copy it here, or give --ca --cert --key",
+        cert.display()
+    )]
+    NotIssued {
+        /// The certificate that is missing.
+        cert: PathBuf,
+        /// The PKI directory.
+        dir: PathBuf,
+    },
+    /// A CA certificate without its key would have been replaced by a new CA.
+    #[error(
+        "{0} holds a CA certificate without its key (ca.key): refusing to replace it with a \
+         new CA; put the key beside it, or give --ca --cert --key"
+    )]
+    NoCaKey(PathBuf),
     /// A peer certificate's subject is not `ROLE/NAME`.
     #[error("certificate subject: {0}")]
     BadSubject(String),
@@ -195,10 +220,14 @@ impl PkiDir {
         self.dir.join(format!("{role}-{name}.key"))
     }
 
-    /// Creates a new CA unless one exists. Returns true when it created one.
+    /// Creates a new CA unless one exists. Returns true when it created one. A CA certificate
+    /// without its key is never replaced (it is a cluster's CA whose key lives elsewhere).
     pub fn init_ca(&self) -> Result<bool, PkiError> {
         if self.ca_cert().exists() && self.ca_key().exists() {
             return Ok(false);
+        }
+        if self.ca_cert().exists() {
+            return Err(PkiError::NoCaKey(self.dir.clone()));
         }
         fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
         let key = KeyPair::generate()?;
@@ -285,8 +314,11 @@ impl PkiDir {
     }
 
     /// Loads the identity of `role/name`, creating the CA and the certificate first if they do
-    /// not exist yet (the dev-CA convenience for local runs).
+    /// not exist yet (the dev-CA convenience for a server of a local run).
     pub fn ensure(&self, role: Role, name: &str) -> Result<Identity, PkiError> {
+        if self.issued(role, name) {
+            return self.load(role, name);
+        }
         if self.init_ca()? {
             tracing::warn!(dir = %self.dir.display(), "created a new dev cluster CA");
         }
@@ -294,6 +326,37 @@ impl PkiDir {
             self.issue(role, name, DEFAULT_JOB, &[])?;
         }
         self.load(role, name)
+    }
+
+    /// Loads the identity of `role/name` for a client joining an existing cluster (an
+    /// administrator, a worker): its certificate, or one issued for job `job` by the cluster
+    /// CA in this directory when the CA's key is here. It never creates a CA: a client with a
+    /// CA of its own would only be refused by the cluster's servers.
+    pub fn member(&self, role: Role, name: &str, job: &str) -> Result<Identity, PkiError> {
+        if !self.issued(role, name) {
+            if !self.ca_cert().exists() {
+                return Err(PkiError::NoClusterCa(self.dir.clone()));
+            }
+            if !self.ca_key().exists() {
+                return Err(PkiError::NotIssued {
+                    cert: self.node_cert(role, name),
+                    dir: self.dir.clone(),
+                });
+            }
+            self.issue(role, name, job, &[])?;
+            tracing::info!(
+                dir = %self.dir.display(),
+                "issued certificate {role}/{name} with the cluster CA"
+            );
+        }
+        self.load(role, name)
+    }
+
+    /// True when the certificate, its key and the CA certificate of `role/name` are here.
+    fn issued(&self, role: Role, name: &str) -> bool {
+        self.ca_cert().exists()
+            && self.node_cert(role, name).exists()
+            && self.node_key(role, name).exists()
     }
 
     /// Loads the existing identity of `role/name`.

@@ -442,6 +442,15 @@ pub enum CallError {
     /// The request was withdrawn before it was complete ([`Release`]): the server dropped it.
     #[error("request withdrawn before it was complete")]
     Withdrawn,
+    /// No connection could be made to any of the addresses tried (a job's coordinators, a
+    /// scheduler).
+    #[error("could not connect to {} ({cause}); {}", .tried.join(", "), reach_hint(.cause))]
+    Unreachable {
+        /// The addresses tried.
+        tried: Vec<String>,
+        /// The last failure.
+        cause: Box<CallError>,
+    },
     /// The coordinator asked stands by: another one leads (at `leader`, if known). It did
     /// nothing with the request, so repeating it at the leader is always safe.
     #[error("{}", not_leader_text(.leader.as_deref()))]
@@ -455,6 +464,24 @@ fn not_leader_text(leader: Option<&str>) -> String {
     match leader {
         Some(at) => format!("this coordinator stands by; the leader is at {at}"),
         None => "this coordinator stands by and no leader is elected yet".into(),
+    }
+}
+
+/// What to check when a server could not be reached, by how the attempt failed.
+fn reach_hint(cause: &CallError) -> &'static str {
+    let text = cause.to_string();
+    if text.contains("certificate") || text.contains("handshake failed") {
+        "the TLS handshake failed: the server and this client are not of one cluster CA; use \
+         the cluster's state directory (--state-dir, the one its coordinator uses) or its CA \
+         with a certificate it issued (--ca --cert --key)"
+    } else if matches!(cause, CallError::Address(_) | CallError::Connect(_)) {
+        "the address is not a reachable HOST:PORT"
+    } else if cause.connection_failed() || matches!(cause, CallError::TimedOut(_)) {
+        "check that the server runs (`edl-ps coordinator`, `edl-sched`), that it listens on \
+         that address and port (its log says where), and that UDP to that port is let \
+         through (QUIC runs over UDP)"
+    } else {
+        "its log may say why"
     }
 }
 
@@ -482,6 +509,7 @@ impl CallError {
         matches!(
             self,
             CallError::Connect(_)
+                | CallError::Unreachable { .. }
                 | CallError::Connection(_)
                 | CallError::NotSent(_)
                 | CallError::Read(_)

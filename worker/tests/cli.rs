@@ -52,6 +52,10 @@ fn a_signal_before_admission_exits_cleanly_and_promptly() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
+    // The cluster's CA, which issues the worker its certificate.
+    edl_shared::pki::PkiDir::new(dir.path())
+        .init_ca()
+        .expect("a CA");
     // Nothing listens on this port: the worker keeps trying to reach the coordinator.
     let mut child = Command::new(env!("CARGO_BIN_EXE_edl-worker"))
         .args(["--coordinator", "127.0.0.1:9"])
@@ -60,7 +64,7 @@ fn a_signal_before_admission_exits_cleanly_and_promptly() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawns");
-    // Its first log line (the dev CA it creates in the fresh state directory) comes after it
+    // Its first log line (the certificate the cluster CA issues it) comes after it
     // listens for signals: it is running, and not admitted. The rest of its log is read on, so
     // that it never waits on a full pipe.
     let stderr = child.stderr.take().expect("stderr");

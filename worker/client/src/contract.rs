@@ -19,7 +19,9 @@ impl ClientConfig {
     pub fn from_contract(env: &WorkerEnv) -> Result<ClientConfig, ClientError> {
         let identity = match &env.credentials {
             Credentials::Files { ca, cert, key } => load_identity(ca, cert, key),
-            Credentials::StateDir(dir) => PkiDir::new(dir).ensure(Role::Worker, &env.name),
+            Credentials::StateDir(dir) => {
+                PkiDir::new(dir).member(Role::Worker, &env.name, edl_shared::pki::DEFAULT_JOB)
+            }
         }
         .map_err(|e| ClientError::Setup(format!("the worker's credentials: {e}")))?;
         Ok(ClientConfig {

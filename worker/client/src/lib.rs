@@ -893,12 +893,22 @@ async fn connect_any(
                     last = Some(e);
                     addrs.advance();
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(unreachable(vec![addrs.current().to_string()], e).into()),
             }
         }
         if let Some(e) = last {
-            outage.failed(e).await?;
+            outage
+                .failed(e)
+                .await
+                .map_err(|e| unreachable(addrs.all().to_vec(), e))?;
         }
+    }
+}
+
+fn unreachable(tried: Vec<String>, cause: CallError) -> CallError {
+    CallError::Unreachable {
+        tried,
+        cause: Box::new(cause),
     }
 }
 

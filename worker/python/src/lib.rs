@@ -383,24 +383,16 @@ impl Job {
     ) -> PyResult<Job> {
         let pki = PkiDir::new(&state_dir);
         let role = role_of(role)?;
-        let identity = match job.as_deref().filter(|j| !j.is_empty()) {
-            None => pki.ensure(role, name),
-            Some(j) => {
-                // A placer that names the job may not have issued the certificate yet.
-                let missing =
-                    !pki.node_cert(role, name).exists() || !pki.node_key(role, name).exists();
-                pki.init_ca()
-                    .and_then(|_| {
-                        if missing {
-                            pki.issue(role, name, j, &[])
-                        } else {
-                            Ok(())
-                        }
-                    })
-                    .and_then(|()| pki.load(role, name))
-            }
-        }
-        .map_err(credentials_error)?;
+        // A client never creates a CA: one of its own would only be refused by the cluster.
+        let identity = pki
+            .member(
+                role,
+                name,
+                job.as_deref()
+                    .filter(|j| !j.is_empty())
+                    .unwrap_or(edl_shared::pki::DEFAULT_JOB),
+            )
+            .map_err(credentials_error)?;
         check_job(&identity, job.as_deref())?;
         let cfg = ClientConfig {
             coordinator,

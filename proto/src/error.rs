@@ -49,6 +49,9 @@ pub enum ErrorCode {
     /// A commit names a data partition the coordinator does not hold as leased to the worker
     /// (a lease lost with a coordinator's state): give the span back and lease again.
     LeaseUnknown = 20,
+    /// The request came from a coordinator of an earlier term than one this server has heard
+    /// from: a deposed leader, whose orders are refused.
+    Deposed = 21,
 }
 
 impl ErrorCode {
@@ -76,6 +79,7 @@ impl ErrorCode {
             18 => Conflict,
             19 => WrongJob,
             20 => LeaseUnknown,
+            21 => Deposed,
             _ => return None,
         })
     }

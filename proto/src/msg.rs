@@ -606,6 +606,8 @@ pub enum Request {
         map: ShardMap,
         /// The shard was removed from the job: once it holds nothing, it stops.
         retire: bool,
+        /// The sending coordinator's term (see [`Request::MoveOut`]'s).
+        term: u64,
     },
     /// The coordinator asks a shard to hand keys `[start, end)` to shard `to`; `map` is the
     /// map after the move.
@@ -618,6 +620,10 @@ pub enum Request {
         to: ShardId,
         /// The map after the move.
         map: ShardMap,
+        /// The sending coordinator's term: its lead's number, increasing from leader to leader
+        /// (0 for a coordinator with no election). A shard refuses orders of a term below the
+        /// highest it has seen ([`crate::ErrorCode::Deposed`]).
+        term: u64,
     },
     /// A shard hands keys `[start, end)` to another: the payload is the range's state (an
     /// rkyv-encoded export: parameters, optimizer state, staged steps, data ledger).

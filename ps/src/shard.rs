@@ -245,6 +245,9 @@ pub struct ShardState {
     /// [`IMPORTS_KEPT`]; since it started): an offer of one again is acknowledged even after
     /// the range moved on, so that its source does not take it back.
     imported: Mutex<std::collections::VecDeque<(u64, u64, MapEpoch)>>,
+    /// The highest coordinator term this shard has taken orders from: orders of a lower
+    /// term come from a deposed leader and are refused.
+    term: AtomicU64,
 }
 
 /// Imports a shard remembers.
@@ -329,6 +332,7 @@ impl ShardState {
             out: Mutex::new(Vec::new()),
             map_changed: tokio::sync::Notify::new(),
             imported: Mutex::new(std::collections::VecDeque::new()),
+            term: AtomicU64::new(0),
             job,
             chunks,
         }
@@ -418,6 +422,24 @@ impl ShardState {
     /// The epoch of the newest map this shard knows.
     pub fn map_epoch(&self) -> MapEpoch {
         self.map.borrow().epoch
+    }
+
+    /// Takes an order (a map, a move) from a coordinator of `term`: refused if a coordinator
+    /// of a later term has given orders here (the sender was deposed), else remembered as the
+    /// highest term seen.
+    pub fn admit_term(&self, term: u64) -> Result<(), Refusal> {
+        let seen = self.term.fetch_max(term, Ordering::AcqRel);
+        if term < seen {
+            return Err(Refusal::new(
+                ErrorCode::Deposed,
+                format!(
+                    "{}: an order of coordinator term {term}, but the coordinator of term {seen} \
+                     leads now; the sender was deposed",
+                    self.id
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Adopts `map` if it is newer than the one held; true if it was.
@@ -1460,6 +1482,13 @@ impl Service for ShardService {
         let Some(st) = st else {
             return Frame::new(Response::error(ErrorCode::NotReady, UNASSIGNED));
         };
+        // A coordinator's orders carry its term: a deposed leader's are refused.
+        if let Request::SetMap { term, .. } | Request::MoveOut { term, .. } = &req
+            && let Err(refused) = st.admit_term(*term)
+        {
+            tracing::warn!("{}", refused.message);
+            return Frame::new(Response::from(refused));
+        }
         let out = match req {
             Request::Pull {
                 epoch,
@@ -1518,7 +1547,7 @@ impl Service for ShardService {
                 Some(Err(e)) => Err(Response::error(ErrorCode::Internal, e)),
             },
             Request::GetMap => Ok(Frame::new(Response::Map((*st.read_map()).clone()))),
-            Request::SetMap { map, retire } => {
+            Request::SetMap { map, retire, .. } => {
                 st.install_map(&map);
                 if retire && st.num_keys() == 0 {
                     info!(shard = %st.id(), "removed from the job; retiring");
@@ -1537,6 +1566,7 @@ impl Service for ShardService {
                 end,
                 to,
                 map,
+                ..
             } => self.move_out(&st, (start, end, to), map).await,
             Request::MoveIn { start, end, map } => {
                 self.move_in(&st, (start, end), map, &payload.to_bytes())

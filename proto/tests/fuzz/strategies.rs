@@ -692,15 +692,22 @@ pub fn request() -> BoxedStrategy<Request> {
         Just(Request::Members),
         Just(Request::ShardStats),
         Just(Request::Checkpoint),
-        (any_shard_map(), any::<bool>()).prop_map(|(map, retire)| Request::SetMap { map, retire }),
-        (edgy_u64(), edgy_u64(), shard_id(), any_shard_map()).prop_map(|(start, end, to, map)| {
-            Request::MoveOut {
+        (any_shard_map(), any::<bool>(), any::<u64>())
+            .prop_map(|(map, retire, term)| Request::SetMap { map, retire, term }),
+        (
+            edgy_u64(),
+            edgy_u64(),
+            shard_id(),
+            any_shard_map(),
+            edgy_u64()
+        )
+            .prop_map(|(start, end, to, map, term)| Request::MoveOut {
                 start,
                 end,
                 to,
                 map,
-            }
-        }),
+                term,
+            }),
         (edgy_u64(), edgy_u64(), any_shard_map()).prop_map(|(start, end, map)| Request::MoveIn {
             start,
             end,

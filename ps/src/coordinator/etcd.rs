@@ -325,6 +325,10 @@ impl MetaStore for EtcdStore {
         })
     }
 
+    fn term(&self) -> u64 {
+        u64::try_from(self.term).unwrap_or(0)
+    }
+
     fn describe(&self) -> String {
         format!(
             "etcd {} ({})",

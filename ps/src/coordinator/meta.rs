@@ -53,6 +53,12 @@ pub trait MetaStore: Send + Sync + 'static {
     fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>>;
     /// Where the state is kept, for logs and errors.
     fn describe(&self) -> String;
+    /// The term of the lead this store writes for: increasing from leader to leader, carried
+    /// on the coordinator's orders to shards so that they refuse a deposed leader's. 0 where
+    /// there is no election (one coordinator).
+    fn term(&self) -> u64 {
+        0
+    }
 }
 
 /// Encodes a state record.

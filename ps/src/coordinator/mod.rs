@@ -253,6 +253,12 @@ impl Coordinator {
         Some(written)
     }
 
+    /// The term of this coordinator's lead (its store's; 0 without an election), carried on
+    /// its orders to shards.
+    pub fn term(&self) -> u64 {
+        self.store.as_ref().map_or(0, |s| s.term())
+    }
+
     /// Cancelled once the store fenced this coordinator off: another one leads.
     pub fn deposed(&self) -> CancellationToken {
         self.deposed.clone()

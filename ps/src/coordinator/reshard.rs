@@ -29,11 +29,13 @@ fn announce(
     map: &ShardMap,
     shards: Vec<(ShardId, String)>,
     skip: &[ShardId],
+    term: u64,
 ) {
     for (id, addr) in shards.into_iter().filter(|(id, _)| !skip.contains(id)) {
         let req = Request::SetMap {
             map: map.clone(),
             retire: false,
+            term,
         };
         let caller = caller.clone();
         tokio::spawn(async move {
@@ -42,6 +44,15 @@ fn announce(
             }
         });
     }
+}
+
+/// Why a resharding stopped when the store fenced this coordinator off in its middle: nothing
+/// more is sent to the shards.
+fn deposed() -> (ErrorCode, String) {
+    (
+        ErrorCode::Deposed,
+        "this coordinator was deposed (another one leads now); ask the leader".into(),
+    )
 }
 
 /// How many times the coordinator tries to find out where a pending move left its range, and
@@ -76,7 +87,9 @@ impl Coordinator {
             return Ok(None);
         };
         self.bump();
-        self.durable().await;
+        if !self.durable().await {
+            return Err(deposed());
+        }
         for attempt in 0..RESOLVE_TRIES {
             if attempt > 0 {
                 tokio::time::sleep(RESOLVE_PAUSE).await;
@@ -84,6 +97,7 @@ impl Coordinator {
             let set = Request::SetMap {
                 map: fence.clone(),
                 retire: false,
+                term: self.term(),
             };
             if caller.call(&dest, set, Bytes::new()).await.is_err() {
                 continue;
@@ -135,7 +149,8 @@ impl Coordinator {
 
     /// A map just published: wakes the requests waiting on the state, saves it (a published
     /// map must survive a crash) and sends it to `shards` but those of `skip`. They serve their
-    /// own keys meanwhile, so nothing waits for them (nor for one that is down).
+    /// own keys meanwhile, so nothing waits for them (nor for one that is down). A coordinator
+    /// deposed meanwhile sends nothing.
     async fn spread(
         &self,
         caller: &Arc<dyn ShardLink>,
@@ -144,8 +159,9 @@ impl Coordinator {
         skip: &[ShardId],
     ) {
         self.bump();
-        self.durable().await;
-        announce(caller, map, shards, skip);
+        if self.durable().await {
+            announce(caller, map, shards, skip, self.term());
+        }
     }
 
     /// Settles a move a crash left in its middle (see `resolve`); run once a restarted
@@ -222,9 +238,16 @@ impl Coordinator {
             };
             self.bump();
             // A published map must survive a crash: save it now.
-            self.durable().await;
+            if !self.durable().await {
+                let (code, msg) = deposed();
+                return Response::error(code, msg);
+            }
             if let (Some(map), Some(entry)) = (map, addr) {
-                let req = Request::SetMap { map, retire: true };
+                let req = Request::SetMap {
+                    map,
+                    retire: true,
+                    term: self.term(),
+                };
                 if let Err(e) = caller.call(&entry.addr, req, Bytes::new()).await {
                     warn!(shard = %id, error = %e, "could not tell the removed shard to retire");
                 }
@@ -311,12 +334,15 @@ impl Coordinator {
         };
         // The move's map epoch is recorded as sent before it goes out, so that no later map
         // (after a crash, too) gets it.
-        self.durable().await;
+        if !self.durable().await {
+            return Err(deposed());
+        }
         let req = Request::MoveOut {
             start: mv.start,
             end: mv.end,
             to: mv.to,
             map: map.clone(),
+            term: self.term(),
         };
         let what = format!(
             "moving keys {}..{} from {} to {}",

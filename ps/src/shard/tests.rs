@@ -723,3 +723,23 @@ fn a_covering_push_records_its_span_for_keys_it_does_not_carry() {
     );
     assert_eq!(read(&st, 0), vec![0.0; 6]);
 }
+
+#[test]
+fn orders_of_a_deposed_coordinators_term_are_refused() {
+    let st = state(Consistency::Asp);
+    // No election (term 0) is always taken, until a later term has given an order.
+    st.admit_term(0).expect("term 0");
+    st.admit_term(0).expect("term 0 again");
+    st.admit_term(7).expect("a new leader's term");
+    st.admit_term(7).expect("the same leader again");
+    let refused = st.admit_term(5).expect_err("a deposed leader");
+    assert_eq!(refused.code, ErrorCode::Deposed);
+    assert!(refused.message.contains("term 5"), "{}", refused.message);
+    assert!(
+        refused.message.contains("term 7 leads"),
+        "{}",
+        refused.message
+    );
+    st.admit_term(0).expect_err("term 0 after an elected one");
+    st.admit_term(9).expect("a later leader");
+}

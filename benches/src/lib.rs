@@ -9,6 +9,7 @@ pub mod apply;
 pub mod control;
 pub mod detect;
 pub mod elastic;
+pub mod failover;
 pub mod load;
 pub mod plots;
 pub mod report;

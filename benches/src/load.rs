@@ -11,7 +11,7 @@
 //! failed may or may not have been applied (on some shards and not others, even), so the
 //! floats may exceed the acknowledged count by at most the failed pushes.
 
-mod cluster;
+pub(crate) mod cluster;
 pub mod hostile;
 
 use std::collections::BTreeMap;

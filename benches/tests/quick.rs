@@ -271,6 +271,34 @@ fn control_runs() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Kills of the coordinator while workers train: every kill has a failover time, the workers
+/// all went on after each (or the run fails), and the median and maximum are of those times.
+#[test]
+fn failover_runs() -> anyhow::Result<()> {
+    let bins = ps_bin_dir()?;
+    let bins = bins.to_str().context("a UTF-8 binary directory")?;
+    let mut stores = vec!["wal"];
+    if edl_testkit::etcd::have_etcd() {
+        stores.push("etcd");
+    }
+    for store in stores {
+        let v = bench(&["failover", "--store", store, "--bin-dir", bins])?;
+        let times: Vec<f64> = v["failover_ms"]
+            .as_array()
+            .expect("failover_ms")
+            .iter()
+            .map(|t| t.as_f64().expect("ms"))
+            .collect();
+        assert_eq!(times.len(), 2, "{v}");
+        assert!(times.iter().all(|&t| t > 0.0), "{v}");
+        let max = times.iter().copied().fold(0.0, f64::max);
+        assert_eq!(num(&v, "max_ms"), max, "{v}");
+        assert!(num(&v, "median_ms") <= max, "{v}");
+        assert!(num(&v, "commits") > 0.0, "{v}");
+    }
+    Ok(())
+}
+
 #[test]
 fn transport_and_apply_run() -> anyhow::Result<()> {
     let t = bench(&["transport", "--sizes", "4K", "--points", "1x1"])?;

@@ -98,7 +98,14 @@ impl Admin {
             let err = match conn.call(req.clone(), Bytes::new()).await {
                 Ok(answer) => return Ok(answer.msg),
                 Err(e @ CallError::NotLeader { .. }) => e,
-                Err(e) if e.connection_failed() && self.several() => e,
+                // A server shutting down (or deposed) did nothing with the request: another
+                // of several may lead now.
+                Err(e)
+                    if (e.connection_failed() || e.code() == Some(ErrorCode::ShuttingDown))
+                        && self.several() =>
+                {
+                    e
+                }
                 Err(e) => return Err(e),
             };
             tries += 1;

@@ -476,10 +476,16 @@ fn reach_hint(cause: &CallError) -> &'static str {
          with a certificate it issued (--ca --cert --key)"
     } else if matches!(cause, CallError::Address(_) | CallError::Connect(_)) {
         "the address is not a reachable HOST:PORT"
-    } else if cause.connection_failed() || matches!(cause, CallError::TimedOut(_)) {
+    } else if matches!(
+        cause,
+        CallError::Connection(quinn::ConnectionError::TimedOut) | CallError::TimedOut(_)
+    ) {
         "check that the server runs (`edl-ps coordinator`, `edl-sched`), that it listens on \
          that address and port (its log says where), and that UDP to that port is let \
          through (QUIC runs over UDP)"
+    } else if cause.connection_failed() {
+        "the connection was closed: the server's log says why (a certificate it does not \
+         accept, one of another job, a budget)"
     } else {
         "its log may say why"
     }

@@ -311,6 +311,10 @@ pub struct Report {
     pub restarts: u32,
     /// Shard crashes (each restarted from its checkpoint).
     pub shard_crashes: u32,
+    /// With `Options::failover`: leaders cut off and replaced; of them those that found
+    /// themselves deposed (a write refused after the new leader's election); and their orders
+    /// the shards refused for their term.
+    pub failovers: (u32, u32, u32),
     /// Workers that left once the coordinator acknowledged it (the others crashed or were
     /// dropped).
     pub left: u32,
@@ -360,10 +364,11 @@ impl fmt::Display for Failure {
         let flag = |on: bool, name: &'static str| if on { name } else { "" };
         write!(
             f,
-            "replay: edl-dst --seed {}{}{}{} --verbose",
+            "replay: edl-dst --seed {}{}{}{}{} --verbose",
             self.seed,
             flag(o.give_up, " --give-up"),
             flag(o.mid_move, " --mid-move"),
+            flag(o.failover, " --failover"),
             flag(o.clients, " --clients"),
         )
     }
@@ -388,6 +393,13 @@ pub struct Options {
     pub trace: bool,
     /// The seed's workers are real clients (`Scenario::clients`).
     pub clients: bool,
+    /// Coordinator crashes are failovers as etcd runs them: the leader is cut off from the
+    /// store and from the workers (their calls to it fail) but not killed: its tasks run on,
+    /// and its calls to the shards still arrive, late. The standby, restored from the store,
+    /// takes the lead when the crash's time is up, at the next term; the old leader's writes
+    /// are refused from then on, and the shards refuse its orders once the new leader's
+    /// reached them.
+    pub failover: bool,
 }
 
 /// Runs seed `seed`, on a runtime of its own whose time is paused.
@@ -442,6 +454,7 @@ pub fn run_scenario(
             .map_err(failed)?;
         sim.give_up = options.give_up;
         sim.mid_move = options.mid_move;
+        sim.failover = options.failover;
         match sim.run(&mut inbox).await {
             Ok(()) => {
                 let mut report = sim.report();
@@ -929,6 +942,16 @@ struct Sim {
     maps: BTreeMap<MapEpoch, ShardMap>,
     /// Crashes may hit the coordinator and the shards in the middle of a move.
     mid_move: bool,
+    /// Coordinator crashes are failovers (`Options::failover`).
+    failover: bool,
+    /// The store as the leading coordinator writes it (its term).
+    lead: MemoryStore,
+    /// Calls a deposed coordinator still serves: their answers are lost.
+    orphans: BTreeSet<u64>,
+    /// Coordinators cut off by a failover, their tasks still running.
+    old_leaders: Vec<Arc<Coordinator>>,
+    /// Orders of a deposed leader the shards refused for their term.
+    orders_refused: u32,
     /// Nodes partitioned from the others until a time; filters `(kind, answers, until)`.
     cuts: Vec<(Node, u64)>,
     filters: Vec<(Kind, bool, u64)>,
@@ -969,9 +992,10 @@ impl Sim {
             probe_sockets: false,
         };
         let store = MemoryStore::default();
+        let lead = store.elect();
         let coordinator = Coordinator::new(config.clone())
             .map_err(|e| format!("coordinator: {e}"))?
-            .with_store(Arc::new(store.clone()));
+            .with_store(Arc::new(lead.clone()));
         coordinator.set_shard_link(Arc::new(SimLink {
             from: Node::Coordinator,
             calls: link.clone(),
@@ -1025,6 +1049,11 @@ impl Sim {
         coordinator.save_changes().await;
         let mut sim = Sim {
             store,
+            lead,
+            failover: false,
+            orphans: BTreeSet::new(),
+            old_leaders: Vec::new(),
+            orders_refused: 0,
             link,
             shard_answers,
             token_key,
@@ -1480,7 +1509,11 @@ impl Sim {
                 "durability: {lost} acknowledged changes were missing after a restart"
             ));
         }
-        if let Some(map) = self.coordinator.inspect(|st| st.map()) {
+        // A leader cut off from the store (`--failover`) holds in memory what it could not
+        // write; nobody learns it (maps go out only once durable), and the standby that
+        // takes over never had it: the maps that count are the leader's while it can write.
+        let cut_off = self.failover && self.down_until.is_some();
+        if let Some(map) = self.coordinator.inspect(|st| st.map()).filter(|_| !cut_off) {
             if map.epoch < self.map.epoch {
                 return Err(format!(
                     "map epochs: the coordinator went back from {} to {}",
@@ -1666,6 +1699,24 @@ impl Sim {
         self.rng.random_range(1..=self.scenario.max_delay_ms.max(1))
     }
 
+    /// The coordinator's process ends, or (`orphan`) it is deposed and runs on: the calls it
+    /// was serving fail with their connections, their tasks aborted or their answers lost.
+    fn end_calls(&mut self, orphan: bool) {
+        for (call, (worker, seq, task)) in std::mem::take(&mut self.calls) {
+            if orphan {
+                self.orphans.insert(call);
+            } else {
+                task.abort();
+            }
+            if worker == LINK {
+                self.link_failed(seq);
+            } else if worker != ADMIN {
+                let t = self.now + CONNECTION_TIMEOUT_MS;
+                self.at(t, Node::Worker(worker), worker, seq, Body::ConnectionLost);
+            }
+        }
+    }
+
     /// A worker's (or with [`ADMIN`], an operator's) call to the coordinator: its service
     /// serves it in a task of its own, which reports the answer when it has one.
     fn call(&mut self, worker: usize, seq: u64, clock: Clock, req: Request) {
@@ -1725,6 +1776,13 @@ impl Sim {
     /// the consistency model first.
     fn answered(&mut self, a: Answer) -> Result<(), String> {
         self.calls.remove(&a.call);
+        if self.orphans.remove(&a.call) {
+            self.note(format!(
+                "a deposed coordinator's answer to call {} is lost",
+                a.call
+            ));
+            return Ok(());
+        }
         if a.worker == LINK {
             let line = format!("coordinator answers call #{}", a.seq);
             mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
@@ -1852,16 +1910,26 @@ impl Sim {
             }
             _ => {}
         }
-        if self.down_until.is_some() {
+        // A leader cut off from the store serves on until the standby leads.
+        let serving = self.failover && !matches!(env.body, Body::Restart);
+        if self.down_until.is_some() && !serving {
             match env.body {
                 Body::Restart => {
+                    if self.failover {
+                        // The clients find the old leader deposed and move to the new one.
+                        self.end_calls(true);
+                    }
                     let saved = self.store.latest().map_err(|e| e.to_string())?;
                     let restored = match saved {
                         Some(snap) => Coordinator::restored(snap, self.config.clone()),
                         None => Coordinator::new(self.config.clone()),
                     }
-                    .map_err(|e| format!("the coordinator cannot restore its state: {e}"))?
-                    .with_store(Arc::new(self.store.clone()));
+                    .map_err(|e| format!("the coordinator cannot restore its state: {e}"))?;
+                    // A new leader, at the next term: whoever led before writes no more. (A
+                    // leader cut off reaches the store again now, to be refused.)
+                    self.lead.reconnect();
+                    self.lead = self.store.elect();
+                    let restored = restored.with_store(Arc::new(self.lead.clone()));
                     restored.set_shard_link(Arc::new(SimLink {
                         from: Node::Coordinator,
                         calls: self.link.clone(),
@@ -1902,20 +1970,24 @@ impl Sim {
             // The coordinator drives a move to its end before it may crash (moves across a
             // coordinator crash are not simulated yet).
             Body::Script(Scripted::CoordinatorCrash(_)) if !self.mid_move && self.moving() => {}
+            // A leader already cut off is not cut off again.
+            Body::Script(Scripted::CoordinatorCrash(_)) if self.down_until.is_some() => {}
             Body::Script(Scripted::CoordinatorCrash(down)) => {
-                self.note(format!("the coordinator crashes for {down} ms"));
                 self.down_until = Some(self.now + down);
-                // Its process ends: the calls it was serving fail with their connections.
-                for (_, (worker, seq, task)) in std::mem::take(&mut self.calls) {
-                    task.abort();
-                    if worker == LINK {
-                        self.link_failed(seq);
-                    } else if worker != ADMIN {
-                        let t = self.now + CONNECTION_TIMEOUT_MS;
-                        self.at(t, Node::Worker(worker), worker, seq, Body::ConnectionLost);
-                    }
-                }
                 self.at(self.now + down, Node::Coordinator, 0, 0, Body::Restart);
+                if self.failover {
+                    // Cut off from the store, not from the workers: it serves on, and what it
+                    // must write first waits, until a standby leads.
+                    self.note(format!(
+                        "the leading coordinator is cut off from the store; a standby leads in \
+                         {down} ms"
+                    ));
+                    self.lead.cut_off();
+                    self.old_leaders.push(self.coordinator.clone());
+                    return Ok(());
+                }
+                self.note(format!("the coordinator crashes for {down} ms"));
+                self.end_calls(false);
             }
             Body::Script(Scripted::Move(n, m)) => self.operator_move(n, m),
             Body::Tick => {
@@ -2310,6 +2382,15 @@ impl Sim {
                 mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
                 self.note(line);
                 let failed = matches!(a.frame.msg, Response::Error { .. });
+                if let Response::Error { code, .. } = &a.frame.msg
+                    && ErrorCode::from_u16(*code) == Some(ErrorCode::Deposed)
+                {
+                    self.note(format!(
+                        "shard {} refuses a deposed leader's order",
+                        a.shard
+                    ));
+                    self.orders_refused += 1;
+                }
                 let req = self.links.get(&id).map(|c| c.req.clone());
                 match req {
                     Some(Request::MoveOut { .. }) if failed => self.taken_back += 1,
@@ -2697,6 +2778,14 @@ impl Sim {
             duplicated: self.duplicated,
             restarts: self.restarts,
             shard_crashes: self.shard_crashes,
+            failovers: (
+                self.old_leaders.len() as u32,
+                self.old_leaders
+                    .iter()
+                    .filter(|c| c.deposed().is_cancelled())
+                    .count() as u32,
+                self.orders_refused,
+            ),
             left: self.left,
             cuts: (self.cuts.len() + self.filters.len()) as u32,
             moves: (self.moved, self.rerouted),

@@ -45,14 +45,23 @@ async fn a_certificate_from_another_ca_is_refused() -> anyhow::Result<()> {
     };
     let r = tokio::time::timeout(Duration::from_secs(20), Job::connect(&cfg)).await?;
     let err = r.expect_err("a rogue certificate must be refused");
+    let refused = |e: &CallError| {
+        matches!(
+            e,
+            CallError::Connection(_) | CallError::NotSent(_) | CallError::Read(_)
+        )
+    };
     assert!(
         matches!(
-            err,
-            ClientError::Call(
-                CallError::Connection(_) | CallError::NotSent(_) | CallError::Read(_)
-            )
+            &err,
+            ClientError::Call(CallError::Unreachable { tried, cause })
+                if refused(cause) && *tried == [cfg.coordinator.clone()]
         ),
         "unexpected error: {err}"
+    );
+    assert!(
+        err.to_string().contains("the connection was closed"),
+        "{err}"
     );
     // The honest identity still works.
     cluster.connect("honest").await?;

@@ -196,6 +196,31 @@ enum Cmd {
         #[arg(long, default_value = ".")]
         out: PathBuf,
     },
+    /// How long the workers pause when the coordinator is killed with SIGKILL: `etcd` (two
+    /// coordinators on a 3-member etcd started on loopback, the leader killed and restarted
+    /// as a standby) or `wal` (one coordinator restarted on its embedded log), `kills` times;
+    /// each kill's time from the SIGKILL to every worker's next commit. Needs `etcd` installed
+    /// for `etcd`.
+    Failover {
+        /// etcd or wal.
+        #[arg(long, default_value = "etcd")]
+        store: edl_benches::failover::FailStore,
+        /// Kills [default: 10; 2 with --quick].
+        #[arg(long)]
+        kills: Option<usize>,
+        /// Workers.
+        #[arg(long, default_value_t = 3)]
+        workers: usize,
+        /// The leader's etcd lease (`--leader-ttl`).
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        ttl: std::time::Duration,
+        /// Steady training before each kill.
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        gap: std::time::Duration,
+        /// Where `edl-ps` is [default: next to edl-bench].
+        #[arg(long)]
+        bin_dir: Option<PathBuf>,
+    },
     /// Everything; rewrites BENCHMARKS.md and the plots under `--out`.
     All {
         /// Where BENCHMARKS.md and the plots go.
@@ -470,6 +495,26 @@ async fn main() -> anyhow::Result<()> {
                     out.join("BENCHMARKS.md").display()
                 );
             }
+        }
+        Cmd::Failover {
+            store,
+            kills,
+            workers,
+            ttl,
+            gap,
+            bin_dir,
+        } => {
+            let plan = edl_benches::failover::Plan {
+                store: *store,
+                kills: kills.unwrap_or(if cli.quick { 2 } else { 10 }),
+                workers: *workers,
+                ttl: *ttl,
+                gap: *gap,
+                bin_dir: bin_dir.clone(),
+            };
+            let r = edl_benches::failover::run(&plan).await?;
+            println!("{}", edl_benches::failover::table(&r));
+            write_json(&cli.json, &r)?;
         }
         Cmd::Apply => {
             let rows = apply_run(cli.quick);

@@ -262,7 +262,7 @@ impl Cluster {
 }
 
 /// Finds `edl-ps` in `dir`, or next to the running executable.
-fn locate_ps(dir: Option<&Path>) -> anyhow::Result<PathBuf> {
+pub(crate) fn locate_ps(dir: Option<&Path>) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("cannot find the running executable")?;
     let dir = dir.or(exe.parent()).context("edl-bench has no directory")?;
     let ps = dir.join("edl-ps");

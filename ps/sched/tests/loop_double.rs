@@ -31,7 +31,7 @@ fn job_file(samples: u32) -> String {
 struct Loop {
     tx: mpsc::Sender<Ask>,
     stop: CancellationToken,
-    done: tokio::task::JoinHandle<()>,
+    done: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
 impl Loop {
@@ -100,7 +100,10 @@ impl Loop {
 
     async fn stop(self) {
         self.stop.cancel();
-        self.done.await.expect("the loop ends");
+        self.done
+            .await
+            .expect("the loop ends")
+            .expect("the loop was not deposed");
     }
 }
 

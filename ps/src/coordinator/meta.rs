@@ -222,10 +222,19 @@ pub fn read_state(base: &Path) -> anyhow::Result<Option<CoordinatorSnap>> {
         .map_err(|e| anyhow::anyhow!("{}: {e}", base.display()))
 }
 
-/// Memory that outlives a coordinator: the simulation's disk. Clones share the memory.
+/// Memory that outlives a coordinator: the simulation's disk, or its etcd. Clones share the
+/// memory and the election: a handle writes for the term it was elected at
+/// ([`MemoryStore::elect`]), and once a later term is elected its writes are refused
+/// ([`StoreError::Fenced`]), as etcd refuses a deposed leader's; a handle
+/// [`cut off`](MemoryStore::cut_off) cannot reach the store at all (its writes are
+/// [`StoreError::Unavailable`]), as a leader partitioned from etcd.
 #[derive(Clone, Default)]
 pub struct MemoryStore {
     latest: Arc<Mutex<Option<Arc<[u8]>>>>,
+    /// The term this handle writes for, and the term elected last.
+    term: u64,
+    elected: Arc<std::sync::atomic::AtomicU64>,
+    cut: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl MemoryStore {
@@ -238,22 +247,96 @@ impl MemoryStore {
             .clone();
         record.map(|r| decode(&r)).transpose()
     }
+
+    /// A handle for the leader elected next: a term above every earlier one, whose holders'
+    /// writes are refused from now on.
+    pub fn elect(&self) -> MemoryStore {
+        use std::sync::atomic::Ordering;
+        MemoryStore {
+            latest: self.latest.clone(),
+            term: self.elected.fetch_add(1, Ordering::AcqRel) + 1,
+            elected: self.elected.clone(),
+            cut: Arc::default(),
+        }
+    }
+
+    /// Cuts this handle (and its clones) off from the store: every write fails as unavailable.
+    pub fn cut_off(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Ends [`MemoryStore::cut_off`]: writes reach the store again (and are refused if a later
+    /// term was elected meanwhile).
+    pub fn reconnect(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::Release);
+    }
 }
 
 impl MetaStore for MemoryStore {
     fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>> {
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(record);
-        Box::pin(std::future::ready(Ok(())))
+        use std::sync::atomic::Ordering;
+        let out = if self.cut.load(Ordering::Acquire) {
+            Err(StoreError::Unavailable("cut off from the store".into()))
+        } else if self.elected.load(Ordering::Acquire) != self.term {
+            Err(StoreError::Fenced(format!(
+                "term {} is over: term {} leads",
+                self.term,
+                self.elected.load(Ordering::Acquire)
+            )))
+        } else {
+            *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(record);
+            Ok(())
+        };
+        Box::pin(std::future::ready(out))
     }
 
     fn describe(&self) -> String {
-        "memory".into()
+        format!("memory (term {})", self.term)
+    }
+
+    fn term(&self) -> u64 {
+        self.term
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_memory_store_fences_off_every_term_but_the_last_elected() {
+        let disk = MemoryStore::default();
+        let first = disk.elect();
+        let record: Arc<[u8]> = Arc::from(&b"one"[..]);
+        first
+            .write(record.clone())
+            .await
+            .expect("the leader writes");
+        assert_eq!(first.term(), 1);
+        let second = disk.elect();
+        assert_eq!(second.term(), 2);
+        let refused = first.write(Arc::from(&b"two"[..])).await;
+        assert!(
+            matches!(&refused, Err(StoreError::Fenced(why)) if why.contains("term 2 leads")),
+            "{:?}",
+            refused.map_err(|e| e.to_string())
+        );
+        second.cut_off();
+        assert!(matches!(
+            second.write(record.clone()).await,
+            Err(StoreError::Unavailable(_))
+        ));
+        second.reconnect();
+        let third = disk.elect();
+        assert!(matches!(
+            second.write(record).await,
+            Err(StoreError::Fenced(_))
+        ));
+        assert_eq!(third.term(), 3);
+        // Nothing the deposed or cut-off leaders sent was written.
+        let kept = disk.latest.lock().expect("memory").clone();
+        assert_eq!(kept.as_deref(), Some(&b"one"[..]));
+    }
 
     #[test]
     fn a_torn_tail_is_cut_and_the_last_whole_record_read() {

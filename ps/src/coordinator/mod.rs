@@ -432,6 +432,11 @@ impl Service for Coordinator {
     }
 
     async fn handle(&self, peer: &Peer, req: Request, payload: Parts) -> Frame<Response, Parts> {
+        // Reads that nothing is done with but showing them. The map and the placements are
+        // acted on (requests routed, workers started), so they are answered only once what
+        // they show is durable: a map or placement held only in memory (its write waiting on
+        // an unavailable store) could be taken back by a crash or a failover, and a map of the
+        // same epoch but other ranges published after it.
         let reads_only = matches!(
             req,
             Request::Status
@@ -440,8 +445,6 @@ impl Service for Coordinator {
                 | Request::Members
                 | Request::GetJob
                 | Request::ShardList
-                | Request::GetMap
-                | Request::Placements
                 | Request::Heartbeat { .. }
                 | Request::Stragglers { set: None }
         );

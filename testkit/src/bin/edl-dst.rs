@@ -42,6 +42,11 @@ struct Cli {
     /// in-process connections, instead of the simulation's model of it.
     #[arg(long, conflicts_with = "give_up")]
     clients: bool,
+    /// Coordinator crashes are failovers as with etcd: the leader is cut off, not killed (its
+    /// tasks run on, its late calls reach the shards) and a standby restored from the store
+    /// leads at the next term; the old leader's writes and orders are refused.
+    #[arg(long)]
+    failover: bool,
 }
 
 fn parse_range(s: &str) -> Result<RangeInclusive<u64>, String> {
@@ -67,6 +72,7 @@ fn main() -> ExitCode {
             give_up: cli.give_up,
             mid_move: cli.mid_move,
             clients: cli.clients,
+            failover: cli.failover,
             ..dst::Options::default()
         };
         return match dst::run(seed, options) {
@@ -94,6 +100,7 @@ fn main() -> ExitCode {
             give_up: cli.give_up,
             mid_move: cli.mid_move,
             clients: cli.clients,
+            failover: cli.failover,
             ..dst::Options::default()
         };
         match dst::run(seed, options) {

@@ -112,7 +112,6 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = shutdown::on_signals();
     // Listening for spot notices from the start: an early SIGUSR1 must not end the process.
     let spot = spot_notices(cli.preempt_notice)?;
-    let identity = cli.identity.identity(Role::Worker, &cli.name)?;
     cli.metrics.start(shutdown.clone()).await?;
     // Slow preparation first: backend (for a GPU: context, kernels) and data are ready before
     // the worker asks to join.
@@ -140,6 +139,9 @@ async fn main() -> anyhow::Result<()> {
         .data_dir
         .clone()
         .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
+    // The credentials after the local checks: a worker given no cluster's state directory
+    // says first what it can tell without one.
+    let identity = cli.identity.identity(Role::Worker, &cli.name)?;
     let cfg = ClientConfig {
         coordinator: cli.coordinator.clone(),
         identity,

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use edl_launch::Binaries;
+use edl_ps::coordinator::etcd::{EtcdMeta, parse_url};
 use edl_sched::cluster::kube::{KubePlacer, KubeSettings};
 use edl_sched::cluster::server::SchedService;
 use edl_sched::cluster::{Cluster, LocalPlacer, Placer, Scheduler};
@@ -19,7 +20,8 @@ use edl_shared::{Role, telemetry};
 /// file's slots; the policy decides each job's size and the scheduler resizes running jobs
 /// stop-free. Its state (the cluster CA, jobs, the event log, each job's directory) lives in
 /// --state-dir; stopped and started again with the same directory, it takes back the jobs
-/// still running.
+/// still running. With --meta, several schedulers share the cluster: one leads, the others
+/// stand by and one of them takes over (and takes the running jobs back) when it dies.
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Cli {
@@ -57,6 +59,24 @@ struct Cli {
     /// cluster file's data_dir in workers.
     #[arg(long)]
     data_claim: Option<String>,
+    /// Keep the scheduler's state (jobs, their processes, allocations) in etcd
+    /// (etcd://HOST:PORT[,HOST:PORT...]) instead of STATE_DIR/sched.json. Several schedulers
+    /// may run with the same --meta and the same --state-dir (one machine, or a shared
+    /// filesystem: it holds the cluster CA and the jobs' directories): one leads through an
+    /// etcd lease, the others stand by and tell edlctl where the leader is, and one of them
+    /// takes over within --leader-ttl of the leader's death. Give edlctl every scheduler:
+    /// --scheduler A,B.
+    #[arg(long, value_name = "URL")]
+    meta: Option<String>,
+    /// With --meta: the address edlctl and the other schedulers reach this one at [default:
+    /// the bound address, when --listen names a specific one].
+    #[arg(long, value_name = "ADDR", requires = "meta")]
+    advertise: Option<String>,
+    /// With --meta: the leader's etcd lease. A dead leader is replaced within about this
+    /// long; a leader cut off from etcd this long steps down (and exits, leaving the jobs
+    /// running for the next leader).
+    #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = humantime::parse_duration, requires = "meta")]
+    leader_ttl: std::time::Duration,
     #[command(flatten)]
     metrics: MetricsArgs,
     #[command(flatten)]
@@ -101,32 +121,103 @@ async fn serve<P: Placer>(cli: &Cli, cluster: Cluster, placer: P) -> anyhow::Res
     };
     let slots = cluster.slots.len();
     let policy = cluster.policy.clone();
-    let scheduler = Scheduler::new(cluster, &cli.identity.state_dir, placer).await?;
+    let endpoints = match &cli.meta {
+        Some(url) => Some(parse_url(url).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    // Without an election, the running jobs are taken back before anything is served.
+    let (scheduler, elected) = match endpoints {
+        None => (
+            Some(Scheduler::new(cluster, &cli.identity.state_dir, placer).await?),
+            None,
+        ),
+        Some(e) => (None, Some((e, cluster, placer))),
+    };
     let endpoint = server_endpoint(cli.listen, &identity, &settings)
         .with_context(|| format!("listening on {}", cli.listen))?;
     let addr = endpoint.local_addr()?;
     if let Some(f) = &cli.addr_file {
         edl_shared::pki::write_atomic(f, addr.to_string().as_bytes())?;
     }
-    tracing::info!(%addr, slots, policy, state_dir = %cli.identity.state_dir.display(), "edl-sched serving");
     let shutdown = edl_shared::shutdown::on_signals();
     cli.metrics.start(shutdown.clone()).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let server = tokio::spawn({
-        let shutdown = shutdown.clone();
-        let job = identity.job.clone();
-        async move {
-            edl_shared::serve(
-                endpoint,
-                Arc::new(SchedService::new(tx)),
-                &job,
-                &settings,
-                shutdown,
-            )
-            .await;
+    let serve = |service: Arc<SchedService>| {
+        let (shutdown, job, settings) = (shutdown.clone(), identity.job.clone(), settings.clone());
+        tokio::spawn(async move {
+            edl_shared::serve(endpoint, service, &job, &settings, shutdown).await;
+        })
+    };
+    let Some((endpoints, cluster, placer)) = elected else {
+        tracing::info!(%addr, slots, policy, state_dir = %cli.identity.state_dir.display(), "edl-sched serving");
+        let server = serve(Arc::new(SchedService::new(tx)));
+        let out = match scheduler {
+            Some(s) => s.run(rx, shutdown, cli.stop_jobs_on_exit).await,
+            None => Ok(()),
+        };
+        let _ = server.await;
+        return out;
+    };
+    let advertise = match &cli.advertise {
+        Some(a) => a.clone(),
+        None if cli.listen.ip().is_unspecified() => anyhow::bail!(
+            "--meta needs the address edlctl reaches this scheduler at: give --advertise \
+             HOST:PORT, or --listen with a specific address"
+        ),
+        None => addr.to_string(),
+    };
+    let meta = EtcdMeta::connect(endpoints, &identity.job, "sched").await?;
+    let (standby, watching) = tokio::sync::watch::channel(None);
+    let service = Arc::new(SchedService::standby(tx, watching));
+    let server = serve(service.clone());
+    tracing::info!(%addr, %advertise, etcd = %cli.meta.as_deref().unwrap_or_default(), "edl-sched campaigning for the lead");
+    let Some(lead) = meta
+        .campaign(&advertise, cli.leader_ttl, &standby, &shutdown)
+        .await
+    else {
+        let _ = server.await;
+        return Ok(());
+    };
+    let started = async {
+        let record = meta
+            .load()
+            .await
+            .map_err(|e| anyhow::anyhow!("etcd: {e}"))?;
+        Scheduler::elected(
+            cluster,
+            &cli.identity.state_dir,
+            placer,
+            record,
+            Arc::new(meta.store(&lead)),
+            lead.lost.clone(),
+        )
+        .await
+    };
+    let scheduler = match started.await {
+        Ok(s) => s,
+        Err(e) => {
+            meta.resign(&lead).await;
+            shutdown.cancel();
+            let _ = server.await;
+            return Err(e.context("taking the lead"));
         }
-    });
-    scheduler.run(rx, shutdown, cli.stop_jobs_on_exit).await;
-    let _ = server.await;
-    Ok(())
+    };
+    service.lead();
+    tracing::info!(term = lead.term, %advertise, slots, policy, state_dir = %cli.identity.state_dir.display(), "edl-sched elected: scheduling");
+    match scheduler
+        .run(rx, shutdown.clone(), cli.stop_jobs_on_exit)
+        .await
+    {
+        Ok(()) => {
+            let _ = server.await;
+            meta.resign(&lead).await;
+            Ok(())
+        }
+        Err(e) => {
+            // Nothing more is answered or written: the cluster is the new leader's.
+            shutdown.cancel();
+            let _ = server.await;
+            Err(e)
+        }
+    }
 }

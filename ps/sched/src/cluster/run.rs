@@ -1,15 +1,19 @@
 //! The scheduler's loop: it answers requests, watches every job's processes and progress,
 //! asks the policy how many slots each job should hold, resizes jobs stop-free through their
 //! coordinators (`Scale`), and starts a worker in a free slot for every placement a
-//! coordinator publishes. It saves its state after every change.
+//! coordinator publishes. It saves its state after every change, before the answer that
+//! depends on it goes out: to `sched.json`, or with `--meta` to etcd, written only while this
+//! scheduler leads (see [`Scheduler::elected`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use edl_ps::admin::Admin;
+use edl_ps::coordinator::{MetaStore, StoreError};
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::WorkerState;
@@ -82,13 +86,55 @@ pub struct Scheduler<P: Placer> {
     /// Workers of each job that failed in a row (a worker that exits cleanly resets it).
     failures: HashMap<String, u32>,
     last_tick: Instant,
+    /// With an election: the store only the leader may write (else `sched.json`), the state
+    /// written last, and cancelled once the lead may be lost.
+    store: Option<Arc<dyn MetaStore>>,
+    written: Option<Vec<u8>>,
+    lost: CancellationToken,
 }
+
+/// The longest pause between two attempts to write the state to a store that is unavailable.
+const STORE_RETRY_MAX: Duration = Duration::from_secs(1);
 
 impl<P: Placer> Scheduler<P> {
     /// A scheduler keeping its state in `dir`: the cluster CA (`pki/`), `sched.json`,
     /// `events.jsonl` and a directory per job (`jobs/NAME`). Jobs an earlier scheduler left
     /// running are taken back.
     pub async fn new(cluster: Cluster, dir: &Path, placer: P) -> anyhow::Result<Scheduler<P>> {
+        Scheduler::open(cluster, dir, placer, None).await
+    }
+
+    /// A scheduler that won the lead among several sharing etcd (`edl-sched --meta`): its state
+    /// is `record` (the leader's before it, as etcd holds it; `None` the first time, when
+    /// `sched.json` in `dir`, if any, is taken over) and it writes the state only to `store`,
+    /// whose writes fail once another scheduler leads. `dir` holds the rest as for
+    /// [`Scheduler::new`], shared by the schedulers (one machine, or a shared filesystem).
+    /// Once `lost` is cancelled (the lead's lease may have expired) it stops changing
+    /// anything.
+    pub async fn elected(
+        cluster: Cluster,
+        dir: &Path,
+        placer: P,
+        record: Option<Vec<u8>>,
+        store: Arc<dyn MetaStore>,
+        lost: CancellationToken,
+    ) -> anyhow::Result<Scheduler<P>> {
+        let saved = match record {
+            Some(r) => Some(
+                serde_json::from_slice::<Saved>(&r)
+                    .with_context(|| format!("the scheduler state in {}", store.describe()))?,
+            ),
+            None => None,
+        };
+        Scheduler::open(cluster, dir, placer, Some((saved, store, lost))).await
+    }
+
+    async fn open(
+        cluster: Cluster,
+        dir: &Path,
+        placer: P,
+        elected: Option<(Option<Saved>, Arc<dyn MetaStore>, CancellationToken)>,
+    ) -> anyhow::Result<Scheduler<P>> {
         std::fs::create_dir_all(dir.join("jobs"))
             .with_context(|| format!("creating {}", dir.display()))?;
         // Job directories are handed to processes and shown to users: make them absolute.
@@ -105,7 +151,15 @@ impl<P: Placer> Scheduler<P> {
             "goodput" => Box::new(crate::policy::Goodput),
             other => anyhow::bail!("unknown policy {other:?}"),
         };
-        let saved = Saved::load(&dir.join("sched.json"))?;
+        let (saved, store, lost) = match elected {
+            Some((Some(saved), store, lost)) => (saved, Some(store), lost),
+            Some((None, store, lost)) => (Saved::load(&dir.join("sched.json"))?, Some(store), lost),
+            None => (
+                Saved::load(&dir.join("sched.json"))?,
+                None,
+                CancellationToken::new(),
+            ),
+        };
         let mut s = Scheduler {
             cluster,
             dir: dir.to_path_buf(),
@@ -120,9 +174,15 @@ impl<P: Placer> Scheduler<P> {
             exits: Vec::new(),
             failures: HashMap::new(),
             last_tick: Instant::now(),
+            store,
+            written: None,
+            lost,
         };
         s.adopt().await;
-        s.save();
+        anyhow::ensure!(
+            s.save().await,
+            "another scheduler took the lead while this one started"
+        );
         Ok(s)
     }
 
@@ -149,10 +209,71 @@ impl<P: Placer> Scheduler<P> {
         })
     }
 
-    fn save(&self) {
-        if let Err(e) = self.saved.save(&self.dir.join("sched.json")) {
-            tracing::error!(error = %format!("{e:#}"), "cannot save the scheduler's state");
+    /// Makes the state durable: `sched.json`, or the store of an elected scheduler (retried
+    /// while it is unavailable: what waits on it waits, and says so). False once the store
+    /// refused the write because another scheduler leads: this one must change nothing more.
+    async fn save(&mut self) -> bool {
+        let Some(store) = self.store.clone() else {
+            if let Err(e) = self.saved.save(&self.dir.join("sched.json")) {
+                tracing::error!(error = %format!("{e:#}"), "cannot save the scheduler's state");
+            }
+            return true;
+        };
+        let json = match serde_json::to_vec(&self.saved) {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot encode the scheduler's state");
+                return true;
+            }
+        };
+        if self.written.as_deref() == Some(&json[..]) {
+            return true;
         }
+        let record: Arc<[u8]> = json.clone().into();
+        let mut pause = Duration::from_millis(50);
+        let mut failing_since: Option<Instant> = None;
+        loop {
+            if self.lost.is_cancelled() {
+                return false;
+            }
+            match store.write(record.clone()).await {
+                Ok(()) => break,
+                Err(StoreError::Fenced(why)) => {
+                    tracing::error!(store = %store.describe(), "{why}: this scheduler was deposed");
+                    return false;
+                }
+                Err(e) => {
+                    let since = *failing_since.get_or_insert_with(Instant::now);
+                    if pause == Duration::from_millis(50) || pause >= STORE_RETRY_MAX {
+                        tracing::warn!(
+                            store = %store.describe(),
+                            waiting_ms = since.elapsed().as_millis() as u64,
+                            "{e}; requests to the scheduler wait until its state is written"
+                        );
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(STORE_RETRY_MAX);
+                }
+            }
+        }
+        if let Some(since) = failing_since {
+            tracing::info!(
+                waited_ms = since.elapsed().as_millis() as u64,
+                "the scheduler's state store is writable again"
+            );
+        }
+        self.written = Some(json);
+        true
+    }
+
+    /// Leaves the jobs to the scheduler that leads now (it takes them back); an error to end
+    /// the process with.
+    fn deposed(&mut self) -> anyhow::Result<()> {
+        self.placer.detach_all();
+        anyhow::bail!(
+            "deposed: another scheduler leads now (or may: the lead's etcd lease ran out); this \
+             one changes nothing more"
+        )
     }
 
     fn log(
@@ -246,28 +367,36 @@ impl<P: Placer> Scheduler<P> {
         .context("connecting to the coordinator timed out")??)
     }
 
-    /// Runs until `shutdown`; requests arrive on `rx`. On the way out, jobs keep running
-    /// (a restarted scheduler takes them back) unless `stop_jobs` is set.
+    /// Runs until `shutdown`; requests arrive on `rx`, and each is answered once what it
+    /// changed is durable. On the way out, jobs keep running (a restarted scheduler takes them
+    /// back) unless `stop_jobs` is set. An error if this scheduler was deposed (it leaves the
+    /// jobs running to the new leader).
     pub async fn run(
         mut self,
         mut rx: mpsc::Receiver<Ask>,
         shutdown: CancellationToken,
         stop_jobs: bool,
-    ) {
+    ) -> anyhow::Result<()> {
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let lost = self.lost.clone();
         loop {
             tokio::select! {
                 biased;
+                _ = lost.cancelled() => return self.deposed(),
                 _ = shutdown.cancelled() => break,
                 Some(ask) = rx.recv() => {
                     let answer = self.answer(ask.req, &ask.who).await;
+                    if !self.save().await {
+                        return self.deposed();
+                    }
                     let _ = ask.reply.send(answer);
-                    self.save();
                 }
                 _ = tick.tick() => {
                     self.tick().await;
-                    self.save();
+                    if !self.save().await {
+                        return self.deposed();
+                    }
                 }
             }
         }
@@ -286,7 +415,8 @@ impl<P: Placer> Scheduler<P> {
             }
             self.placer.detach_all();
         }
-        self.save();
+        self.save().await;
+        Ok(())
     }
 
     async fn answer(&mut self, req: SchedRequest, who: &str) -> Answer {

@@ -6,7 +6,8 @@ use edl_shared::Role;
 use edl_shared::proto::sched::{SchedRequest, SchedResponse};
 use edl_shared::proto::{ErrorCode, Frame, Parts, Request, Response};
 use edl_shared::server::{Peer, Service};
-use tokio::sync::{mpsc, oneshot};
+use std::sync::atomic::{AtomicBool, Ordering};
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// A request for the scheduler's loop.
 #[derive(Debug)]
@@ -23,12 +24,31 @@ pub struct Ask {
 #[derive(Debug)]
 pub struct SchedService {
     tx: mpsc::Sender<Ask>,
+    /// With an election (`edl-sched --meta`): whether this scheduler leads yet, and who does
+    /// while it stands by.
+    election: Option<(AtomicBool, watch::Receiver<Option<String>>)>,
 }
 
 impl SchedService {
     /// A service handing requests to `tx`.
     pub fn new(tx: mpsc::Sender<Ask>) -> SchedService {
-        SchedService { tx }
+        SchedService { tx, election: None }
+    }
+
+    /// A service of a scheduler that stands by until [`SchedService::lead`]: meanwhile it
+    /// answers `NotLeader`, naming the leader `standby` holds, and clients move on to it.
+    pub fn standby(tx: mpsc::Sender<Ask>, standby: watch::Receiver<Option<String>>) -> Self {
+        SchedService {
+            tx,
+            election: Some((AtomicBool::new(false), standby)),
+        }
+    }
+
+    /// This scheduler leads: requests go to its loop from now on.
+    pub fn lead(&self) {
+        if let Some((leading, _)) = &self.election {
+            leading.store(true, Ordering::Release);
+        }
     }
 }
 
@@ -41,6 +61,13 @@ impl Service for SchedService {
     }
 
     async fn handle(&self, peer: &Peer, req: Request, _payload: Parts) -> Frame<Response, Parts> {
+        if let Some((leading, standby)) = &self.election
+            && !leading.load(Ordering::Acquire)
+        {
+            return Frame::new(Response::NotLeader {
+                leader: standby.borrow().clone(),
+            });
+        }
         let Request::Sched(req) = req else {
             return Frame::new(Response::error(
                 ErrorCode::InvalidRequest,

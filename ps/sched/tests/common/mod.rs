@@ -75,6 +75,8 @@ pub struct Sched {
     pub log: PathBuf,
     /// Cancel the jobs when it stops (else they run on, for a restarted scheduler).
     pub stop_jobs: bool,
+    /// More arguments (`--meta ...`).
+    pub extra: Vec<String>,
 }
 
 impl Sched {
@@ -85,6 +87,25 @@ impl Sched {
 
     /// A scheduler of `slots` slots under `policy`, with `extra` lines in its cluster file.
     pub fn start_with(dir: &Path, policy: &str, slots: u32, extra: &str, stop_jobs: bool) -> Sched {
+        let mut s = Sched::prepare(dir, policy, slots, extra, stop_jobs);
+        s.launch();
+        s
+    }
+
+    /// Scheduler number `i` of several sharing `dir`'s state directory and the etcd at
+    /// `etcd_url` (one leads), with a lease of `ttl`.
+    pub fn start_elected(dir: &Path, policy: &str, i: usize, etcd_url: &str, ttl: &str) -> Sched {
+        let mut s = Sched::prepare(dir, policy, 4, "", false);
+        s.addr_file = dir.join(format!("sched-{policy}-{i}.addr"));
+        s.log = dir.join(format!("sched-{policy}-{i}.log"));
+        s.extra = ["--meta", etcd_url, "--leader-ttl", ttl]
+            .map(String::from)
+            .to_vec();
+        s.launch();
+        s
+    }
+
+    fn prepare(dir: &Path, policy: &str, slots: u32, extra: &str, stop_jobs: bool) -> Sched {
         let cluster = dir.join(format!("cluster-{policy}.toml"));
         std::fs::write(
             &cluster,
@@ -96,7 +117,7 @@ impl Sched {
         )
         .expect("write the cluster file");
         let bins = bin_dir();
-        let mut s = Sched {
+        Sched {
             child: None,
             addr: String::new(),
             state: dir.join(format!("state-{policy}")),
@@ -105,9 +126,8 @@ impl Sched {
             log: dir.join(format!("sched-{policy}.log")),
             bins,
             stop_jobs,
-        };
-        s.launch();
-        s
+            extra: Vec::new(),
+        }
     }
 
     fn launch(&mut self) {
@@ -123,6 +143,7 @@ impl Sched {
             .args(["--listen", "127.0.0.1:0"])
             .args(["--addr-file".as_ref(), self.addr_file.as_os_str()])
             .args(["--bin-dir".as_ref(), self.bins.as_os_str()])
+            .args(&self.extra)
             .stderr(log);
         if self.stop_jobs {
             cmd.arg("--stop-jobs-on-exit");
@@ -153,6 +174,23 @@ impl Sched {
     pub fn restart(&mut self) {
         self.stop();
         self.launch();
+    }
+
+    /// Kills the scheduler with SIGKILL.
+    pub fn kill(&mut self) {
+        let mut child = self.child.take().expect("edl-sched runs");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// Starts the scheduler again (after [`Sched::kill`]).
+    pub fn relaunch(&mut self) {
+        self.launch();
+    }
+
+    /// The scheduler's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// Runs edlctl against the scheduler as the admin certificate `name`.

@@ -258,7 +258,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
         // A supervisor restarts it at once: a standby under etcd, the coordinator itself
         // (from its log) with the embedded store.
         coords[victim] = start(victim)?;
-        let every = loop {
+        let next = loop {
             let next: Option<Vec<Instant>> = commits
                 .iter()
                 .map(|c| {
@@ -267,7 +267,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
                 })
                 .collect();
             if let Some(next) = next {
-                break next.into_iter().max().unwrap_or(killed);
+                break next;
             }
             anyhow::ensure!(
                 killed.elapsed() < FAILOVER_LIMIT,
@@ -275,8 +275,16 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
-        let ms = every.duration_since(killed).as_millis() as u64;
-        eprintln!("failover: kill {} of {}: {ms} ms", k + 1, plan.kills);
+        let each: Vec<u64> = next
+            .iter()
+            .map(|t| t.duration_since(killed).as_millis() as u64)
+            .collect();
+        let ms = each.iter().copied().max().unwrap_or(0);
+        eprintln!(
+            "failover: kill {} of {}: {ms} ms (each worker's next commit: {each:?} ms)",
+            k + 1,
+            plan.kills
+        );
         failover_ms.push(ms);
     }
     stop.cancel();

@@ -254,16 +254,27 @@ impl CoordLink {
                     busy.pause(what, &e).await;
                     continue;
                 }
-                // The leader named is the one this call just saw fail (its lease has not run
-                // out yet), or the one asked: ask again once the election had time to
-                // settle, rather than wait out a dead address. (After a while the one named
-                // is followed even so: it may have come back at the same address and won.)
-                Err(CallError::NotLeader { leader: Some(at) })
-                    if self.current() == at
-                        || failed.as_ref().is_some_and(|(f, t)| {
-                            *f == at && t.elapsed() < FOLLOW_FAILED_AFTER
-                        }) =>
+                // The leader named is the one asked: ask again once the election had time
+                // to settle.
+                Err(e @ CallError::NotLeader { leader: Some(_) }) if matches!(&e, CallError::NotLeader { leader: Some(at) } if self.current() == *at) =>
                 {
+                    outage.failed_every(e, ELECTION_POLL).await?;
+                    continue;
+                }
+                // The leader named is the one this call just saw fail: its lease may not have
+                // run out yet, or it came back at the same address and won. Followed only if
+                // something answers there at once, rather than waiting out a dead address;
+                // else asked again once the election had time to settle.
+                Err(CallError::NotLeader { leader: Some(at) })
+                    if failed
+                        .as_ref()
+                        .is_some_and(|(f, t)| *f == at && t.elapsed() < FOLLOW_FAILED_AFTER) =>
+                {
+                    if self.redial_quickly(&at).await {
+                        self.move_to(Some(&at), None);
+                        tracing::info!(leader = %at, "the coordinator asked stands by: following the leader, back at its address");
+                        continue;
+                    }
                     let e = CallError::NotLeader { leader: Some(at) };
                     outage.failed_every(e, ELECTION_POLL).await?;
                     continue;
@@ -309,6 +320,21 @@ impl CoordLink {
         }
     }
 
+    /// Replaces the connection with one to `addr` if a server answers there within
+    /// [`QUICK_DIAL`] (a live process on a network answers in milliseconds; a dead address
+    /// would keep a dial waiting for the whole handshake timeout); true if it did.
+    async fn redial_quickly(&self, addr: &str) -> bool {
+        let net = &self.net;
+        let dial = Conn::dial(&net.dialer, addr, &net.name, &net.settings);
+        match tokio::time::timeout(QUICK_DIAL, dial).await {
+            Ok(Ok(c)) => {
+                *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Replaces the connection with one to `addr`, if it answers.
     async fn redial(&self, addr: &str) {
         let net = &self.net;
@@ -321,6 +347,10 @@ impl CoordLink {
 /// How often a client asks again while the job's coordinators elect a leader (a standby polls
 /// the leader key four times a second).
 const ELECTION_POLL: Duration = Duration::from_millis(200);
+
+/// How long a client gives a coordinator that just failed to answer a new connection, when a
+/// standby names it the leader again.
+const QUICK_DIAL: Duration = Duration::from_millis(500);
 
 /// How long after a coordinator's connection failed a client declines to follow a standby
 /// that names it as the leader (its lease may not have run out): longer than a leader's lease.

@@ -988,6 +988,9 @@ async fn heartbeat(
                 ..
             }) => notice.tell(drain, notice_ms.map(Duration::from_millis)),
             Ok(_) => {}
+            // A heartbeat that was in flight while the worker left (repeated through a
+            // failover, say) finds it gone: no news.
+            Err(e) if e.code() == Some(ErrorCode::UnknownWorker) && stop.is_cancelled() => return,
             Err(e) if e.code() == Some(ErrorCode::UnknownWorker) => {
                 tracing::warn!(%worker, "coordinator dropped this worker");
                 lost.store(true, Ordering::SeqCst);

@@ -520,6 +520,7 @@ impl Cluster {
                     endpoints: etcd.endpoints.clone(),
                     advertise: listen.to_string(),
                     ttl: Duration::from_secs(5),
+                    dead_after: Duration::from_secs(1),
                 };
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 let (stop, settings) = (shutdown.clone(), settings.clone());

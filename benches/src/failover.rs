@@ -67,6 +67,9 @@ pub struct Plan {
     pub gap: Duration,
     /// Where `edl-ps` is [default: beside edl-bench].
     pub bin_dir: Option<PathBuf>,
+    /// Restart a killed coordinator at once (a supervisor on its machine), rather than only
+    /// once the failover was measured (its machine lost).
+    pub restart_at_once: bool,
 }
 
 /// What a run measured.
@@ -76,6 +79,8 @@ pub struct Report {
     pub store: FailStore,
     /// Workers.
     pub workers: usize,
+    /// Whether a killed coordinator was restarted at once.
+    pub restart_at_once: bool,
     /// The leader's etcd lease, ms (etcd only).
     pub ttl_ms: Option<u64>,
     /// Each kill's failover time, ms: from the SIGKILL to every worker's next commit.
@@ -256,8 +261,12 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
         coords[victim].0.kill()?;
         coords[victim].0.wait()?;
         // A supervisor restarts it at once: a standby under etcd, the coordinator itself
-        // (from its log) with the embedded store.
-        coords[victim] = start(victim)?;
+        // (from its log) with the embedded store. Or its machine is lost: it comes back only
+        // after the failover.
+        let at_once = plan.restart_at_once || plan.store == FailStore::Wal;
+        if at_once {
+            coords[victim] = start(victim)?;
+        }
         let next = loop {
             let next: Option<Vec<Instant>> = commits
                 .iter()
@@ -275,6 +284,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
+        if !at_once {
+            coords[victim] = start(victim)?;
+        }
         let each: Vec<u64> = next
             .iter()
             .map(|t| t.duration_since(killed).as_millis() as u64)
@@ -296,6 +308,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
     Ok(Report {
         store: plan.store,
         workers: plan.workers,
+        restart_at_once: plan.restart_at_once || plan.store == FailStore::Wal,
         ttl_ms: etcd.as_ref().map(|_| plan.ttl.as_millis() as u64),
         median_ms: match sorted.len() {
             0 => 0,
@@ -362,8 +375,13 @@ async fn train(
 pub fn table(r: &Report) -> String {
     let store = match r.store {
         FailStore::Etcd => format!(
-            "etcd (3 members), 2 coordinators, --leader-ttl {} ms",
-            r.ttl_ms.unwrap_or(0)
+            "etcd (3 members), 2 coordinators, --leader-ttl {} ms, the killed one restarted {}",
+            r.ttl_ms.unwrap_or(0),
+            if r.restart_at_once {
+                "at once"
+            } else {
+                "after the failover"
+            }
         ),
         FailStore::Wal => "embedded log, 1 coordinator restarted at once".into(),
     };

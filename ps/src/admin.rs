@@ -112,15 +112,17 @@ impl Admin {
             if tries >= LEADER_TRIES {
                 return Err(err);
             }
-            let to = {
+            let (from, to) = {
                 let mut c = self.coordinators.lock().unwrap_or_else(|p| p.into_inner());
-                match &err {
+                let from = c.current().to_string();
+                let to = match &err {
                     CallError::NotLeader { leader: Some(l) } => c.follow(Some(l)).to_string(),
                     _ => c.advance().to_string(),
-                }
+                };
+                (from, to)
             };
-            if !matches!(err, CallError::NotLeader { leader: Some(_) }) {
-                // An election may be under way.
+            if !matches!(err, CallError::NotLeader { leader: Some(_) }) || from == to {
+                // An election may be under way, or the leader named is starting.
                 tokio::time::sleep(std::time::Duration::from_millis(250)).await;
             }
             tracing::info!("{err}; asking the coordinator at {to}");

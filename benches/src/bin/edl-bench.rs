@@ -211,8 +211,8 @@ enum Cmd {
         /// Workers.
         #[arg(long, default_value_t = 3)]
         workers: usize,
-        /// The leader's etcd lease (`--leader-ttl`).
-        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        /// The leader's etcd lease (`--leader-ttl`; the coordinator's default).
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
         ttl: std::time::Duration,
         /// Steady training before each kill.
         #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
@@ -220,6 +220,11 @@ enum Cmd {
         /// Where `edl-ps` is [default: next to edl-bench].
         #[arg(long)]
         bin_dir: Option<PathBuf>,
+        /// etcd: restart a killed coordinator at once (a supervisor on its machine; it then
+        /// revokes its dead predecessor's lease itself) rather than only after the failover
+        /// (its machine lost: the standby finds the leader dead by its probes).
+        #[arg(long)]
+        restart_at_once: bool,
     },
     /// Everything; rewrites BENCHMARKS.md and the plots under `--out`.
     All {
@@ -503,6 +508,7 @@ async fn main() -> anyhow::Result<()> {
             ttl,
             gap,
             bin_dir,
+            restart_at_once,
         } => {
             let plan = edl_benches::failover::Plan {
                 store: *store,
@@ -511,6 +517,7 @@ async fn main() -> anyhow::Result<()> {
                 ttl: *ttl,
                 gap: *gap,
                 bin_dir: bin_dir.clone(),
+                restart_at_once: *restart_at_once,
             };
             let r = edl_benches::failover::run(&plan).await?;
             println!("{}", edl_benches::failover::table(&r));

@@ -150,11 +150,19 @@ struct CoordinatorArgs {
     /// (default: --listen, which must then be a specific address, not 0.0.0.0).
     #[arg(long, value_name = "ADDR", requires = "meta")]
     advertise: Option<String>,
-    /// With --meta: the leader's etcd lease. A dead leader is replaced within about this
-    /// long; a leader cut off from etcd this long steps down (and exits). Shorter fails over
-    /// sooner; longer rides out longer etcd outages and pauses without a false failover.
-    #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = humantime::parse_duration, requires = "meta")]
+    /// With --meta: the leader's etcd lease. Training rides out an etcd outage shorter than
+    /// this (the leader acknowledges training reports from memory while its lease surely
+    /// holds; control operations wait); a leader cut off from etcd this long steps down (and
+    /// exits), and one that died is replaced after this long where no standby could tell it
+    /// died (see --leader-dead-after).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration, requires = "meta")]
     leader_ttl: std::time::Duration,
+    /// With --meta: a standby takes a leader that does not answer it as the leader for this
+    /// long for dead, revokes its lease and campaigns. Shorter fails over sooner; a live
+    /// leader that stops answering this long (a long pause, a cut link between the two) is
+    /// replaced: safely (it is fenced off), but at the cost of a failover.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration, requires = "meta")]
+    leader_dead_after: std::time::Duration,
     /// Serve the live dashboard at http://ADDR/ (membership, throughput, loss and accuracy,
     /// shards, stragglers, events), its JSON API (/api/status, /api/history, /api/shards) and
     /// /metrics (e.g. 127.0.0.1:8080; port 0 picks one). Plain HTTP without authentication:
@@ -405,6 +413,7 @@ async fn main() -> anyhow::Result<()> {
                     endpoints,
                     advertise,
                     ttl: a.leader_ttl,
+                    dead_after: a.leader_dead_after,
                 };
                 let stop = shutdown::on_signals();
                 a.metrics.start(stop.clone()).await?;

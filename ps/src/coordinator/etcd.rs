@@ -17,8 +17,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use edl_shared::Identity;
+use edl_shared::proto::Request;
 use edl_shared::shutdown::CancellationToken;
-use edl_shared::transport::BoxFuture;
+use edl_shared::transport::{BoxFuture, CallError, Conn, TransportSettings, client_endpoint};
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
@@ -67,6 +70,9 @@ pub struct Leadership {
     /// Cancelled once the lease may have expired (etcd said so, or no keep-alive got through
     /// for a whole TTL): another coordinator may lead by now.
     pub lost: CancellationToken,
+    /// Until when the lease surely holds: a TTL from the sending of the last keep-alive etcd
+    /// answered (etcd extends the lease from when it receives it, later).
+    held: Arc<std::sync::Mutex<tokio::time::Instant>>,
     lease: i64,
     /// Cancelled when the lead is given up: the keep-alive stops quietly.
     resigned: CancellationToken,
@@ -105,40 +111,73 @@ impl EtcdMeta {
 
     /// Who leads now (the leader key's value), if anyone.
     pub async fn leader(&self) -> Result<Option<String>, etcd_client::Error> {
+        Ok(self.holder().await?.map(|(leader, _)| leader))
+    }
+
+    /// Who leads now, and the lease that keeps the key.
+    async fn holder(&self) -> Result<Option<(String, i64)>, etcd_client::Error> {
         let resp = self.client.clone().get(self.leader_key(), None).await?;
         Ok(resp
             .kvs()
             .first()
-            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
+            .map(|kv| (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease())))
     }
 
     /// Campaigns until this component (advertised as `me`) leads, with a lease of `ttl`;
-    /// meanwhile `standby` says who leads. `None` if `stop` came first.
+    /// meanwhile `standby` says who leads. `None` if `stop` came first. With a `prober`, a
+    /// leader that does not answer as the leader for its `dead_after` has its lease revoked
+    /// (the key goes at once, and the campaign goes on), rather than waited out.
     pub async fn campaign(
         &self,
         me: &str,
         ttl: Duration,
         standby: &watch::Sender<Option<String>>,
         stop: &CancellationToken,
+        prober: Option<&Prober>,
     ) -> Option<Leadership> {
         let mut failing = false;
+        // The leader that stopped answering, its lease, and since when.
+        let mut silent: Option<(String, i64, tokio::time::Instant)> = None;
+        // The leader the key named last, and its lease.
+        let mut seen: Option<(String, i64)> = None;
         loop {
             match self.try_lead(me, ttl).await {
                 Ok(Ok(won)) => return Some(won),
                 // The key names this address: a process here before this one (killed, its
-                // lease not run out yet). No one leads until it expires.
-                Ok(Err(leader)) if leader == me => {
+                // lease not run out yet). No one leads until it expires, or is revoked.
+                Ok(Err((leader, lease))) if leader == me => {
                     if standby.borrow().is_some() {
                         standby.send_replace(None);
                     }
                     failing = false;
+                    if prober.is_some() {
+                        self.revoke_dead(&leader, lease, "this address's last process")
+                            .await;
+                    }
                 }
-                Ok(Err(leader)) => {
+                Ok(Err((leader, lease))) => {
+                    seen = Some((leader.clone(), lease));
                     if standby.borrow().as_deref() != Some(leader.as_str()) {
                         info!(%leader, "standing by: another coordinator leads");
-                        standby.send_replace(Some(leader));
+                        standby.send_replace(Some(leader.clone()));
                     }
                     failing = false;
+                    if let Some(p) = prober {
+                        if p.leads(&leader).await {
+                            silent = None;
+                        } else {
+                            let since = match &silent {
+                                Some((l, s, at)) if *l == leader && *s == lease => *at,
+                                _ => tokio::time::Instant::now(),
+                            };
+                            silent = Some((leader.clone(), lease, since));
+                            if since.elapsed() >= p.dead_after {
+                                self.revoke_dead(&leader, lease, "does not answer as the leader")
+                                    .await;
+                                silent = None;
+                            }
+                        }
+                    }
                 }
                 Err(e) => {
                     if !failing {
@@ -146,6 +185,16 @@ impl EtcdMeta {
                     }
                     failing = true;
                     standby.send_replace(None);
+                    // The leader last seen is asked all the same: it learns that a standby
+                    // sees it (and so that its lease will not be revoked), which lets it go
+                    // on acknowledging training from memory while etcd is out for both.
+                    if let (Some(p), Some((leader, lease))) = (prober, &seen) {
+                        if p.leads(leader).await {
+                            silent = None;
+                        } else if silent.is_none() {
+                            silent = Some((leader.clone(), *lease, tokio::time::Instant::now()));
+                        }
+                    }
                 }
             }
             tokio::select! {
@@ -155,17 +204,26 @@ impl EtcdMeta {
         }
     }
 
-    /// One attempt: takes the leader key if it is free; else says who holds it.
+    /// Revokes the lease of a leader found dead: its key goes at once.
+    async fn revoke_dead(&self, leader: &str, lease: i64, why: &str) {
+        match self.client.clone().lease_revoke(lease).await {
+            Ok(_) => warn!(%leader, "the leader {why}: revoked its lease; campaigning"),
+            Err(e) => warn!(%leader, "the leader {why}, and revoking its lease failed: {e}"),
+        }
+    }
+
+    /// One attempt: takes the leader key if it is free; else says who holds it, and its lease.
     async fn try_lead(
         &self,
         me: &str,
         ttl: Duration,
-    ) -> Result<Result<Leadership, String>, etcd_client::Error> {
-        if let Some(leader) = self.leader().await? {
-            return Ok(Err(leader));
+    ) -> Result<Result<Leadership, (String, i64)>, etcd_client::Error> {
+        if let Some(holder) = self.holder().await? {
+            return Ok(Err(holder));
         }
         let mut client = self.client.clone();
         let ttl_s = ttl.as_secs().max(1) as i64;
+        let granted = tokio::time::Instant::now();
         let lease = client.lease_grant(ttl_s, None).await?.id();
         let key = self.leader_key();
         let txn = Txn::new()
@@ -184,23 +242,27 @@ impl EtcdMeta {
                 TxnOpResponse::Get(g) => g
                     .kvs()
                     .first()
-                    .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()),
+                    .map(|kv| (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease())),
                 _ => None,
             });
             return Ok(Err(holder.unwrap_or_default()));
         }
         let term = resp.header().map_or(0, |h| h.revision());
         let (lost, resigned) = (CancellationToken::new(), CancellationToken::new());
+        // The lease was granted before the key was taken: it holds a TTL from then at least.
+        let held = Arc::new(std::sync::Mutex::new(granted + ttl));
         tokio::spawn(keep_alive(
             client,
             lease,
             ttl,
+            held.clone(),
             lost.clone(),
             resigned.clone(),
         ));
         Ok(Ok(Leadership {
             term,
             lost,
+            held,
             lease,
             resigned,
         }))
@@ -217,6 +279,7 @@ impl EtcdMeta {
         EtcdStore {
             meta: self.clone(),
             term: leadership.term,
+            held: leadership.held.clone(),
         }
     }
 
@@ -227,22 +290,24 @@ impl EtcdMeta {
     }
 }
 
-/// Keeps the leader's lease alive, a third of its TTL apart; cancels `lost` once it may have
-/// expired: etcd answered that it has, or nothing got through for a whole TTL.
+/// Keeps the leader's lease alive, [`KEEP_ALIVE_EVERY`] (or a third of its TTL) apart, and
+/// `held` up to date; cancels `lost` once the lease may have expired: etcd answered that it
+/// has, or nothing got through for a whole TTL.
 async fn keep_alive(
     mut client: Client,
     lease: i64,
     ttl: Duration,
+    held: Arc<std::sync::Mutex<tokio::time::Instant>>,
     lost: CancellationToken,
     resigned: CancellationToken,
 ) {
-    let mut last_ok = tokio::time::Instant::now();
+    let until = || *held.lock().unwrap_or_else(|p| p.into_inner());
     let mut stream = None;
     loop {
         if resigned.is_cancelled() {
             return;
         }
-        if last_ok.elapsed() >= ttl {
+        if tokio::time::Instant::now() >= until() {
             warn!(
                 ttl_ms = ttl.as_millis() as u64,
                 "no keep-alive of the leader's lease got through for a whole TTL: stepping down"
@@ -257,12 +322,16 @@ async fn keep_alive(
                 .and_then(Result::ok);
         }
         if let Some((keeper, answers)) = stream.as_mut() {
+            let sent = tokio::time::Instant::now();
             let beat = async {
                 keeper.keep_alive().await?;
                 answers.message().await
             };
             match tokio::time::timeout(REQUEST_TIMEOUT, beat).await {
-                Ok(Ok(Some(resp))) if resp.ttl() > 0 => last_ok = tokio::time::Instant::now(),
+                Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
+                    let mut h = held.lock().unwrap_or_else(|p| p.into_inner());
+                    *h = (*h).max(sent + ttl);
+                }
                 Ok(Ok(Some(_))) if resigned.is_cancelled() => return,
                 Ok(Ok(Some(_))) => {
                     warn!("etcd says the leader's lease expired: stepping down");
@@ -272,10 +341,85 @@ async fn keep_alive(
                 _ => stream = None,
             }
         }
+        let next = (ttl / 3)
+            .min(KEEP_ALIVE_EVERY)
+            .min(until().saturating_duration_since(tokio::time::Instant::now()));
         tokio::select! {
             _ = resigned.cancelled() => return,
-            _ = tokio::time::sleep(ttl / 3) => {}
+            _ = tokio::time::sleep(next) => {}
         }
+    }
+}
+
+/// The longest time between two keep-alives of the leader's lease.
+const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(1);
+
+/// How a standby finds the leader dead: it asks the leader the key names, over the cluster's
+/// transport, whether it leads (a `GetJob`, which any server answers: a leader with the job or
+/// an error, a standby with `NotLeader`). A leader that does not answer so for `dead_after`
+/// (killed, stopped, cut off from the standby) has its lease revoked: failover within about
+/// `dead_after` instead of the lease's TTL, which can then be long enough to ride out an etcd
+/// outage.
+pub struct Prober {
+    endpoint: quinn::Endpoint,
+    name: String,
+    settings: TransportSettings,
+    conn: tokio::sync::Mutex<Option<(String, Conn)>>,
+    /// How long a leader may not answer before it counts as dead.
+    pub dead_after: Duration,
+}
+
+/// How long one probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+impl Prober {
+    /// A prober with the credentials of `identity`.
+    pub fn new(
+        identity: &Identity,
+        settings: &TransportSettings,
+        dead_after: Duration,
+    ) -> anyhow::Result<Prober> {
+        Ok(Prober {
+            endpoint: client_endpoint(identity, settings, false)?,
+            name: identity.name.clone(),
+            settings: settings.clone(),
+            conn: tokio::sync::Mutex::new(None),
+            dead_after,
+        })
+    }
+
+    /// True if the server at `addr` answers as the leader (or as one starting to lead, which
+    /// names itself).
+    pub async fn leads(&self, addr: &str) -> bool {
+        let mut held = self.conn.lock().await;
+        for fresh in [false, true] {
+            if fresh || held.as_ref().is_none_or(|(a, _)| a != addr) {
+                let dial = Conn::connect(&self.endpoint, addr, &self.name, &self.settings);
+                match tokio::time::timeout(PROBE_TIMEOUT, dial).await {
+                    Ok(Ok(c)) => *held = Some((addr.to_string(), c)),
+                    _ => {
+                        *held = None;
+                        return false;
+                    }
+                }
+            }
+            let Some((_, conn)) = held.as_ref() else {
+                return false;
+            };
+            let ask = conn.call(Request::GetJob, Bytes::new());
+            match tokio::time::timeout(PROBE_TIMEOUT, ask).await {
+                Ok(Err(CallError::NotLeader { leader })) => {
+                    return leader.as_deref() == Some(addr);
+                }
+                Ok(Err(e)) if e.connection_failed() => *held = None,
+                Ok(_) => return true,
+                Err(_) => {
+                    *held = None;
+                    return false;
+                }
+            }
+        }
+        false
     }
 }
 
@@ -283,6 +427,7 @@ async fn keep_alive(
 pub struct EtcdStore {
     meta: EtcdMeta,
     term: i64,
+    held: Arc<std::sync::Mutex<tokio::time::Instant>>,
 }
 
 impl MetaStore for EtcdStore {
@@ -327,6 +472,10 @@ impl MetaStore for EtcdStore {
 
     fn term(&self) -> u64 {
         u64::try_from(self.term).unwrap_or(0)
+    }
+
+    fn lease_until(&self) -> Option<tokio::time::Instant> {
+        Some(*self.held.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     fn describe(&self) -> String {

@@ -59,6 +59,12 @@ pub trait MetaStore: Send + Sync + 'static {
     fn term(&self) -> u64 {
         0
     }
+    /// Until when this writer surely leads even while the store cannot be reached (its lead's
+    /// lease surely holds): meanwhile the coordinator may acknowledge training reports from
+    /// memory. `None`: never (one coordinator, no lease).
+    fn lease_until(&self) -> Option<tokio::time::Instant> {
+        None
+    }
 }
 
 /// Encodes a state record.

@@ -59,6 +59,15 @@ const PERSIST_EVERY: Duration = Duration::from_millis(500);
 /// How long a write to an unavailable store waits before it is tried again, at most.
 const STORE_RETRY_MAX: Duration = Duration::from_secs(1);
 
+/// How long a training report waits for its write before it may be acknowledged from memory
+/// (while the store is unreachable and the lead surely holds).
+const FROM_MEMORY_AFTER: Duration = Duration::from_millis(100);
+
+/// What is left of the lead's lease below which nothing more is acknowledged from memory: a
+/// report answered must reach its worker, and clocks may drift, before another coordinator
+/// could lead.
+const LEASE_MARGIN: Duration = Duration::from_secs(1);
+
 /// The coordinator service: the state behind a lock, and a version counter that wakes waiters
 /// whenever the state changes.
 pub struct Coordinator {
@@ -89,6 +98,16 @@ pub struct Coordinator {
     /// Cancelled when the store refused a write because another coordinator leads now: this
     /// one answers nothing more that depends on its state, and its process ends.
     deposed: CancellationToken,
+    /// The store's last write failed as unavailable (etcd unreachable), and whether training
+    /// reports are being acknowledged from memory meanwhile (logged once per outage).
+    store_failing: std::sync::atomic::AtomicBool,
+    from_memory: std::sync::atomic::AtomicBool,
+    /// When a standby last asked this coordinator whether it leads (`etcd::Prober`), and for
+    /// how long after that this one may acknowledge from memory: a standby revokes the lease of
+    /// a leader that has not answered it for its `dead_after`, so a leader no standby reaches
+    /// must not count on its lease.
+    probed: std::sync::Mutex<Option<tokio::time::Instant>>,
+    probe_window: std::sync::Mutex<Duration>,
 }
 
 impl Coordinator {
@@ -115,6 +134,10 @@ impl Coordinator {
             resharding: tokio::sync::Mutex::new(()),
             writing: tokio::sync::Mutex::new(None),
             deposed: CancellationToken::new(),
+            store_failing: Default::default(),
+            from_memory: Default::default(),
+            probed: std::sync::Mutex::new(None),
+            probe_window: std::sync::Mutex::new(Duration::from_millis(500)),
         }
     }
 
@@ -216,7 +239,15 @@ impl Coordinator {
             let mut failing_since: Option<tokio::time::Instant> = None;
             loop {
                 match store.write(record.clone()).await {
-                    Ok(()) => break,
+                    Ok(()) => {
+                        self.store_failing.store(false, Ordering::Release);
+                        if self.from_memory.swap(false, Ordering::AcqRel) {
+                            info!(
+                                "the state store is back: everything acknowledged from memory is written"
+                            );
+                        }
+                        break;
+                    }
                     Err(StoreError::Fenced(why)) => {
                         tracing::error!(
                             store = %store.describe(),
@@ -226,6 +257,7 @@ impl Coordinator {
                         return None;
                     }
                     Err(e) => {
+                        self.store_failing.store(true, Ordering::Release);
                         let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
                         if pause == Duration::from_millis(20) || pause >= STORE_RETRY_MAX {
                             warn!(
@@ -257,6 +289,63 @@ impl Coordinator {
     /// its orders to shards.
     pub fn term(&self) -> u64 {
         self.store.as_ref().map_or(0, |s| s.term())
+    }
+
+    /// [`Coordinator::durable`] for a training report (a commit or clock, a data lease): while
+    /// the store is unreachable and this coordinator surely still leads (its lease surely
+    /// holds: [`MetaStore::lease_until`]), the answer goes without waiting for the write, which
+    /// is made once the store is back. Should the coordinator die first, the restore rules
+    /// recover what it acknowledged so (a commit past the saved one is counted, a lease it
+    /// forgot is given back, and the shards' ledgers skip a span applied twice). Nothing else
+    /// is acknowledged from memory: control operations wait for the store, and say so.
+    async fn durable_training(&self) -> bool {
+        let Some(until) = self.store.as_ref().and_then(|s| s.lease_until()) else {
+            return self.durable().await;
+        };
+        let write = self.durable();
+        tokio::pin!(write);
+        loop {
+            tokio::select! {
+                biased;
+                ok = &mut write => return ok,
+                _ = tokio::time::sleep(FROM_MEMORY_AFTER) => {}
+            }
+            let until = self
+                .store
+                .as_ref()
+                .and_then(|s| s.lease_until())
+                .unwrap_or(until);
+            let margin = until.saturating_duration_since(tokio::time::Instant::now());
+            let window = *self.probe_window.lock().unwrap_or_else(|p| p.into_inner());
+            // Never probed: no standby could revoke the lease. Probed: only while the standby
+            // surely still sees this coordinator leading.
+            let seen = self
+                .probed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_none_or(|t| t.elapsed() < window);
+            if self.store_failing.load(Ordering::Acquire)
+                && !self.deposed.is_cancelled()
+                && margin > LEASE_MARGIN
+                && seen
+            {
+                if !self.from_memory.swap(true, Ordering::AcqRel) {
+                    warn!(
+                        lease_left_ms = margin.as_millis() as u64,
+                        "the state store is unreachable: training reports are acknowledged \
+                         from memory while this coordinator's lead surely holds; control \
+                         operations wait for the store"
+                    );
+                }
+                return true;
+            }
+        }
+    }
+
+    /// How long after a standby's probe this coordinator may still acknowledge from memory
+    /// (half a standby's `dead_after`).
+    pub fn set_probe_window(&self, window: Duration) {
+        *self.probe_window.lock().unwrap_or_else(|p| p.into_inner()) = window;
     }
 
     /// Cancelled once the store fenced this coordinator off: another one leads.
@@ -448,10 +537,22 @@ impl Service for Coordinator {
                 | Request::Heartbeat { .. }
                 | Request::Stragglers { set: None }
         );
+        let training = matches!(req, Request::Clock { .. } | Request::NextPartition { .. });
+        if matches!(req, Request::GetJob) && peer.role == Role::Coordinator {
+            // A standby's probe (`etcd::Prober`): it sees this coordinator leading.
+            *self.probed.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(tokio::time::Instant::now());
+        }
         let answer = self.answer(peer, req, payload).await;
-        // Nothing is acknowledged before the changes it depends on are durable; a deposed
+        // Nothing is acknowledged before the changes it depends on are durable (training
+        // reports aside while the store is unreachable within the lead's lease); a deposed
         // coordinator acknowledges nothing.
-        if !reads_only && !self.durable().await {
+        let durable = match (reads_only, training) {
+            (true, _) => true,
+            (false, true) => self.durable_training().await,
+            (false, false) => self.durable().await,
+        };
+        if !durable {
             return Frame::new(Response::NotLeader { leader: None });
         }
         let (news, stalls) = {
@@ -868,9 +969,15 @@ pub struct ElectedConfig {
     pub endpoints: Vec<String>,
     /// The address the others and the clients reach this coordinator at.
     pub advertise: String,
-    /// The leader's etcd lease: a leader that dies is replaced after at most this long
-    /// (plus a standby's poll); a leader cut off from etcd this long steps down.
+    /// The leader's etcd lease: a leader cut off from etcd this long steps down; until then
+    /// it acknowledges training reports from memory (so training rides out an etcd outage
+    /// shorter than this). A leader that dies is replaced within `dead_after` (its lease
+    /// revoked by a standby), or after this long if no standby can tell.
     pub ttl: Duration,
+    /// A leader that does not answer a standby as the leader for this long is taken for dead
+    /// and replaced (its lease revoked). Shorter fails over sooner; a live leader that stops
+    /// answering this long (a long pause, a cut link between the two) is replaced, safely.
+    pub dead_after: Duration,
 }
 
 /// Runs a coordinator of a job whose state is in etcd until `shutdown`: it answers at once (as
@@ -892,6 +999,7 @@ pub async fn run_elected(
     let endpoint = server_endpoint(listen, identity, &settings)?;
     on_bound(endpoint.local_addr()?)?;
     let (standby, watching) = tokio::sync::watch::channel(None);
+    let prober = etcd::Prober::new(identity, &settings, elected.dead_after)?;
     let service = Arc::new(Elected {
         leader: std::sync::OnceLock::new(),
         standby: watching,
@@ -909,12 +1017,21 @@ pub async fn run_elected(
     };
     info!(advertise = %elected.advertise, etcd = %elected.endpoints.join(","), "coordinator campaigning for the lead");
     let Some(lead) = meta
-        .campaign(&elected.advertise, elected.ttl, &standby, &shutdown)
+        .campaign(
+            &elected.advertise,
+            elected.ttl,
+            &standby,
+            &shutdown,
+            Some(&prober),
+        )
         .await
     else {
         let _ = server.await;
         return Ok(());
     };
+    // While it restores the state it names itself: a standby probing it finds it leading,
+    // and a client asks it again.
+    standby.send_replace(Some(elected.advertise.clone()));
     let started = async {
         let probing = config.probe_sockets;
         let coordinator = match meta
@@ -929,6 +1046,7 @@ pub async fn run_elected(
             None => Coordinator::new(config)?,
         };
         let coordinator = coordinator.with_store(Arc::new(meta.store(&lead)));
+        coordinator.set_probe_window(elected.dead_after / 2);
         coordinator.set_shard_link(Arc::new(ShardCaller::new(identity, &settings)?));
         let _ = coordinator.job_name.set(identity.job.clone());
         anyhow::Ok((Arc::new(coordinator), probing))

@@ -348,6 +348,10 @@ impl CoordLink {
 /// the leader key four times a second).
 const ELECTION_POLL: Duration = Duration::from_millis(200);
 
+/// The idle timeout of a client's connections when it has several coordinators: how long a
+/// dead leader's connection keeps a call waiting before the client moves on.
+const FAILOVER_IDLE: Duration = Duration::from_secs(2);
+
 /// How long a client gives a coordinator that just failed to answer a new connection, when a
 /// standby names it the leader again.
 const QUICK_DIAL: Duration = Duration::from_millis(500);
@@ -558,7 +562,15 @@ where
 impl Job {
     /// Connects to the coordinator, waits for the shard map and connects to every shard.
     pub async fn connect(cfg: &ClientConfig) -> Result<Job, ClientError> {
-        let ep = client_endpoint(&cfg.identity, &cfg.settings, false)?;
+        let mut settings = cfg.settings.clone();
+        // With standbys to fail over to, a leader that died is noticed sooner: its connection
+        // is given up after FAILOVER_IDLE of silence instead of the default 6 s (keep-alives
+        // keep live connections, long polls included, open).
+        if Coordinators::parse(&cfg.coordinator).is_ok_and(|c| c.all().len() > 1) {
+            settings.idle_timeout = settings.idle_timeout.min(FAILOVER_IDLE);
+            settings.keep_alive = settings.keep_alive.min(FAILOVER_IDLE / 4);
+        }
+        let ep = client_endpoint(&cfg.identity, &settings, false)?;
         Job::connect_with(cfg, Dialer::Quic(ep)).await
     }
 

@@ -72,11 +72,15 @@ struct Cli {
     /// the bound address, when --listen names a specific one].
     #[arg(long, value_name = "ADDR", requires = "meta")]
     advertise: Option<String>,
-    /// With --meta: the leader's etcd lease. A dead leader is replaced within about this
-    /// long; a leader cut off from etcd this long steps down (and exits, leaving the jobs
-    /// running for the next leader).
-    #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = humantime::parse_duration, requires = "meta")]
+    /// With --meta: the leader's etcd lease. A leader cut off from etcd this long steps down
+    /// (and exits, leaving the jobs running for the next leader); one that died is replaced
+    /// after this long where no standby could tell it died (see --leader-dead-after).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration, requires = "meta")]
     leader_ttl: std::time::Duration,
+    /// With --meta: a standby takes a leader that does not answer it as the leader for this
+    /// long for dead, revokes its lease and campaigns.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration, requires = "meta")]
+    leader_dead_after: std::time::Duration,
     #[command(flatten)]
     metrics: MetricsArgs,
     #[command(flatten)]
@@ -168,16 +172,26 @@ async fn serve<P: Placer>(cli: &Cli, cluster: Cluster, placer: P) -> anyhow::Res
     };
     let meta = EtcdMeta::connect(endpoints, &identity.job, "sched").await?;
     let (standby, watching) = tokio::sync::watch::channel(None);
+    let prober =
+        edl_ps::coordinator::etcd::Prober::new(&identity, &settings, cli.leader_dead_after)?;
     let service = Arc::new(SchedService::standby(tx, watching));
     let server = serve(service.clone());
     tracing::info!(%addr, %advertise, etcd = %cli.meta.as_deref().unwrap_or_default(), "edl-sched campaigning for the lead");
     let Some(lead) = meta
-        .campaign(&advertise, cli.leader_ttl, &standby, &shutdown)
+        .campaign(
+            &advertise,
+            cli.leader_ttl,
+            &standby,
+            &shutdown,
+            Some(&prober),
+        )
         .await
     else {
         let _ = server.await;
         return Ok(());
     };
+    // While it takes the jobs back it names itself: a standby probing it finds it leading.
+    standby.send_replace(Some(advertise.clone()));
     let started = async {
         let record = meta
             .load()

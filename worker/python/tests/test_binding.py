@@ -4,6 +4,7 @@ allocation and credentials."""
 from __future__ import annotations
 
 import gc
+import subprocess
 import time
 import tracemalloc
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import edl
+import edl.local
 from conftest import job_text, optional
 
 
@@ -197,10 +199,18 @@ def test_pull_into_a_preallocated_array_allocates_nothing(make_cluster):
 
 
 def test_an_unknown_ca_is_refused(cluster, tmp_path):
-    # A certificate from another (dev) CA: the coordinator's TLS refuses it.
+    # A state directory without a CA: a client makes none, and says what to give instead.
+    with pytest.raises(ValueError, match="no cluster CA"):
+        edl.Job(cluster.coordinator, state_dir=tmp_path / "none", name="intruder", reconnect=2)
+    assert not (tmp_path / "none" / "pki").exists()
+    # A certificate from another CA: the coordinator's TLS refuses it.
+    other = tmp_path / "other"
+    subprocess.run([str(edl.local.find_binary("edl-ps")), "ca", "init", "--state-dir", str(other)],
+                   check=True, capture_output=True)
     with pytest.raises(edl.EdlError) as e:
-        edl.Job(cluster.coordinator, state_dir=tmp_path / "other", name="intruder", reconnect=2)
+        edl.Job(cluster.coordinator, state_dir=other, name="intruder", reconnect=2)
     assert e.value.kind == "Call"
+    assert "could not connect to" in str(e.value)
 
 
 def test_credentials_are_checked_before_connecting(cluster, tmp_path):

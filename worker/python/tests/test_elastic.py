@@ -79,6 +79,9 @@ def test_ctrl_c_leaves_cleanly_and_returns_the_data(make_cluster, tmp_path):
 def test_ctrl_c_interrupts_a_call_that_waits(tmp_path):
     # Nobody listens at the coordinator's address: connecting retries until interrupted.
     # Python's own Ctrl-C handling even if this runs where SIGINT is ignored (see worker.py).
+    # The cluster's CA, which issues the client its certificate.
+    subprocess.run([str(edl.local.find_binary("edl-ps")), "ca", "init", "--state-dir",
+                    str(tmp_path)], check=True, capture_output=True)
     code = (
         "import edl, signal, sys\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"

@@ -218,8 +218,19 @@ impl EtcdMeta {
         me: &str,
         ttl: Duration,
     ) -> Result<Result<Leadership, (String, i64)>, etcd_client::Error> {
-        if let Some(holder) = self.holder().await? {
-            return Ok(Err(holder));
+        // Who holds the key is read within a poll's time: a standby whose etcd does not answer
+        // goes on probing the leader, which needs to hear from it (see `Prober`). (Taking the
+        // key, below, is never cut short: a key taken unawares would stand for a whole TTL.)
+        match tokio::time::timeout(POLL, self.holder()).await {
+            Ok(Ok(Some(holder))) => return Ok(Err(holder)),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(etcd_client::Error::IoError(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {} ms", POLL.as_millis()),
+                )));
+            }
         }
         let mut client = self.client.clone();
         let ttl_s = ttl.as_secs().max(1) as i64;

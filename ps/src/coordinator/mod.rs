@@ -137,7 +137,7 @@ impl Coordinator {
             store_failing: Default::default(),
             from_memory: Default::default(),
             probed: std::sync::Mutex::new(None),
-            probe_window: std::sync::Mutex::new(Duration::from_millis(500)),
+            probe_window: std::sync::Mutex::new(Duration::from_millis(750)),
         }
     }
 
@@ -343,7 +343,8 @@ impl Coordinator {
     }
 
     /// How long after a standby's probe this coordinator may still acknowledge from memory
-    /// (half a standby's `dead_after`).
+    /// (three quarters of a standby's `dead_after`: a standby revokes the lease only after its
+    /// probes failed for a whole `dead_after`, all of them after the last one answered).
     pub fn set_probe_window(&self, window: Duration) {
         *self.probe_window.lock().unwrap_or_else(|p| p.into_inner()) = window;
     }
@@ -1046,7 +1047,7 @@ pub async fn run_elected(
             None => Coordinator::new(config)?,
         };
         let coordinator = coordinator.with_store(Arc::new(meta.store(&lead)));
-        coordinator.set_probe_window(elected.dead_after / 2);
+        coordinator.set_probe_window(elected.dead_after * 3 / 4);
         coordinator.set_shard_link(Arc::new(ShardCaller::new(identity, &settings)?));
         let _ = coordinator.job_name.set(identity.job.clone());
         anyhow::Ok((Arc::new(coordinator), probing))

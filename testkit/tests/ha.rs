@@ -14,6 +14,7 @@ use edl_ps::admin::{Admin, CoordinatorRole};
 use edl_shared::Role;
 use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::DataSpan;
+use edl_shared::proto::{Key, ShardId};
 use edl_shared::transport::TransportSettings;
 use edl_testkit::etcd::{EtcdCluster, have_etcd};
 use edl_testkit::procs::{Proc, bin, free_port, spawn};
@@ -169,7 +170,7 @@ async fn new_leader(admin: &Admin, not: &str, limit: Duration) -> anyhow::Result
 
 /// Every failure the issue names, in one run of one worker that pushes and commits 48
 /// batches: one etcd member killed and restarted; the leading coordinator killed with SIGKILL
-/// three times; the leader stopped (SIGSTOP, as a partition or a long pause would cut it off)
+/// three times (the second right after it acknowledged a resharding move); the leader stopped (SIGSTOP, as a partition or a long pause would cut it off)
 /// until the standby leads, then let go on: it must change nothing and exit, deposed; and all
 /// of etcd stopped for 20 s. A supervisor restarts every coordinator that exits, as a
 /// standby. Through all of it the worker never fails, and the ledgers and counters are exact.
@@ -263,6 +264,7 @@ async fn the_control_plane_survives_coordinator_and_etcd_failures() -> anyhow::R
     let mut etcd_outage: Option<tokio::task::JoinHandle<anyhow::Result<Instant>>> = None;
     let mut outage_began = None;
     let mut commit_times = Vec::new();
+    let mut moved: Option<(u64, u64)> = None;
     let mut part = w.next_partition().await?;
     while let Some(p) = part {
         let mut at = p.start;
@@ -290,6 +292,19 @@ async fn the_control_plane_survives_coordinator_and_etcd_failures() -> anyhow::R
                     e.wait_healthy(Duration::from_secs(30))?;
                 }
                 n if kills_at.contains(&n) => {
+                    if n == kills_at[1] {
+                        // A resharding step the leader acknowledges right before it dies: the
+                        // first key of s0 goes to s1.
+                        let map = admin.map().await?;
+                        let key = map
+                            .ranges_of(ShardId(0))
+                            .map(|r| r.start)
+                            .min()
+                            .expect("s0 holds keys");
+                        let view = admin.move_range(key, key + 1, "s1").await?;
+                        anyhow::ensure!(view.moves.len() == 1, "one move: {:?}", view.moves);
+                        moved = Some((key, view.epoch));
+                    }
                     let lead = leader(&admin).await.expect("a coordinator leads");
                     let i = coords.addrs.iter().position(|a| *a == lead).expect("ours");
                     signal(coords.pid(i), nix::sys::signal::Signal::SIGKILL)?;
@@ -326,6 +341,21 @@ async fn the_control_plane_survives_coordinator_and_etcd_failures() -> anyhow::R
         part = w.next_partition().await?;
     }
     assert_eq!(commits, SAMPLES / 4);
+    // The move acknowledged before the leader's death was neither lost nor done again: the
+    // key is on s1 in a map at least as new as the move's, and s0 holds the rest of its keys
+    // as before.
+    let (key, epoch) = moved.expect("a move was made");
+    let map = admin.map().await?;
+    assert!(
+        map.epoch.0 >= epoch,
+        "the map went back: {} < {epoch}",
+        map.epoch.0
+    );
+    assert_eq!(map.owner(Key(key)), Some(ShardId(1)), "{map:?}");
+    assert!(
+        map.ranges_of(ShardId(0)).all(|r| r.start > key),
+        "s0 still holds key {key}: {map:?}"
+    );
     let status = job.status().await?;
     assert!(status.finished, "{status:?}");
     assert_eq!(

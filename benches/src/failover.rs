@@ -16,7 +16,6 @@
 //! coordinator, the election or restart, the restore and the worker's retry.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +27,7 @@ use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_testkit::batch_span;
 use edl_testkit::etcd::EtcdCluster;
+use edl_testkit::procs::{Proc, free_port, spawn_from};
 use edl_worker::{ClientConfig, Job};
 use serde::Serialize;
 
@@ -102,16 +102,6 @@ const BATCH: u32 = 4;
 /// How long one failover may take before the run fails.
 const FAILOVER_LIMIT: Duration = Duration::from_secs(60);
 
-/// A child process killed when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A coordinator's command line.
 fn coordinator_args(plan: &Plan, listen: &str, meta: Option<&str>) -> Vec<String> {
     let mut args: Vec<String> = [
@@ -148,23 +138,8 @@ fn coordinator_args(plan: &Plan, listen: &str, meta: Option<&str>) -> Vec<String
 }
 
 fn spawn(ps: &Path, args: &[String], state: &Path, log: &str) -> anyhow::Result<Proc> {
-    let log = std::fs::File::create(state.join(log))?;
-    let child = Command::new(ps)
-        .args(args)
-        .arg("--state-dir")
-        .arg(state)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .with_context(|| format!("starting {}", ps.display()))?;
-    Ok(Proc(child))
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    spawn_from(ps, &args, state, log).with_context(|| format!("starting {}", ps.display()))
 }
 
 /// Runs `plan`.
@@ -182,8 +157,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
     let meta = etcd.as_ref().map(EtcdCluster::url);
     let n = if etcd.is_some() { 2 } else { 1 };
     let addrs: Vec<String> = (0..n)
-        .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
-        .collect::<anyhow::Result<_>>()?;
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
     let list = addrs.join(",");
     let mut starts = 0;
     let mut start = |i: usize| {

@@ -1,5 +1,6 @@
-//! `edl-ps` processes for the tests that kill and restart them (`tests/shard_restart.rs`,
-//! `tests/ha.rs`): the binary beside the test, a free port, a child killed when dropped.
+//! `edl-ps` processes for the tests and benchmarks that kill and restart them
+//! (`tests/shard_restart.rs`, `tests/ha.rs`, `edl-bench failover`): the binary beside the
+//! test, a free port, a child killed when dropped.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -28,16 +29,21 @@ impl Drop for Proc {
     }
 }
 
+/// Starts `edl-ps ARGS --state-dir STATE` from beside the test, its log in `STATE/LOG`.
 pub fn spawn(args: &[&str], state: &Path, log: &str) -> Proc {
-    let log = std::fs::File::create(state.join(log)).expect("log file");
-    let child = Command::new(bin("edl-ps"))
+    spawn_from(&bin("edl-ps"), args, state, log).expect("edl-ps starts")
+}
+
+/// Starts the `edl-ps` at `ps` (a benchmark's, beside it) as [`spawn`] does.
+pub fn spawn_from(ps: &Path, args: &[&str], state: &Path, log: &str) -> std::io::Result<Proc> {
+    let log = std::fs::File::create(state.join(log))?;
+    let child = Command::new(ps)
         .args(args)
         .arg("--state-dir")
         .arg(state)
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(log)
-        .spawn()
-        .expect("edl-ps starts");
-    Proc(child)
+        .spawn()?;
+    Ok(Proc(child))
 }

@@ -129,7 +129,7 @@ struct CoordinatorArgs {
     /// job, the data leases and the data progress in STATE_DIR/coordinator (a log,
     /// state.wal, folded into state.bin now and then), makes every change durable before it
     /// answers the request that made it, and restores them on start.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "meta")]
     no_persist: bool,
     /// Declare a worker dead only when its lease expires. By default a worker silent for
     /// 250 ms gets a one-byte UDP datagram at its address every 100 ms, and is declared dead
@@ -139,30 +139,8 @@ struct CoordinatorArgs {
     /// could answer so for a live worker.
     #[arg(long)]
     no_socket_probe: bool,
-    /// Keep the state in etcd instead of STATE_DIR (etcd://HOST:PORT[,HOST:PORT...], every
-    /// member with its client port). Several coordinators of one job may run with the same
-    /// --meta: one leads (through an etcd lease), the others stand by and tell clients where
-    /// the leader is, and one of them takes over within --leader-ttl of the leader's death.
-    /// Give clients every coordinator: --coordinator A,B.
-    #[arg(long, value_name = "URL", conflicts_with = "no_persist")]
-    meta: Option<String>,
-    /// With --meta: the address clients and the other coordinators reach this one at
-    /// (default: --listen, which must then be a specific address, not 0.0.0.0).
-    #[arg(long, value_name = "ADDR", requires = "meta")]
-    advertise: Option<String>,
-    /// With --meta: the leader's etcd lease. Training rides out an etcd outage shorter than
-    /// this (the leader acknowledges training reports from memory while its lease surely
-    /// holds; control operations wait); a leader cut off from etcd this long steps down (and
-    /// exits), and one that died is replaced after this long where no standby could tell it
-    /// died (see --leader-dead-after).
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration, requires = "meta")]
-    leader_ttl: std::time::Duration,
-    /// With --meta: a standby takes a leader that does not answer it as the leader for this
-    /// long for dead, revokes its lease and campaigns. Shorter fails over sooner; a live
-    /// leader that stops answering this long (a long pause, a cut link between the two) is
-    /// replaced: safely (it is fenced off), but at the cost of a failover.
-    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration, requires = "meta")]
-    leader_dead_after: std::time::Duration,
+    #[command(flatten)]
+    election: coordinator::etcd::ElectionArgs,
     /// Serve the live dashboard at http://ADDR/ (membership, throughput, loss and accuracy,
     /// shards, stragglers, events), its JSON API (/api/status, /api/history, /api/shards) and
     /// /metrics (e.g. 127.0.0.1:8080; port 0 picks one). Plain HTTP without authentication:
@@ -393,28 +371,19 @@ async fn main() -> anyhow::Result<()> {
                 budgets: a.budgets.budgets(),
                 ..TransportSettings::default()
             };
-            if let Some(url) = &a.meta {
-                let endpoints = coordinator::etcd::parse_url(url).map_err(anyhow::Error::msg)?;
-                let advertise = match &a.advertise {
-                    Some(ad) => ad.clone(),
-                    None if a.listen.ip().is_unspecified() || a.listen.port() == 0 => {
-                        anyhow::bail!(
-                            "--meta needs the address clients reach this coordinator at: give \
-                             --advertise HOST:PORT, or --listen with a specific address and port"
-                        )
-                    }
-                    None => a.listen.to_string(),
-                };
+            let elected = a.election.elected(|| {
+                anyhow::ensure!(
+                    !a.listen.ip().is_unspecified() && a.listen.port() != 0,
+                    "--meta needs the address clients reach this coordinator at: give \
+                     --advertise HOST:PORT, or --listen with a specific address and port"
+                );
+                Ok(a.listen.to_string())
+            })?;
+            if let Some(elected) = elected {
                 anyhow::ensure!(
                     a.http.is_none(),
                     "--http is not served with --meta yet: read the leader's status with edlctl"
                 );
-                let elected = coordinator::ElectedConfig {
-                    endpoints,
-                    advertise,
-                    ttl: a.leader_ttl,
-                    dead_after: a.leader_dead_after,
-                };
                 let stop = shutdown::on_signals();
                 a.metrics.start(stop.clone()).await?;
                 let addr_file = a.addr_file.clone();

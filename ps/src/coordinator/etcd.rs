@@ -36,6 +36,57 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a standby looks whether the leader's key is gone, at most.
 const POLL: Duration = Duration::from_millis(250);
 
+/// The flags of a component that may keep its state in etcd and stand by for another
+/// (`edl-ps coordinator`, `edl-sched`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct ElectionArgs {
+    /// Keep the state in etcd (etcd://HOST:PORT[,HOST:PORT...], every member with its client
+    /// port) instead of STATE_DIR. Several processes may run with the same --meta: one leads
+    /// (through an etcd lease), the others stand by, tell clients where the leader is, and one
+    /// of them takes over when it dies. Give clients every address (A,B).
+    #[arg(long, value_name = "URL")]
+    pub meta: Option<String>,
+    /// With --meta: the address clients and the others reach this one at (default: --listen,
+    /// which must then be a specific address).
+    #[arg(long, value_name = "ADDR", requires = "meta")]
+    pub advertise: Option<String>,
+    /// With --meta: the leader's etcd lease. A coordinator rides out an etcd outage shorter
+    /// than this (it acknowledges training reports from memory while its lease surely holds;
+    /// control operations wait); a leader cut off from etcd this long steps down (and exits),
+    /// and one that died is replaced after this long where no standby could tell it died
+    /// (see --leader-dead-after).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration, requires = "meta")]
+    pub leader_ttl: Duration,
+    /// With --meta: a standby takes a leader that does not answer it as the leader for this
+    /// long for dead, revokes its lease and campaigns. Shorter fails over sooner; a live
+    /// leader that stops answering this long (a long pause, a cut link between the two) is
+    /// replaced: safely (it is fenced off), but at the cost of a failover.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration, requires = "meta")]
+    pub leader_dead_after: Duration,
+}
+
+impl ElectionArgs {
+    /// With --meta, the election these flags ask for, advertised as `advertise` (--advertise
+    /// if given, else what `default` says).
+    pub fn elected(
+        &self,
+        default: impl FnOnce() -> anyhow::Result<String>,
+    ) -> anyhow::Result<Option<super::ElectedConfig>> {
+        let Some(url) = &self.meta else {
+            return Ok(None);
+        };
+        Ok(Some(super::ElectedConfig {
+            endpoints: parse_url(url).map_err(anyhow::Error::msg)?,
+            advertise: match &self.advertise {
+                Some(a) => a.clone(),
+                None => default()?,
+            },
+            ttl: self.leader_ttl,
+            dead_after: self.leader_dead_after,
+        }))
+    }
+}
+
 /// `etcd://H1:2379,H2:2379` as etcd endpoints (`http://H1:2379`, ...).
 pub fn parse_url(url: &str) -> Result<Vec<String>, String> {
     let rest = url.strip_prefix("etcd://").ok_or_else(|| {
@@ -124,16 +175,16 @@ impl EtcdMeta {
     }
 
     /// Campaigns until this component (advertised as `me`) leads, with a lease of `ttl`;
-    /// meanwhile `standby` says who leads. `None` if `stop` came first. With a `prober`, a
-    /// leader that does not answer as the leader for its `dead_after` has its lease revoked
-    /// (the key goes at once, and the campaign goes on), rather than waited out.
-    pub async fn campaign(
+    /// meanwhile `standby` says who leads. `None` if `stop` came first. A leader that does not
+    /// answer `prober` as the leader for its `dead_after` has its lease revoked (the key goes
+    /// at once, and the campaign goes on), rather than waited out.
+    async fn campaign(
         &self,
         me: &str,
         ttl: Duration,
         standby: &watch::Sender<Option<String>>,
         stop: &CancellationToken,
-        prober: Option<&Prober>,
+        prober: &Prober,
     ) -> Option<Leadership> {
         let mut failing = false;
         // The leader that stopped answering, its lease, and since when.
@@ -150,10 +201,8 @@ impl EtcdMeta {
                         standby.send_replace(None);
                     }
                     failing = false;
-                    if prober.is_some() {
-                        self.revoke_dead(&leader, lease, "this address's last process")
-                            .await;
-                    }
+                    self.revoke_dead(&leader, lease, "this address's last process")
+                        .await;
                 }
                 Ok(Err((leader, lease))) => {
                     seen = Some((leader.clone(), lease));
@@ -162,20 +211,18 @@ impl EtcdMeta {
                         standby.send_replace(Some(leader.clone()));
                     }
                     failing = false;
-                    if let Some(p) = prober {
-                        if p.leads(&leader).await {
+                    if prober.leads(&leader).await {
+                        silent = None;
+                    } else {
+                        let since = match &silent {
+                            Some((l, s, at)) if *l == leader && *s == lease => *at,
+                            _ => tokio::time::Instant::now(),
+                        };
+                        silent = Some((leader.clone(), lease, since));
+                        if since.elapsed() >= prober.dead_after {
+                            self.revoke_dead(&leader, lease, "does not answer as the leader")
+                                .await;
                             silent = None;
-                        } else {
-                            let since = match &silent {
-                                Some((l, s, at)) if *l == leader && *s == lease => *at,
-                                _ => tokio::time::Instant::now(),
-                            };
-                            silent = Some((leader.clone(), lease, since));
-                            if since.elapsed() >= p.dead_after {
-                                self.revoke_dead(&leader, lease, "does not answer as the leader")
-                                    .await;
-                                silent = None;
-                            }
                         }
                     }
                 }
@@ -188,8 +235,8 @@ impl EtcdMeta {
                     // The leader last seen is asked all the same: it learns that a standby
                     // sees it (and so that its lease will not be revoked), which lets it go
                     // on acknowledging training from memory while etcd is out for both.
-                    if let (Some(p), Some((leader, lease))) = (prober, &seen) {
-                        if p.leads(leader).await {
+                    if let Some((leader, lease)) = &seen {
+                        if prober.leads(leader).await {
                             silent = None;
                         } else if silent.is_none() {
                             silent = Some((leader.clone(), *lease, tokio::time::Instant::now()));
@@ -200,6 +247,37 @@ impl EtcdMeta {
             tokio::select! {
                 _ = stop.cancelled() => return None,
                 _ = tokio::time::sleep(POLL.min(ttl / 4)) => {}
+            }
+        }
+    }
+
+    /// A candidate's way to the lead (`me`, advertised so; `standby` names the leader
+    /// meanwhile): campaigns, then names itself (a standby probing it, and a client, find it
+    /// leading while it starts) and `start`s with the lead and the state record etcd holds.
+    /// `None` if `stop` came first; an error (the lead given up) if the record cannot be read
+    /// or `start` fails.
+    pub async fn lead<T>(
+        &self,
+        me: &str,
+        ttl: Duration,
+        prober: &Prober,
+        standby: &watch::Sender<Option<String>>,
+        stop: &CancellationToken,
+        start: impl AsyncFnOnce(&Leadership, Option<Vec<u8>>) -> anyhow::Result<T>,
+    ) -> anyhow::Result<Option<(Leadership, T)>> {
+        let Some(lead) = self.campaign(me, ttl, standby, stop, prober).await else {
+            return Ok(None);
+        };
+        standby.send_replace(Some(me.to_string()));
+        let started = match self.load().await {
+            Ok(record) => start(&lead, record).await,
+            Err(e) => Err(anyhow::anyhow!("etcd: {e}")),
+        };
+        match started {
+            Ok(t) => Ok(Some((lead, t))),
+            Err(e) => {
+                self.resign(&lead).await;
+                Err(e.context("taking the lead"))
             }
         }
     }

@@ -1017,48 +1017,37 @@ pub async fn run_elected(
         )
     };
     info!(advertise = %elected.advertise, etcd = %elected.endpoints.join(","), "coordinator campaigning for the lead");
-    let Some(lead) = meta
-        .campaign(
+    let probing = config.probe_sockets;
+    let led = meta
+        .lead(
             &elected.advertise,
             elected.ttl,
+            &prober,
             &standby,
             &shutdown,
-            Some(&prober),
+            async |lead, record| {
+                let coordinator = match record {
+                    Some(record) => Coordinator::restored(meta::decode(&record)?, config)?,
+                    None => Coordinator::new(config)?,
+                };
+                let coordinator = coordinator.with_store(Arc::new(meta.store(lead)));
+                coordinator.set_probe_window(elected.dead_after * 3 / 4);
+                coordinator.set_shard_link(Arc::new(ShardCaller::new(identity, &settings)?));
+                let _ = coordinator.job_name.set(identity.job.clone());
+                Ok(Arc::new(coordinator))
+            },
         )
-        .await
-    else {
-        let _ = server.await;
-        return Ok(());
-    };
-    // While it restores the state it names itself: a standby probing it finds it leading,
-    // and a client asks it again.
-    standby.send_replace(Some(elected.advertise.clone()));
-    let started = async {
-        let probing = config.probe_sockets;
-        let coordinator = match meta
-            .load()
-            .await
-            .map_err(|e| anyhow::anyhow!("etcd: {e}"))?
-        {
-            Some(record) => {
-                let snap = meta::decode(&record)?;
-                Coordinator::restored(snap, config)?
-            }
-            None => Coordinator::new(config)?,
-        };
-        let coordinator = coordinator.with_store(Arc::new(meta.store(&lead)));
-        coordinator.set_probe_window(elected.dead_after * 3 / 4);
-        coordinator.set_shard_link(Arc::new(ShardCaller::new(identity, &settings)?));
-        let _ = coordinator.job_name.set(identity.job.clone());
-        anyhow::Ok((Arc::new(coordinator), probing))
-    };
-    let (coordinator, probing) = match started.await {
-        Ok(c) => c,
+        .await;
+    let (lead, coordinator) = match led {
+        Ok(Some(led)) => led,
+        Ok(None) => {
+            let _ = server.await;
+            return Ok(());
+        }
         Err(e) => {
-            meta.resign(&lead).await;
             shutdown.cancel();
             let _ = server.await;
-            return Err(e.context("taking the lead"));
+            return Err(e);
         }
     };
     metrics::watch(&coordinator);

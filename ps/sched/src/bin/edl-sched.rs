@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use edl_launch::Binaries;
-use edl_ps::coordinator::etcd::{EtcdMeta, parse_url};
+use edl_ps::coordinator::etcd::EtcdMeta;
 use edl_sched::cluster::kube::{KubePlacer, KubeSettings};
 use edl_sched::cluster::server::SchedService;
 use edl_sched::cluster::{Cluster, LocalPlacer, Placer, Scheduler};
@@ -59,28 +59,12 @@ struct Cli {
     /// cluster file's data_dir in workers.
     #[arg(long)]
     data_claim: Option<String>,
-    /// Keep the scheduler's state (jobs, their processes, allocations) in etcd
-    /// (etcd://HOST:PORT[,HOST:PORT...]) instead of STATE_DIR/sched.json. Several schedulers
-    /// may run with the same --meta and the same --state-dir (one machine, or a shared
-    /// filesystem: it holds the cluster CA and the jobs' directories): one leads through an
-    /// etcd lease, the others stand by and tell edlctl where the leader is, and one of them
-    /// takes over within --leader-ttl of the leader's death. Give edlctl every scheduler:
-    /// --scheduler A,B.
-    #[arg(long, value_name = "URL")]
-    meta: Option<String>,
-    /// With --meta: the address edlctl and the other schedulers reach this one at [default:
-    /// the bound address, when --listen names a specific one].
-    #[arg(long, value_name = "ADDR", requires = "meta")]
-    advertise: Option<String>,
-    /// With --meta: the leader's etcd lease. A leader cut off from etcd this long steps down
-    /// (and exits, leaving the jobs running for the next leader); one that died is replaced
-    /// after this long where no standby could tell it died (see --leader-dead-after).
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration, requires = "meta")]
-    leader_ttl: std::time::Duration,
-    /// With --meta: a standby takes a leader that does not answer it as the leader for this
-    /// long for dead, revokes its lease and campaigns.
-    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = humantime::parse_duration, requires = "meta")]
-    leader_dead_after: std::time::Duration,
+    /// With --meta, the scheduler's state (jobs, their processes, allocations) is in etcd
+    /// instead of STATE_DIR/sched.json. Schedulers sharing a --meta share the --state-dir too
+    /// (one machine, or a shared filesystem: it holds the cluster CA and the jobs'
+    /// directories). Give edlctl every scheduler: --scheduler A,B.
+    #[command(flatten)]
+    election: edl_ps::coordinator::etcd::ElectionArgs,
     #[command(flatten)]
     metrics: MetricsArgs,
     #[command(flatten)]
@@ -125,17 +109,13 @@ async fn serve<P: Placer>(cli: &Cli, cluster: Cluster, placer: P) -> anyhow::Res
     };
     let slots = cluster.slots.len();
     let policy = cluster.policy.clone();
-    let endpoints = match &cli.meta {
-        Some(url) => Some(parse_url(url).map_err(anyhow::Error::msg)?),
-        None => None,
-    };
     // Without an election, the running jobs are taken back before anything is served.
-    let (scheduler, elected) = match endpoints {
+    let (scheduler, elected) = match &cli.election.meta {
         None => (
             Some(Scheduler::new(cluster, &cli.identity.state_dir, placer).await?),
             None,
         ),
-        Some(e) => (None, Some((e, cluster, placer))),
+        Some(_) => (None, Some((cluster, placer))),
     };
     let endpoint = server_endpoint(cli.listen, &identity, &settings)
         .with_context(|| format!("listening on {}", cli.listen))?;
@@ -152,7 +132,7 @@ async fn serve<P: Placer>(cli: &Cli, cluster: Cluster, placer: P) -> anyhow::Res
             edl_shared::serve(endpoint, service, &job, &settings, shutdown).await;
         })
     };
-    let Some((endpoints, cluster, placer)) = elected else {
+    let Some((cluster, placer)) = elected else {
         tracing::info!(%addr, slots, policy, state_dir = %cli.identity.state_dir.display(), "edl-sched serving");
         let server = serve(Arc::new(SchedService::new(tx)));
         let out = match scheduler {
@@ -162,58 +142,48 @@ async fn serve<P: Placer>(cli: &Cli, cluster: Cluster, placer: P) -> anyhow::Res
         let _ = server.await;
         return out;
     };
-    let advertise = match &cli.advertise {
-        Some(a) => a.clone(),
-        None if cli.listen.ip().is_unspecified() => anyhow::bail!(
+    let Some(elected) = cli.election.elected(|| {
+        anyhow::ensure!(
+            !cli.listen.ip().is_unspecified(),
             "--meta needs the address edlctl reaches this scheduler at: give --advertise \
              HOST:PORT, or --listen with a specific address"
-        ),
-        None => addr.to_string(),
+        );
+        Ok(addr.to_string())
+    })?
+    else {
+        anyhow::bail!("--meta without an election");
     };
-    let meta = EtcdMeta::connect(endpoints, &identity.job, "sched").await?;
+    let advertise = elected.advertise.clone();
+    let meta = EtcdMeta::connect(elected.endpoints, &identity.job, "sched").await?;
     let (standby, watching) = tokio::sync::watch::channel(None);
-    let prober =
-        edl_ps::coordinator::etcd::Prober::new(&identity, &settings, cli.leader_dead_after)?;
+    let prober = edl_ps::coordinator::etcd::Prober::new(&identity, &settings, elected.dead_after)?;
     let service = Arc::new(SchedService::standby(tx, watching));
     let server = serve(service.clone());
-    tracing::info!(%addr, %advertise, etcd = %cli.meta.as_deref().unwrap_or_default(), "edl-sched campaigning for the lead");
-    let Some(lead) = meta
-        .campaign(
+    tracing::info!(%addr, %advertise, etcd = %cli.election.meta.as_deref().unwrap_or_default(), "edl-sched campaigning for the lead");
+    let led = meta
+        .lead(
             &advertise,
-            cli.leader_ttl,
+            elected.ttl,
+            &prober,
             &standby,
             &shutdown,
-            Some(&prober),
+            async |lead, record| {
+                let store = Arc::new(meta.store(lead));
+                let dir = &cli.identity.state_dir;
+                Scheduler::elected(cluster, dir, placer, record, store, lead.lost.clone()).await
+            },
         )
-        .await
-    else {
-        let _ = server.await;
-        return Ok(());
-    };
-    // While it takes the jobs back it names itself: a standby probing it finds it leading.
-    standby.send_replace(Some(advertise.clone()));
-    let started = async {
-        let record = meta
-            .load()
-            .await
-            .map_err(|e| anyhow::anyhow!("etcd: {e}"))?;
-        Scheduler::elected(
-            cluster,
-            &cli.identity.state_dir,
-            placer,
-            record,
-            Arc::new(meta.store(&lead)),
-            lead.lost.clone(),
-        )
-        .await
-    };
-    let scheduler = match started.await {
-        Ok(s) => s,
+        .await;
+    let (lead, scheduler) = match led {
+        Ok(Some(led)) => led,
+        Ok(None) => {
+            let _ = server.await;
+            return Ok(());
+        }
         Err(e) => {
-            meta.resign(&lead).await;
             shutdown.cancel();
             let _ = server.await;
-            return Err(e.context("taking the lead"));
+            return Err(e);
         }
     };
     service.lead();

@@ -59,8 +59,12 @@ async fn a_certificate_from_another_ca_is_refused() -> anyhow::Result<()> {
         ),
         "unexpected error: {err}"
     );
+    // The server closes the connection on the bad certificate; whether its TLS alert
+    // (`BadSignature`) reaches the client before the close depends on timing, so the hint is
+    // either the one for a foreign CA or the one for a closed connection.
+    let text = err.to_string();
     assert!(
-        err.to_string().contains("the connection was closed"),
+        text.contains("not of one cluster CA") || text.contains("the connection was closed"),
         "{err}"
     );
     // The honest identity still works.

@@ -114,6 +114,7 @@ fn config(plan: &Plan, dir: &Path, consistency: Consistency) -> LocalConfig {
         batch_size: defaults::BATCH_SIZE,
         train_samples: defaults::SAMPLES,
         lease_ms: defaults::LEASE_MS,
+        replicas: None,
         layers: vec![784, 256, 128, 10],
         seed: defaults::SEED,
         data_dir: plan.data_dir.clone(),

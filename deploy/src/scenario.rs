@@ -425,16 +425,38 @@ impl Scenario {
     /// Reads and checks a scenario file for a run that starts `workers` workers and `shards`
     /// shards.
     pub fn load(path: &Path, workers: u32, shards: u32) -> Result<Scenario, ScenarioError> {
+        Scenario::load_with(path, workers, shards, 1)
+    }
+
+    /// [`Scenario::load`] for a job that keeps `replicas` copies of every key range.
+    pub fn load_with(
+        path: &Path,
+        workers: u32,
+        shards: u32,
+        replicas: u32,
+    ) -> Result<Scenario, ScenarioError> {
         let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        Scenario::parse(&text, workers, shards)
+        Scenario::parse_with(&text, workers, shards, replicas)
     }
 
     /// Parses and checks a scenario for a run that starts `workers` workers and `shards`
-    /// shards.
+    /// shards of a job without copies of its key ranges.
     pub fn parse(text: &str, workers: u32, shards: u32) -> Result<Scenario, ScenarioError> {
+        Scenario::parse_with(text, workers, shards, 1)
+    }
+
+    /// Parses and checks a scenario for a run that starts `workers` workers and `shards`
+    /// shards. With `replicas` copies of every range, up to `replicas - 1` shards may be killed and
+    /// never restarted: their backups take over.
+    pub fn parse_with(
+        text: &str,
+        workers: u32,
+        shards: u32,
+        replicas: u32,
+    ) -> Result<Scenario, ScenarioError> {
         let raw: RawFile =
             toml::from_str(text).map_err(|e| ScenarioError::Syntax(e.to_string()))?;
         if raw.event.is_empty() {
@@ -710,12 +732,17 @@ impl Scenario {
                     .into(),
             });
         }
-        if let Some((shard, index)) = roster.down.first() {
+        let for_good = roster
+            .down
+            .len()
+            .saturating_sub(replicas.max(1) as usize - 1);
+        if let Some((shard, index)) = roster.down.iter().take(for_good).next() {
             return Err(ScenarioError::Event {
                 index: *index,
                 what: format!(
                     "{shard} is killed and never restarted: without its keys training could \
-                     never finish; add a restart_shard event"
+                     never finish; add a restart_shard event, or keep more copies of every key \
+                     range (--replicas: one more than the shards killed for good)"
                 ),
             });
         }

@@ -32,6 +32,7 @@ async fn small_job_trains_evaluates_and_reports() {
         batch_size: 64,
         train_samples: 4096,
         lease_ms: 3000,
+        replicas: None,
         layers: vec![784, 64, 10],
         seed: 7,
         data_dir: DEFAULT_DATA_DIR.into(),

@@ -151,7 +151,10 @@ macro_rules! impl_message {
 
 // A push's gradients are checked on receipt; parameters and exports are checked where they
 // are made or restored.
-impl_message!(Request, |m| matches!(m, Request::Push { .. }));
+impl_message!(Request, |m| matches!(
+    m,
+    Request::Push { .. } | Request::Replicate { .. }
+));
 impl_message!(Response, |_m| false);
 
 /// A frame's payload: one buffer ([`Bytes`], as every received frame has it), or [`Parts`]

@@ -672,6 +672,9 @@ pub struct JobConfig {
     pub seed: u64,
     /// Worker heartbeat lease in milliseconds; a worker silent this long is declared dead.
     pub lease_ms: u32,
+    /// Copies of every key range (1: no replication): a primary and `replicas - 1` backups on
+    /// other shards ([`ShardMap::backups`]).
+    pub replicas: u32,
     /// Where the data lies, when the job says (a job file's `[data]`); workers may be told
     /// otherwise.
     pub data: Option<DataSpec>,
@@ -796,6 +799,23 @@ impl KeyLayout {
     }
 }
 
+/// Maximal runs of keys (0, 1, ...) with the same shard, skipping keys with none.
+fn runs(shards: impl Iterator<Item = Option<ShardId>>) -> Vec<RangeOwner> {
+    let mut out: Vec<RangeOwner> = Vec::new();
+    for (k, shard) in (0u64..).zip(shards) {
+        let Some(shard) = shard else { continue };
+        match out.last_mut() {
+            Some(last) if last.shard == shard && last.end == k => last.end = k + 1,
+            _ => out.push(RangeOwner {
+                start: k,
+                end: k + 1,
+                shard,
+            }),
+        }
+    }
+    out
+}
+
 /// A shard server known to the coordinator.
 #[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ShardInfo {
@@ -823,8 +843,13 @@ pub struct ShardMap {
     pub epoch: MapEpoch,
     /// The shard servers.
     pub shards: Vec<ShardInfo>,
-    /// Ranges sorted by `start`, covering `[0, num_keys)` without gaps or overlaps.
+    /// Ranges sorted by `start`, covering `[0, num_keys)` without gaps or overlaps: each
+    /// range's primary, which serves its pulls and pushes.
     pub ranges: Vec<RangeOwner>,
+    /// Replicated jobs: the backup copies, each a range and a shard holding a copy of it (never
+    /// its primary). A key's backups, in the order they appear here, are the order in which
+    /// they are promoted when its primary dies. Empty without replication.
+    pub backups: Vec<RangeOwner>,
 }
 
 impl ShardMap {
@@ -860,7 +885,97 @@ impl ShardMap {
             epoch,
             shards,
             ranges,
+            backups: Vec::new(),
         }
+    }
+
+    /// [`ShardMap::balanced`] with `replicas - 1` backups of every range: range `i`'s on the
+    /// shards that follow its primary in `shards`, wrapping around. `replicas` is at most the
+    /// number of shards.
+    pub fn replicated(
+        epoch: MapEpoch,
+        shards: Vec<ShardInfo>,
+        layout: &KeyLayout,
+        replicas: u32,
+    ) -> ShardMap {
+        let mut map = ShardMap::balanced(epoch, shards, layout);
+        let ids: Vec<ShardId> = map.shards.iter().map(|s| s.id).collect();
+        let copies = (replicas.max(1) as usize).min(ids.len());
+        for rank in 1..copies {
+            for r in &map.ranges {
+                let Some(i) = ids.iter().position(|s| *s == r.shard) else {
+                    continue;
+                };
+                map.backups.push(RangeOwner {
+                    shard: ids[(i + rank) % ids.len()],
+                    ..*r
+                });
+            }
+        }
+        map
+    }
+
+    /// The backups of `key`, in promotion order.
+    pub fn backups_of(&self, key: Key) -> impl Iterator<Item = ShardId> + '_ {
+        self.backups
+            .iter()
+            .filter(move |r| r.start <= key.0 && key.0 < r.end)
+            .map(|r| r.shard)
+    }
+
+    /// The ranges `shard` holds backup copies of.
+    pub fn backed_by(&self, shard: ShardId) -> impl Iterator<Item = &RangeOwner> {
+        self.backups.iter().filter(move |r| r.shard == shard)
+    }
+
+    /// Whether `shard` holds a primary range or a backup copy in this map.
+    pub fn places(&self, shard: ShardId) -> bool {
+        self.ranges_of(shard).next().is_some() || self.backed_by(shard).next().is_some()
+    }
+
+    /// The map one epoch later without shard `dead`: each key it was the primary of goes to
+    /// the first of the key's backups that is not `dead` (the backup copy is dropped, as it
+    /// is the primary now), and its backup copies are dropped. A key of `dead` without another
+    /// backup stays on `dead`. `None` if that changes nothing (`dead` holds nothing in this
+    /// map, or only keys without another copy).
+    pub fn without(&self, dead: ShardId) -> Option<ShardMap> {
+        if !self.places(dead) {
+            return None;
+        }
+        let n = self.num_keys();
+        let mut owners: Vec<ShardId> = Vec::with_capacity(n as usize);
+        let mut backups: Vec<Vec<ShardId>> = Vec::with_capacity(n as usize);
+        for k in 0..n {
+            let mut owner = self.owner(Key(k)).unwrap_or(dead);
+            let mut copies: Vec<ShardId> = self.backups_of(Key(k)).filter(|s| *s != dead).collect();
+            if owner == dead && !copies.is_empty() {
+                owner = copies.remove(0);
+            }
+            owners.push(owner);
+            backups.push(copies);
+        }
+        let mut map = ShardMap {
+            epoch: MapEpoch(self.epoch.0 + 1),
+            shards: Vec::new(),
+            ranges: runs(owners.iter().copied().map(Some)),
+            backups: Vec::new(),
+        };
+        let deepest = backups.iter().map(Vec::len).max().unwrap_or(0);
+        for rank in 0..deepest {
+            map.backups
+                .extend(runs(backups.iter().map(|b| b.get(rank).copied())));
+        }
+        if map.ranges == self.ranges && map.backups == self.backups {
+            // Nothing of it had a live backup.
+            return None;
+        }
+        map.shards = self
+            .shards
+            .iter()
+            .filter(|s| map.places(s.id))
+            .cloned()
+            .collect();
+        Some(map)
     }
 
     /// The shard that owns `key`.
@@ -938,6 +1053,7 @@ impl ShardMap {
             epoch: MapEpoch(self.epoch.0 + 1),
             shards,
             ranges,
+            backups: self.backups.clone(),
         }
     }
 

@@ -364,6 +364,11 @@ pub struct ShardStats {
     pub bytes_in: u64,
     /// Payload bytes sent.
     pub bytes_out: u64,
+    /// Replicated jobs: the key ranges it holds backup copies of.
+    pub backups: Vec<KeyRange>,
+    /// Replicated jobs: pushes it forwarded to its backups that not every backup has
+    /// acknowledged yet (how far they lag; the pushes wait for them).
+    pub lag: u64,
 }
 
 /// One evaluation of the model on held-out data, reported by an evaluator.
@@ -682,6 +687,30 @@ pub enum Request {
         /// The first window wanted (milliseconds since the coordinator started).
         from_ms: u64,
     },
+    /// A primary hands a push it took to a backup of its keys (replicated jobs): the same
+    /// gradients (the payload, in `chunks` order), span and covered ranges, applied to the
+    /// backup's copies through its own ledger. The primary acknowledges the worker only once
+    /// every backup of the keys acknowledged this.
+    Replicate {
+        /// The primary's map epoch when it forwarded.
+        epoch: MapEpoch,
+        /// The pushing worker.
+        worker: WorkerId,
+        /// The push's step.
+        clock: Clock,
+        /// The chunks in the payload (the ones this backup holds copies of).
+        chunks: Vec<ChunkRef>,
+        /// The push's samples.
+        span: Option<DataSpan>,
+        /// The push's covered ranges this backup holds copies of.
+        covers: Vec<KeyRange>,
+    },
+    /// A long poll for the shard map: answered with `Map` once the coordinator's map is newer
+    /// than `after` (or with the current one when the poll times out).
+    WaitMap {
+        /// The epoch the asker routes with.
+        after: MapEpoch,
+    },
 }
 
 impl Request {
@@ -724,6 +753,8 @@ impl Request {
             Self::Sched(_) => "Sched",
             Self::Evaluation { .. } => "Evaluation",
             Self::History { .. } => "History",
+            Self::Replicate { .. } => "Replicate",
+            Self::WaitMap { .. } => "WaitMap",
         }
     }
 }

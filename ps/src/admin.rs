@@ -210,8 +210,21 @@ impl Admin {
 
     /// One request to the shard at `addr`, on a connection of its own.
     async fn ask_shard(&self, addr: &str, req: Request) -> Result<Response, CallError> {
-        let conn = Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
-        Ok(conn.call(req, Bytes::new()).await?.msg)
+        let limit = match req {
+            Request::Checkpoint => SHARD_CHECKPOINT,
+            _ => SHARD_ANSWER,
+        };
+        let ask = async {
+            let conn = Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
+            Ok(conn.call(req, Bytes::new()).await?.msg)
+        };
+        // A shard that died (a replicated job's, replaced by its backups) never answers: say
+        // so before the connection's idle timeout.
+        tokio::time::timeout(limit, ask).await.unwrap_or_else(|_| {
+            Err(CallError::TimedOut(format!(
+                "{addr} did not answer within {limit:?}"
+            )))
+        })
     }
 
     /// Asks a worker to leave after its current step.
@@ -445,6 +458,12 @@ impl Admin {
         .await
     }
 }
+
+/// How long an operator's question about a shard's holdings waits for its answer.
+const SHARD_ANSWER: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long an operator's checkpoint order waits for the shard's answer (a large shard
+/// writes for a while).
+const SHARD_CHECKPOINT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Whether `err`, the answer of the shard of `entry`, says that it has no assignment yet: a
 /// standby shard (holding no keys) answers so until the shard map forms.
@@ -836,6 +855,10 @@ pub struct ShardRow {
     pub pulls: u64,
     /// Payload bytes received and sent.
     pub traffic_bytes: u64,
+    /// Replicated jobs: key ranges it holds backup copies of, as `start..end`.
+    pub backups: Vec<String>,
+    /// Replicated jobs: pushes it forwarded that its backups have not all acknowledged yet.
+    pub lag: u64,
 }
 
 impl ShardRow {
@@ -850,6 +873,12 @@ impl ShardRow {
         self.pushes = s.pushes;
         self.pulls = s.pulls;
         self.traffic_bytes = s.bytes_in + s.bytes_out;
+        self.backups = s
+            .backups
+            .iter()
+            .map(|r| format!("{}..{}", r.start, r.end))
+            .collect();
+        self.lag = s.lag;
     }
 }
 

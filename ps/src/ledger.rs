@@ -407,6 +407,7 @@ mod tests {
             train_samples: 8,
             seed: 0,
             lease_ms: 1000,
+            replicas: 1,
             data: None,
         }
     }

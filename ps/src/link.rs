@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use edl_shared::Identity;
-use edl_shared::proto::{Request, Response};
+use edl_shared::proto::{Parts, Request, Response};
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 
 /// A boxed future, as [`ShardLink`]'s methods return.
@@ -19,12 +19,12 @@ pub trait ShardLink: Send + Sync + 'static {
     /// Whether a shard server answers at `addr` (within a few seconds).
     fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool>;
 
-    /// One request to the shard at `addr`.
+    /// One request to the shard at `addr`, its payload sent as the parts it lies in.
     fn call<'a>(
         &'a self,
         addr: &'a str,
         req: Request,
-        payload: Bytes,
+        payload: Parts,
     ) -> LinkFuture<'a, Result<Response, CallError>>;
 }
 
@@ -37,7 +37,7 @@ impl ShardLink for ShardCaller {
         &'a self,
         addr: &'a str,
         req: Request,
-        payload: Bytes,
+        payload: Parts,
     ) -> LinkFuture<'a, Result<Response, CallError>> {
         Box::pin(ShardCaller::call(self, addr, req, payload))
     }
@@ -89,19 +89,21 @@ impl ShardCaller {
         &self,
         addr: &str,
         req: Request,
-        payload: Bytes,
+        payload: Parts,
     ) -> Result<Response, CallError> {
         for attempt in 0..2 {
-            let conn = {
-                let mut conns = self.conns.lock().await;
-                match conns.get(addr) {
-                    Some(c) if attempt == 0 => c.clone(),
-                    _ => {
-                        let c =
-                            Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
-                        conns.insert(addr.to_string(), c.clone());
-                        c
-                    }
+            // The cache is not held while connecting: a shard that does not answer must not
+            // hold up calls to the others.
+            let cached = match self.conns.lock().await.get(addr) {
+                Some(c) if attempt == 0 => Some(c.clone()),
+                _ => None,
+            };
+            let conn = match cached {
+                Some(c) => c,
+                None => {
+                    let c = Conn::connect(&self.endpoint, addr, &self.name, &self.settings).await?;
+                    self.conns.lock().await.insert(addr.to_string(), c.clone());
+                    c
                 }
             };
             let call = conn.call(req.clone(), payload.clone());

@@ -226,8 +226,16 @@ pub struct ShardState {
     /// the order they began to wait (a `watch` wakes in a random order, which made the
     /// simulation's runs differ).
     map_changed: tokio::sync::Notify,
+    /// The chunks this shard is the primary of (it serves their pulls and pushes).
     chunks: DashMap<Key, Chunk>,
     ledgers: Mutex<Ledgers>,
+    /// Replicated jobs: the backup copies this shard holds for other shards' ranges, with
+    /// ledgers of their own; a primary's forwarded pushes update them, and a map that makes
+    /// this shard the primary of their keys promotes them.
+    backup_chunks: DashMap<Key, Chunk>,
+    backup_ledgers: Mutex<Ledgers>,
+    /// Forwarded pushes not yet acknowledged by every backup (how far the backups lag).
+    forwarding: AtomicU64,
     load: Load,
     /// Pushes and pulls hold it shared while they check that they hold their keys and use
     /// them; a checkpoint holds it exclusively while it copies the state, so it never sees
@@ -320,9 +328,22 @@ impl ShardState {
             }
         }
         let ledgers = Ledgers::new(&job, !chunks.is_empty());
+        let backup_chunks = DashMap::new();
+        for r in map.backed_by(id) {
+            for k in r.start..r.end {
+                if let Some(span) = layout.span(Key(k)) {
+                    let chunk = Chunk::fresh(&job, Key(k), span.tensor, span.len as usize);
+                    backup_chunks.insert(Key(k), chunk);
+                }
+            }
+        }
+        let backup_ledgers = Ledgers::new(&job, !backup_chunks.is_empty());
         ShardState {
             id,
             layout,
+            backup_chunks,
+            backup_ledgers: Mutex::new(backup_ledgers),
+            forwarding: AtomicU64::new(0),
             map: watch::Sender::new(Arc::new(map)),
             ledgers: Mutex::new(ledgers),
             load: Load::default(),
@@ -363,6 +384,12 @@ impl ShardState {
             return Err(mismatch(format!(
                 "checkpoint holds {} keys, the shard map places {placed} here",
                 ckpt.chunks.len(),
+            )));
+        }
+        if map.backed_by(id).next().is_some() {
+            return Err(mismatch(format!(
+                "the map gives {id} backup copies, which a checkpoint does not hold: a shard of a \
+                 replicated job rejoins as a standby instead"
             )));
         }
         let st = ShardState::new(
@@ -444,17 +471,103 @@ impl ShardState {
 
     /// Adopts `map` if it is newer than the one held; true if it was.
     pub fn install_map(&self, map: &ShardMap) -> bool {
-        let newer = self.map.send_if_modified(|held| {
+        let newer = self.set_map(map);
+        if newer {
+            self.map_changed.notify_waiters();
+        }
+        newer
+    }
+
+    fn set_map(&self, map: &ShardMap) -> bool {
+        self.map.send_if_modified(|held| {
             let newer = map.epoch > held.epoch;
             if newer {
                 *held = Arc::new(map.clone());
             }
             newer
-        });
+        })
+    }
+
+    /// Whether this shard's job keeps backup copies of its key ranges.
+    pub fn replicated(&self) -> bool {
+        self.job.replicas > 1
+    }
+
+    /// Adopts a map the coordinator (or a backup) sent, if it is newer than the one held; true
+    /// if it was. In a replicated job this shard's holdings follow it at once, under the gate:
+    /// backup copies of keys it now places here as their primary are promoted (with their
+    /// ledgers), and keys it no longer places here (as primary, or as backup) are dropped: a
+    /// shard the coordinator took for dead and replaced keeps nothing it could serve.
+    pub fn adopt_map(&self, map: &ShardMap) -> bool {
+        if !self.replicated() {
+            return self.install_map(map);
+        }
+        let newer = {
+            let _gate = write_lock(&self.gate);
+            let newer = self.set_map(map);
+            if newer {
+                self.follow(map);
+            }
+            newer
+        };
         if newer {
             self.map_changed.notify_waiters();
         }
         newer
+    }
+
+    /// Makes the holdings agree with `map` (see [`ShardState::adopt_map`]). The caller holds
+    /// the gate exclusively.
+    fn follow(&self, map: &ShardMap) {
+        let me = self.id;
+        let mut promoted: Vec<u64> = self
+            .backup_chunks
+            .iter()
+            .map(|c| c.key().0)
+            .filter(|k| map.owner(Key(*k)) == Some(me) && !self.chunks.contains_key(&Key(*k)))
+            .collect();
+        promoted.sort_unstable();
+        for r in KeyRange::runs(promoted.into_iter()) {
+            let export = take_out(
+                &self.backup_chunks,
+                &self.backup_ledgers,
+                (r.start..r.end).map(Key),
+            );
+            match self.take_in(r.start, r.end, export) {
+                Ok(()) => info!(shard = %me, start = r.start, end = r.end, epoch = %map.epoch,
+                    "promoted: now the primary of these keys"),
+                Err(e) => tracing::error!(shard = %me, start = r.start, end = r.end,
+                    error = %e.message, "promoting backup copies failed"),
+            }
+        }
+        let not_primary: Vec<Key> = self
+            .chunks
+            .iter()
+            .map(|c| *c.key())
+            .filter(|k| map.owner(*k) != Some(me))
+            .collect();
+        if !not_primary.is_empty() {
+            tracing::warn!(shard = %me, keys = not_primary.len(), epoch = %map.epoch,
+                "the map places keys held here on other shards: dropping them");
+            drop(take_out(
+                &self.chunks,
+                &self.ledgers,
+                not_primary.into_iter(),
+            ));
+        }
+        let not_backed: Vec<Key> = self
+            .backup_chunks
+            .iter()
+            .map(|c| *c.key())
+            .filter(|k| !map.backups_of(*k).any(|s| s == me))
+            .collect();
+        if !not_backed.is_empty() {
+            drop(take_out(
+                &self.backup_chunks,
+                &self.backup_ledgers,
+                not_backed.into_iter(),
+            ));
+        }
     }
 
     /// True if every key in `keys` is held here.
@@ -594,7 +707,7 @@ impl ShardState {
     #[allow(clippy::too_many_arguments)]
     pub fn push_covering(
         &self,
-        _epoch: MapEpoch,
+        epoch: MapEpoch,
         worker: WorkerId,
         clock: Clock,
         chunks: &[ChunkRef],
@@ -603,6 +716,43 @@ impl ShardState {
         covers: &[KeyRange],
         in_flight: u64,
     ) -> Result<Claim, Refusal> {
+        let push = (epoch, worker, clock, chunks, payload, span, covers);
+        self.push_in(Side::Primary, push, in_flight, &mut || {})
+    }
+
+    /// [`ShardState::push_covering`] of a primary that forwards the push to its backups:
+    /// `valid` runs once the push was found valid, before any chunk changes (also when its
+    /// span was applied here already: the backups may not have it yet).
+    pub fn push_forwarding(
+        &self,
+        push: PushRef<'_>,
+        in_flight: u64,
+        valid: &mut dyn FnMut(),
+    ) -> Result<Claim, Refusal> {
+        self.push_in(Side::Primary, push, in_flight, valid)
+    }
+
+    /// Applies a push a primary forwarded to this backup's copies, through their ledgers.
+    pub fn replicate(&self, push: PushRef<'_>) -> Result<Claim, Refusal> {
+        self.push_in(Side::Backup, push, 0, &mut || {})
+    }
+
+    /// The chunks and ledgers of one side.
+    fn side(&self, side: Side) -> (&DashMap<Key, Chunk>, &Mutex<Ledgers>) {
+        match side {
+            Side::Primary => (&self.chunks, &self.ledgers),
+            Side::Backup => (&self.backup_chunks, &self.backup_ledgers),
+        }
+    }
+
+    fn push_in(
+        &self,
+        side: Side,
+        (_epoch, worker, clock, chunks, payload, span, covers): PushRef<'_>,
+        in_flight: u64,
+        valid: &mut dyn FnMut(),
+    ) -> Result<Claim, Refusal> {
+        let (held, ledgers) = self.side(side);
         let bad = |(code, msg): (ErrorCode, String)| {
             Refusal::new(code, format!("push from {worker}: {msg}"))
         };
@@ -635,7 +785,7 @@ impl ShardState {
         };
         let mut segments = BTreeSet::new();
         for c in chunks {
-            let chunk = self.chunks.get(&c.key).ok_or_else(|| missing(c.key))?;
+            let chunk = held.get(&c.key).ok_or_else(|| missing(c.key))?;
             if chunk.params.len() != c.len as usize {
                 return Err(bad((
                     ErrorCode::ShapeMismatch,
@@ -676,7 +826,7 @@ impl ShardState {
         // A range past the job's keys stops at the first such key (`UnknownKey`).
         for r in covers {
             for k in r.start..r.end {
-                let chunk = self.chunks.get(&Key(k)).ok_or_else(|| missing(Key(k)))?;
+                let chunk = held.get(&Key(k)).ok_or_else(|| missing(Key(k)))?;
                 segments.insert(chunk.segment);
             }
         }
@@ -684,8 +834,9 @@ impl ShardState {
         let claims = match span {
             None => None,
             Some(span) => {
-                let claims = self.ledgers().claim(span, &segments).map_err(bad)?;
+                let claims = lock(ledgers).claim(span, &segments).map_err(bad)?;
                 if claims.values().all(|c| *c == Claim::AlreadyApplied) {
+                    valid();
                     tracing::debug!(%worker, epoch = span.epoch, partition = span.partition,
                         start = span.start, "span already applied here; skipped");
                     return Ok(Claim::AlreadyApplied);
@@ -693,6 +844,7 @@ impl ShardState {
                 Some(claims)
             }
         };
+        valid();
         self.load.pushes.fetch_add(1, Ordering::Relaxed);
         self.load.bytes_in.fetch_add(bytes, Ordering::Relaxed);
         let claims = claims.as_ref();
@@ -732,8 +884,8 @@ impl ShardState {
             rest.take(floats_in(first) as usize, |_, _| {});
             let at = (worker, clock, epoch);
             return std::thread::scope(|scope| {
-                let other = scope.spawn(|| self.apply_chunks(at, second, rest, claims));
-                let here = self.apply_chunks(at, first, F32Runs::new(payload), claims);
+                let other = scope.spawn(|| self.apply_chunks(held, at, second, rest, claims));
+                let here = self.apply_chunks(held, at, first, F32Runs::new(payload), claims);
                 let there = other
                     .join()
                     .unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -741,6 +893,7 @@ impl ShardState {
             });
         }
         self.apply_chunks(
+            held,
             (worker, clock, epoch),
             chunks,
             F32Runs::new(payload),
@@ -753,6 +906,7 @@ impl ShardState {
     /// `worker` at `clock` of samples of `epoch`. The push was validated.
     fn apply_chunks(
         &self,
+        held: &DashMap<Key, Chunk>,
         (worker, clock, epoch): (WorkerId, Clock, u32),
         chunks: &[ChunkRef],
         mut grads: F32Runs<'_>,
@@ -760,7 +914,7 @@ impl ShardState {
     ) -> Result<Claim, Refusal> {
         for c in chunks {
             let len = c.len as usize;
-            let chunk = self.chunks.get_mut(&c.key);
+            let chunk = held.get_mut(&c.key);
             let skip = match (&chunk, claims) {
                 (None, _) => true,
                 (Some(chunk), Some(cl)) => cl.get(&chunk.segment) != Some(&Claim::Apply),
@@ -840,22 +994,7 @@ impl ShardState {
                 format!("{} does not hold all of keys {start}..{end}", self.id),
             ));
         }
-        let mut chunks = Vec::with_capacity((end - start) as usize);
-        let mut segments = BTreeSet::new();
-        for k in start..end {
-            if let Some((key, chunk)) = self.chunks.remove(&Key(k)) {
-                segments.insert(chunk.segment);
-                chunks.push(chunk.snap(key));
-            }
-        }
-        let mut ledgers = self.ledgers();
-        let export = RangeExport {
-            chunks,
-            ledgers: ledgers.export(&segments),
-        };
-        let used: BTreeSet<u32> = self.chunks.iter().map(|c| c.segment).collect();
-        ledgers.retain(&used);
-        drop(ledgers);
+        let export = take_out(&self.chunks, &self.ledgers, (start..end).map(Key));
         self.install_map(map);
         lock(&self.out).push((start, end));
         Ok(export)
@@ -991,7 +1130,64 @@ impl ShardState {
             pulls: self.load.pulls.load(Ordering::Relaxed),
             bytes_in: self.load.bytes_in.load(Ordering::Relaxed),
             bytes_out: self.load.bytes_out.load(Ordering::Relaxed),
+            backups: KeyRange::runs(self.backup_chunks.iter().map(|c| c.key().0)),
+            lag: self.forwarding.load(Ordering::Relaxed),
         }
+    }
+
+    /// The backups of a push's keys under this shard's map, each with the part of the push it
+    /// holds copies of: a `Replicate` request and its payload (slices of the push's parts,
+    /// not copies). Empty without backups.
+    pub fn forwards(&self, push: PushRef<'_>) -> Vec<Forward> {
+        let map = self.read_map();
+        if map.backups.is_empty() {
+            return Vec::new();
+        }
+        let (_, worker, clock, chunks, payload, span, covers) = push;
+        type Part = (Vec<ChunkRef>, Vec<(usize, usize)>, Vec<u64>);
+        let mut by: BTreeMap<ShardId, Part> = BTreeMap::new();
+        let mut at = 0usize;
+        for c in chunks {
+            let len = c.len as usize * 4;
+            for b in map.backups_of(c.key) {
+                let (refs, bytes, _) = by.entry(b).or_default();
+                refs.push(*c);
+                match bytes.last_mut() {
+                    Some(last) if last.1 == at => last.1 = at + len,
+                    _ => bytes.push((at, at + len)),
+                }
+            }
+            at += len;
+        }
+        for r in covers {
+            for k in r.start..r.end {
+                for b in map.backups_of(Key(k)) {
+                    by.entry(b).or_default().2.push(k);
+                }
+            }
+        }
+        by.into_iter()
+            .filter_map(|(shard, (refs, bytes, covered))| {
+                let addr = map.addr_of(shard)?.to_string();
+                let mut keys: Vec<Key> = refs.iter().map(|c| c.key).collect();
+                keys.extend(covered.iter().map(|k| Key(*k)));
+                let req = Request::Replicate {
+                    epoch: map.epoch,
+                    worker,
+                    clock,
+                    chunks: refs,
+                    span: span.cloned(),
+                    covers: KeyRange::runs(covered.into_iter()),
+                };
+                Some(Forward {
+                    shard,
+                    addr,
+                    keys,
+                    req,
+                    payload: Parts(slices(payload, &bytes)),
+                })
+            })
+            .collect()
     }
 
     /// Per key, the floats read and written since the last call; the counters restart.
@@ -1012,6 +1208,181 @@ impl ShardState {
     pub fn ledger_report(&self) -> Vec<EpochLedger> {
         self.ledgers().report()
     }
+}
+
+/// The byte ranges `ranges` (in order, not overlapping) of a payload that lies in `parts`, as
+/// slices of those parts.
+fn slices(parts: &[Bytes], ranges: &[(usize, usize)]) -> Vec<Bytes> {
+    let mut out = Vec::new();
+    let mut offset = 0usize;
+    let mut next = ranges.iter().peekable();
+    for part in parts {
+        let end = offset + part.len();
+        while let Some(&&(a, b)) = next.peek() {
+            let (from, to) = (a.max(offset), b.min(end));
+            if from < to {
+                out.push(part.slice(from - offset..to - offset));
+            }
+            if b > end {
+                break;
+            }
+            next.next();
+        }
+        offset = end;
+    }
+    out
+}
+
+/// A push on its way from a primary to one of its backups.
+pub struct Forward {
+    /// The backup.
+    shard: ShardId,
+    /// Its address in the map the push was planned with.
+    addr: String,
+    /// The keys it holds copies of that the push names (chunks and covered keys).
+    keys: Vec<Key>,
+    /// The `Replicate` request and its payload.
+    req: Request,
+    payload: Parts,
+}
+
+/// How long a primary keeps offering a push to a backup that refuses it for keys it does not
+/// hold (a backup behind the map, or one the coordinator is about to drop) before it gives up
+/// on the push.
+const BACKUP_REFUSALS: Duration = Duration::from_secs(10);
+
+/// Hands `fwd` to its backup until it acknowledges it, or until this shard's map no longer
+/// lists it as a backup of the keys (the coordinator dropped a dead or cut-off backup: the
+/// push does not wait for it). Refused if the map no longer makes this shard their primary
+/// (it learned from a backup that another shard was promoted in its place).
+async fn forward(st: &ShardState, link: &dyn ShardLink, fwd: Forward) -> Result<(), Response> {
+    let mut delay = Duration::from_millis(20);
+    let mut warned = false;
+    let mut refused_since: Option<tokio::time::Instant> = None;
+    loop {
+        let changed = st.map_changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let map = st.read_map();
+        if let Some(k) = fwd.keys.iter().find(|k| map.owner(**k) != Some(st.id)) {
+            return Err(Response::from(st.missing(*k)));
+        }
+        if !fwd
+            .keys
+            .iter()
+            .any(|k| map.backups_of(*k).any(|s| s == fwd.shard))
+        {
+            if warned {
+                info!(shard = %st.id, backup = %fwd.shard, epoch = %map.epoch,
+                    "the map no longer lists the backup: the push goes on without it");
+            }
+            return Ok(());
+        }
+        let addr = map.addr_of(fwd.shard).unwrap_or(&fwd.addr).to_string();
+        let err = tokio::select! {
+            biased;
+            r = link.call(&addr, fwd.req.clone(), fwd.payload.clone()) => match r {
+                Ok(Response::Ack) => return Ok(()),
+                Ok(other) => CallError::unexpected(&other),
+                Err(e) => e,
+            },
+            () = &mut changed => continue,
+        };
+        match err {
+            CallError::Remote {
+                code: Some(ErrorCode::StaleEpoch),
+                map: Some(theirs),
+                ..
+            } if theirs.epoch > map.epoch => {
+                st.adopt_map(&theirs);
+                continue;
+            }
+            CallError::Remote {
+                code: Some(ErrorCode::StaleEpoch),
+                message,
+                ..
+            } => {
+                let since = *refused_since.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() >= BACKUP_REFUSALS {
+                    return Err(Response::error(
+                        ErrorCode::Internal,
+                        format!(
+                            "{}'s backup {} refuses the push: {message}",
+                            st.id, fwd.shard
+                        ),
+                    ));
+                }
+            }
+            CallError::Remote { code, message, map } => {
+                tracing::error!(shard = %st.id, backup = %fwd.shard, %message,
+                    "a backup refused a push its primary took");
+                return Err(Response::Error {
+                    code: code.unwrap_or(ErrorCode::Internal).as_u16(),
+                    message: format!("backup {}: {message}", fwd.shard),
+                    map: map.map(|m| *m),
+                });
+            }
+            e => {
+                if !warned {
+                    tracing::warn!(shard = %st.id, backup = %fwd.shard, error = %e,
+                        "backup unreachable: pushes wait for it until it answers or the \
+                         coordinator drops it");
+                    warned = true;
+                }
+            }
+        }
+        tokio::select! {
+            biased;
+            () = &mut changed => {}
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// Which copies a push goes to: the keys this shard is the primary of, or its backup copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    Primary,
+    Backup,
+}
+
+/// A push as a shard takes it: the map epoch it was routed with, the worker, its step, its
+/// chunks and their gradients (in the parts they arrived in), its span and covered ranges.
+pub type PushRef<'a> = (
+    MapEpoch,
+    WorkerId,
+    Clock,
+    &'a [ChunkRef],
+    &'a [Bytes],
+    Option<&'a DataSpan>,
+    &'a [KeyRange],
+);
+
+/// Removes `keys` from `held` (those it holds) with copies of their segments' ledgers, and
+/// forgets the segments no key left in `held` belongs to. The caller holds the gate
+/// exclusively.
+fn take_out(
+    held: &DashMap<Key, Chunk>,
+    ledgers: &Mutex<Ledgers>,
+    keys: impl Iterator<Item = Key>,
+) -> RangeExport {
+    let mut chunks = Vec::new();
+    let mut segments = BTreeSet::new();
+    for k in keys {
+        if let Some((key, chunk)) = held.remove(&k) {
+            segments.insert(chunk.segment);
+            chunks.push(chunk.snap(key));
+        }
+    }
+    let mut ledgers = lock(ledgers);
+    let export = RangeExport {
+        chunks,
+        ledgers: ledgers.export(&segments),
+    };
+    let used: BTreeSet<u32> = held.iter().map(|c| c.segment).collect();
+    ledgers.retain(&used);
+    export
 }
 
 /// Checks that `export` holds exactly keys `[start, end)`, in order.
@@ -1145,7 +1516,11 @@ impl HandOff {
         let deadline = window.map(|w| tokio::time::Instant::now() + w);
         let mut delay = Duration::from_millis(50);
         loop {
-            let call = link.call(&self.addr, self.req.clone(), self.payload.clone());
+            let call = link.call(
+                &self.addr,
+                self.req.clone(),
+                Parts(vec![self.payload.clone()]),
+            );
             let err = match call.await {
                 Ok(Response::Ack) => return Handed::Taken,
                 Ok(other) => return Handed::Refused(CallError::unexpected(&other).to_string()),
@@ -1432,6 +1807,55 @@ impl ShardService {
         Ok(Frame::new(Response::Ack))
     }
 
+    /// Applies a worker's push here and, in a replicated job, hands it to the backups of its
+    /// keys at the same time; acknowledged once it is applied here and every backup the map
+    /// lists acknowledged it (see [`forward`]). A push found already applied here is still
+    /// handed to the backups, which may not have it yet.
+    async fn push_replicated(
+        &self,
+        st: &Arc<ShardState>,
+        push: PushRef<'_>,
+        in_flight: u64,
+    ) -> Result<Frame<Response, Parts>, Response> {
+        let mut plan = st.forwards(push);
+        if plan.is_empty() {
+            return st
+                .push_forwarding(push, in_flight, &mut || {})
+                .map(|_| Frame::new(Response::Ack))
+                .map_err(Response::from);
+        }
+        let mut started = Vec::with_capacity(plan.len());
+        let claim = st.push_forwarding(push, in_flight, &mut || {
+            for fwd in plan.drain(..) {
+                let (st, link) = (st.clone(), self.link.clone());
+                st.forwarding.fetch_add(1, Ordering::Relaxed);
+                started.push(tokio::spawn(async move {
+                    let r = forward(&st, &*link, fwd).await;
+                    st.forwarding.fetch_sub(1, Ordering::Relaxed);
+                    r
+                }));
+            }
+        });
+        // Forwards run to their end even if the worker goes away meanwhile.
+        let mut refused = None;
+        for handle in started {
+            match handle.await {
+                Ok(Ok(())) => {}
+                Ok(Err(r)) => {
+                    refused.get_or_insert(r);
+                }
+                Err(e) => {
+                    refused.get_or_insert(Response::error(ErrorCode::Internal, e.to_string()));
+                }
+            }
+        }
+        claim.map_err(Response::from)?;
+        match refused {
+            Some(r) => Err(r),
+            None => Ok(Frame::new(Response::Ack)),
+        }
+    }
+
     /// The refusal of a push whose token was not issued to `worker` for the pushing
     /// certificate, if it is one.
     fn bad_token(&self, peer: &Peer, worker: WorkerId, token: &Token) -> Option<Response> {
@@ -1460,7 +1884,7 @@ impl Service for ShardService {
             Request::Push { .. } => role == Role::Worker,
             Request::Checkpoint => role == Role::Admin,
             Request::SetMap { .. } | Request::MoveOut { .. } => role == Role::Coordinator,
-            Request::MoveIn { .. } => role == Role::Shard,
+            Request::MoveIn { .. } | Request::Replicate { .. } => role == Role::Shard,
             Request::KeyLoads => matches!(role, Role::Coordinator | Role::Admin),
             _ => true,
         }
@@ -1518,18 +1942,41 @@ impl Service for ShardService {
                 if epoch > st.map_epoch() && !st.holds(keys()) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }
-                st.push_covering(
+                let push = (
                     epoch,
                     worker,
                     clock,
-                    &chunks,
-                    &payload.0,
+                    &chunks[..],
+                    &payload.0[..],
                     span.as_ref(),
-                    &covers,
-                    peer.server.in_flight(),
-                )
-                .map(|_| Frame::new(Response::Ack))
-                .map_err(Response::from)
+                    &covers[..],
+                );
+                self.push_replicated(&st, push, peer.server.in_flight())
+                    .await
+            }
+            Request::Replicate {
+                epoch,
+                worker,
+                clock,
+                chunks,
+                span,
+                covers,
+            } => {
+                if epoch > st.map_epoch() {
+                    st.wait_for_epoch(epoch, EPOCH_WAIT).await;
+                }
+                let push = (
+                    epoch,
+                    worker,
+                    clock,
+                    &chunks[..],
+                    &payload.0[..],
+                    span.as_ref(),
+                    &covers[..],
+                );
+                st.replicate(push)
+                    .map(|_| Frame::new(Response::Ack))
+                    .map_err(Response::from)
             }
             Request::Ledger => Ok(Frame::new(Response::Ledger(st.ledger_report()))),
             Request::ShardStats => Ok(Frame::new(Response::ShardStats(st.stats()))),
@@ -1548,7 +1995,7 @@ impl Service for ShardService {
             },
             Request::GetMap => Ok(Frame::new(Response::Map((*st.read_map()).clone()))),
             Request::SetMap { map, retire, .. } => {
-                st.install_map(&map);
+                st.adopt_map(&map);
                 if retire && st.num_keys() == 0 {
                     info!(shard = %st.id(), "removed from the job; retiring");
                     // Linger a moment, answering requests routed with an old map with the
@@ -1648,7 +2095,18 @@ pub async fn run(
         return Ok(());
     };
     service.trust(&token_key, &identity.job);
-    let state = match config.checkpoint.as_deref().filter(|p| p.exists()) {
+    // A shard of a replicated job that the map gives nothing rejoins as a standby: the live
+    // copies on the other shards hold everything acknowledged since its checkpoint.
+    let standby = job.replicas > 1 && !map.places(id);
+    if standby && config.checkpoint.as_deref().is_some_and(Path::exists) {
+        info!(shard = %id, "rejoining a replicated job as a standby: its checkpoint is not \
+            used (the live copies are newer)");
+    }
+    let state = match config
+        .checkpoint
+        .as_deref()
+        .filter(|p| p.exists() && !standby)
+    {
         Some(path) => {
             let t = std::time::Instant::now();
             let restored = checkpoint::read(path)

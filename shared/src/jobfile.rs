@@ -96,7 +96,12 @@ pub mod defaults {
     pub const SEED: u64 = 1;
     /// Floats per key.
     pub const CHUNK_SIZE: u32 = 16_384;
+    /// Copies of every key range (1: none).
+    pub const REPLICAS: u32 = 1;
 }
+
+/// The most copies of a key range a job may ask for.
+pub const MAX_REPLICAS: u32 = 8;
 
 /// A shorter lease would drop healthy workers between two heartbeats.
 const MIN_LEASE_MS: u32 = 100;
@@ -224,6 +229,7 @@ pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
         train_samples: defaults::SAMPLES,
         seed: defaults::SEED,
         lease_ms: defaults::LEASE_MS,
+        replicas: defaults::REPLICAS,
         data,
     };
     if let Some(t) = &raw.training {
@@ -291,6 +297,7 @@ struct RawTraining {
     samples: Option<Spanned<Count>>,
     partition_size: Option<Spanned<u32>>,
     lease_ms: Option<Spanned<u32>>,
+    replicas: Option<Spanned<u32>>,
     seed: Option<Spanned<Seed>>,
     chunk_size: Option<Spanned<u32>>,
 }
@@ -685,6 +692,15 @@ impl Cx<'_> {
                 return Err(self.at(v, "training.lease_ms", message));
             }
             job.lease_ms = *v.get_ref();
+        }
+        if let Some(v) = &t.replicas {
+            if !(1..=MAX_REPLICAS).contains(v.get_ref()) {
+                let message = format!(
+                    "must be 1 (no copies) to {MAX_REPLICAS}, and at most the job's shards"
+                );
+                return Err(self.at(v, "training.replicas", message));
+            }
+            job.replicas = *v.get_ref();
         }
         if let Some(seed) = &t.seed {
             job.seed = seed.get_ref().0;
@@ -1233,6 +1249,9 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
     writeln!(out, "samples = {}", job.train_samples)?;
     writeln!(out, "partition_size = {}", job.partition_size)?;
     writeln!(out, "lease_ms = {}", job.lease_ms)?;
+    if job.replicas != defaults::REPLICAS {
+        writeln!(out, "replicas = {}", job.replicas)?;
+    }
     if i64::try_from(job.seed).is_ok() {
         writeln!(out, "seed = {}", job.seed)?;
     } else {
@@ -1326,6 +1345,13 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
             ),
         ),
         ("lease", format!("{} ms", job.lease_ms)),
+        (
+            "replicas",
+            match job.replicas {
+                0 | 1 => "1 (no backup copies)".to_string(),
+                n => format!("{n} (a primary and {} backups of every key range)", n - 1),
+            },
+        ),
         ("seed", job.seed.to_string()),
         ("chunk size", format!("{} floats per key", job.chunk_size)),
         (

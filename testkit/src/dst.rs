@@ -694,17 +694,21 @@ type Outgoing = (Node, String, Request, Parts, ReplyTo);
 
 impl ShardLink for SimLink {
     fn answers<'a>(&'a self, addr: &'a str) -> LinkFuture<'a, bool> {
-        Box::pin(async move { self.call(addr, Request::GetMap, Bytes::new()).await.is_ok() })
+        Box::pin(async move {
+            self.call(addr, Request::GetMap, Parts::default())
+                .await
+                .is_ok()
+        })
     }
 
     fn call<'a>(
         &'a self,
         addr: &'a str,
         req: Request,
-        payload: Bytes,
+        payload: Parts,
     ) -> LinkFuture<'a, Result<Response, CallError>> {
         Box::pin(async move {
-            let frame = call(&self.calls, self.from, addr, req, Parts(vec![payload])).await?;
+            let frame = call(&self.calls, self.from, addr, req, payload).await?;
             CallError::answered(frame.msg)
         })
     }

@@ -263,6 +263,7 @@ pub fn mlp_job(
         train_samples,
         seed: 7,
         lease_ms: 2000,
+        replicas: 1,
         data: None,
     }
 }
@@ -288,6 +289,7 @@ pub fn counter_job(len: u32, chunk: u32, consistency: Consistency) -> JobConfig 
         train_samples: 1,
         seed: 0,
         lease_ms: 2000,
+        replicas: 1,
         data: None,
     }
 }

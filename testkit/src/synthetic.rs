@@ -42,6 +42,7 @@ pub fn synthetic_job(samples: u32, epochs: u32, consistency: Consistency) -> Job
         train_samples: samples,
         seed: 3,
         lease_ms: 3000,
+        replicas: 1,
         data: None,
     }
 }

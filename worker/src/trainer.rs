@@ -609,6 +609,7 @@ mod tests {
             train_samples: 64,
             seed: 1,
             lease_ms: 2000,
+            replicas: 1,
             data: None,
         }
     }

@@ -63,6 +63,11 @@ struct Cli {
     /// Worker heartbeat lease in milliseconds; silent workers are dropped after it.
     #[arg(long, default_value_t = defaults::LEASE_MS)]
     lease_ms: u32,
+    /// Copies of every key range: a primary and REPLICAS - 1 backups on other shards, so that
+    /// a shard killed for good loses nothing (at most --shards; over a job file's
+    /// `[training] replicas`). [default: 1, no copies]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=8))]
+    replicas: Option<u32>,
     /// MLP layer widths, input to classes.
     #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
     layers: Vec<u32>,
@@ -149,8 +154,13 @@ impl Cli {
             .map_err(|e| anyhow::anyhow!("--schedule: {e}"))?;
         let scenario = match self.scenario {
             Some(path) => Some(ScenarioFile {
-                scenario: Scenario::load(&path, self.workers, self.shards)
-                    .with_context(|| format!("--scenario {}", path.display()))?,
+                scenario: Scenario::load_with(
+                    &path,
+                    self.workers,
+                    self.shards,
+                    self.replicas.unwrap_or(1),
+                )
+                .with_context(|| format!("--scenario {}", path.display()))?,
                 path,
             }),
             None => None,
@@ -165,6 +175,7 @@ impl Cli {
             batch_size: self.batch_size,
             train_samples: self.train_samples,
             lease_ms: self.lease_ms,
+            replicas: self.replicas,
             layers: self.layers,
             seed: self.seed,
             data_dir: self.data_dir,

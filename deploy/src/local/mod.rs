@@ -107,6 +107,9 @@ pub struct LocalConfig {
     pub train_samples: u32,
     /// Worker heartbeat lease in milliseconds.
     pub lease_ms: u32,
+    /// Copies of every key range (`--replicas`), over the job file's; `None`: the job's (1
+    /// without a job file).
+    pub replicas: Option<u32>,
     /// MLP layer widths, input to classes.
     pub layers: Vec<u32>,
     /// Seed for initialization and data order.
@@ -727,6 +730,9 @@ impl Launch<'_> {
                 "--http-file".into(),
                 self.dashboard_addr_file().into_os_string(),
             ]);
+        }
+        if let Some(r) = cfg.replicas {
+            args.extend(["--replicas".into(), r.to_string().into()]);
         }
         if let Some(job) = &cfg.job {
             args.extend(["--job".into(), job.clone().into_os_string()]);

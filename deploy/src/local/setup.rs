@@ -102,6 +102,7 @@ mod tests {
             batch_size: 64,
             train_samples: 1000,
             lease_ms: 3000,
+            replicas: None,
             layers: vec![784, 10],
             seed: 1,
             data_dir: dir.path().into(),

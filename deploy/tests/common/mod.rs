@@ -32,10 +32,22 @@ pub fn scenario_config(
     restart_on_change: bool,
     workers: u32,
 ) -> LocalConfig {
+    replicated_config(dir, text, seed, restart_on_change, workers, (2, 1))
+}
+
+/// [`scenario_config`] with `shards` shards keeping `replicas` copies of every key range.
+pub fn replicated_config(
+    dir: &Path,
+    text: &str,
+    seed: u64,
+    restart_on_change: bool,
+    workers: u32,
+    (shards, replicas): (u32, u32),
+) -> LocalConfig {
     let path = dir.join("scenario.toml");
     std::fs::write(&path, text).expect("write the scenario");
     LocalConfig {
-        shards: 2,
+        shards,
         workers,
         epochs: 2,
         consistency: "ssp:2".parse::<Consistency>().expect("consistency"),
@@ -44,6 +56,7 @@ pub fn scenario_config(
         batch_size: 16,
         train_samples: TRAIN_SAMPLES,
         lease_ms: 1000,
+        replicas: (replicas > 1).then_some(replicas),
         layers: vec![784, 64, 10],
         seed,
         data_dir: DEFAULT_DATA_DIR.into(),
@@ -54,7 +67,7 @@ pub fn scenario_config(
         progress_bar: false,
         stall_timeout: Some(Duration::from_secs(60)),
         scenario: Some(ScenarioFile {
-            scenario: Scenario::parse(text, workers, 2).expect("scenario"),
+            scenario: Scenario::parse_with(text, workers, shards, replicas).expect("scenario"),
             path,
         }),
         restart_on_change,

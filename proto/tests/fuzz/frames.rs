@@ -574,7 +574,10 @@ proptest! {
         cuts in vec(any::<Index>(), 0..4),
         extra in vec(any::<u8>(), 1..9),
     ) {
-        prop_assert_eq!(msg.finite_payload(), matches!(msg, Request::Push { .. }));
+        prop_assert_eq!(
+            msg.finite_payload(),
+            matches!(msg, Request::Push { .. } | Request::Replicate { .. })
+        );
         check_round_trip(msg, payload, &cuts, &extra)?;
     }
 

@@ -301,7 +301,7 @@ proptest! {
             ranges.push(RangeOwner { start, end: start + len, shard: ShardId(shard) });
             at = start + len;
         }
-        let map = ShardMap { epoch: MapEpoch(1), shards: Vec::new(), ranges };
+        let map = ShardMap { epoch: MapEpoch(1), shards: Vec::new(), ranges, backups: Vec::new() };
         let edges = map.ranges.iter().flat_map(|r| [r.start, r.end]);
         for k in probes.into_iter().chain(edges.flat_map(|e| [e.wrapping_sub(1), e, e + 1])) {
             prop_assert_eq!(map.owner(Key(k)), scan_owner(&map, k), "key {}", k);

@@ -123,11 +123,17 @@ pub fn any_shard_map() -> BoxedStrategy<ShardMap> {
         end,
         shard,
     });
-    (map_epoch(), vec(shard_info(), 0..4), vec(range, 0..6))
-        .prop_map(|(epoch, shards, ranges)| ShardMap {
+    (
+        map_epoch(),
+        vec(shard_info(), 0..4),
+        vec(range.clone(), 0..6),
+        vec(range, 0..3),
+    )
+        .prop_map(|(epoch, shards, ranges, backups)| ShardMap {
             epoch,
             shards,
             ranges,
+            backups,
         })
         .boxed()
 }
@@ -297,6 +303,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                 train_samples,
                 seed,
                 lease_ms,
+                replicas: 1,
                 data: None,
             },
         )
@@ -493,10 +500,18 @@ fn shard_stats() -> BoxedStrategy<ShardStats> {
         shard_id(),
         vec(key_range(), 0..5),
         any::<(u64, u64, u64, u64, u64, u64, u64)>(),
+        (vec(key_range(), 0..3), any::<u64>()),
     )
         .prop_map(
-            |(shard, ranges, (keys, floats, state_bytes, pushes, pulls, bytes_in, bytes_out))| {
+            |(
+                shard,
+                ranges,
+                (keys, floats, state_bytes, pushes, pulls, bytes_in, bytes_out),
+                (backups, lag),
+            )| {
                 ShardStats {
+                    backups,
+                    lag,
                     shard,
                     ranges,
                     keys,

@@ -125,6 +125,12 @@ struct CoordinatorArgs {
     /// Worker heartbeat lease in milliseconds; silent workers are dropped after it.
     #[arg(long, default_value_t = defaults::LEASE_MS)]
     lease_ms: u32,
+    /// Copies of every key range: a primary and REPLICAS - 1 backups on other shards. A push
+    /// is acknowledged once every live copy holds it; when a primary dies a backup takes its
+    /// place within about a second, losing nothing. At most --shards; overrides a job file's
+    /// `[training] replicas`. [default: 1, no copies]
+    #[arg(long)]
+    replicas: Option<u32>,
     /// Keep no durable state. By default the coordinator keeps membership, the shard map, the
     /// job, the data leases and the data progress in STATE_DIR/coordinator (a log,
     /// state.wal, folded into state.bin now and then), makes every change durable before it
@@ -354,9 +360,23 @@ async fn main() -> anyhow::Result<()> {
                     train_samples: a.train_samples,
                     seed: a.seed,
                     lease_ms: a.lease_ms,
+                    replicas: 1,
                     data: None,
                 },
             };
+            let mut job = job;
+            if let Some(r) = a.replicas {
+                job.replicas = r;
+            }
+            if !(1..=a.shards.min(edl_shared::jobfile::MAX_REPLICAS)).contains(&job.replicas) {
+                anyhow::bail!(
+                    "--replicas {} must be 1 to {} (at most --shards {}: every copy of a range \
+                     needs a shard of its own)",
+                    job.replicas,
+                    a.shards.min(edl_shared::jobfile::MAX_REPLICAS),
+                    a.shards
+                );
+            }
             job.check_schedule().map_err(anyhow::Error::msg)?;
             let state_file =
                 (!a.no_persist).then(|| a.identity.state_dir.join("coordinator").join("state.bin"));

@@ -450,18 +450,28 @@ async fn main() -> anyhow::Result<()> {
                     .collect();
                 return print_json(&v);
             }
-            let mut t = table(&[
+            let map = admin.map().await.ok();
+            let replicated = map.as_ref().is_some_and(|m| !m.backups.is_empty());
+            let mut header = vec![
                 "id",
                 "name",
                 "address",
                 "role",
-                "key ranges",
+                if replicated {
+                    "primary of"
+                } else {
+                    "key ranges"
+                },
                 "keys",
                 "bytes",
                 "pushes",
                 "pulls",
                 "traffic",
-            ]);
+            ];
+            if replicated {
+                header.extend(["backup of", "lag"]);
+            }
+            let mut t = table(&header);
             for (r, err) in &rows {
                 match err {
                     Some(e) => t.add_row(vec![
@@ -484,21 +494,30 @@ async fn main() -> anyhow::Result<()> {
                         r.role.clone(),
                         "none yet: waits for the shard map to form".into(),
                     ]),
-                    None => t.add_row(vec![
-                        format!("s{}", r.id),
-                        r.name.clone(),
-                        r.addr.clone(),
-                        r.role.clone(),
-                        r.ranges.join(", "),
-                        r.keys.to_string(),
-                        admin::human_bytes(r.bytes),
-                        r.pushes.to_string(),
-                        r.pulls.to_string(),
-                        admin::human_bytes(r.traffic_bytes),
-                    ]),
+                    None => {
+                        let mut row = vec![
+                            format!("s{}", r.id),
+                            r.name.clone(),
+                            r.addr.clone(),
+                            r.role.clone(),
+                            r.ranges.join(", "),
+                            r.keys.to_string(),
+                            admin::human_bytes(r.bytes),
+                            r.pushes.to_string(),
+                            r.pulls.to_string(),
+                            admin::human_bytes(r.traffic_bytes),
+                        ];
+                        if replicated {
+                            row.extend([r.backups.join(", "), format!("{} pushes", r.lag)]);
+                        }
+                        t.add_row(row)
+                    }
                 };
             }
             println!("{t}");
+            if let Some(map) = map.filter(|m| !m.backups.is_empty()) {
+                println!("\n{}", replica_table(&map));
+            }
             if rows.iter().any(|(_, e)| e.is_some()) {
                 anyhow::bail!("some shards could not be reached");
             }
@@ -1087,5 +1106,29 @@ fn status_table(v: &StatusView) -> Table {
         }),
     );
     row("finished", v.finished.to_string());
+    t
+}
+
+/// A replicated job's key ranges, each with its primary and its backups in promotion order.
+fn replica_table(map: &edl_shared::proto::ShardMap) -> Table {
+    let mut cuts: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
+    for r in map.ranges.iter().chain(&map.backups) {
+        cuts.extend([r.start, r.end]);
+    }
+    let cuts: Vec<u64> = cuts.into_iter().collect();
+    let mut t = table(&["key range", "primary", "backups"]);
+    for w in cuts.windows(2) {
+        let key = edl_shared::proto::Key(w[0]);
+        let backups: Vec<String> = map.backups_of(key).map(|s| s.to_string()).collect();
+        t.add_row(vec![
+            format!("{}..{}", w[0], w[1]),
+            map.owner(key).map_or("none".into(), |s| s.to_string()),
+            if backups.is_empty() {
+                "none".into()
+            } else {
+                backups.join(", ")
+            },
+        ]);
+    }
     t
 }

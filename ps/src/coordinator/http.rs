@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use edl_shared::http::{Pages, Reply};
 use edl_shared::proto::msg::ShardStats;
-use edl_shared::proto::{Request, Response};
+use edl_shared::proto::{Parts, Request, Response};
 
 use super::Coordinator;
 use crate::views;
@@ -66,7 +66,7 @@ async fn shards(c: &Arc<Coordinator>) -> serde_json::Value {
     for (i, e) in entries.into_iter().enumerate() {
         let caller = caller.clone();
         asks.spawn(async move {
-            let ask = caller.call(&e.addr, Request::ShardStats, bytes::Bytes::new());
+            let ask = caller.call(&e.addr, Request::ShardStats, Parts::default());
             let r = match tokio::time::timeout(SHARD_WAIT, ask).await {
                 Ok(Ok(Response::ShardStats(s))) => Ok(s),
                 // Waiting for the shard map to form, it holds and serves nothing.
@@ -80,6 +80,8 @@ async fn shards(c: &Arc<Coordinator>) -> serde_json::Value {
                     pulls: 0,
                     bytes_in: 0,
                     bytes_out: 0,
+                    backups: Vec::new(),
+                    lag: 0,
                 }),
                 Ok(Ok(_)) => Err("unexpected answer".to_string()),
                 Ok(Err(e)) => Err(e.to_string()),

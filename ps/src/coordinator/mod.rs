@@ -8,6 +8,7 @@ mod http;
 pub mod meta;
 mod metrics;
 mod probe;
+mod replicas;
 mod reshard;
 pub mod state;
 
@@ -785,6 +786,18 @@ impl Coordinator {
                 self.reshape(reshard::Reshape::Move { start, end, to })
                     .await
             }
+            Request::WaitMap { after } => {
+                let newer = self
+                    .wait_for(|st| match st.map() {
+                        Some(map) if map.epoch > after => Poll::Ready(map),
+                        _ => Poll::Pending,
+                    })
+                    .await;
+                match newer {
+                    Ok(map) => Response::Map(map),
+                    Err(timed_out) => timed_out,
+                }
+            }
             Request::GetMap => {
                 let st = self.lock();
                 match st.map() {
@@ -881,6 +894,8 @@ struct Background {
     sweeper: tokio::task::JoinHandle<()>,
     persister: Option<tokio::task::JoinHandle<()>>,
     resuming: tokio::task::JoinHandle<()>,
+    /// A replicated job's watch over its shards (see [`Coordinator::watch_shards`]).
+    watching: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Background {
@@ -920,10 +935,15 @@ impl Background {
         // A move a crash left in its middle is settled once the shards can be reached.
         let c = coordinator.clone();
         let resuming = tokio::spawn(async move { c.resume().await });
+        let watching = (coordinator.lock().job().replicas > 1).then(|| {
+            let (c, stop) = (coordinator.clone(), stop.clone());
+            tokio::spawn(async move { c.watch_shards(stop).await })
+        });
         Background {
             sweeper,
             persister,
             resuming,
+            watching,
         }
     }
 
@@ -931,6 +951,9 @@ impl Background {
     async fn stop(self, coordinator: &Coordinator) {
         self.sweeper.abort();
         self.resuming.abort();
+        if let Some(w) = self.watching {
+            w.abort();
+        }
         if let Some(p) = self.persister {
             let _ = p.await;
         }

@@ -30,17 +30,25 @@ struct Probe {
     socket: UdpSocket,
 }
 
-/// The probes of the workers now silent.
-#[derive(Debug, Default)]
-pub struct Prober {
-    probes: HashMap<WorkerId, Probe>,
+/// The probes of the workers (or, with another `K`, the shard servers) now silent.
+#[derive(Debug)]
+pub struct Prober<K = WorkerId> {
+    probes: HashMap<K, Probe>,
 }
 
-impl Prober {
+impl<K> Default for Prober<K> {
+    fn default() -> Self {
+        Prober {
+            probes: HashMap::new(),
+        }
+    }
+}
+
+impl<K: Copy + Eq + std::hash::Hash + std::fmt::Display> Prober<K> {
     /// Probes each of the `silent` workers (id and the address it registered from) and
     /// returns those found gone. Workers no longer silent lose their probe; an address that
     /// does not parse, or a socket that cannot be made, is skipped (the lease still holds).
-    pub fn check(&mut self, silent: &[(WorkerId, String)]) -> Vec<(WorkerId, SocketAddr)> {
+    pub fn check(&mut self, silent: &[(K, String)]) -> Vec<(K, SocketAddr)> {
         self.probes
             .retain(|id, _| silent.iter().any(|(s, _)| s == id));
         let mut gone = Vec::new();
@@ -56,7 +64,7 @@ impl Prober {
                 None => match Probe::new(addr) {
                     Ok(p) => self.probes.entry(*id).or_insert(p),
                     Err(e) => {
-                        tracing::debug!(worker = %id, %addr, error = %e, "cannot probe");
+                        tracing::debug!(%id, %addr, error = %e, "cannot probe");
                         continue;
                     }
                 },

@@ -10,11 +10,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use edl_shared::proto::ids::Clock;
 use edl_shared::proto::ids::ShardId;
 use edl_shared::proto::msg::{KeyRange, MoveReport};
-use edl_shared::proto::{ErrorCode, Request, Response, ShardMap};
+use edl_shared::proto::{ErrorCode, Parts, Request, Response, ShardMap};
 use edl_shared::transport::CallError;
 use tracing::{info, warn};
 
@@ -24,7 +23,7 @@ use crate::link::ShardLink;
 
 /// Sends `map` to every shard of `shards` but those of `skip`, each in a task of its own (a
 /// shard that is down is not waited for).
-fn announce(
+pub(super) fn announce(
     caller: &Arc<dyn ShardLink>,
     map: &ShardMap,
     shards: Vec<(ShardId, String)>,
@@ -39,7 +38,7 @@ fn announce(
         };
         let caller = caller.clone();
         tokio::spawn(async move {
-            if let Err(e) = caller.call(&addr, req, Bytes::new()).await {
+            if let Err(e) = caller.call(&addr, req, Parts::default()).await {
                 warn!(shard = %id, error = %e, "could not send the new map");
             }
         });
@@ -99,7 +98,7 @@ impl Coordinator {
                 retire: false,
                 term: self.term(),
             };
-            if caller.call(&dest, set, Bytes::new()).await.is_err() {
+            if caller.call(&dest, set, Parts::default()).await.is_err() {
                 continue;
             }
             let probe = Request::Pull {
@@ -110,7 +109,7 @@ impl Coordinator {
                 }],
                 apply_through: Clock(0),
             };
-            let held = match caller.call(&dest, probe, Bytes::new()).await {
+            let held = match caller.call(&dest, probe, Parts::default()).await {
                 Ok(Response::Pulled { .. }) => true,
                 Err(CallError::Remote {
                     code: Some(ErrorCode::StaleEpoch),
@@ -248,7 +247,7 @@ impl Coordinator {
                     retire: true,
                     term: self.term(),
                 };
-                if let Err(e) = caller.call(&entry.addr, req, Bytes::new()).await {
+                if let Err(e) = caller.call(&entry.addr, req, Parts::default()).await {
                     warn!(shard = %id, error = %e, "could not tell the removed shard to retire");
                 }
             }
@@ -289,7 +288,10 @@ impl Coordinator {
                     (st.live_shards(), vec![0.0; st.key_sizes().len()])
                 };
                 for (id, addr) in shards {
-                    match caller.call(&addr, Request::KeyLoads, Bytes::new()).await {
+                    match caller
+                        .call(&addr, Request::KeyLoads, Parts::default())
+                        .await
+                    {
                         Ok(Response::KeyLoads(loads)) => {
                             for l in loads {
                                 if let Some(w) = weight.get_mut(l.key.0 as usize) {
@@ -348,7 +350,7 @@ impl Coordinator {
             "moving keys {}..{} from {} to {}",
             mv.start, mv.end, mv.from, mv.to
         );
-        let report = match caller.call(&from_addr, req, Bytes::new()).await {
+        let report = match caller.call(&from_addr, req, Parts::default()).await {
             Ok(Response::Moved(r)) => r,
             Ok(other) => {
                 return Err((

@@ -517,7 +517,12 @@ impl CoordinatorState {
             // first (s0 holds the first keys).
             let mut shards = self.shards.clone();
             shards.sort_by_key(|s| s.id);
-            self.map = Some(ShardMap::balanced(MapEpoch(1), shards, &self.job.layout()));
+            self.map = Some(ShardMap::replicated(
+                MapEpoch(1),
+                shards,
+                &self.job.layout(),
+                self.job.replicas,
+            ));
         }
         Ok(id)
     }

@@ -45,6 +45,7 @@ fn job(consistency: Consistency) -> JobConfig {
         train_samples: SAMPLES,
         seed: 0,
         lease_ms: 2000,
+        replicas: 1,
         data: None,
     }
 }
@@ -55,6 +56,7 @@ fn map() -> ShardMap {
         addr: format!("s{i}"),
     };
     ShardMap {
+        backups: Vec::new(),
         epoch: MapEpoch(1),
         shards: vec![info(0), info(1)],
         ranges: vec![
@@ -917,6 +919,7 @@ fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
         let layout = job.layout();
         let keys = layout.num_keys();
         let map = ShardMap {
+            backups: Vec::new(),
             epoch: MapEpoch(1),
             shards: vec![ShardInfo {
                 id: ShardId(0),

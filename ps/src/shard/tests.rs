@@ -28,9 +28,11 @@ fn state_with(consistency: Consistency, schedule: LrSchedule) -> ShardState {
         train_samples: 1,
         seed: 0,
         lease_ms: 1000,
+        replicas: 1,
         data: None,
     };
     let map = ShardMap {
+        backups: Vec::new(),
         epoch: MapEpoch(1),
         shards: vec![ShardInfo {
             id: ShardId(0),
@@ -301,6 +303,7 @@ fn two_shards_with(
         train_samples: 4,
         seed: 0,
         lease_ms: 1000,
+        replicas: 1,
         data: None,
     };
     let info = |i: u32| ShardInfo {
@@ -308,6 +311,7 @@ fn two_shards_with(
         addr: format!("s{i}"),
     };
     let map = ShardMap {
+        backups: Vec::new(),
         epoch: MapEpoch(1),
         shards: vec![info(0)],
         ranges: vec![RangeOwner {

@@ -207,6 +207,22 @@ pub struct Job {
     traffic: Arc<Traffic>,
     /// The placement this worker was started for, named when it registers.
     placement: Option<u64>,
+    /// Woken whenever a newer map is adopted.
+    remapped: Arc<tokio::sync::Notify>,
+    /// A replicated job's long poll for new maps (a primary that dies is replaced in a map the
+    /// coordinator publishes, and calls to it are moved on at once); stopped when the last
+    /// handle that shares it is dropped.
+    _map_watch: Option<Arc<MapWatch>>,
+}
+
+/// Aborts a job's map watch when dropped.
+#[derive(Debug)]
+struct MapWatch(tokio::task::JoinHandle<()>);
+
+impl Drop for MapWatch {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The connection to the coordinator, replaced when the coordinator restarts or another one
@@ -499,12 +515,27 @@ impl Job {
         let what = Server::Shard(id);
         let mut outage = Outage::new(what, net.settings.reconnect);
         let mut busy = Busy::default();
+        // In a replicated job, a call that can be repeated (a pull, a push with its span) to a
+        // shard the coordinator replaced is moved on at once: a dead process answers nothing,
+        // and its connection would only time out.
+        let movable = retry && self.job.replicas > 1;
         loop {
             let current = conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let err = match current
-                .call_released(req.clone(), payload.clone(), release, &mut *sink)
-                .await
-            {
+            let call = current.call_released(req.clone(), payload.clone(), release, &mut *sink);
+            let answer = if movable {
+                tokio::select! {
+                    biased;
+                    r = call => r,
+                    map = self.unplaced(id) => Err(CallError::Remote {
+                        code: Some(ErrorCode::StaleEpoch),
+                        message: format!("{id} was replaced in shard map {}", map.epoch),
+                        map: Some(Box::new(map)),
+                    }),
+                }
+            } else {
+                call.await
+            };
+            let err = match answer {
                 Err(e @ CallError::NotSent(_)) => e,
                 // Nothing of a request refused for the server's budget was done: send it again.
                 Err(e) if e.code() == Some(ErrorCode::Busy) => {
@@ -618,9 +649,61 @@ impl Job {
             layout,
             traffic: Arc::new(Traffic::default()),
             placement: None,
+            remapped: Arc::new(tokio::sync::Notify::new()),
+            _map_watch: None,
         };
         job.adopt(map).await?;
-        Ok(job)
+        if job.job.replicas <= 1 {
+            return Ok(job);
+        }
+        // The task holds a handle without the watch, so that dropping the caller's handles
+        // stops it.
+        let watcher = job.clone();
+        let task = tokio::spawn(async move { watcher.watch_maps().await });
+        Ok(Job {
+            _map_watch: Some(Arc::new(MapWatch(task))),
+            ..job
+        })
+    }
+
+    /// Follows the coordinator's map with a long poll, adopting each newer one.
+    async fn watch_maps(&self) {
+        loop {
+            let after = self.routing().map.epoch;
+            let asked = self
+                .coordinator
+                .call(Request::WaitMap { after }, Bytes::new())
+                .await;
+            match asked {
+                Ok(Frame {
+                    msg: Response::Map(map),
+                    ..
+                }) => {
+                    if let Err(e) = self.adopt(map).await {
+                        tracing::debug!(error = %e, "adopting a new map failed");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+                // A long poll that timed out is asked again at once.
+                Err(e) if e.code() == Some(ErrorCode::NotReady) => {}
+                _ => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+    }
+
+    /// Resolves once the map in use places nothing on `id`, with that map: a replicated job's
+    /// shard found dead and replaced.
+    async fn unplaced(&self, id: ShardId) -> ShardMap {
+        loop {
+            let changed = self.remapped.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let routing = self.routing();
+            if !routing.map.places(id) {
+                return routing.map.clone();
+            }
+            changed.await;
+        }
     }
 
     /// Names the placement this worker was started for (a placer such as `edl-local` passes

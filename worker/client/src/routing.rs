@@ -178,6 +178,8 @@ impl Job {
         }
         tracing::debug!(epoch = %map.epoch, "routing with a new shard map");
         *slot = Arc::new(Routing { map, links });
+        drop(slot);
+        self.remapped.notify_waiters();
         Ok(true)
     }
 

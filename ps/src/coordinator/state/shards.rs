@@ -157,6 +157,7 @@ impl CoordinatorState {
     /// Moves that give the standby shard `id` its share of the keys (by size).
     pub fn plan_add(&self, id: ShardId) -> Result<Vec<Move>, Refusal> {
         let map = self.formed()?;
+        self.unreplicated()?;
         self.usable(id)?;
         let mut targets = map.owners_in_order();
         if targets.contains(&id) {
@@ -173,6 +174,7 @@ impl CoordinatorState {
     /// Moves that hand every key of `id` to the other active shards, rebalanced by size.
     pub fn plan_remove(&self, id: ShardId) -> Result<Vec<Move>, Refusal> {
         let map = self.formed()?;
+        self.unreplicated()?;
         self.usable(id)?;
         let mut targets = map.owners_in_order();
         targets.retain(|s| *s != id);
@@ -192,6 +194,7 @@ impl CoordinatorState {
     /// that hold keys now, then the standby ones), by `weight` per key.
     pub fn plan_rebalance(&self, weight: &[f64]) -> Result<Vec<Move>, Refusal> {
         let map = self.formed()?;
+        self.unreplicated()?;
         let mut targets = map.owners_in_order();
         for (id, _) in self.live_shards() {
             if !targets.contains(&id) {
@@ -208,6 +211,7 @@ impl CoordinatorState {
     /// Moves that bring keys `[start, end)` to `to`: one per current owner other than `to`.
     pub fn plan_move(&self, start: u64, end: u64, to: ShardId) -> Result<Vec<Move>, Refusal> {
         let map = self.formed()?;
+        self.unreplicated()?;
         self.usable(to)?;
         if start >= end || end > map.num_keys() {
             return Err(invalid(format!(
@@ -304,6 +308,30 @@ impl CoordinatorState {
             super::MAX_MOVE_RECORDS,
             &mut self.dropped.2,
         );
+    }
+
+    /// A replicated job's shard `dead` was found dead: the map without it at a fresh epoch
+    /// (each key it was the primary of goes to its first live backup; its backup copies are
+    /// dropped), published as the current map. `None` if the map places nothing on it.
+    pub fn promote(&mut self, dead: ShardId) -> Option<ShardMap> {
+        let map = self.map.as_ref()?.without(dead)?;
+        let map = self.issue(map);
+        self.map = Some(map.clone());
+        Some(map)
+    }
+
+    /// Refuses a resharding of a replicated job: moving a range with its backups is not
+    /// supported yet.
+    pub fn unreplicated(&self) -> Result<(), Refusal> {
+        if self.job.replicas > 1 {
+            return Err(invalid(format!(
+                "this job keeps {} copies of every key range; moving ranges between shards \
+                 (shard add, shard remove, reshard, move) is not supported for replicated jobs \
+                 yet",
+                self.job.replicas
+            )));
+        }
+        Ok(())
     }
 
     /// Marks `id` removed from the job.

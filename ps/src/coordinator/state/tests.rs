@@ -21,6 +21,7 @@ pub(super) fn job(consistency: Consistency) -> JobConfig {
         train_samples: 8,
         seed: 1,
         lease_ms: 1000,
+        replicas: 1,
         data: None,
     }
 }

@@ -1,0 +1,142 @@
+//! A replicated job's shards watched: the coordinator asks every shard the map places keys on
+//! whether it is there, several times a second, and promotes the backups of one found dead.
+//!
+//! A shard is found dead in one of two ways: silent for [`SILENT`] and its host answers a
+//! datagram to its address with "port unreachable" (its process is gone; the probe of
+//! `probe.rs`, which a live process, stopped or busy, never causes), or silent for
+//! [`DEAD_AFTER`] (its machine lost, or cut off). Its ranges then go to their first backups
+//! and its copies are dropped, in a map published at a fresh epoch like a resharding's: made
+//! durable, then sent to every shard in it. A shard wrongly taken for dead loses its ranges
+//! but acknowledges nothing more: its pushes need its backups' acknowledgements, and the
+//! promoted backup refuses them with the new map, which it then adopts.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use edl_shared::proto::{Parts, Request, ShardId, ShardMap};
+use edl_shared::shutdown::CancellationToken;
+use edl_shared::transport::CallError;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use super::{Coordinator, probe, reshard};
+
+/// How often each shard is asked.
+const EVERY: Duration = Duration::from_millis(100);
+/// How long one question may take.
+const ASK: Duration = Duration::from_secs(1);
+/// A shard silent this long is probed for its socket.
+const SILENT: Duration = Duration::from_millis(250);
+/// A shard silent this long is dead, its socket found gone or not.
+pub const DEAD_AFTER: Duration = Duration::from_secs(3);
+
+impl Coordinator {
+    /// Watches the shards of a replicated job until `stop`, promoting the backups of those
+    /// found dead.
+    pub(super) async fn watch_shards(&self, stop: CancellationToken) {
+        let Some(caller) = self.caller.get().cloned() else {
+            return;
+        };
+        let mut heard: HashMap<ShardId, Instant> = HashMap::new();
+        let mut asking: HashSet<ShardId> = HashSet::new();
+        let mut answers = tokio::task::JoinSet::new();
+        let mut prober = probe::Prober::<ShardId>::default();
+        let mut tick = tokio::time::interval(EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let Some(map) = self.lock().map() else {
+                continue;
+            };
+            let now = Instant::now();
+            while let Some(Ok((id, at, answered))) = answers.try_join_next() {
+                asking.remove(&id);
+                if answered {
+                    heard.insert(id, at);
+                }
+            }
+            let placed: Vec<(ShardId, String)> = map
+                .shards
+                .iter()
+                .filter(|s| map.places(s.id))
+                .map(|s| (s.id, s.addr.clone()))
+                .collect();
+            heard.retain(|id, _| placed.iter().any(|(p, _)| p == id));
+            for (id, addr) in &placed {
+                heard.entry(*id).or_insert(now);
+                if asking.insert(*id) {
+                    let (caller, id, addr) = (caller.clone(), *id, addr.clone());
+                    answers.spawn(async move {
+                        let ask = caller.call(&addr, Request::ShardStats, Parts::default());
+                        let answered = match tokio::time::timeout(ASK, ask).await {
+                            Ok(Ok(_)) => true,
+                            // An error answer is an answer: the process is there.
+                            Ok(Err(CallError::Remote { .. })) => true,
+                            _ => false,
+                        };
+                        (id, Instant::now(), answered)
+                    });
+                }
+            }
+            let silent = |after: Duration| {
+                placed
+                    .iter()
+                    .filter(|(id, _)| heard.get(id).is_some_and(|t| now - *t >= after))
+                    .cloned()
+                    .collect::<Vec<_>>()
+            };
+            let mut dead: Vec<(ShardId, String)> = prober
+                .check(&silent(SILENT))
+                .into_iter()
+                .map(|(id, addr)| (id, format!("its socket at {addr} is gone")))
+                .collect();
+            for (id, _) in silent(DEAD_AFTER) {
+                if !dead.iter().any(|(d, _)| *d == id) {
+                    dead.push((id, format!("silent for {DEAD_AFTER:?}")));
+                }
+            }
+            for (id, why) in dead {
+                if self.promote(id, &why).await.is_some() {
+                    heard.remove(&id);
+                }
+            }
+        }
+    }
+
+    /// Replaces the dead shard `dead` by its backups: publishes the map without it (made
+    /// durable first) and sends it to the shards in it. The published map, if `dead` held
+    /// anything.
+    pub(super) async fn promote(&self, dead: ShardId, why: &str) -> Option<ShardMap> {
+        let caller = self.caller.get().cloned()?;
+        let t0 = Instant::now();
+        let (map, shards) = {
+            let mut st = self.lock();
+            let map = st.promote(dead)?;
+            let shards = st
+                .live_shards()
+                .into_iter()
+                .filter(|(id, _)| map.places(*id))
+                .collect::<Vec<_>>();
+            (map, shards)
+        };
+        self.bump();
+        if !self.durable().await {
+            return None;
+        }
+        warn!(shard = %dead, epoch = %map.epoch, "shard declared dead ({why}): its backups \
+            take its place");
+        let orphaned: Vec<_> = map.ranges_of(dead).map(|r| (r.start, r.end)).collect();
+        if !orphaned.is_empty() {
+            warn!(shard = %dead, ranges = ?orphaned, "these keys had no live backup: they wait \
+                for the shard to come back");
+        }
+        reshard::announce(&caller, &map, shards, &[dead], self.term());
+        info!(epoch = %map.epoch, millis = t0.elapsed().as_secs_f64() * 1000.0,
+            "map without the dead shard published");
+        Some(map)
+    }
+}

@@ -1,0 +1,235 @@
+//! Replicated key ranges with real processes: a job keeps two copies of every range on three
+//! `edl-ps shard` processes; the primary of some keys is killed with SIGKILL while three
+//! workers push concurrently, is never restarted, and its backups take over: every
+//! acknowledged push is applied exactly once, to the float, and every ledger is exact.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use edl_shared::Role;
+use edl_shared::pki::PkiDir;
+use edl_shared::proto::msg::DataSpan;
+use edl_shared::proto::{Clock, Key, ShardId};
+use edl_shared::transport::TransportSettings;
+use edl_testkit::procs::{Proc, bin, free_port, spawn};
+use edl_worker::{ClientConfig, Job};
+
+/// Floats of the counter, one per key: two keys per shard.
+const FLOATS: usize = 6;
+/// Samples of the one epoch, per partition and per push.
+const SAMPLES: u32 = 1200;
+const PARTITION: u32 = 40;
+const BATCH: u32 = 4;
+
+fn wait_for_file(path: &Path) -> anyhow::Result<String> {
+    let t = Instant::now();
+    loop {
+        if let Ok(s) = std::fs::read_to_string(path)
+            && !s.is_empty()
+        {
+            return Ok(s);
+        }
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(20),
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The times at which pushes were acknowledged (since the start), and how many.
+#[derive(Default)]
+struct Acks {
+    count: AtomicU64,
+    times: std::sync::Mutex<Vec<Duration>>,
+}
+
+/// One worker: pushes a gradient of -1 for every batch of every partition it leases (so that
+/// SGD at rate 1 adds exactly 1 per push to every float) and commits it, until the data runs
+/// out.
+async fn work(job: Job, name: String, acks: Arc<Acks>, t0: Instant) -> anyhow::Result<u64> {
+    let mut w = job.register(&name).await?;
+    let mut pushed = 0;
+    while let Some(part) = w.next_partition().await? {
+        let end = part.start + part.len;
+        let mut at = part.start;
+        while at < end {
+            let span = DataSpan {
+                epoch: part.epoch,
+                partition: part.index,
+                start: at,
+                end: (at + BATCH).min(end),
+            };
+            at = span.end;
+            tokio::time::timeout(Duration::from_secs(60), w.push_span(&[-1.0; FLOATS], span))
+                .await??;
+            acks.count.fetch_add(1, Ordering::Relaxed);
+            acks.times
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(t0.elapsed());
+            w.commit_span(span, 0.0).await?;
+            pushed += 1;
+        }
+    }
+    w.leave().await?;
+    Ok(pushed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_primary_loses_no_acknowledged_push() -> anyhow::Result<()> {
+    anyhow::ensure!(
+        bin("edl-ps").exists(),
+        "{} is missing: run the tests with cargo test --workspace",
+        bin("edl-ps").display()
+    );
+    let dir = tempfile::tempdir()?;
+    let state = dir.path();
+    let pki = PkiDir::new(state);
+    pki.init_ca()?;
+    pki.ensure(Role::Coordinator, "coordinator")?;
+    let addr_file = state.join("coordinator.addr");
+    let (floats, samples, partition, batch) = (
+        FLOATS.to_string(),
+        SAMPLES.to_string(),
+        PARTITION.to_string(),
+        BATCH.to_string(),
+    );
+    let _coordinator = spawn(
+        &[
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--addr-file",
+            addr_file.to_str().expect("utf-8"),
+            "--counter",
+            &floats,
+            "--chunk-size",
+            "1",
+            "--shards",
+            "3",
+            "--replicas",
+            "2",
+            "--consistency",
+            "asp",
+            "--train-samples",
+            &samples,
+            "--partition-size",
+            &partition,
+            "--batch-size",
+            &batch,
+            "--epochs",
+            "1",
+            "--lease-ms",
+            "5000",
+        ],
+        state,
+        "coordinator.log",
+    );
+    let coordinator = wait_for_file(&addr_file)?;
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let mut shards: Vec<Option<Proc>> = Vec::new();
+    for (i, port) in ports.iter().enumerate() {
+        let name = format!("s{i}");
+        pki.ensure(Role::Shard, &name)?;
+        let listen = format!("127.0.0.1:{port}");
+        shards.push(Some(spawn(
+            &[
+                "shard",
+                "--coordinator",
+                &coordinator,
+                "--listen",
+                &listen,
+                "--name",
+                &name,
+            ],
+            state,
+            &format!("{name}.log"),
+        )));
+    }
+    let connect = |name: &str| -> anyhow::Result<ClientConfig> {
+        Ok(ClientConfig {
+            coordinator: coordinator.clone(),
+            identity: pki.ensure(Role::Worker, name)?,
+            settings: TransportSettings::default(),
+        })
+    };
+    let observer = Job::connect(&connect("observer")?).await?;
+    let map = observer.map();
+    anyhow::ensure!(
+        map.backups.len() == map.ranges.len(),
+        "one backup per range: {map:?}"
+    );
+    let victim: ShardId = map.owner(Key(0)).expect("placed");
+    let mut start = vec![0f32; FLOATS];
+    observer.pull_all(&mut start, Clock(0)).await?;
+
+    let acks = Arc::new(Acks::default());
+    let t0 = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for i in 0..3 {
+        let job = Job::connect(&connect(&format!("w{i}"))?).await?;
+        workers.spawn(work(job, format!("w{i}"), acks.clone(), t0));
+    }
+    // Kill the primary of key 0 a third of the way through, and never restart it.
+    let third = u64::from(SAMPLES / BATCH / 3);
+    while acks.count.load(Ordering::Relaxed) < third {
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the workers made no progress"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let victim_addr = map.addr_of(victim).expect("address").to_string();
+    let i = ports
+        .iter()
+        .position(|p| victim_addr.ends_with(&format!(":{p}")))
+        .expect("a shard we started");
+    let mut killed = shards[i].take().expect("running");
+    killed.0.kill()?;
+    killed.0.wait()?;
+    let killed_at = t0.elapsed();
+
+    let mut pushed = 0;
+    while let Some(done) = workers.join_next().await {
+        pushed += done??;
+    }
+    let want = u64::from(SAMPLES / BATCH);
+    assert_eq!(pushed, want, "every batch pushed and committed once");
+    // The longest wait for an acknowledgement from the kill on.
+    let times = acks.times.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let after: Vec<Duration> = times.iter().copied().filter(|t| *t >= killed_at).collect();
+    let first = after.iter().min().copied().unwrap_or_default();
+    eprintln!(
+        "primary killed at {killed_at:?}; first acknowledgement after it {:?} later",
+        first.saturating_sub(killed_at)
+    );
+
+    let mut now = vec![0f32; FLOATS];
+    observer.pull_all(&mut now, Clock(0)).await?;
+    let map = observer.map();
+    assert!(!map.places(victim), "{victim} still placed: {map:?}");
+    for k in 0..FLOATS {
+        // SGD at rate 1 with a gradient of -1: exactly one more per push, none lost or twice.
+        assert_eq!(
+            now[k] - start[k],
+            want as f32,
+            "k{k}: {} pushes acknowledged",
+            want
+        );
+    }
+    let ledgers = observer.ledgers().await?;
+    assert_eq!(ledgers.len(), 2, "the two live shards: {ledgers:?}");
+    for (shard, ledger) in ledgers {
+        let l = &ledger[0];
+        assert_eq!(
+            (l.applied, l.missing, l.duplicates),
+            (u64::from(SAMPLES), 0, 0),
+            "{shard}"
+        );
+    }
+    Ok(())
+}

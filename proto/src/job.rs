@@ -915,6 +915,22 @@ impl ShardMap {
         map
     }
 
+    /// The map one epoch later with shard `to` (listed as `to_info` if it was not yet) a
+    /// backup of keys `[start, end)` as well, last in their promotion order.
+    pub fn with_backup(&self, start: u64, end: u64, to_info: &ShardInfo) -> ShardMap {
+        let mut map = self.clone();
+        map.epoch = MapEpoch(self.epoch.0 + 1);
+        map.backups.push(RangeOwner {
+            start,
+            end,
+            shard: to_info.id,
+        });
+        if !map.shards.iter().any(|s| s.id == to_info.id) {
+            map.shards.push(to_info.clone());
+        }
+        map
+    }
+
     /// The backups of `key`, in promotion order.
     pub fn backups_of(&self, key: Key) -> impl Iterator<Item = ShardId> + '_ {
         self.backups

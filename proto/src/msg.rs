@@ -711,6 +711,31 @@ pub enum Request {
         /// The epoch the asker routes with.
         after: MapEpoch,
     },
+    /// The coordinator asks the primary of keys `[start, end)` to seed a new backup of them on
+    /// shard `to`; `map` is the map that lists it (answered with `Moved`).
+    CopyOut {
+        /// First key.
+        start: u64,
+        /// One past the last key.
+        end: u64,
+        /// The new backup.
+        to: ShardId,
+        /// The map with the new backup.
+        map: ShardMap,
+        /// The sending coordinator's term (see [`Request::MoveOut`]'s).
+        term: u64,
+    },
+    /// A primary seeds a new backup of keys `[start, end)`: the payload is their state as a
+    /// range export (see [`Request::MoveIn`]); the backup applies the pushes forwarded from
+    /// then on over it.
+    CopyIn {
+        /// First key.
+        start: u64,
+        /// One past the last key.
+        end: u64,
+        /// The map that lists the new backup.
+        map: ShardMap,
+    },
 }
 
 impl Request {
@@ -755,6 +780,8 @@ impl Request {
             Self::History { .. } => "History",
             Self::Replicate { .. } => "Replicate",
             Self::WaitMap { .. } => "WaitMap",
+            Self::CopyOut { .. } => "CopyOut",
+            Self::CopyIn { .. } => "CopyIn",
         }
     }
 }

@@ -1078,13 +1078,25 @@ impl ShardState {
     /// held yet.
     /// The caller holds the gate exclusively.
     fn take_in(&self, start: u64, end: u64, export: RangeExport) -> Result<(), Refusal> {
+        self.take_in_to(Side::Primary, start, end, export)
+    }
+
+    /// [`ShardState::take_in`] to `side`.
+    fn take_in_to(
+        &self,
+        side: Side,
+        start: u64,
+        end: u64,
+        export: RangeExport,
+    ) -> Result<(), Refusal> {
+        let (held, ledgers) = self.side(side);
         let refuse = |m: String| Refusal::new(ErrorCode::InvalidRequest, m);
         if end > self.layout.num_keys() {
             return Err(refuse(format!(
                 "keys {start}..{end} are not part of the job"
             )));
         }
-        if let Some(k) = (start..end).find(|k| self.chunks.contains_key(&Key(*k))) {
+        if let Some(k) = (start..end).find(|k| held.contains_key(&Key(*k))) {
             return Err(refuse(format!("{} holds k{k} already", self.id)));
         }
         let mut fresh = Vec::with_capacity(export.chunks.len());
@@ -1099,14 +1111,91 @@ impl ShardState {
         {
             return Err(refuse(format!("{key} arrived without its ledger")));
         }
-        let ids = self
-            .ledgers()
+        let ids = lock(ledgers)
             .import(&self.job, &export.ledgers)
             .map_err(refuse)?;
         for (key, mut chunk) in fresh {
             chunk.segment = ids.get(&chunk.segment).copied().unwrap_or_default();
-            self.chunks.insert(key, chunk);
+            held.insert(key, chunk);
         }
+        Ok(())
+    }
+
+    /// A primary's copy of keys `[start, end)` for a new backup, which `map` (newer than this
+    /// shard's) lists: taken under the gate, where this shard adopts `map`, so that every push
+    /// is either in the copy or forwarded to the new backup.
+    pub fn copy(&self, start: u64, end: u64, map: &ShardMap) -> Result<RangeExport, Refusal> {
+        let export = {
+            let _gate = write_lock(&self.gate);
+            let held = self.map_epoch();
+            if map.epoch <= held {
+                return Err(Refusal::new(
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "a copy with map {} is stale: {} has map {held}",
+                        map.epoch, self.id
+                    ),
+                ));
+            }
+            if start >= end
+                || !self.holds((start..end).map(Key))
+                || (start..end).any(|k| map.owner(Key(k)) != Some(self.id))
+            {
+                return Err(Refusal::new(
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "{} is not the primary of all of keys {start}..{end}",
+                        self.id
+                    ),
+                ));
+            }
+            let mut chunks = Vec::with_capacity((end - start) as usize);
+            let mut segments = BTreeSet::new();
+            for k in start..end {
+                if let Some(c) = self.chunks.get(&Key(k)) {
+                    segments.insert(c.segment);
+                    chunks.push(c.snap(Key(k)));
+                }
+            }
+            let ledgers = self.ledgers().export(&segments);
+            self.set_map(map);
+            self.follow(map);
+            RangeExport { chunks, ledgers }
+        };
+        self.map_changed.notify_waiters();
+        Ok(export)
+    }
+
+    /// Takes the copy of keys `[start, end)` a primary made for this shard as their new backup
+    /// (`map` lists it), and adopts `map`. A copy taken already is acknowledged again.
+    pub fn seed(
+        &self,
+        start: u64,
+        end: u64,
+        map: &ShardMap,
+        export: RangeExport,
+    ) -> Result<(), Refusal> {
+        exactly(start, end, &export)?;
+        {
+            let _gate = write_lock(&self.gate);
+            if let Some(k) = (start..end).find(|k| !map.backups_of(Key(*k)).any(|s| s == self.id)) {
+                return Err(Refusal::new(
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "map {} does not make {} a backup of k{k}",
+                        map.epoch, self.id
+                    ),
+                ));
+            }
+            let taken = (start..end).all(|k| self.backup_chunks.contains_key(&Key(k)));
+            if !taken {
+                self.take_in_to(Side::Backup, start, end, export)?;
+            }
+            if self.set_map(map) {
+                self.follow(map);
+            }
+        }
+        self.map_changed.notify_waiters();
         Ok(())
     }
 
@@ -1249,7 +1338,7 @@ pub struct Forward {
 /// How long a primary keeps offering a push to a backup that refuses it for keys it does not
 /// hold (a backup behind the map, or one the coordinator is about to drop) before it gives up
 /// on the push.
-const BACKUP_REFUSALS: Duration = Duration::from_secs(10);
+const BACKUP_REFUSALS: Duration = Duration::from_secs(30);
 
 /// Hands `fwd` to its backup until it acknowledges it, or until this shard's map no longer
 /// lists it as a backup of the keys (the coordinator dropped a dead or cut-off backup: the
@@ -1787,6 +1876,79 @@ impl ShardService {
         })))
     }
 
+    /// Seeds a new backup of keys `[start, end)` on shard `to`, which `map` lists: copies them
+    /// under the gate (adopting `map`, so pushes from then on are forwarded to `to`) and hands
+    /// the copy to `to`, which takes it before it applies them. Answered once `to` took it,
+    /// or with an error (the coordinator then publishes a map without `to` as their backup).
+    async fn copy_out(
+        &self,
+        st: &Arc<ShardState>,
+        (start, end, to): (u64, u64, ShardId),
+        map: ShardMap,
+    ) -> Result<Frame<Response, Parts>, Response> {
+        let t0 = edl_shared::clock::now();
+        let invalid = |m: String| Response::error(ErrorCode::InvalidRequest, m);
+        if to == st.id() || !(start..end).all(|k| map.backups_of(Key(k)).any(|s| s == to)) {
+            return Err(invalid(format!(
+                "the new map does not make {to} a backup of {start}..{end}"
+            )));
+        }
+        let Some(addr) = map.addr_of(to).map(str::to_string) else {
+            return Err(invalid(format!("the new map has no address for {to}")));
+        };
+        let export = st.copy(start, end, &map).map_err(Response::from)?;
+        let held = edl_shared::clock::now();
+        let payload = export.encode().map_err(|e| {
+            Response::error(
+                ErrorCode::Internal,
+                format!("encoding keys {start}..{end}: {e}"),
+            )
+        })?;
+        let bytes = payload.len() as u64;
+        let req = Request::CopyIn {
+            start,
+            end,
+            map: map.clone(),
+        };
+        let deadline = tokio::time::Instant::now() + HANDOFF_WINDOW;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let call = self
+                .link
+                .call(&addr, req.clone(), Parts(vec![payload.clone()]));
+            let err = match call.await {
+                Ok(Response::Ack) => break,
+                Ok(other) => CallError::unexpected(&other),
+                Err(e) => e,
+            };
+            if matches!(err, CallError::Remote { .. })
+                || tokio::time::Instant::now() + delay >= deadline
+            {
+                tracing::warn!(shard = %st.id(), %to, start, end, error = %err,
+                    "seeding a backup failed");
+                return Err(Response::error(
+                    ErrorCode::Internal,
+                    format!("seeding {to} with keys {start}..{end} failed: {err}"),
+                ));
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(1));
+        }
+        let hold_ms = held.elapsed().as_secs_f64() * 1000.0;
+        info!(shard = %st.id(), %to, start, end, bytes, "backup seeded");
+        Ok(Frame::new(Response::Moved(MoveReport {
+            t_ms: 0,
+            start,
+            end,
+            from: st.id(),
+            to,
+            epoch: map.epoch,
+            bytes,
+            millis: t0.elapsed().as_secs_f64() * 1000.0,
+            hold_ms,
+        })))
+    }
+
     /// Takes keys handed over by another shard, and makes the checkpoint agree before
     /// acknowledging.
     async fn move_in(
@@ -1817,16 +1979,17 @@ impl ShardService {
         push: PushRef<'_>,
         in_flight: u64,
     ) -> Result<Frame<Response, Parts>, Response> {
-        let mut plan = st.forwards(push);
-        if plan.is_empty() {
+        if !st.replicated() {
             return st
                 .push_forwarding(push, in_flight, &mut || {})
                 .map(|_| Frame::new(Response::Ack))
                 .map_err(Response::from);
         }
-        let mut started = Vec::with_capacity(plan.len());
+        let mut started = Vec::new();
+        // The backups are read under the gate the push holds, so that a new backup's copy
+        // (taken under the gate) either holds this push or is sent it.
         let claim = st.push_forwarding(push, in_flight, &mut || {
-            for fwd in plan.drain(..) {
+            for fwd in st.forwards(push) {
                 let (st, link) = (st.clone(), self.link.clone());
                 st.forwarding.fetch_add(1, Ordering::Relaxed);
                 started.push(tokio::spawn(async move {
@@ -1883,8 +2046,12 @@ impl Service for ShardService {
         match req {
             Request::Push { .. } => role == Role::Worker,
             Request::Checkpoint => role == Role::Admin,
-            Request::SetMap { .. } | Request::MoveOut { .. } => role == Role::Coordinator,
-            Request::MoveIn { .. } | Request::Replicate { .. } => role == Role::Shard,
+            Request::SetMap { .. } | Request::MoveOut { .. } | Request::CopyOut { .. } => {
+                role == Role::Coordinator
+            }
+            Request::MoveIn { .. } | Request::Replicate { .. } | Request::CopyIn { .. } => {
+                role == Role::Shard
+            }
             Request::KeyLoads => matches!(role, Role::Coordinator | Role::Admin),
             _ => true,
         }
@@ -1907,7 +2074,9 @@ impl Service for ShardService {
             return Frame::new(Response::error(ErrorCode::NotReady, UNASSIGNED));
         };
         // A coordinator's orders carry its term: a deposed leader's are refused.
-        if let Request::SetMap { term, .. } | Request::MoveOut { term, .. } = &req
+        if let Request::SetMap { term, .. }
+        | Request::MoveOut { term, .. }
+        | Request::CopyOut { term, .. } = &req
             && let Err(refused) = st.admit_term(*term)
         {
             tracing::warn!("{}", refused.message);
@@ -2019,6 +2188,27 @@ impl Service for ShardService {
                 self.move_in(&st, (start, end), map, &payload.to_bytes())
                     .await
             }
+            Request::CopyOut {
+                start,
+                end,
+                to,
+                map,
+                ..
+            } => self.copy_out(&st, (start, end, to), map).await,
+            Request::CopyIn { start, end, map } => match RangeExport::decode(&payload.to_bytes()) {
+                Err(e) => Err(Response::error(
+                    ErrorCode::Malformed,
+                    format!("range copy: {e}"),
+                )),
+                Ok(export) => match st.seed(start, end, &map, export) {
+                    Err(r) => Err(Response::from(r)),
+                    Ok(()) => {
+                        info!(shard = %st.id(), start, end, epoch = %map.epoch,
+                            "seeded: now a backup of these keys");
+                        Ok(Frame::new(Response::Ack))
+                    }
+                },
+            },
             other => Err(Response::error(
                 ErrorCode::InvalidRequest,
                 format!("a shard does not serve {}", other.name()),

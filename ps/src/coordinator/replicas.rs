@@ -11,9 +11,10 @@
 //! promoted backup refuses them with the new map, which it then adopts.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
-use edl_shared::proto::{Parts, Request, ShardId, ShardMap};
+use edl_shared::proto::{Parts, Request, Response, ShardId, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::CallError;
 use tokio::time::Instant;
@@ -32,12 +33,15 @@ pub const DEAD_AFTER: Duration = Duration::from_secs(3);
 
 impl Coordinator {
     /// Watches the shards of a replicated job until `stop`, promoting the backups of those
-    /// found dead.
-    pub(super) async fn watch_shards(&self, stop: CancellationToken) {
+    /// found dead, and seeding new backups (one range at a time) where a range has fewer
+    /// copies than the job keeps, on shards that answer.
+    pub(super) async fn watch_shards(self: &Arc<Self>, stop: CancellationToken) {
         let Some(caller) = self.caller.get().cloned() else {
             return;
         };
         let mut heard: HashMap<ShardId, Instant> = HashMap::new();
+        let mut answered: HashMap<ShardId, Instant> = HashMap::new();
+        let mut seeding: Option<tokio::task::JoinHandle<()>> = None;
         let mut asking: HashSet<ShardId> = HashSet::new();
         let mut answers = tokio::task::JoinSet::new();
         let mut prober = probe::Prober::<ShardId>::default();
@@ -53,10 +57,11 @@ impl Coordinator {
                 continue;
             };
             let now = Instant::now();
-            while let Some(Ok((id, at, answered))) = answers.try_join_next() {
+            while let Some(Ok((id, at, answer))) = answers.try_join_next() {
                 asking.remove(&id);
-                if answered {
+                if answer {
                     heard.insert(id, at);
+                    answered.insert(id, at);
                 }
             }
             let placed: Vec<(ShardId, String)> = map
@@ -65,9 +70,13 @@ impl Coordinator {
                 .filter(|s| map.places(s.id))
                 .map(|s| (s.id, s.addr.clone()))
                 .collect();
+            // Standby shards are asked too: one that answers can take a new backup.
+            let live = self.lock().live_shards();
             heard.retain(|id, _| placed.iter().any(|(p, _)| p == id));
-            for (id, addr) in &placed {
-                heard.entry(*id).or_insert(now);
+            for (id, addr) in &live {
+                if placed.iter().any(|(p, _)| p == id) {
+                    heard.entry(*id).or_insert(now);
+                }
                 if asking.insert(*id) {
                     let (caller, id, addr) = (caller.clone(), *id, addr.clone());
                     answers.spawn(async move {
@@ -102,9 +111,103 @@ impl Coordinator {
             for (id, why) in dead {
                 if self.promote(id, &why).await.is_some() {
                     heard.remove(&id);
+                    answered.remove(&id);
                 }
             }
+            if seeding.as_ref().is_none_or(|s| s.is_finished()) {
+                let up: Vec<ShardId> = answered
+                    .iter()
+                    .filter(|(_, t)| now.saturating_duration_since(**t) < SILENT * 4)
+                    .map(|(id, _)| *id)
+                    .collect();
+                let short = self.lock().under_replicated(&up);
+                seeding = short.map(|(start, end, to)| {
+                    let c = self.clone();
+                    tokio::spawn(async move { c.seed_backup(start, end, to).await })
+                });
+            }
         }
+    }
+
+    /// Seeds a new backup of keys `[start, end)` on shard `to`: the map that lists it is made
+    /// durable and sent to their primary with the order to copy them (`CopyOut`); once `to`
+    /// holds the copy the map is published to the other shards. If the seeding fails, or a
+    /// shard died meanwhile, the current map is published again at a fresh epoch, over the one
+    /// the primary adopted.
+    async fn seed_backup(&self, start: u64, end: u64, to: ShardId) {
+        let Some(caller) = self.caller.get().cloned() else {
+            return;
+        };
+        let t0 = Instant::now();
+        let (map, primary) = {
+            let mut st = self.lock();
+            let Some(primary) = st
+                .map()
+                .and_then(|m| m.owner(edl_shared::proto::Key(start)))
+                .and_then(|p| st.live_shards().into_iter().find(|(id, _)| *id == p))
+            else {
+                return;
+            };
+            match st.begin_copy(start, end, to) {
+                Ok(map) => (map, primary),
+                Err((_, e)) => {
+                    warn!(error = %e, "cannot seed a new backup");
+                    return;
+                }
+            }
+        };
+        self.bump();
+        if !self.durable().await {
+            return;
+        }
+        info!(start, end, %to, from = %primary.0, epoch = %map.epoch,
+            "seeding a new backup");
+        let req = Request::CopyOut {
+            start,
+            end,
+            to,
+            map: map.clone(),
+            term: self.term(),
+        };
+        let answer = caller.call(&primary.1, req, Parts::default()).await;
+        let seeded = match &answer {
+            Ok(Response::Moved(report)) => {
+                let done = self.lock().commit_copy(map.clone());
+                if done {
+                    info!(start, end, %to, bytes = report.bytes, millis = report.millis,
+                        pushes_waited_ms = report.hold_ms,
+                        total_ms = t0.elapsed().as_secs_f64() * 1000.0, "backup seeded");
+                }
+                done
+            }
+            Ok(other) => {
+                warn!(answer = ?other, "unexpected answer to a seeding");
+                false
+            }
+            Err(e) => {
+                warn!(start, end, %to, error = %e, "seeding a new backup failed");
+                false
+            }
+        };
+        let (map, skip) = if seeded {
+            (map, vec![primary.0, to])
+        } else {
+            match self.lock().republish() {
+                Some(m) => (m, Vec::new()),
+                None => return,
+            }
+        };
+        self.bump();
+        if !self.durable().await {
+            return;
+        }
+        let shards = self
+            .lock()
+            .live_shards()
+            .into_iter()
+            .filter(|(id, _)| map.places(*id))
+            .collect();
+        reshard::announce(&caller, &map, shards, &skip, self.term());
     }
 
     /// Replaces the dead shard `dead` by its backups: publishes the map without it (made

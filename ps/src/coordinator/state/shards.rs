@@ -320,6 +320,64 @@ impl CoordinatorState {
         Some(map)
     }
 
+    /// A replicated job's first run of keys with fewer copies than the job keeps, and the shard
+    /// to seed a new backup of it on: of the live shards (those in `live`) that hold no copy of
+    /// it, the one holding the fewest keys (the lowest id among equals). `None` if every key
+    /// has its copies, or no shard can take one.
+    pub fn under_replicated(&self, live: &[ShardId]) -> Option<(u64, u64, ShardId)> {
+        let map = self.map.as_ref()?;
+        let want = self.job.replicas as usize;
+        if want <= 1 || self.pending.is_some() {
+            return None;
+        }
+        let copies = |k: u64| -> Vec<ShardId> {
+            map.owner(Key(k))
+                .into_iter()
+                .chain(map.backups_of(Key(k)))
+                .collect()
+        };
+        let n = map.num_keys();
+        let short = (0..n).find(|k| copies(*k).len() < want)?;
+        let holders = copies(short);
+        let end = (short..n).find(|k| copies(*k) != holders).unwrap_or(n);
+        let load = |s: ShardId| -> u64 {
+            map.ranges
+                .iter()
+                .chain(&map.backups)
+                .filter(|r| r.shard == s)
+                .map(|r| r.end - r.start)
+                .sum()
+        };
+        let to = live
+            .iter()
+            .copied()
+            .filter(|s| !holders.contains(s) && !self.retired.contains(s))
+            .min_by_key(|s| (load(*s), s.0))?;
+        Some((short, end, to))
+    }
+
+    /// The map with `to` a new backup of keys `[start, end)`, at a fresh epoch recorded as
+    /// issued (the primary adopts it when it copies the keys, whether or not the seeding
+    /// completes).
+    pub fn begin_copy(&mut self, start: u64, end: u64, to: ShardId) -> Result<ShardMap, Refusal> {
+        let map = self.formed()?;
+        let Some(info) = self.shards.iter().find(|s| s.id == to) else {
+            return Err(invalid(format!("no shard {to} has joined this job")));
+        };
+        let map = map.with_backup(start, end, info);
+        Ok(self.issue(map))
+    }
+
+    /// Publishes the map of a completed seeding; false (nothing published) if a newer map
+    /// was published meanwhile (a shard died during the seeding): the seeding is void.
+    pub fn commit_copy(&mut self, map: ShardMap) -> bool {
+        if self.map.as_ref().is_some_and(|m| m.epoch >= map.epoch) {
+            return false;
+        }
+        self.map = Some(map);
+        true
+    }
+
     /// Refuses a resharding of a replicated job: moving a range with its backups is not
     /// supported yet.
     pub fn unreplicated(&self) -> Result<(), Refusal> {

@@ -931,6 +931,50 @@ impl ShardMap {
         map
     }
 
+    /// The map one epoch later without `backup` as the backup of any range `primary` is the
+    /// primary of; `None` if it is the backup of none.
+    pub fn without_backup(&self, primary: ShardId, backup: ShardId) -> Option<ShardMap> {
+        let n = self.num_keys();
+        let mut backups: Vec<Vec<ShardId>> = Vec::with_capacity(n as usize);
+        let mut changed = false;
+        for k in 0..n {
+            let mut copies: Vec<ShardId> = self.backups_of(Key(k)).collect();
+            if self.owner(Key(k)) == Some(primary) && copies.contains(&backup) {
+                copies.retain(|s| *s != backup);
+                changed = true;
+            }
+            backups.push(copies);
+        }
+        if !changed {
+            return None;
+        }
+        let owners = (0..n).map(|k| self.owner(Key(k)));
+        Some(self.next_with(runs(owners), &backups))
+    }
+
+    /// The map one epoch later with `ranges`, each key's `backups` (in promotion order), and
+    /// the shards that hold anything in it.
+    fn next_with(&self, ranges: Vec<RangeOwner>, backups: &[Vec<ShardId>]) -> ShardMap {
+        let mut map = ShardMap {
+            epoch: MapEpoch(self.epoch.0 + 1),
+            shards: Vec::new(),
+            ranges,
+            backups: Vec::new(),
+        };
+        let deepest = backups.iter().map(Vec::len).max().unwrap_or(0);
+        for rank in 0..deepest {
+            map.backups
+                .extend(runs(backups.iter().map(|b| b.get(rank).copied())));
+        }
+        map.shards = self
+            .shards
+            .iter()
+            .filter(|s| map.places(s.id))
+            .cloned()
+            .collect();
+        map
+    }
+
     /// The backups of `key`, in promotion order.
     pub fn backups_of(&self, key: Key) -> impl Iterator<Item = ShardId> + '_ {
         self.backups
@@ -970,27 +1014,11 @@ impl ShardMap {
             owners.push(owner);
             backups.push(copies);
         }
-        let mut map = ShardMap {
-            epoch: MapEpoch(self.epoch.0 + 1),
-            shards: Vec::new(),
-            ranges: runs(owners.iter().copied().map(Some)),
-            backups: Vec::new(),
-        };
-        let deepest = backups.iter().map(Vec::len).max().unwrap_or(0);
-        for rank in 0..deepest {
-            map.backups
-                .extend(runs(backups.iter().map(|b| b.get(rank).copied())));
-        }
+        let map = self.next_with(runs(owners.iter().copied().map(Some)), &backups);
         if map.ranges == self.ranges && map.backups == self.backups {
             // Nothing of it had a live backup.
             return None;
         }
-        map.shards = self
-            .shards
-            .iter()
-            .filter(|s| map.places(s.id))
-            .cloned()
-            .collect();
         Some(map)
     }
 

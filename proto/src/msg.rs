@@ -725,6 +725,14 @@ pub enum Request {
         /// The sending coordinator's term (see [`Request::MoveOut`]'s).
         term: u64,
     },
+    /// A primary tells the coordinator that it has not reached its backup `backup` for a
+    /// while (their link is cut, or the backup is stuck): the coordinator drops `backup` as
+    /// the backup of every range the sender is the primary of, so that pushes stop waiting
+    /// for it (a new backup is seeded once one can be).
+    BackupLost {
+        /// The backup it cannot reach.
+        backup: ShardId,
+    },
     /// A primary seeds a new backup of keys `[start, end)`: the payload is their state as a
     /// range export (see [`Request::MoveIn`]); the backup applies the pushes forwarded from
     /// then on over it.
@@ -782,6 +790,7 @@ impl Request {
             Self::WaitMap { .. } => "WaitMap",
             Self::CopyOut { .. } => "CopyOut",
             Self::CopyIn { .. } => "CopyIn",
+            Self::BackupLost { .. } => "BackupLost",
         }
     }
 }

@@ -1344,10 +1344,22 @@ const BACKUP_REFUSALS: Duration = Duration::from_secs(30);
 /// lists it as a backup of the keys (the coordinator dropped a dead or cut-off backup: the
 /// push does not wait for it). Refused if the map no longer makes this shard their primary
 /// (it learned from a backup that another shard was promoted in its place).
-async fn forward(st: &ShardState, link: &dyn ShardLink, fwd: Forward) -> Result<(), Response> {
+/// A backup that has not acknowledged a push this long after it was first offered is
+/// reported to the coordinator as lost (see [`Request::BackupLost`]).
+const BACKUP_LOST_AFTER: Duration = Duration::from_secs(5);
+
+async fn forward(
+    st: &ShardState,
+    link: &dyn ShardLink,
+    fwd: Forward,
+    coordinator: Option<&str>,
+) -> Result<(), Response> {
     let mut delay = Duration::from_millis(20);
     let mut warned = false;
     let mut refused_since: Option<tokio::time::Instant> = None;
+    let lost_at = tokio::time::sleep(BACKUP_LOST_AFTER);
+    tokio::pin!(lost_at);
+    let mut reported = coordinator.is_none();
     loop {
         let changed = st.map_changed.notified();
         tokio::pin!(changed);
@@ -1368,15 +1380,28 @@ async fn forward(st: &ShardState, link: &dyn ShardLink, fwd: Forward) -> Result<
             return Ok(());
         }
         let addr = map.addr_of(fwd.shard).unwrap_or(&fwd.addr).to_string();
-        let err = tokio::select! {
-            biased;
-            r = link.call(&addr, fwd.req.clone(), fwd.payload.clone()) => match r {
-                Ok(Response::Ack) => return Ok(()),
-                Ok(other) => CallError::unexpected(&other),
-                Err(e) => e,
-            },
-            () = &mut changed => continue,
+        let call = link.call(&addr, fwd.req.clone(), fwd.payload.clone());
+        tokio::pin!(call);
+        let err = loop {
+            tokio::select! {
+                biased;
+                r = &mut call => break match r {
+                    Ok(Response::Ack) => return Ok(()),
+                    Ok(other) => CallError::unexpected(&other),
+                    Err(e) => e,
+                },
+                () = &mut changed => break CallError::Withdrawn,
+                // Still unacknowledged: the backup is cut off or stuck. The call goes on.
+                () = &mut lost_at, if !reported => {
+                    reported = true;
+                    report_lost(link, coordinator.unwrap_or_default(), st.id, fwd.shard).await;
+                }
+            }
         };
+        if matches!(err, CallError::Withdrawn) {
+            // The map changed: check again whether the backup still needs the push.
+            continue;
+        }
         match err {
             CallError::Remote {
                 code: Some(ErrorCode::StaleEpoch),
@@ -1427,6 +1452,32 @@ async fn forward(st: &ShardState, link: &dyn ShardLink, fwd: Forward) -> Result<
         }
         delay = (delay * 2).min(Duration::from_millis(500));
     }
+}
+
+/// Tells the coordinator (at one of the comma-separated `coordinator` addresses, or the leader
+/// a standby names) that primary `me` cannot reach its backup `backup`.
+async fn report_lost(link: &dyn ShardLink, coordinator: &str, me: ShardId, backup: ShardId) {
+    tracing::warn!(shard = %me, %backup, "a backup has not acknowledged a push for \
+        {BACKUP_LOST_AFTER:?}: asking the coordinator to drop it");
+    let mut addrs: Vec<String> = coordinator.split(',').map(str::to_string).collect();
+    let mut i = 0;
+    while let Some(addr) = addrs.get(i).cloned() {
+        i += 1;
+        match link
+            .call(&addr, Request::BackupLost { backup }, Parts::default())
+            .await
+        {
+            Ok(Response::Ack) => return,
+            Ok(Response::NotLeader { leader: Some(l) })
+            | Err(CallError::NotLeader { leader: Some(l) })
+                if !addrs.contains(&l) =>
+            {
+                addrs.push(l)
+            }
+            Ok(_) | Err(_) => {}
+        }
+    }
+    tracing::error!(shard = %me, %backup, "no coordinator took the report of a lost backup");
 }
 
 /// Which copies a push goes to: the keys this shard is the primary of, or its backup copies.
@@ -1726,6 +1777,9 @@ pub struct ShardService {
     tokens: std::sync::OnceLock<Signer>,
     /// Cancelled when the coordinator retires this shard.
     retire: CancellationToken,
+    /// The coordinators' addresses (comma-separated), for a primary's report of a backup it
+    /// cannot reach; none in the simulation.
+    coordinator: std::sync::OnceLock<String>,
 }
 
 impl ShardService {
@@ -1744,7 +1798,13 @@ impl ShardService {
             link,
             tokens: std::sync::OnceLock::new(),
             retire,
+            coordinator: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Reports backups it cannot reach to the coordinators at `addrs` (comma-separated).
+    pub fn report_to(&self, addrs: &str) {
+        let _ = self.coordinator.set(addrs.to_string());
     }
 
     /// Accepts the tokens the coordinator signs with `key` for job `job` (given when this
@@ -1991,9 +2051,10 @@ impl ShardService {
         let claim = st.push_forwarding(push, in_flight, &mut || {
             for fwd in st.forwards(push) {
                 let (st, link) = (st.clone(), self.link.clone());
+                let coordinator = self.coordinator.get().cloned();
                 st.forwarding.fetch_add(1, Ordering::Relaxed);
                 started.push(tokio::spawn(async move {
-                    let r = forward(&st, &*link, fwd).await;
+                    let r = forward(&st, &*link, fwd, coordinator.as_deref()).await;
                     st.forwarding.fetch_sub(1, Ordering::Relaxed);
                     r
                 }));
@@ -2285,6 +2346,7 @@ pub async fn run(
         return Ok(());
     };
     service.trust(&token_key, &identity.job);
+    service.report_to(&config.coordinator);
     // A shard of a replicated job that the map gives nothing rejoins as a standby: the live
     // copies on the other shards hold everything acknowledged since its checkpoint.
     let standby = job.replicas > 1 && !map.places(id);

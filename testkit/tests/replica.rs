@@ -284,3 +284,94 @@ async fn run(kills: u32) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The primary of key 0 is cut off from its backup (the fault layer drops every datagram
+/// between the two, both still reach everyone else) while two workers push: its pushes wait
+/// for the backup until it reports it lost, the coordinator drops it as the backup of the
+/// primary's ranges, and training goes on; a new backup is seeded where one can be, and once
+/// the link heals every range has its two copies. Nothing acknowledged is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_cut_off_from_its_backup_goes_on_and_the_copies_come_back() -> anyhow::Result<()>
+{
+    use edl_shared::faults::Faults;
+    use edl_shared::proto::Consistency;
+    use edl_testkit::{TestCluster, counter_job};
+
+    let faults = Faults::new(11);
+    let mut job = counter_job(FLOATS as u32, 1, Consistency::Asp);
+    job.train_samples = 4 * SAMPLES;
+    job.partition_size = PARTITION;
+    job.batch_size = BATCH;
+    job.lease_ms = 20_000;
+    job.replicas = 2;
+    let cluster = TestCluster::start_with_faults(job, 3, faults.clone()).await?;
+    let observer = cluster.connect("observer").await?;
+    let map = observer.map();
+    let primary = map.owner(Key(0)).expect("placed");
+    let backup = map.backups_of(Key(0)).next().expect("a backup");
+    let acks = Arc::new(Acks::default());
+    let t0 = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for name in ["w0", "w1"] {
+        let job = cluster.connect(name).await?;
+        workers.spawn(work(job, name.to_string(), acks.clone(), t0));
+    }
+    while acks.count.load(Ordering::Relaxed) < 20 {
+        anyhow::ensure!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (p, b) = (format!("s{}", primary.0), format!("s{}", backup.0));
+    faults.partition(p.as_str(), b.as_str());
+    let cut_at = t0.elapsed();
+    // The backup is dropped for the primary's ranges, and pushes go on.
+    let dropped = loop {
+        let map = observer.map();
+        if !map.backups_of(Key(0)).any(|s| s == backup) {
+            break acks.count.load(Ordering::Relaxed);
+        }
+        anyhow::ensure!(
+            t0.elapsed() < cut_at + Duration::from_secs(60),
+            "{b} was never dropped as {p}'s backup: {map:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let went_on = loop {
+        let n = acks.count.load(Ordering::Relaxed);
+        if n >= dropped + 20 {
+            break n;
+        }
+        anyhow::ensure!(
+            t0.elapsed() < cut_at + Duration::from_secs(90),
+            "training stopped after the backup was dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(faults.stats().partitioned > 0, "the cut dropped nothing");
+    faults.heal(p.as_str(), b.as_str());
+    eprintln!(
+        "cut at {cut_at:?}: {b} dropped as {p}'s backup after {dropped} pushes, {went_on} since"
+    );
+    let mut pushed = 0;
+    while let Some(done) = workers.join_next().await {
+        pushed += done??;
+    }
+    let total = u64::from(4 * SAMPLES / BATCH);
+    assert_eq!(pushed, total);
+    let copied = loop {
+        let map = observer.map();
+        if fully_copied(&map, 2) {
+            break map;
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(180),
+            "the copies never came back: {map:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut now = vec![0f32; FLOATS];
+    observer.pull_all(&mut now, Clock(0)).await?;
+    assert!(now.iter().all(|v| *v == total as f32), "{now:?}");
+    edl_testkit::assert_exactly_once(&observer, u64::from(4 * SAMPLES)).await?;
+    eprintln!("copies back: {copied:?}");
+    Ok(())
+}

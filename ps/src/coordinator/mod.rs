@@ -109,6 +109,11 @@ pub struct Coordinator {
     /// must not count on its lease.
     probed: std::sync::Mutex<Option<tokio::time::Instant>>,
     probe_window: std::sync::Mutex<Duration>,
+    /// A replicated job's shards not to seed new backups on until the time given: one its
+    /// primary could not reach, or whose seeding failed.
+    avoid: std::sync::Mutex<
+        std::collections::HashMap<edl_shared::proto::ShardId, tokio::time::Instant>,
+    >,
 }
 
 impl Coordinator {
@@ -139,6 +144,7 @@ impl Coordinator {
             from_memory: Default::default(),
             probed: std::sync::Mutex::new(None),
             probe_window: std::sync::Mutex::new(Duration::from_millis(750)),
+            avoid: Default::default(),
         }
     }
 
@@ -499,7 +505,7 @@ impl Coordinator {
 impl Service for Coordinator {
     fn allowed(&self, role: Role, req: &Request) -> bool {
         match req {
-            Request::ShardJoin { .. } => role == Role::Shard,
+            Request::ShardJoin { .. } | Request::BackupLost { .. } => role == Role::Shard,
             Request::Preempt { .. } | Request::Evaluation { .. } => {
                 role == Role::Admin || role == Role::Worker
             }
@@ -786,6 +792,7 @@ impl Coordinator {
                 self.reshape(reshard::Reshape::Move { start, end, to })
                     .await
             }
+            Request::BackupLost { backup } => self.backup_lost(peer, backup).await,
             Request::WaitMap { after } => {
                 let newer = self
                     .wait_for(|st| match st.map() {

@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use edl_shared::proto::{Parts, Request, Response, ShardId, ShardMap};
+use edl_shared::proto::{ErrorCode, Parts, Request, Response, ShardId, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::CallError;
 use tokio::time::Instant;
@@ -30,6 +30,9 @@ const ASK: Duration = Duration::from_secs(1);
 const SILENT: Duration = Duration::from_millis(250);
 /// A shard silent this long is dead, its socket found gone or not.
 pub const DEAD_AFTER: Duration = Duration::from_secs(3);
+/// How long a shard a primary could not reach, or whose seeding failed, is not picked for a
+/// new backup (a cut link heals in its own time; meanwhile other shards are tried).
+const AVOID: Duration = Duration::from_secs(30);
 
 impl Coordinator {
     /// Watches the shards of a replicated job until `stop`, promoting the backups of those
@@ -115,9 +118,12 @@ impl Coordinator {
                 }
             }
             if seeding.as_ref().is_none_or(|s| s.is_finished()) {
+                let avoid = self.avoided(now);
                 let up: Vec<ShardId> = answered
                     .iter()
-                    .filter(|(_, t)| now.saturating_duration_since(**t) < SILENT * 4)
+                    .filter(|(id, t)| {
+                        now.saturating_duration_since(**t) < SILENT * 4 && !avoid.contains(id)
+                    })
                     .map(|(id, _)| *id)
                     .collect();
                 let short = self.lock().under_replicated(&up);
@@ -189,6 +195,9 @@ impl Coordinator {
                 false
             }
         };
+        if !seeded {
+            self.avoid(to);
+        }
         let (map, skip) = if seeded {
             (map, vec![primary.0, to])
         } else {
@@ -208,6 +217,54 @@ impl Coordinator {
             .filter(|(id, _)| map.places(*id))
             .collect();
         reshard::announce(&caller, &map, shards, &skip, self.term());
+    }
+
+    /// The shard that sent `peer`'s request, a primary, cannot reach its backup `backup`:
+    /// publishes the map without `backup` as the backup of its ranges (made durable first).
+    /// The two may both be alive (their link cut): the primary then goes on alone, and the
+    /// ranges get a new backup seeded as soon as a shard can take it.
+    pub(super) async fn backup_lost(&self, peer: &edl_shared::Peer, backup: ShardId) -> Response {
+        let Some(caller) = self.caller.get().cloned() else {
+            return Response::error(ErrorCode::NotReady, "the coordinator has no shard link yet");
+        };
+        let (from, map, shards) = {
+            let mut st = self.lock();
+            let from = match st.resolve_shard(&peer.name) {
+                Ok(id) => id,
+                Err((code, msg)) => return Response::error(code, msg),
+            };
+            let Some(map) = st.drop_backup(from, backup) else {
+                return Response::Ack;
+            };
+            let shards = st
+                .live_shards()
+                .into_iter()
+                .filter(|(id, _)| map.places(*id) || *id == backup)
+                .collect::<Vec<_>>();
+            (from, map, shards)
+        };
+        self.bump();
+        if !self.durable().await {
+            return Response::NotLeader { leader: None };
+        }
+        self.avoid(backup);
+        warn!(primary = %from, %backup, epoch = %map.epoch, "the primary cannot reach its \
+            backup: dropped as the backup of its ranges");
+        reshard::announce(&caller, &map, shards, &[], self.term());
+        Response::Ack
+    }
+
+    /// Picks no new backups on `shard` for a while ([`AVOID`]).
+    fn avoid(&self, shard: ShardId) {
+        let mut avoid = self.avoid.lock().unwrap_or_else(|p| p.into_inner());
+        avoid.insert(shard, Instant::now() + AVOID);
+    }
+
+    /// The shards not to seed new backups on at `now`.
+    fn avoided(&self, now: Instant) -> Vec<ShardId> {
+        let mut avoid = self.avoid.lock().unwrap_or_else(|p| p.into_inner());
+        avoid.retain(|_, until| *until > now);
+        avoid.keys().copied().collect()
     }
 
     /// Replaces the dead shard `dead` by its backups: publishes the map without it (made

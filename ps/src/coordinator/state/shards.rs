@@ -368,6 +368,16 @@ impl CoordinatorState {
         Ok(self.issue(map))
     }
 
+    /// The primary `from` cannot reach its backup `backup`: the map without `backup` as the
+    /// backup of `from`'s ranges, at a fresh epoch, published. `None` if it is the backup of
+    /// none of them.
+    pub fn drop_backup(&mut self, from: ShardId, backup: ShardId) -> Option<ShardMap> {
+        let map = self.map.as_ref()?.without_backup(from, backup)?;
+        let map = self.issue(map);
+        self.map = Some(map.clone());
+        Some(map)
+    }
+
     /// Publishes the map of a completed seeding; false (nothing published) if a newer map
     /// was published meanwhile (a shard died during the seeding): the seeding is void.
     pub fn commit_copy(&mut self, map: ShardMap) -> bool {

@@ -375,3 +375,63 @@ async fn a_primary_cut_off_from_its_backup_goes_on_and_the_copies_come_back() ->
     eprintln!("copies back: {copied:?}");
     Ok(())
 }
+
+/// An operator removes the primary of key 0 while two workers push: its backups take its
+/// ranges at once (nothing is copied first: they hold everything it acknowledged), the
+/// shard retires, and the two shards left each get a copy of every range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_primary_hands_its_ranges_to_their_backups() -> anyhow::Result<()> {
+    use edl_shared::proto::Consistency;
+    use edl_testkit::{TestCluster, counter_job};
+
+    let mut job = counter_job(FLOATS as u32, 1, Consistency::Asp);
+    job.train_samples = SAMPLES;
+    job.partition_size = PARTITION;
+    job.batch_size = BATCH;
+    job.lease_ms = 20_000;
+    job.replicas = 2;
+    let cluster = TestCluster::start(job, 3).await?;
+    let observer = cluster.connect("observer").await?;
+    let primary = observer.map().owner(Key(0)).expect("placed");
+    let acks = Arc::new(Acks::default());
+    let t0 = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for name in ["w0", "w1"] {
+        let job = cluster.connect(name).await?;
+        workers.spawn(work(job, name.to_string(), acks.clone(), t0));
+    }
+    while acks.count.load(Ordering::Relaxed) < 20 {
+        anyhow::ensure!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let view = cluster
+        .admin()
+        .await?
+        .shard_remove(&format!("s{}", primary.0))
+        .await?;
+    eprintln!("removed s{}: {view:?}", primary.0);
+    let mut pushed = 0;
+    while let Some(done) = workers.join_next().await {
+        pushed += done??;
+    }
+    let total = u64::from(SAMPLES / BATCH);
+    assert_eq!(pushed, total);
+    let map = loop {
+        let map = observer.map();
+        if fully_copied(&map, 2) {
+            break map;
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the copies never came back: {map:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!map.places(primary), "{map:?}");
+    let mut now = vec![0f32; FLOATS];
+    observer.pull_all(&mut now, Clock(0)).await?;
+    assert!(now.iter().all(|v| *v == total as f32), "{now:?}");
+    let ledgers = edl_testkit::assert_exactly_once(&observer, u64::from(SAMPLES)).await?;
+    assert_eq!(ledgers.len(), 2, "{ledgers:?}");
+    Ok(())
+}

@@ -205,6 +205,11 @@ impl Coordinator {
         if let Err((code, msg)) = self.resolve(&caller).await {
             return Response::error(code, msg);
         }
+        if let Reshape::Remove(name) = &op
+            && self.lock().job().replicas > 1
+        {
+            return self.remove_replicated(&caller, name).await;
+        }
         let plan = match self.plan(&caller, &op).await {
             Ok(p) => p,
             Err((code, msg)) => return Response::error(code, msg),
@@ -256,6 +261,69 @@ impl Coordinator {
         match self.lock().map() {
             Some(map) => Response::Resharded { moves, map },
             None => Response::error(ErrorCode::NotReady, "the shard map is not formed yet"),
+        }
+    }
+
+    /// Removes a shard of a replicated job: its ranges go to their first backups (which hold
+    /// everything it acknowledged) in a map published before it is told to retire, and new
+    /// backups are seeded in the background. Refused while one of its ranges has no backup.
+    async fn remove_replicated(&self, caller: &Arc<dyn ShardLink>, name: &str) -> Response {
+        let (id, map, shards, addr) = {
+            let mut st = self.lock();
+            let id = match st.resolve_shard(name) {
+                Ok(id) => id,
+                Err((code, msg)) => return Response::error(code, msg),
+            };
+            let Some(current) = st.map() else {
+                return Response::error(ErrorCode::NotReady, "the shard map is not formed yet");
+            };
+            let alone = current.ranges_of(id).find_map(|r| {
+                (r.start..r.end).find(|k| {
+                    current
+                        .backups_of(edl_shared::proto::Key(*k))
+                        .next()
+                        .is_none()
+                })
+            });
+            if let Some(k) = alone {
+                return Response::error(
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "{id} holds the only copy of key {k}: wait until its range has a backup \
+                         again (edlctl shards shows them), then remove it"
+                    ),
+                );
+            }
+            let map = st.promote(id).unwrap_or(current);
+            st.retire_shard(id);
+            let shards: Vec<(ShardId, String)> = st
+                .live_shards()
+                .into_iter()
+                .filter(|(s, _)| map.places(*s))
+                .collect();
+            let addr = st.shard_list().into_iter().find(|s| s.id == id);
+            (id, map, shards, addr)
+        };
+        self.bump();
+        if !self.durable().await {
+            let (code, msg) = deposed();
+            return Response::error(code, msg);
+        }
+        announce(caller, &map, shards, &[id], self.term());
+        if let Some(entry) = addr {
+            let req = Request::SetMap {
+                map: map.clone(),
+                retire: true,
+                term: self.term(),
+            };
+            if let Err(e) = caller.call(&entry.addr, req, Parts::default()).await {
+                warn!(shard = %id, error = %e, "could not tell the removed shard to retire");
+            }
+        }
+        info!(shard = %id, epoch = %map.epoch, "shard removed: its backups took its ranges");
+        Response::Resharded {
+            moves: Vec::new(),
+            map,
         }
     }
 

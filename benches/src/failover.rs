@@ -97,8 +97,8 @@ pub struct Report {
 const FLOATS: u32 = 4;
 const CHUNK: u32 = 2;
 /// Samples per partition and per batch.
-const PARTITION: u32 = 64;
-const BATCH: u32 = 4;
+pub(crate) const PARTITION: u32 = 64;
+pub(crate) const BATCH: u32 = 4;
 /// How long one failover may take before the run fails.
 const FAILOVER_LIMIT: Duration = Duration::from_secs(60);
 
@@ -191,8 +191,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
     )
     .await?;
     // Every worker's commit times.
-    let commits: Vec<Arc<Mutex<Vec<Instant>>>> =
-        (0..plan.workers).map(|_| Arc::default()).collect();
+    let commits: Vec<Arc<Mutex<Vec<Step>>>> = (0..plan.workers).map(|_| Arc::default()).collect();
     let stop = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();
     for (i, times) in commits.iter().enumerate() {
@@ -202,7 +201,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
             settings: TransportSettings::default(),
         };
         let (times, stop) = (times.clone(), stop.clone());
-        tasks.spawn(async move { train(cfg, i, times, stop).await });
+        tasks.spawn(async move { train(cfg, (i, FLOATS as usize), times, stop).await });
     }
     let first_commits = Instant::now();
     while commits
@@ -246,7 +245,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
             let next: Option<Vec<Instant>> = commits
                 .iter()
                 .map(|c| {
-                    let t = c.lock().map(|t| t.last().copied()).ok().flatten()?;
+                    let t = c.lock().map(|t| t.last().map(|s| s.1)).ok().flatten()?;
                     (t > killed).then_some(t)
                 })
                 .collect();
@@ -316,17 +315,20 @@ async fn leader(admin: &Admin) -> Option<String> {
     None
 }
 
-/// One worker: push and commit batches until `stop`, recording when each commit completed;
-/// then leaves.
-async fn train(
+/// One step of a worker: when its push began, and when its commit completed.
+pub(crate) type Step = (Instant, Instant);
+
+/// One worker of a counter job of `floats` floats: push and commit batches of [`BATCH`]
+/// until `stop`, recording each step's times; then leaves.
+pub(crate) async fn train(
     cfg: ClientConfig,
-    i: usize,
-    times: Arc<Mutex<Vec<Instant>>>,
+    (i, floats): (usize, usize),
+    times: Arc<Mutex<Vec<Step>>>,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let job = Job::connect(&cfg).await?;
     let mut s = job.register(&format!("w{i}")).await?;
-    let grads = vec![-1.0f32; FLOATS as usize];
+    let grads = vec![-1.0f32; floats];
     'run: while let Some(p) = s.next_partition().await? {
         let mut at = p.start;
         while at < p.start + p.len {
@@ -334,10 +336,11 @@ async fn train(
                 break 'run;
             }
             let span = batch_span(&p, at, BATCH);
+            let began = Instant::now();
             s.push_span(&grads, span).await?;
             s.commit_span(span, 0.0).await?;
             if let Ok(mut t) = times.lock() {
-                t.push(Instant::now());
+                t.push((began, Instant::now()));
             }
             at = span.end;
         }

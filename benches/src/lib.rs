@@ -12,6 +12,7 @@ pub mod elastic;
 pub mod failover;
 pub mod load;
 pub mod plots;
+pub mod promote;
 pub mod report;
 pub mod scale;
 pub mod stats;

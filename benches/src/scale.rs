@@ -157,6 +157,8 @@ pub struct Plan {
     pub ceiling_workers: usize,
     /// Transport settings for servers and workers.
     pub settings: TransportSettings,
+    /// Copies of every key range (a series over fewer shards is skipped).
+    pub replicas: u32,
 }
 
 impl Plan {
@@ -194,6 +196,7 @@ impl Plan {
             window: Duration::from_millis(if quick { 200 } else { 2500 }),
             ceiling_workers: if quick { 2 } else { 8 },
             settings,
+            replicas: 1,
         }
     }
 }
@@ -313,7 +316,8 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
         }
     }
     for (shards, consistency) in clusters {
-        let job = counter_job(floats, plan.chunk, consistency);
+        let mut job = counter_job(floats, plan.chunk, consistency);
+        job.replicas = plan.replicas;
         let cluster = TestCluster::start_with(job, shards as u32, plan.settings.clone())
             .await
             .context("starting the cluster")?;

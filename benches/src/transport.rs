@@ -38,6 +38,11 @@ use crate::stats::{Samples, gbps};
 /// without the update), bare quinn and plain TCP.
 pub const SYSTEMS: [&str; 4] = ["edl", "edl-noopt", "quinn", "tcp"];
 
+/// EDL keeping two copies of every key range (`--replicas 2`): each shard the primary of its
+/// share and the backup of another's, so a push is acknowledged once its backup holds it too.
+/// Not run by default; measured at points with at least 2 shards, beside `edl`.
+pub const REPLICATED: &str = "edl-r2";
+
 /// One measurement.
 #[derive(Clone, Debug, Serialize)]
 pub struct Row {
@@ -144,9 +149,13 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
         for &size in &plan.sizes {
             let runs = |sys: &str| plan.systems.iter().any(|s| s == sys);
             let mut ready: Vec<(&str, Ready)> = Vec::new();
-            for (system, apply) in [("edl", true), ("edl-noopt", false)] {
-                if runs(system) {
-                    let r = edl(size, (clients, shards), apply, &plan.settings)
+            for (system, apply, replicas) in [
+                ("edl", true, 1),
+                ("edl-noopt", false, 1),
+                (REPLICATED, true, 2),
+            ] {
+                if runs(system) && shards >= replicas {
+                    let r = edl(size, (clients, shards), (apply, replicas), &plan.settings)
                         .await
                         .with_context(|| format!("{system} {size} B"))?;
                     ready.push((system, r));
@@ -215,6 +224,33 @@ async fn take_turns(
         }
     }
     Ok(measured)
+}
+
+/// Per point where both ran, the price of a second copy: `edl-r2`'s pair time (p50) and
+/// throughput against `edl`'s, as lines to print.
+pub fn replication_costs(rows: &[Row]) -> Vec<String> {
+    rows.iter()
+        .filter(|r| r.system == REPLICATED)
+        .filter_map(|r2| {
+            let one = rows.iter().find(|r| {
+                r.system == "edl"
+                    && (r.size, r.clients, r.shards) == (r2.size, r2.clients, r2.shards)
+            })?;
+            Some(format!(
+                "replication cost, {} B, {}x{}: p50 {:.0} us with 2 copies against {:.0} us with \
+                 one ({:.2}x); throughput {:.1} against {:.1} Gbit/s ({:.2}x)",
+                r2.size,
+                r2.clients,
+                r2.shards,
+                r2.p50_us,
+                one.p50_us,
+                r2.p50_us / one.p50_us.max(f64::MIN_POSITIVE),
+                r2.gbps * 8.0,
+                one.gbps * 8.0,
+                r2.gbps / one.gbps.max(f64::MIN_POSITIVE),
+            ))
+        })
+        .collect()
 }
 
 fn ratios(rows: &[Row]) -> Vec<Ratio> {
@@ -339,7 +375,7 @@ async fn measure(
 async fn edl(
     size: usize,
     (clients, shards): (usize, usize),
-    apply: bool,
+    (apply, replicas): (bool, usize),
     settings: &TransportSettings,
 ) -> anyhow::Result<Ready> {
     let floats = (size / 4).max(1);
@@ -349,6 +385,7 @@ async fn edl(
     if !apply {
         job.optimizer = OptimizerSpec::sgd(0.0);
     }
+    job.replicas = replicas as u32;
     let cluster = TestCluster::start_with(job, shards as u32, settings.clone()).await?;
     let mut sessions = Vec::new();
     for c in 0..clients {

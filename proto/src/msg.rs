@@ -704,6 +704,9 @@ pub enum Request {
         span: Option<DataSpan>,
         /// The push's covered ranges this backup holds copies of.
         covers: Vec<KeyRange>,
+        /// The primary is seeding this backup with the keys (`CopyIn`): one that does not
+        /// hold them yet keeps the push until the copy arrives, and acknowledges it at once.
+        seeding: bool,
     },
     /// A long poll for the shard map: answered with `Map` once the coordinator's map is newer
     /// than `after` (or with the current one when the poll times out).

@@ -236,6 +236,12 @@ pub struct ShardState {
     backup_ledgers: Mutex<Ledgers>,
     /// Forwarded pushes not yet acknowledged by every backup (how far the backups lag).
     forwarding: AtomicU64,
+    /// A primary: the backups it is seeding (`CopyOut` under way), with their ranges; pushes
+    /// forwarded to them say so.
+    seeding: Mutex<Vec<(ShardId, u64, u64)>>,
+    /// A new backup: pushes forwarded before the copy of their keys arrived, applied once it
+    /// has (see [`ShardState::keep_or_replicate`]), with their payload bytes in all.
+    incoming: Mutex<(Vec<Kept>, u64)>,
     load: Load,
     /// Pushes and pulls hold it shared while they check that they hold their keys and use
     /// them; a checkpoint holds it exclusively while it copies the state, so it never sees
@@ -344,6 +350,8 @@ impl ShardState {
             backup_chunks,
             backup_ledgers: Mutex::new(backup_ledgers),
             forwarding: AtomicU64::new(0),
+            seeding: Mutex::new(Vec::new()),
+            incoming: Mutex::new((Vec::new(), 0)),
             map: watch::Sender::new(Arc::new(map)),
             ledgers: Mutex::new(ledgers),
             load: Load::default(),
@@ -555,6 +563,11 @@ impl ShardState {
                 not_primary.into_iter(),
             ));
         }
+        let mut incoming = lock(&self.incoming);
+        let (kept, bytes) = &mut *incoming;
+        kept.retain(|p| p.keys().all(|k| map.backups_of(k).any(|s| s == me)));
+        *bytes = kept.iter().map(Kept::bytes).sum();
+        drop(incoming);
         let not_backed: Vec<Key> = self
             .backup_chunks
             .iter()
@@ -1121,10 +1134,15 @@ impl ShardState {
         Ok(())
     }
 
-    /// A primary's copy of keys `[start, end)` for a new backup, which `map` (newer than this
-    /// shard's) lists: taken under the gate, where this shard adopts `map`, so that every push
-    /// is either in the copy or forwarded to the new backup.
-    pub fn copy(&self, start: u64, end: u64, map: &ShardMap) -> Result<RangeExport, Refusal> {
+    /// A primary's copy of keys `[start, end)` for their new backup `to`, which `map` (newer
+    /// than this shard's) lists: taken under the gate, where this shard adopts `map`, so that
+    /// every push is either in the copy or forwarded to the new backup (marked as seeding
+    /// until [`ShardState::seeded`]).
+    pub fn copy(
+        &self,
+        (start, end, to): (u64, u64, ShardId),
+        map: &ShardMap,
+    ) -> Result<RangeExport, Refusal> {
         let export = {
             let _gate = write_lock(&self.gate);
             let held = self.map_epoch();
@@ -1137,6 +1155,11 @@ impl ShardState {
                     ),
                 ));
             }
+            // The map may also be the first news of a promotion here (the coordinator's
+            // announcement of it still on its way): adopted first, it promotes the backup
+            // copies it makes primary here.
+            self.set_map(map);
+            self.follow(map);
             if start >= end
                 || !self.holds((start..end).map(Key))
                 || (start..end).any(|k| map.owner(Key(k)) != Some(self.id))
@@ -1158,12 +1181,35 @@ impl ShardState {
                 }
             }
             let ledgers = self.ledgers().export(&segments);
-            self.set_map(map);
-            self.follow(map);
+            lock(&self.seeding).push((to, start, end));
             RangeExport { chunks, ledgers }
         };
         self.map_changed.notify_waiters();
         Ok(export)
+    }
+
+    /// The seeding of `to` with keys `[start, end)` ended (taken, or given up).
+    pub fn seeded(&self, to: ShardId, start: u64, end: u64) {
+        lock(&self.seeding).retain(|s| *s != (to, start, end));
+    }
+
+    /// A new backup's handling of a push its primary forwarded while seeding it: applied if the
+    /// copy of its keys is here already, else kept (acknowledged: held in memory, applied once
+    /// the copy arrives, [`ShardState::seed`]). `None` if it was neither: more is kept than
+    /// [`KEPT_BYTES`] (the caller waits for the copy instead).
+    pub fn keep_or_replicate(&self, push: Kept) -> Option<Result<Claim, Refusal>> {
+        let mut incoming = lock(&self.incoming);
+        if push.keys().all(|k| self.backup_chunks.contains_key(&k)) {
+            drop(incoming);
+            return Some(self.replicate(push.as_ref()));
+        }
+        let (kept, bytes) = &mut *incoming;
+        if *bytes + push.bytes() > KEPT_BYTES {
+            return None;
+        }
+        *bytes += push.bytes();
+        kept.push(push);
+        Some(Ok(Claim::Apply))
     }
 
     /// Takes the copy of keys `[start, end)` a primary made for this shard as their new backup
@@ -1196,6 +1242,23 @@ impl ShardState {
             }
         }
         self.map_changed.notify_waiters();
+        // The pushes forwarded while the copy was on its way, now that it is here.
+        let ready: Vec<Kept> = {
+            let mut incoming = lock(&self.incoming);
+            let (kept, bytes) = &mut *incoming;
+            let (ready, wait): (Vec<Kept>, Vec<Kept>) = std::mem::take(kept)
+                .into_iter()
+                .partition(|p| p.keys().all(|k| self.backup_chunks.contains_key(&k)));
+            *kept = wait;
+            *bytes = kept.iter().map(Kept::bytes).sum();
+            ready
+        };
+        for push in ready {
+            if let Err(r) = self.replicate(push.as_ref()) {
+                tracing::error!(shard = %self.id, error = %r.message,
+                    "a push kept for a copy could not be applied to it");
+            }
+        }
         Ok(())
     }
 
@@ -1260,6 +1323,9 @@ impl ShardState {
                 let addr = map.addr_of(shard)?.to_string();
                 let mut keys: Vec<Key> = refs.iter().map(|c| c.key).collect();
                 keys.extend(covered.iter().map(|k| Key(*k)));
+                let seeding = lock(&self.seeding)
+                    .iter()
+                    .any(|(to, a, b)| *to == shard && keys.iter().any(|k| *a <= k.0 && k.0 < *b));
                 let req = Request::Replicate {
                     epoch: map.epoch,
                     worker,
@@ -1267,6 +1333,7 @@ impl ShardState {
                     chunks: refs,
                     span: span.cloned(),
                     covers: KeyRange::runs(covered.into_iter()),
+                    seeding,
                 };
                 Some(Forward {
                     shard,
@@ -1296,6 +1363,67 @@ impl ShardState {
     /// The per-epoch data ledger (the worst of its segments); empty without keys.
     pub fn ledger_report(&self) -> Vec<EpochLedger> {
         self.ledgers().report()
+    }
+}
+
+/// The most payload bytes a new backup keeps for the copy it waits for; past it, a forwarded
+/// push waits for the copy instead of being kept.
+const KEPT_BYTES: u64 = 1 << 30;
+
+/// A forwarded push a new backup keeps until the copy of its keys arrives.
+#[derive(Debug)]
+pub struct Kept {
+    epoch: MapEpoch,
+    worker: WorkerId,
+    clock: Clock,
+    chunks: Vec<ChunkRef>,
+    payload: Vec<Bytes>,
+    span: Option<DataSpan>,
+    covers: Vec<KeyRange>,
+}
+
+impl Kept {
+    /// A push as a `Replicate` request carries it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        epoch: MapEpoch,
+        worker: WorkerId,
+        clock: Clock,
+        chunks: Vec<ChunkRef>,
+        payload: Vec<Bytes>,
+        span: Option<DataSpan>,
+        covers: Vec<KeyRange>,
+    ) -> Kept {
+        Kept {
+            epoch,
+            worker,
+            clock,
+            chunks,
+            payload,
+            span,
+            covers,
+        }
+    }
+
+    fn as_ref(&self) -> PushRef<'_> {
+        (
+            self.epoch,
+            self.worker,
+            self.clock,
+            &self.chunks,
+            &self.payload,
+            self.span.as_ref(),
+            &self.covers,
+        )
+    }
+
+    fn keys(&self) -> impl Iterator<Item = Key> + '_ {
+        let covered = self.covers.iter().flat_map(|r| (r.start..r.end).map(Key));
+        self.chunks.iter().map(|c| c.key).chain(covered)
+    }
+
+    fn bytes(&self) -> u64 {
+        self.payload.iter().map(|p| p.len() as u64).sum()
     }
 }
 
@@ -1956,44 +2084,14 @@ impl ShardService {
         let Some(addr) = map.addr_of(to).map(str::to_string) else {
             return Err(invalid(format!("the new map has no address for {to}")));
         };
-        let export = st.copy(start, end, &map).map_err(Response::from)?;
+        let export = st.copy((start, end, to), &map).map_err(Response::from)?;
         let held = edl_shared::clock::now();
-        let payload = export.encode().map_err(|e| {
-            Response::error(
-                ErrorCode::Internal,
-                format!("encoding keys {start}..{end}: {e}"),
-            )
+        let result = self.hand_copy((start, end, to), &addr, &map, export).await;
+        st.seeded(to, start, end);
+        let bytes = result.inspect_err(|e| {
+            tracing::warn!(shard = %st.id(), %to, start, end, error = ?e,
+                "seeding a backup failed");
         })?;
-        let bytes = payload.len() as u64;
-        let req = Request::CopyIn {
-            start,
-            end,
-            map: map.clone(),
-        };
-        let deadline = tokio::time::Instant::now() + HANDOFF_WINDOW;
-        let mut delay = Duration::from_millis(50);
-        loop {
-            let call = self
-                .link
-                .call(&addr, req.clone(), Parts(vec![payload.clone()]));
-            let err = match call.await {
-                Ok(Response::Ack) => break,
-                Ok(other) => CallError::unexpected(&other),
-                Err(e) => e,
-            };
-            if matches!(err, CallError::Remote { .. })
-                || tokio::time::Instant::now() + delay >= deadline
-            {
-                tracing::warn!(shard = %st.id(), %to, start, end, error = %err,
-                    "seeding a backup failed");
-                return Err(Response::error(
-                    ErrorCode::Internal,
-                    format!("seeding {to} with keys {start}..{end} failed: {err}"),
-                ));
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(1));
-        }
         let hold_ms = held.elapsed().as_secs_f64() * 1000.0;
         info!(shard = %st.id(), %to, start, end, bytes, "backup seeded");
         Ok(Frame::new(Response::Moved(MoveReport {
@@ -2007,6 +2105,51 @@ impl ShardService {
             millis: t0.elapsed().as_secs_f64() * 1000.0,
             hold_ms,
         })))
+    }
+
+    /// Hands the copy `export` of keys `[start, end)` to their new backup `to` at `addr`
+    /// (`CopyIn`, with `map`), repeating it on connection failures for [`HANDOFF_WINDOW`];
+    /// the copy's bytes once `to` took it.
+    async fn hand_copy(
+        &self,
+        (start, end, to): (u64, u64, ShardId),
+        addr: &str,
+        map: &ShardMap,
+        export: RangeExport,
+    ) -> Result<u64, Response> {
+        let payload = export.encode().map_err(|e| {
+            Response::error(
+                ErrorCode::Internal,
+                format!("encoding keys {start}..{end}: {e}"),
+            )
+        })?;
+        let req = Request::CopyIn {
+            start,
+            end,
+            map: map.clone(),
+        };
+        let deadline = tokio::time::Instant::now() + HANDOFF_WINDOW;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let call = self
+                .link
+                .call(addr, req.clone(), Parts(vec![payload.clone()]));
+            let err = match call.await {
+                Ok(Response::Ack) => return Ok(payload.len() as u64),
+                Ok(other) => CallError::unexpected(&other),
+                Err(e) => e,
+            };
+            if matches!(err, CallError::Remote { .. })
+                || tokio::time::Instant::now() + delay >= deadline
+            {
+                return Err(Response::error(
+                    ErrorCode::Internal,
+                    format!("seeding {to} with keys {start}..{end} failed: {err}"),
+                ));
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(1));
+        }
     }
 
     /// Takes keys handed over by another shard, and makes the checkpoint agree before
@@ -2191,7 +2334,28 @@ impl Service for ShardService {
                 chunks,
                 span,
                 covers,
+                seeding,
             } => {
+                let kept = seeding
+                    .then(|| {
+                        let push = Kept::new(
+                            epoch,
+                            worker,
+                            clock,
+                            chunks.clone(),
+                            payload.0.clone(),
+                            span,
+                            covers.clone(),
+                        );
+                        st.keep_or_replicate(push)
+                    })
+                    .flatten();
+                if let Some(done) = kept {
+                    return Frame::new(match done {
+                        Ok(_) => Response::Ack,
+                        Err(r) => Response::from(r),
+                    });
+                }
                 if epoch > st.map_epoch() {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }

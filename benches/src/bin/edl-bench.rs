@@ -46,7 +46,8 @@ enum Cmd {
         #[arg(long, value_delimiter = ',')]
         points: Vec<String>,
         /// Only these systems (edl, edl-noopt, quinn, tcp; and bare quinn striped over two
-        /// streams or connections: quinn-2streams, quinn-2conns); ratios need edl, quinn and tcp.
+        /// streams or connections: quinn-2streams, quinn-2conns; edl-r2: EDL keeping two copies
+        /// of every key range, at points of 2 shards or more); ratios need edl, quinn and tcp.
         #[arg(long, value_delimiter = ',')]
         systems: Vec<String>,
         /// Pairs per point instead of the size's default (longer runs for profiling).
@@ -88,6 +89,11 @@ enum Cmd {
         /// BSP steps); by default ASP, and one dense series over 2 shards under SSP(2).
         #[arg(long)]
         consistency: Option<Consistency>,
+        /// Copies of every key range (2: each push acknowledged once a backup holds it too);
+        /// series over fewer shards are skipped. Run once with 1 and once with 2 to see the
+        /// price of a copy.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+        replicas: u32,
     },
     /// Time to 0.85 test accuracy on Fashion-MNIST for 1, 2 and 4 workers under ASP, SSP(2)
     /// and BSP (real training on the CPU).
@@ -226,6 +232,34 @@ enum Cmd {
         #[arg(long)]
         restart_at_once: bool,
     },
+    /// A replicated job's shard deaths: the workers' pause when a primary is killed, and the
+    /// time until every range has its two copies again (real edl-ps processes, 3 shards,
+    /// `--replicas 2`).
+    Promote {
+        /// Kills [default: 10; 2 with --quick].
+        #[arg(long)]
+        kills: Option<usize>,
+        /// Workers.
+        #[arg(long, default_value_t = 3)]
+        workers: usize,
+        /// The MLP's layer widths: by default the jobs' default model (235,146 floats);
+        /// `4096,4096` is a 64 MiB model.
+        #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
+        layers: Vec<u32>,
+        /// Floats per key.
+        #[arg(long, default_value_t = edl_shared::jobfile::defaults::CHUNK_SIZE)]
+        chunk: u32,
+        /// The shards' optimizer, whose state is copied with the parameters (by default the
+        /// jobs' default, Adam: two floats of state per parameter).
+        #[arg(long, default_value = "adam:0.001")]
+        optimizer: String,
+        /// Steady training before each kill.
+        #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+        gap: std::time::Duration,
+        /// Where `edl-ps` is [default: next to edl-bench].
+        #[arg(long)]
+        bin_dir: Option<PathBuf>,
+    },
     /// Everything; rewrites BENCHMARKS.md and the plots under `--out`.
     All {
         /// Where BENCHMARKS.md and the plots go.
@@ -310,6 +344,7 @@ async fn main() -> anyhow::Result<()> {
                 let known: Vec<&str> = transport::SYSTEMS
                     .into_iter()
                     .chain(transport::QUINN.map(|(name, _)| name))
+                    .chain([transport::REPLICATED])
                     .collect();
                 if let Some(bad) = systems.iter().find(|s| !known.contains(&s.as_str())) {
                     anyhow::bail!("unknown system {bad:?}; known: {}", known.join(", "));
@@ -318,6 +353,9 @@ async fn main() -> anyhow::Result<()> {
             }
             let r = transport::run(&plan).await?;
             println!("{}", report::transport_table(&r));
+            for line in transport::replication_costs(&r.rows) {
+                println!("{line}");
+            }
             write_json(&cli.json, &r)?;
         }
         Cmd::Scale {
@@ -326,8 +364,11 @@ async fn main() -> anyhow::Result<()> {
             compute_ms,
             model,
             consistency,
+            replicas,
         } => {
             let mut plan = scale::Plan::standard(cli.quick, local);
+            plan.replicas = *replicas;
+            plan.series.retain(|s| s.shards >= *replicas as usize);
             if !workers.is_empty() {
                 plan.workers = workers.clone();
             }
@@ -354,6 +395,9 @@ async fn main() -> anyhow::Result<()> {
                 });
             }
             let r = scale::run(&plan).await?;
+            if plan.replicas > 1 {
+                println!("{} copies of every key range", plan.replicas);
+            }
             println!("{}", report::scale_table(&r));
             write_json(&cli.json, &r)?;
         }
@@ -521,6 +565,28 @@ async fn main() -> anyhow::Result<()> {
             };
             let r = edl_benches::failover::run(&plan).await?;
             println!("{}", edl_benches::failover::table(&r));
+            write_json(&cli.json, &r)?;
+        }
+        Cmd::Promote {
+            kills,
+            workers,
+            layers,
+            chunk,
+            optimizer,
+            gap,
+            bin_dir,
+        } => {
+            let plan = edl_benches::promote::Plan {
+                kills: kills.unwrap_or(if cli.quick { 2 } else { 10 }),
+                workers: *workers,
+                layers: layers.clone(),
+                chunk: *chunk,
+                optimizer: optimizer.clone(),
+                gap: *gap,
+                bin_dir: bin_dir.clone(),
+            };
+            let r = edl_benches::promote::run(&plan).await?;
+            println!("{}", edl_benches::promote::table(&r));
             write_json(&cli.json, &r)?;
         }
         Cmd::Apply => {

@@ -181,7 +181,7 @@ impl Coordinator {
                 let done = self.lock().commit_copy(map.clone());
                 if done {
                     info!(start, end, %to, bytes = report.bytes, millis = report.millis,
-                        pushes_waited_ms = report.hold_ms,
+                        handed_ms = report.hold_ms,
                         total_ms = t0.elapsed().as_secs_f64() * 1000.0, "backup seeded");
                 }
                 done
@@ -192,12 +192,14 @@ impl Coordinator {
             }
             Err(e) => {
                 warn!(start, end, %to, error = %e, "seeding a new backup failed");
+                // Not reaching the new backup (not a refusal of the primary's) keeps it from
+                // being picked for a while.
+                if e.code() == Some(ErrorCode::Internal) {
+                    self.avoid(to);
+                }
                 false
             }
         };
-        if !seeded {
-            self.avoid(to);
-        }
         let (map, skip) = if seeded {
             (map, vec![primary.0, to])
         } else {

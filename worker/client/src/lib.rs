@@ -526,11 +526,7 @@ impl Job {
                 tokio::select! {
                     biased;
                     r = call => r,
-                    map = self.unplaced(id) => Err(CallError::Remote {
-                        code: Some(ErrorCode::StaleEpoch),
-                        message: format!("{id} was replaced in shard map {}", map.epoch),
-                        map: Some(Box::new(map)),
-                    }),
+                    map = self.unplaced(id) => Err(replaced(id, map)),
                 }
             } else {
                 call.await
@@ -548,7 +544,17 @@ impl Job {
                     return other;
                 }
             };
-            outage.failed(err).await?;
+            if movable {
+                // A shard found dead is replaced within about a second: move on as soon as
+                // the new map comes, not after the next backoff.
+                tokio::select! {
+                    biased;
+                    map = self.unplaced(id) => return Err(replaced(id, map)),
+                    r = outage.failed(err) => r?,
+                }
+            } else {
+                outage.failed(err).await?;
+            }
             let map = match self.coordinator.call(Request::GetMap, Bytes::new()).await {
                 Ok(Frame {
                     msg: Response::Map(m),
@@ -567,6 +573,16 @@ impl Job {
                 *conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
             }
         }
+    }
+}
+
+/// The refusal of a call to shard `id`, which `map` no longer places anything on: the caller
+/// routes the call again under `map`.
+fn replaced(id: ShardId, map: ShardMap) -> CallError {
+    CallError::Remote {
+        code: Some(ErrorCode::StaleEpoch),
+        message: format!("{id} was replaced in shard map {}", map.epoch),
+        map: Some(Box::new(map)),
     }
 }
 

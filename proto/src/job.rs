@@ -1201,6 +1201,74 @@ mod tests {
         }
     }
 
+    /// Every key of `map`: its primary first, then its backups in promotion order.
+    fn copies(map: &ShardMap) -> Vec<Vec<u32>> {
+        (0..map.num_keys())
+            .map(|k| {
+                map.owner(Key(k))
+                    .into_iter()
+                    .chain(map.backups_of(Key(k)))
+                    .map(|s| s.0)
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn replicated_maps_promote_backups_and_drop_and_add_copies() {
+        let layout = KeyLayout::new(&dense_layers(&[8, 4]), 6);
+        // 36 floats in 7 keys (the weight's 32 in 6, the bias's 4 in 1), 12 floats a shard.
+        let map = ShardMap::replicated(MapEpoch(1), shards(3), &layout, 3);
+        assert_eq!(
+            copies(&map),
+            [
+                [0, 1, 2],
+                [0, 1, 2],
+                [1, 2, 0],
+                [1, 2, 0],
+                [2, 0, 1],
+                [2, 0, 1],
+                [2, 0, 1]
+            ]
+        );
+        assert!(map.backed_by(ShardId(1)).all(|r| r.shard == ShardId(1)));
+        // s1 dies: its keys go to their first backup (s2), its copies go.
+        let after = map.without(ShardId(1)).expect("s1 held keys");
+        assert_eq!(after.epoch, MapEpoch(2));
+        assert_eq!(
+            copies(&after),
+            [[0, 2], [0, 2], [2, 0], [2, 0], [2, 0], [2, 0], [2, 0]]
+        );
+        assert!(!after.places(ShardId(1)));
+        assert_eq!(after.shards.len(), 2);
+        // Then s2: s0 holds everything, alone.
+        let last = after.without(ShardId(2)).expect("s2 held keys");
+        assert_eq!(copies(&last), vec![vec![0]; 7]);
+        // A key without another copy stays on its dead primary: nothing changes.
+        assert_eq!(last.without(ShardId(0)), None);
+        // s0 cannot reach its backup s2: s2 is dropped for s0's keys only.
+        let cut = after
+            .without_backup(ShardId(0), ShardId(2))
+            .expect("a backup");
+        assert_eq!(
+            copies(&cut),
+            [
+                vec![0],
+                vec![0],
+                vec![2, 0],
+                vec![2, 0],
+                vec![2, 0],
+                vec![2, 0],
+                vec![2, 0]
+            ]
+        );
+        assert_eq!(cut.without_backup(ShardId(0), ShardId(2)), None);
+        // A new backup of keys 0..2, last in promotion order.
+        let seeded = cut.with_backup(0, 2, &shards(3)[1]);
+        assert_eq!(copies(&seeded)[..2], [[0, 1], [0, 1]]);
+        assert!(seeded.places(ShardId(1)));
+    }
+
     #[test]
     fn balanced_map_splits_large_tensor_and_covers_all_keys() {
         let tensors = dense_layers(&[784, 256, 128, 10]);

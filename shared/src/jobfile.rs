@@ -1526,6 +1526,17 @@ init = "zeros"
     }
 
     #[test]
+    fn replicas_are_read_and_written_back() {
+        assert_eq!(job(MLP).replicas, 1);
+        let text = MLP.replace("samples = 60000", "samples = 60000\nreplicas = 3");
+        let three = job(&text);
+        assert_eq!(three.replicas, 3);
+        let back = to_toml(&three);
+        assert!(back.contains("replicas = 3"), "{back}");
+        assert_eq!(job(&back).replicas, 3);
+    }
+
+    #[test]
     fn mlp_file_takes_edl_ps_defaults_for_the_rest() {
         let job = job(MLP);
         let layers = vec![784, 256, 128, 10];
@@ -1887,6 +1898,8 @@ init = "zeros"
             (MLP, &[("samples = 60000", "samples = 60000\nlease_ms = 50")], "training.lease_ms", 14),
             (MLP, &[("samples = 60000", "samples = 60000\nchunk_size = 0")], "training.chunk_size", 14),
             (MLP, &[("samples = 60000", "samples = 60000\npartition_size = 0")], "training.partition_size", 14),
+            (MLP, &[("samples = 60000", "samples = 60000\nreplicas = 0")], "training.replicas", 14),
+            (MLP, &[("samples = 60000", "samples = 60000\nreplicas = 9")], "training.replicas", 14),
             // Data.
             (LOGREG, &[("\"libsvm\"", "\"csv\"")], "data.format", 16),
             (LOGREG, &[("\"/data/agaricus.txt.train\"", "\"\"")], "data.train", 17),

@@ -747,3 +747,234 @@ fn orders_of_a_deposed_coordinators_term_are_refused() {
     st.admit_term(0).expect_err("term 0 after an elected one");
     st.admit_term(9).expect("a later leader");
 }
+
+/// A replicated job of one 6-float tensor in 3 keys of 2 over shards s0 and s1, two copies of
+/// every key; and a standby s2.
+fn replicated() -> (JobConfig, ShardMap, [ShardInfo; 3]) {
+    let job = JobConfig {
+        model: ModelSection::custom(),
+        tensors: vec![TensorSpec {
+            name: "c".into(),
+            shape: vec![6],
+            init: Init::Zeros,
+        }],
+        chunk_size: 2,
+        optimizer: OptimizerSpec::sgd(1.0),
+        optimizer_groups: Vec::new(),
+        schedule: LrSchedule::default(),
+        consistency: Consistency::Asp,
+        batch_size: 1,
+        epochs: 1,
+        partition_size: 4,
+        train_samples: 4,
+        seed: 0,
+        lease_ms: 1000,
+        replicas: 2,
+        data: None,
+    };
+    let info = |i: u32| ShardInfo {
+        id: ShardId(i),
+        addr: format!("s{i}"),
+    };
+    let map = ShardMap::replicated(MapEpoch(1), vec![info(0), info(1)], &job.layout(), 2);
+    (job, map, [info(0), info(1), info(2)])
+}
+
+#[test]
+fn a_backup_applies_forwarded_pushes_once_and_its_promoted_copy_holds_them() {
+    let (job, map, _) = replicated();
+    let (s0, s1) = (ShardId(0), ShardId(1));
+    let primary = ShardState::new(s0, job.clone(), map.clone());
+    let backup = ShardState::new(s1, job, map.clone());
+    let mine: Vec<ChunkRef> = map
+        .ranges_of(s0)
+        .flat_map(|r| r.start..r.end)
+        .map(|k| ChunkRef {
+            key: Key(k),
+            len: 2,
+        })
+        .collect();
+    assert!(!mine.is_empty());
+    let grads: Vec<f32> = (0..mine.len() * 2).map(|i| -(i as f32) - 1.0).collect();
+    // The payload in two parts, cut inside a chunk.
+    let bytes = Bytes::from(floats(&grads));
+    let parts = [bytes.slice(..3), bytes.slice(3..)];
+    let span = DataSpan {
+        epoch: 0,
+        partition: 0,
+        start: 0,
+        end: 2,
+    };
+    let push = (
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        &mine[..],
+        &parts[..],
+        Some(&span),
+        &[][..],
+    );
+    let plan = primary.forwards(push);
+    assert_eq!(plan.len(), 1, "one backup");
+    let fwd = &plan[0];
+    assert_eq!(fwd.shard, s1);
+    let Request::Replicate {
+        chunks, seeding, ..
+    } = &fwd.req
+    else {
+        panic!("not a Replicate: {:?}", fwd.req);
+    };
+    assert_eq!((&chunks[..], *seeding), (&mine[..], false));
+    // The forwarded payload is the push's, whatever its parts.
+    assert_eq!(fwd.payload.to_bytes(), bytes);
+    assert_eq!(
+        primary.push_forwarding(push, 0, &mut || {}),
+        Ok(Claim::Apply)
+    );
+    let forwarded = (
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        &chunks[..],
+        &fwd.payload.0[..],
+        Some(&span),
+        &[][..],
+    );
+    assert_eq!(backup.replicate(forwarded), Ok(Claim::Apply));
+    // Forwarded again (the worker repeated its push after a failure): applied once.
+    assert_eq!(backup.replicate(forwarded), Ok(Claim::AlreadyApplied));
+    // The same span on s1's own keys (a worker's push covers every shard's).
+    let theirs: Vec<ChunkRef> = map
+        .ranges_of(s1)
+        .flat_map(|r| r.start..r.end)
+        .map(|k| ChunkRef {
+            key: Key(k),
+            len: 2,
+        })
+        .collect();
+    let g = floats(&vec![-1.0; theirs.len() * 2]);
+    let own = backup.push(MapEpoch(1), WorkerId(1), Clock(0), &theirs, &g, Some(&span));
+    assert_eq!(own, Ok(Claim::Apply));
+    // The backup does not serve the keys it holds copies of...
+    assert!(backup.param(mine[0].key, 0).is_none());
+    // ...until a map without s0 promotes them, with their ledger.
+    assert!(backup.adopt_map(&map.without(s0).expect("s0 held keys")));
+    for c in &mine {
+        for i in 0..2 {
+            assert_eq!(backup.param(c.key, i), primary.param(c.key, i), "{}", c.key);
+        }
+    }
+    assert_eq!(primary.param(mine[0].key, 0), Some(1.0));
+    // Both its segments (its own keys', the promoted ones') hold the span once; the repeated
+    // forward was skipped.
+    let r = backup.ledger_report();
+    assert_eq!(
+        (r[0].applied, r[0].duplicates, r[0].skipped_pushes),
+        (2, 0, 1),
+        "{r:?}"
+    );
+    assert_eq!(backup.stats().backups, Vec::new());
+}
+
+#[test]
+fn a_new_backup_keeps_the_pushes_sent_before_its_copy_and_applies_them_after_it() {
+    let (job, map, [_, _, s2]) = replicated();
+    let s0 = ShardId(0);
+    let primary = ShardState::new(s0, job.clone(), map.clone());
+    let standby = ShardState::new(s2.id, job, map.clone());
+    let r = map.ranges_of(s0).next().copied().expect("a range");
+    let chunks: Vec<ChunkRef> = (r.start..r.end)
+        .map(|k| ChunkRef {
+            key: Key(k),
+            len: 2,
+        })
+        .collect();
+    let grads = floats(&vec![-1.0; chunks.len() * 2]);
+    let span = |start| DataSpan {
+        epoch: 0,
+        partition: 0,
+        start,
+        end: start + 1,
+    };
+    // One push before the copy, applied on the primary only.
+    let parts = [Bytes::from(grads.clone())];
+    let before = (
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        &chunks[..],
+        &parts[..],
+        Some(&span(0)),
+        &[][..],
+    );
+    assert_eq!(
+        primary.push_covering(
+            before.0, before.1, before.2, before.3, before.4, before.5, before.6, 0
+        ),
+        Ok(Claim::Apply)
+    );
+    // The coordinator's map with s2 a new backup of the range; the primary copies it.
+    let seeded = map.with_backup(r.start, r.end, &s2);
+    let copy = primary
+        .copy((r.start, r.end, s2.id), &seeded)
+        .expect("copied");
+    // A push after the copy is forwarded to s2, marked as seeding; s2 keeps it.
+    let after = (
+        MapEpoch(2),
+        WorkerId(1),
+        Clock(1),
+        &chunks[..],
+        &parts[..],
+        Some(&span(1)),
+        &[][..],
+    );
+    let plan = primary.forwards(after);
+    let to_s2 = plan
+        .iter()
+        .find(|f| f.shard == s2.id)
+        .expect("forwarded to s2");
+    assert!(matches!(
+        to_s2.req,
+        Request::Replicate { seeding: true, .. }
+    ));
+    primary
+        .push_forwarding(after, 0, &mut || {})
+        .expect("applied");
+    let kept = Kept::new(
+        MapEpoch(2),
+        WorkerId(1),
+        Clock(1),
+        chunks.clone(),
+        to_s2.payload.0.clone(),
+        Some(span(1)),
+        Vec::new(),
+    );
+    assert_eq!(standby.keep_or_replicate(kept), Some(Ok(Claim::Apply)));
+    assert_eq!(standby.stats().backups, Vec::new(), "nothing held yet");
+    // The copy arrives: the kept push is applied over it.
+    standby.seed(r.start, r.end, &seeded, copy).expect("seeded");
+    primary.seeded(s2.id, r.start, r.end);
+    assert_eq!(
+        standby.stats().backups,
+        vec![KeyRange {
+            start: r.start,
+            end: r.end
+        }]
+    );
+    // Promoted (s0 and then s1 gone), s2's copy equals the primary's: both pushes, each once.
+    let promoted = seeded
+        .without(s0)
+        .and_then(|m| m.without(ShardId(1)))
+        .expect("s0 and s1 held keys");
+    assert!(standby.adopt_map(&promoted));
+    for c in &chunks {
+        assert_eq!(standby.param(c.key, 0), Some(2.0), "{}", c.key);
+        assert_eq!(standby.param(c.key, 0), primary.param(c.key, 0));
+    }
+    let ledger = standby.ledger_report();
+    assert_eq!(
+        (ledger[0].applied, ledger[0].duplicates),
+        (2, 0),
+        "{ledger:?}"
+    );
+}

@@ -277,19 +277,14 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
     while let Some(r) = tasks.join_next().await {
         r??;
     }
-    let mut sorted = failover_ms.clone();
-    sorted.sort_unstable();
+    let (median_ms, max_ms) = crate::stats::median_max(&failover_ms);
     Ok(Report {
         store: plan.store,
         workers: plan.workers,
         restart_at_once: plan.restart_at_once || plan.store == FailStore::Wal,
         ttl_ms: etcd.as_ref().map(|_| plan.ttl.as_millis() as u64),
-        median_ms: match sorted.len() {
-            0 => 0,
-            n if n % 2 == 1 => sorted[n / 2],
-            n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2,
-        },
-        max_ms: sorted.last().copied().unwrap_or(0),
+        median_ms,
+        max_ms,
         failover_ms,
         commits: commits
             .iter()

@@ -27,11 +27,12 @@ use edl_shared::pki::PkiDir;
 use edl_shared::proto::{Key, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
-use edl_testkit::procs::{Proc, free_port, spawn_from};
+use edl_testkit::procs::{Proc, free_port, spawn_from, spawn_shard};
 use edl_worker::{ClientConfig, Job};
 use serde::Serialize;
 
 use crate::failover::{BATCH, PARTITION, Step, train};
+use crate::stats::median_max;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -88,21 +89,8 @@ fn shard(
     log: &str,
 ) -> anyhow::Result<Proc> {
     let (listen, name) = (format!("127.0.0.1:{port}"), format!("s{i}"));
-    spawn_from(
-        ps,
-        &[
-            "shard",
-            "--coordinator",
-            coordinator,
-            "--listen",
-            &listen,
-            "--name",
-            &name,
-        ],
-        state,
-        log,
-    )
-    .with_context(|| format!("starting {}", ps.display()))
+    spawn_shard(ps, (coordinator, &listen, &name), state, log)
+        .with_context(|| format!("starting {}", ps.display()))
 }
 
 /// Runs `plan`.
@@ -278,18 +266,6 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
             .map(|c| c.lock().map_or(0, |t| t.len() as u64))
             .sum(),
     })
-}
-
-/// Median and maximum of `v`.
-fn median_max(v: &[u64]) -> (u64, u64) {
-    let mut s = v.to_vec();
-    s.sort_unstable();
-    let median = match s.len() {
-        0 => 0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2,
-    };
-    (median, s.last().copied().unwrap_or(0))
 }
 
 /// The report as a markdown table.

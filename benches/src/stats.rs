@@ -39,6 +39,19 @@ impl Samples {
     }
 }
 
+/// The median (the mean of the two middle values of an even count) and the maximum of `v`;
+/// zeros when empty.
+pub fn median_max(v: &[u64]) -> (u64, u64) {
+    let mut s = v.to_vec();
+    s.sort_unstable();
+    let median = match s.len() {
+        0 => 0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2,
+    };
+    (median, s.last().copied().unwrap_or(0))
+}
+
 /// Bytes per second over `d`, in GB/s (10^9).
 pub fn gbps(bytes: f64, d: Duration) -> f64 {
     bytes / d.as_secs_f64().max(1e-12) / 1e9

@@ -366,7 +366,7 @@ pub struct ShardStats {
     pub bytes_out: u64,
     /// Replicated jobs: the key ranges it holds backup copies of.
     pub backups: Vec<KeyRange>,
-    /// Replicated jobs: pushes it forwarded to its backups that not every backup has
+    /// Replicated jobs: forwards of pushes to its backups (one per push and backup) not
     /// acknowledged yet (how far they lag; the pushes wait for them).
     pub lag: u64,
 }

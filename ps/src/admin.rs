@@ -857,27 +857,26 @@ pub struct ShardRow {
     pub traffic_bytes: u64,
     /// Replicated jobs: key ranges it holds backup copies of, as `start..end`.
     pub backups: Vec<String>,
-    /// Replicated jobs: pushes it forwarded that its backups have not all acknowledged yet.
+    /// Replicated jobs: forwards of pushes to its backups (one per push and backup) not
+    /// acknowledged yet.
     pub lag: u64,
 }
 
 impl ShardRow {
     fn fill(&mut self, s: &ShardStats) {
-        self.ranges = s
-            .ranges
-            .iter()
-            .map(|r| format!("{}..{}", r.start, r.end))
-            .collect();
+        let text = |ranges: &[edl_shared::proto::msg::KeyRange]| -> Vec<String> {
+            ranges
+                .iter()
+                .map(|r| format!("{}..{}", r.start, r.end))
+                .collect()
+        };
+        self.ranges = text(&s.ranges);
         self.keys = s.keys;
         self.bytes = s.state_bytes;
         self.pushes = s.pushes;
         self.pulls = s.pulls;
         self.traffic_bytes = s.bytes_in + s.bytes_out;
-        self.backups = s
-            .backups
-            .iter()
-            .map(|r| format!("{}..{}", r.start, r.end))
-            .collect();
+        self.backups = text(&s.backups);
         self.lag = s.lag;
     }
 }

@@ -234,14 +234,15 @@ pub struct ShardState {
     /// this shard the primary of their keys promotes them.
     backup_chunks: DashMap<Key, Chunk>,
     backup_ledgers: Mutex<Ledgers>,
-    /// Forwarded pushes not yet acknowledged by every backup (how far the backups lag).
+    /// Forwards of pushes to backups (one per push and backup) not acknowledged yet (how far
+    /// the backups lag).
     forwarding: AtomicU64,
     /// A primary: the backups it is seeding (`CopyOut` under way), with their ranges; pushes
     /// forwarded to them say so.
     seeding: Mutex<Vec<(ShardId, u64, u64)>>,
     /// A new backup: pushes forwarded before the copy of their keys arrived, applied once it
-    /// has (see [`ShardState::keep_or_replicate`]), with their payload bytes in all.
-    incoming: Mutex<(Vec<Kept>, u64)>,
+    /// has (see [`ShardState::keep_or_replicate`]).
+    incoming: Mutex<Vec<Kept>>,
     load: Load,
     /// Pushes and pulls hold it shared while they check that they hold their keys and use
     /// them; a checkpoint holds it exclusively while it copies the state, so it never sees
@@ -324,25 +325,19 @@ impl ShardState {
     /// on placement.
     pub fn new(id: ShardId, job: JobConfig, map: ShardMap) -> Self {
         let layout = job.layout();
-        let chunks = DashMap::new();
-        for r in map.ranges_of(id) {
-            for k in r.start..r.end {
+        let fresh = |ranges: &mut dyn Iterator<Item = &edl_shared::proto::job::RangeOwner>| {
+            let chunks = DashMap::new();
+            for k in ranges.flat_map(|r| r.start..r.end) {
                 if let Some(span) = layout.span(Key(k)) {
                     let chunk = Chunk::fresh(&job, Key(k), span.tensor, span.len as usize);
                     chunks.insert(Key(k), chunk);
                 }
             }
-        }
+            chunks
+        };
+        let chunks = fresh(&mut map.ranges_of(id));
+        let backup_chunks = fresh(&mut map.backed_by(id));
         let ledgers = Ledgers::new(&job, !chunks.is_empty());
-        let backup_chunks = DashMap::new();
-        for r in map.backed_by(id) {
-            for k in r.start..r.end {
-                if let Some(span) = layout.span(Key(k)) {
-                    let chunk = Chunk::fresh(&job, Key(k), span.tensor, span.len as usize);
-                    backup_chunks.insert(Key(k), chunk);
-                }
-            }
-        }
         let backup_ledgers = Ledgers::new(&job, !backup_chunks.is_empty());
         ShardState {
             id,
@@ -351,7 +346,7 @@ impl ShardState {
             backup_ledgers: Mutex::new(backup_ledgers),
             forwarding: AtomicU64::new(0),
             seeding: Mutex::new(Vec::new()),
-            incoming: Mutex::new((Vec::new(), 0)),
+            incoming: Mutex::new(Vec::new()),
             map: watch::Sender::new(Arc::new(map)),
             ledgers: Mutex::new(ledgers),
             load: Load::default(),
@@ -528,13 +523,12 @@ impl ShardState {
     /// the gate exclusively.
     fn follow(&self, map: &ShardMap) {
         let me = self.id;
-        let mut promoted: Vec<u64> = self
+        let promoted = self
             .backup_chunks
             .iter()
             .map(|c| c.key().0)
             .filter(|k| map.owner(Key(*k)) == Some(me) && !self.chunks.contains_key(&Key(*k)))
-            .collect();
-        promoted.sort_unstable();
+            .collect::<Vec<u64>>();
         for r in KeyRange::runs(promoted.into_iter()) {
             let export = take_out(
                 &self.backup_chunks,
@@ -563,11 +557,7 @@ impl ShardState {
                 not_primary.into_iter(),
             ));
         }
-        let mut incoming = lock(&self.incoming);
-        let (kept, bytes) = &mut *incoming;
-        kept.retain(|p| p.keys().all(|k| map.backups_of(k).any(|s| s == me)));
-        *bytes = kept.iter().map(Kept::bytes).sum();
-        drop(incoming);
+        lock(&self.incoming).retain(|p| p.keys().all(|k| map.backups_of(k).any(|s| s == me)));
         let not_backed: Vec<Key> = self
             .backup_chunks
             .iter()
@@ -1198,16 +1188,14 @@ impl ShardState {
     /// the copy arrives, [`ShardState::seed`]). `None` if it was neither: more is kept than
     /// [`KEPT_BYTES`] (the caller waits for the copy instead).
     pub fn keep_or_replicate(&self, push: Kept) -> Option<Result<Claim, Refusal>> {
-        let mut incoming = lock(&self.incoming);
+        let mut kept = lock(&self.incoming);
         if push.keys().all(|k| self.backup_chunks.contains_key(&k)) {
-            drop(incoming);
+            drop(kept);
             return Some(self.replicate(push.as_ref()));
         }
-        let (kept, bytes) = &mut *incoming;
-        if *bytes + push.bytes() > KEPT_BYTES {
+        if kept.iter().map(Kept::bytes).sum::<u64>() + push.bytes() > KEPT_BYTES {
             return None;
         }
-        *bytes += push.bytes();
         kept.push(push);
         Some(Ok(Claim::Apply))
     }
@@ -1244,13 +1232,11 @@ impl ShardState {
         self.map_changed.notify_waiters();
         // The pushes forwarded while the copy was on its way, now that it is here.
         let ready: Vec<Kept> = {
-            let mut incoming = lock(&self.incoming);
-            let (kept, bytes) = &mut *incoming;
-            let (ready, wait): (Vec<Kept>, Vec<Kept>) = std::mem::take(kept)
+            let mut kept = lock(&self.incoming);
+            let (ready, wait) = std::mem::take(&mut *kept)
                 .into_iter()
                 .partition(|p| p.keys().all(|k| self.backup_chunks.contains_key(&k)));
             *kept = wait;
-            *bytes = kept.iter().map(Kept::bytes).sum();
             ready
         };
         for push in ready {
@@ -1781,27 +1767,8 @@ impl HandOff {
     /// Offers the range to its destination, again on connection failures (an import is
     /// idempotent), until it answers or `window` (if any) ends.
     async fn offer(&self, link: &dyn ShardLink, window: Option<Duration>) -> Handed {
-        let deadline = window.map(|w| tokio::time::Instant::now() + w);
-        let mut delay = Duration::from_millis(50);
-        loop {
-            let call = link.call(
-                &self.addr,
-                self.req.clone(),
-                Parts(vec![self.payload.clone()]),
-            );
-            let err = match call.await {
-                Ok(Response::Ack) => return Handed::Taken,
-                Ok(other) => return Handed::Refused(CallError::unexpected(&other).to_string()),
-                Err(e @ CallError::Remote { .. }) => return Handed::Refused(e.to_string()),
-                Err(e) => e,
-            };
-            if deadline.is_some_and(|d| tokio::time::Instant::now() + delay >= d) {
-                return Handed::Unanswered(err.to_string());
-            }
-            tracing::debug!(addr = %self.addr, error = %err, "hand-off: retrying");
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(1));
-        }
+        let payload = Parts(vec![self.payload.clone()]);
+        offer(link, &self.addr, &self.req, payload, window).await
     }
 
     /// Takes the range back (its destination refused it) and writes a checkpoint: one written
@@ -1844,6 +1811,33 @@ impl HandOff {
                 }
             }
         }
+    }
+}
+
+/// Offers `req` with `payload` (a range's state) to the shard at `addr`, again on connection
+/// failures (taking a range is idempotent), until it answers or `window` (if any) ends.
+async fn offer(
+    link: &dyn ShardLink,
+    addr: &str,
+    req: &Request,
+    payload: Parts,
+    window: Option<Duration>,
+) -> Handed {
+    let deadline = window.map(|w| tokio::time::Instant::now() + w);
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let err = match link.call(addr, req.clone(), payload.clone()).await {
+            Ok(Response::Ack) => return Handed::Taken,
+            Ok(other) => return Handed::Refused(CallError::unexpected(&other).to_string()),
+            Err(e @ CallError::Remote { .. }) => return Handed::Refused(e.to_string()),
+            Err(e) => e,
+        };
+        if deadline.is_some_and(|d| tokio::time::Instant::now() + delay >= d) {
+            return Handed::Unanswered(err.to_string());
+        }
+        tracing::debug!(%addr, error = %err, "hand-off: retrying");
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -2108,8 +2102,8 @@ impl ShardService {
     }
 
     /// Hands the copy `export` of keys `[start, end)` to their new backup `to` at `addr`
-    /// (`CopyIn`, with `map`), repeating it on connection failures for [`HANDOFF_WINDOW`];
-    /// the copy's bytes once `to` took it.
+    /// (`CopyIn`, with `map`), offered for [`HANDOFF_WINDOW`] (see [`offer`]); the copy's bytes
+    /// once `to` took it.
     async fn hand_copy(
         &self,
         (start, end, to): (u64, u64, ShardId),
@@ -2128,27 +2122,20 @@ impl ShardService {
             end,
             map: map.clone(),
         };
-        let deadline = tokio::time::Instant::now() + HANDOFF_WINDOW;
-        let mut delay = Duration::from_millis(50);
-        loop {
-            let call = self
-                .link
-                .call(addr, req.clone(), Parts(vec![payload.clone()]));
-            let err = match call.await {
-                Ok(Response::Ack) => return Ok(payload.len() as u64),
-                Ok(other) => CallError::unexpected(&other),
-                Err(e) => e,
-            };
-            if matches!(err, CallError::Remote { .. })
-                || tokio::time::Instant::now() + delay >= deadline
-            {
-                return Err(Response::error(
-                    ErrorCode::Internal,
-                    format!("seeding {to} with keys {start}..{end} failed: {err}"),
-                ));
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(1));
+        let bytes = payload.len() as u64;
+        let offered = offer(
+            &*self.link,
+            addr,
+            &req,
+            Parts(vec![payload]),
+            Some(HANDOFF_WINDOW),
+        );
+        match offered.await {
+            Handed::Taken => Ok(bytes),
+            Handed::Refused(e) | Handed::Unanswered(e) => Err(Response::error(
+                ErrorCode::Internal,
+                format!("seeding {to} with keys {start}..{end} failed: {e}"),
+            )),
         }
     }
 

@@ -47,3 +47,23 @@ pub fn spawn_from(ps: &Path, args: &[&str], state: &Path, log: &str) -> std::io:
         .spawn()?;
     Ok(Proc(child))
 }
+
+/// Starts `edl-ps shard` (the one at `ps`) named `name`, listening on `listen` and joining the
+/// coordinators at `coordinator`, as [`spawn_from`] does; its log in `STATE/LOG`.
+pub fn spawn_shard(
+    ps: &Path,
+    (coordinator, listen, name): (&str, &str, &str),
+    state: &Path,
+    log: &str,
+) -> std::io::Result<Proc> {
+    let args = [
+        "shard",
+        "--coordinator",
+        coordinator,
+        "--listen",
+        listen,
+        "--name",
+        name,
+    ];
+    spawn_from(ps, &args, state, log)
+}

@@ -13,7 +13,7 @@ use edl_shared::pki::PkiDir;
 use edl_shared::proto::msg::DataSpan;
 use edl_shared::proto::{Clock, Key};
 use edl_shared::transport::TransportSettings;
-use edl_testkit::procs::{Proc, bin, free_port, spawn};
+use edl_testkit::procs::{Proc, bin, free_port, spawn, spawn_shard};
 use edl_worker::{ClientConfig, Job};
 
 /// Floats of the counter, one per key: two keys per shard.
@@ -84,6 +84,33 @@ fn fully_copied(map: &edl_shared::proto::ShardMap, copies: usize) -> bool {
     (0..map.num_keys()).all(|k| 1 + map.backups_of(Key(k)).count() == copies)
 }
 
+/// The counter job of `samples` samples an in-process cluster runs: two copies of every key.
+fn counter(samples: u32) -> edl_shared::proto::JobConfig {
+    let mut job = edl_testkit::counter_job(FLOATS as u32, 1, edl_shared::proto::Consistency::Asp);
+    job.train_samples = samples;
+    job.partition_size = PARTITION;
+    job.batch_size = BATCH;
+    job.lease_ms = 20_000;
+    job.replicas = 2;
+    job
+}
+
+/// Waits until `observer`'s map has two copies of every key (up to `limit` from `t0`).
+async fn copies_back(
+    observer: &Job,
+    t0: Instant,
+    limit: Duration,
+) -> anyhow::Result<edl_shared::proto::ShardMap> {
+    loop {
+        let map = observer.map();
+        if fully_copied(&map, 2) {
+            return Ok(map);
+        }
+        anyhow::ensure!(t0.elapsed() < limit, "the copies never came back: {map:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_primary_loses_no_acknowledged_push() -> anyhow::Result<()> {
     run(1).await
@@ -98,8 +125,9 @@ async fn killed_shards_rejoin_as_standbys_and_every_range_gets_its_copies_back()
     run(3).await
 }
 
-/// Runs the counter job, killing the primary of key 0 `kills` times (restarting it each
-/// time after the first kill's checks), and checks that nothing acknowledged was lost.
+/// Runs the counter job, killing the primary of key 0 `kills` times (each killed shard but the
+/// last restarted at once, and every range back to two copies before the next kill), and
+/// checks that nothing acknowledged was lost.
 async fn run(kills: u32) -> anyhow::Result<()> {
     anyhow::ensure!(
         bin("edl-ps").exists(),
@@ -152,23 +180,19 @@ async fn run(kills: u32) -> anyhow::Result<()> {
     let coordinator = wait_for_file(&addr_file)?;
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let mut shards: Vec<Option<Proc>> = Vec::new();
-    for (i, port) in ports.iter().enumerate() {
-        let name = format!("s{i}");
-        pki.ensure(Role::Shard, &name)?;
-        let listen = format!("127.0.0.1:{port}");
-        shards.push(Some(spawn(
-            &[
-                "shard",
-                "--coordinator",
-                &coordinator,
-                "--listen",
-                &listen,
-                "--name",
-                &name,
-            ],
+    // Shard `i` on its port, logging to `log`.
+    let shard = |i: usize, log: &str| -> anyhow::Result<Proc> {
+        let (listen, name) = (format!("127.0.0.1:{}", ports[i]), format!("s{i}"));
+        Ok(spawn_shard(
+            &bin("edl-ps"),
+            (&coordinator, &listen, &name),
             state,
-            &format!("{name}.log"),
-        )));
+            log,
+        )?)
+    };
+    for i in 0..ports.len() {
+        pki.ensure(Role::Shard, &format!("s{i}"))?;
+        shards.push(Some(shard(i, &format!("s{i}.log"))?));
     }
     let connect = |name: &str| -> anyhow::Result<ClientConfig> {
         Ok(ClientConfig {
@@ -225,21 +249,7 @@ async fn run(kills: u32) -> anyhow::Result<()> {
         victims.push(victim);
         if round + 1 < kills {
             // Back on its address: a standby, until a range needs a copy on it.
-            let name = format!("s{i}");
-            let listen = format!("127.0.0.1:{}", ports[i]);
-            shards[i] = Some(spawn(
-                &[
-                    "shard",
-                    "--coordinator",
-                    &coordinator,
-                    "--listen",
-                    &listen,
-                    "--name",
-                    &name,
-                ],
-                state,
-                &format!("{name}-{round}.log"),
-            ));
+            shards[i] = Some(shard(i, &format!("s{i}-{round}.log"))?);
         }
     }
     let victim = victims.last().copied().expect("a kill");
@@ -294,17 +304,10 @@ async fn run(kills: u32) -> anyhow::Result<()> {
 async fn a_primary_cut_off_from_its_backup_goes_on_and_the_copies_come_back() -> anyhow::Result<()>
 {
     use edl_shared::faults::Faults;
-    use edl_shared::proto::Consistency;
-    use edl_testkit::{TestCluster, counter_job};
+    use edl_testkit::TestCluster;
 
     let faults = Faults::new(11);
-    let mut job = counter_job(FLOATS as u32, 1, Consistency::Asp);
-    job.train_samples = 4 * SAMPLES;
-    job.partition_size = PARTITION;
-    job.batch_size = BATCH;
-    job.lease_ms = 20_000;
-    job.replicas = 2;
-    let cluster = TestCluster::start_with_faults(job, 3, faults.clone()).await?;
+    let cluster = TestCluster::start_with_faults(counter(4 * SAMPLES), 3, faults.clone()).await?;
     let observer = cluster.connect("observer").await?;
     let map = observer.map();
     let primary = map.owner(Key(0)).expect("placed");
@@ -357,17 +360,7 @@ async fn a_primary_cut_off_from_its_backup_goes_on_and_the_copies_come_back() ->
     }
     let total = u64::from(4 * SAMPLES / BATCH);
     assert_eq!(pushed, total);
-    let copied = loop {
-        let map = observer.map();
-        if fully_copied(&map, 2) {
-            break map;
-        }
-        anyhow::ensure!(
-            t0.elapsed() < Duration::from_secs(180),
-            "the copies never came back: {map:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let copied = copies_back(&observer, t0, Duration::from_secs(180)).await?;
     let mut now = vec![0f32; FLOATS];
     observer.pull_all(&mut now, Clock(0)).await?;
     assert!(now.iter().all(|v| *v == total as f32), "{now:?}");
@@ -381,16 +374,9 @@ async fn a_primary_cut_off_from_its_backup_goes_on_and_the_copies_come_back() ->
 /// shard retires, and the two shards left each get a copy of every range.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn removing_a_primary_hands_its_ranges_to_their_backups() -> anyhow::Result<()> {
-    use edl_shared::proto::Consistency;
-    use edl_testkit::{TestCluster, counter_job};
+    use edl_testkit::TestCluster;
 
-    let mut job = counter_job(FLOATS as u32, 1, Consistency::Asp);
-    job.train_samples = SAMPLES;
-    job.partition_size = PARTITION;
-    job.batch_size = BATCH;
-    job.lease_ms = 20_000;
-    job.replicas = 2;
-    let cluster = TestCluster::start(job, 3).await?;
+    let cluster = TestCluster::start(counter(SAMPLES), 3).await?;
     let observer = cluster.connect("observer").await?;
     let primary = observer.map().owner(Key(0)).expect("placed");
     let acks = Arc::new(Acks::default());
@@ -416,17 +402,7 @@ async fn removing_a_primary_hands_its_ranges_to_their_backups() -> anyhow::Resul
     }
     let total = u64::from(SAMPLES / BATCH);
     assert_eq!(pushed, total);
-    let map = loop {
-        let map = observer.map();
-        if fully_copied(&map, 2) {
-            break map;
-        }
-        anyhow::ensure!(
-            t0.elapsed() < Duration::from_secs(120),
-            "the copies never came back: {map:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let map = copies_back(&observer, t0, Duration::from_secs(120)).await?;
     assert!(!map.places(primary), "{map:?}");
     let mut now = vec![0f32; FLOATS];
     observer.pull_all(&mut now, Clock(0)).await?;

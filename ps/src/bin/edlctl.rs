@@ -508,7 +508,7 @@ async fn main() -> anyhow::Result<()> {
                             admin::human_bytes(r.traffic_bytes),
                         ];
                         if replicated {
-                            row.extend([r.backups.join(", "), format!("{} pushes", r.lag)]);
+                            row.extend([r.backups.join(", "), format!("{} forwards", r.lag)]);
                         }
                         t.add_row(row)
                     }

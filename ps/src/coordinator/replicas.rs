@@ -212,12 +212,7 @@ impl Coordinator {
         if !self.durable().await {
             return;
         }
-        let shards = self
-            .lock()
-            .live_shards()
-            .into_iter()
-            .filter(|(id, _)| map.places(*id))
-            .collect();
+        let shards = self.lock().placed_shards(&map);
         reshard::announce(&caller, &map, shards, &skip, self.term());
     }
 
@@ -238,11 +233,11 @@ impl Coordinator {
             let Some(map) = st.drop_backup(from, backup) else {
                 return Response::Ack;
             };
-            let shards = st
-                .live_shards()
-                .into_iter()
-                .filter(|(id, _)| map.places(*id) || *id == backup)
-                .collect::<Vec<_>>();
+            // The dropped backup learns it too: it drops its copies.
+            let mut shards = st.placed_shards(&map);
+            if !map.places(backup) {
+                shards.extend(st.live_shards().into_iter().filter(|(id, _)| *id == backup));
+            }
             (from, map, shards)
         };
         self.bump();
@@ -278,11 +273,7 @@ impl Coordinator {
         let (map, shards) = {
             let mut st = self.lock();
             let map = st.promote(dead)?;
-            let shards = st
-                .live_shards()
-                .into_iter()
-                .filter(|(id, _)| map.places(*id))
-                .collect::<Vec<_>>();
+            let shards = st.placed_shards(&map);
             (map, shards)
         };
         self.bump();

@@ -296,11 +296,7 @@ impl Coordinator {
             }
             let map = st.promote(id).unwrap_or(current);
             st.retire_shard(id);
-            let shards: Vec<(ShardId, String)> = st
-                .live_shards()
-                .into_iter()
-                .filter(|(s, _)| map.places(*s))
-                .collect();
+            let shards = st.placed_shards(&map);
             let addr = st.shard_list().into_iter().find(|s| s.id == id);
             (id, map, shards, addr)
         };

@@ -9,8 +9,9 @@ fn state(consistency: Consistency) -> ShardState {
     state_with(consistency, LrSchedule::default())
 }
 
-fn state_with(consistency: Consistency, schedule: LrSchedule) -> ShardState {
-    let job = JobConfig {
+/// A 6-float tensor in keys of 4, trained by SGD at rate 1, 3 epochs of one sample.
+fn job_with(consistency: Consistency, schedule: LrSchedule) -> JobConfig {
+    JobConfig {
         model: ModelSection::custom(),
         tensors: vec![TensorSpec {
             name: "c".into(),
@@ -30,7 +31,11 @@ fn state_with(consistency: Consistency, schedule: LrSchedule) -> ShardState {
         lease_ms: 1000,
         replicas: 1,
         data: None,
-    };
+    }
+}
+
+fn state_with(consistency: Consistency, schedule: LrSchedule) -> ShardState {
+    let job = job_with(consistency, schedule);
     let map = ShardMap {
         backups: Vec::new(),
         epoch: MapEpoch(1),
@@ -752,25 +757,12 @@ fn orders_of_a_deposed_coordinators_term_are_refused() {
 /// every key; and a standby s2.
 fn replicated() -> (JobConfig, ShardMap, [ShardInfo; 3]) {
     let job = JobConfig {
-        model: ModelSection::custom(),
-        tensors: vec![TensorSpec {
-            name: "c".into(),
-            shape: vec![6],
-            init: Init::Zeros,
-        }],
         chunk_size: 2,
-        optimizer: OptimizerSpec::sgd(1.0),
-        optimizer_groups: Vec::new(),
-        schedule: LrSchedule::default(),
-        consistency: Consistency::Asp,
-        batch_size: 1,
         epochs: 1,
         partition_size: 4,
         train_samples: 4,
-        seed: 0,
-        lease_ms: 1000,
         replicas: 2,
-        data: None,
+        ..job_with(Consistency::Asp, LrSchedule::default())
     };
     let info = |i: u32| ShardInfo {
         id: ShardId(i),

@@ -409,6 +409,14 @@ impl CoordinatorState {
         }
     }
 
+    /// The addresses of the shards that are not retired and that `map` places keys or copies
+    /// on: those a map is sent to.
+    pub fn placed_shards(&self, map: &ShardMap) -> Vec<(ShardId, String)> {
+        let mut shards = self.live_shards();
+        shards.retain(|(id, _)| map.places(*id));
+        shards
+    }
+
     /// The addresses of the shards that are not retired.
     pub fn live_shards(&self) -> Vec<(ShardId, String)> {
         self.shards

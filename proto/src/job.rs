@@ -994,11 +994,13 @@ impl ShardMap {
     }
 
     /// The map one epoch later without shard `dead`: each key it was the primary of goes to
-    /// the first of the key's backups that is not `dead` (the backup copy is dropped, as it
-    /// is the primary now), and its backup copies are dropped. A key of `dead` without another
-    /// backup stays on `dead`. `None` if that changes nothing (`dead` holds nothing in this
-    /// map, or only keys without another copy).
-    pub fn without(&self, dead: ShardId) -> Option<ShardMap> {
+    /// the first of the key's backups that is not `dead` nor in `avoid` (shards that may be
+    /// dead too: the backup copy is dropped, as it is the primary now), and its backup copies
+    /// are dropped, but for keys whose primary is in `avoid` (its copy may be their last). A
+    /// key of `dead` without such a backup stays on `dead` (with its other backups). `None` if
+    /// that changes nothing (`dead` holds nothing in this map, or only keys without another
+    /// copy).
+    pub fn without(&self, dead: ShardId, avoid: &[ShardId]) -> Option<ShardMap> {
         if !self.places(dead) {
             return None;
         }
@@ -1007,9 +1009,13 @@ impl ShardMap {
         let mut backups: Vec<Vec<ShardId>> = Vec::with_capacity(n as usize);
         for k in 0..n {
             let mut owner = self.owner(Key(k)).unwrap_or(dead);
-            let mut copies: Vec<ShardId> = self.backups_of(Key(k)).filter(|s| *s != dead).collect();
-            if owner == dead && !copies.is_empty() {
-                owner = copies.remove(0);
+            let wary = owner != dead && avoid.contains(&owner);
+            let mut copies: Vec<ShardId> = (self.backups_of(Key(k)))
+                .filter(|s| *s != dead || wary)
+                .collect();
+            let next = copies.iter().position(|s| !avoid.contains(s));
+            if let (true, Some(i)) = (owner == dead, next) {
+                owner = copies.remove(i);
             }
             owners.push(owner);
             backups.push(copies);
@@ -1232,8 +1238,16 @@ mod tests {
             ]
         );
         assert!(map.backed_by(ShardId(1)).all(|r| r.shard == ShardId(1)));
+        // s1 dies while s2 is silent too: its keys go to their next backup (s0) where they
+        // have one besides s2, and stay on s1 where s2 is their only other copy.
+        // (s1 stays the backup of s2's keys: their copy on s1 may be the last.)
+        let wary = map.without(ShardId(1), &[ShardId(2)]).expect("s1 held keys");
+        assert_eq!(
+            copies(&wary),
+            [[0, 2], [0, 2], [1, 2], [1, 2], [2, 0, 1], [2, 0, 1], [2, 0, 1]]
+        );
         // s1 dies: its keys go to their first backup (s2), its copies go.
-        let after = map.without(ShardId(1)).expect("s1 held keys");
+        let after = map.without(ShardId(1), &[]).expect("s1 held keys");
         assert_eq!(after.epoch, MapEpoch(2));
         assert_eq!(
             copies(&after),
@@ -1242,10 +1256,10 @@ mod tests {
         assert!(!after.places(ShardId(1)));
         assert_eq!(after.shards.len(), 2);
         // Then s2: s0 holds everything, alone.
-        let last = after.without(ShardId(2)).expect("s2 held keys");
+        let last = after.without(ShardId(2), &[]).expect("s2 held keys");
         assert_eq!(copies(&last), vec![vec![0]; 7]);
         // A key without another copy stays on its dead primary: nothing changes.
-        assert_eq!(last.without(ShardId(0)), None);
+        assert_eq!(last.without(ShardId(0), &[]), None);
         // s0 cannot reach its backup s2: s2 is dropped for s0's keys only.
         let cut = after
             .without_backup(ShardId(0), ShardId(2))

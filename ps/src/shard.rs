@@ -584,6 +584,18 @@ impl ShardState {
         self.chunks.get(&key)?.params.get(i).copied()
     }
 
+    /// Parameter `i` of this shard's backup copy of `key`, if it holds one.
+    pub fn backup_param(&self, key: Key, i: usize) -> Option<f32> {
+        self.backup_chunks.get(&key)?.params.get(i).copied()
+    }
+
+    /// Whether shard `id` of a replicated job, joining with `map`, rejoins as a standby: the
+    /// map gives it nothing, so its checkpoint is not used (the live copies on the other shards
+    /// hold everything acknowledged since).
+    pub fn rejoins_as_standby(job: &JobConfig, map: &ShardMap, id: ShardId) -> bool {
+        job.replicas > 1 && !map.places(id)
+    }
+
     /// Waits (up to `limit`) until this shard knows a map of at least `epoch`: a request
     /// routed with a map newer than this shard's may concern keys that are on their way here.
     pub async fn wait_for_epoch(&self, epoch: MapEpoch, limit: Duration) {
@@ -2182,9 +2194,18 @@ impl ShardService {
             for fwd in st.forwards(push) {
                 let (st, link) = (st.clone(), self.link.clone());
                 let coordinator = self.coordinator.get().cloned();
+                let stop = self.retire.clone();
                 st.forwarding.fetch_add(1, Ordering::Relaxed);
                 started.push(tokio::spawn(async move {
-                    let r = forward(&st, &*link, fwd, coordinator.as_deref()).await;
+                    // A forward ends with the shard's process (a retirement, a shutdown).
+                    let r = tokio::select! {
+                        biased;
+                        () = stop.cancelled() => Err(Response::error(
+                            ErrorCode::NotReady,
+                            format!("{} is shutting down", st.id),
+                        )),
+                        r = forward(&st, &*link, fwd, coordinator.as_deref()) => r,
+                    };
                     st.forwarding.fetch_sub(1, Ordering::Relaxed);
                     r
                 }));
@@ -2500,7 +2521,7 @@ pub async fn run(
     service.report_to(&config.coordinator);
     // A shard of a replicated job that the map gives nothing rejoins as a standby: the live
     // copies on the other shards hold everything acknowledged since its checkpoint.
-    let standby = job.replicas > 1 && !map.places(id);
+    let standby = ShardState::rejoins_as_standby(&job, &map, id);
     if standby && config.checkpoint.as_deref().is_some_and(Path::exists) {
         info!(shard = %id, "rejoining a replicated job as a standby: its checkpoint is not \
             used (the live copies are newer)");

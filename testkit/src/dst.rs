@@ -102,6 +102,9 @@ pub struct Scenario {
     /// loop) over in-process connections of the simulated network, instead of the
     /// simulation's model of the client's loop.
     pub clients: bool,
+    /// Copies of every key range (the job's `replicas`; 1 in the seeds' scenarios, more with
+    /// `Options::replicas`).
+    pub replicas: u32,
 }
 
 /// A scripted membership change or fault.
@@ -140,6 +143,46 @@ pub enum Scripted {
     /// The n-th live worker (modulo their number) computes this many times slower from now on
     /// (1: at its normal speed again).
     Slow(usize, u32),
+    /// A replicated job's shard crashes at the `n`-th time (from now) a push's replication, or
+    /// a new backup's seeding, reaches `Point`, and restarts this many milliseconds later (as a
+    /// standby, once the coordinator replaced it). A crash that would take the last live copy
+    /// of a key range waits for the next time.
+    CrashAt(Point, u32, u64),
+}
+
+/// A step of a push's replication, or of a new backup's seeding, at which a shard crashes
+/// ([`Scripted::CrashAt`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Point {
+    /// A worker's push reaches its primary, which crashes before applying it.
+    Pushed,
+    /// The primary applied a push and sends it to a backup, then crashes (what it sent
+    /// arrives).
+    Forwarded,
+    /// A forwarded push reaches the backup, which crashes before applying it.
+    AtBackup,
+    /// The backup's acknowledgement reaches the primary, which crashes before it answers the
+    /// worker.
+    BackupAcked,
+    /// The primary answered the worker that its push is applied, and crashes.
+    Acked,
+    /// A primary sends a new backup its copy of a range, then crashes (the copy arrives).
+    CopySent,
+    /// A copy reaches its new backup, which crashes before taking it.
+    CopyArrives,
+}
+
+impl Point {
+    /// Every point.
+    pub const ALL: [Point; 7] = [
+        Point::Pushed,
+        Point::Forwarded,
+        Point::AtBackup,
+        Point::BackupAcked,
+        Point::Acked,
+        Point::CopySent,
+        Point::CopyArrives,
+    ];
 }
 
 /// A node a fault names.
@@ -226,6 +269,7 @@ impl Scenario {
             step_ms: 0,
             stragglers: StragglerSettings::default(),
             clients: false,
+            replicas: 1,
         };
         // Drawn after the rest, so that adding them left each seed's other choices alone.
         let script = &mut scenario.script;
@@ -285,6 +329,7 @@ impl Scenario {
             // A real client's heartbeat waits for a call that failed (a lost message here)
             // until its connection times out, a second: its lease must outlast a few.
             lease_ms: if self.clients { 5000 } else { 1000 },
+            replicas: self.replicas,
             ..crate::counter_job(8 * self.shards, 4, self.consistency)
         }
     }
@@ -333,6 +378,10 @@ pub struct Report {
     pub ids: Vec<Option<WorkerId>>,
     /// The consistency model it ran.
     pub consistency: Consistency,
+    /// A replicated job's shards replaced by their backups (the coordinator's maps that
+    /// dropped a shard), new backups seeded, and the shard crashes at each replication
+    /// [`Point`] (in the order of [`Point::ALL`]).
+    pub replication: (u32, u32, [u32; 7]),
 }
 
 /// A failed run: what broke, when, and the history up to it.
@@ -364,12 +413,17 @@ impl fmt::Display for Failure {
         let flag = |on: bool, name: &'static str| if on { name } else { "" };
         write!(
             f,
-            "replay: edl-dst --seed {}{}{}{}{} --verbose",
+            "replay: edl-dst --seed {}{}{}{}{}{} --verbose",
             self.seed,
             flag(o.give_up, " --give-up"),
             flag(o.mid_move, " --mid-move"),
             flag(o.failover, " --failover"),
             flag(o.clients, " --clients"),
+            if o.replicas > 1 {
+                format!(" --replicas {}", o.replicas)
+            } else {
+                String::new()
+            },
         )
     }
 }
@@ -400,6 +454,12 @@ pub struct Options {
     /// are refused from then on, and the shards refuse its orders once the new leader's
     /// reached them.
     pub failover: bool,
+    /// Keep this many copies of every key range (at most the seed's shards; 0 and 1: one).
+    /// The coordinator watches the shards as `edl-ps coordinator` does (silence finds a dead
+    /// one: the simulation has no sockets to probe), and shards crash at every step of a
+    /// push's replication and of a seeding (1 to 3 [`Scripted::CrashAt`], drawn from the seed
+    /// apart from its other choices).
+    pub replicas: u32,
 }
 
 /// Runs seed `seed`, on a runtime of its own whose time is paused.
@@ -416,6 +476,24 @@ pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
     // joined pushed a step already applied, was refused with `StaleClock` and exited).
     if scenario.clients && scenario.consistency == (Consistency::Ssp { staleness: 0 }) {
         scenario.consistency = Consistency::Bsp;
+    }
+    if options.replicas > 1 {
+        scenario.replicas = options.replicas.min(scenario.shards);
+        // Drawn apart, so that a seed's other choices are those it makes without replicas.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x7e91_1ca5_0f5e_ed00);
+        for _ in 0..rng.random_range(1..=3) {
+            let point = Point::ALL[rng.random_range(0..Point::ALL.len())];
+            let n = rng.random_range(1..=5);
+            // Back before the coordinator finds it dead (it rejoins, and is replaced then), or
+            // after.
+            let down = match rng.random_bool(0.5) {
+                true => rng.random_range(50..2000),
+                false => rng.random_range(3500..6000),
+            };
+            let at = rng.random_range(0..FAULTS_END_MS);
+            scenario.script.push((at, Scripted::CrashAt(point, n, down)));
+        }
+        scenario.script.sort_by_key(|(t, _)| *t);
     }
     run_scenario(seed, scenario, options)
 }
@@ -554,6 +632,9 @@ enum Body {
     NotReady,
     Left,
     Retry,
+    /// A worker of a replicated job routes its push again (with the map it has now): its
+    /// retry after a failed push asks the coordinator for the map first.
+    Route,
     ConnectionLost,
     HeartbeatDue,
     Tick,
@@ -659,6 +740,8 @@ const DRAIN: u64 = 0;
 const MOVE: u64 = 1;
 /// The coordinator's settling of a move after a restart (a task of its own, no answer).
 const RESUME: u64 = 2;
+/// A restarted shard of a replicated job joining the coordinator.
+const JOIN: u64 = 3;
 
 /// A call over a connection of the simulated network: a server's to a shard (the
 /// coordinator's, or a shard's hand-off) through [`SimLink`], or a real client's to the
@@ -876,6 +959,10 @@ struct Disk {
     modelled: Vec<BTreeMap<Key, BTreeSet<Batch>>>,
     /// A batch applied to a key that held it already.
     twice: Option<String>,
+    /// A replicated job's model, per copy: the batches shard `s`'s copy of a key (primary or
+    /// backup) holds; `None` once what it holds is not known (a new backup's copy taken
+    /// while pushes were on their way to it, a restore, a BSP step).
+    copies: BTreeMap<(usize, Key), Option<BTreeSet<Batch>>>,
 }
 
 impl Disk {
@@ -888,6 +975,49 @@ impl Disk {
             })
             .collect();
         self.checkpoints[s] = Some(ckpt);
+    }
+
+    /// A task of shard `s` changed its copies' counters from `before` to `after` (by key):
+    /// a copy that appeared is a new backup's copy from shard `source` (its batches those of
+    /// the source's copy if their number is the copy's count, else not known) or not known;
+    /// a counter one up applied `batch` (a batch it held already is applied twice); a copy
+    /// gone is forgotten.
+    fn changed(
+        &mut self,
+        s: usize,
+        (before, after): (&[Option<f32>], &[Option<f32>]),
+        batch: Option<Batch>,
+        source: Option<usize>,
+    ) {
+        for (k, (b, a)) in before.iter().zip(after).enumerate() {
+            let key = Key(k as u64);
+            match (*b, *a) {
+                (None, Some(v)) => {
+                    let from = source.and_then(|p| self.copies.get(&(p, key)).cloned().flatten());
+                    let held = from.filter(|h| h.len() as f32 == v);
+                    self.copies.insert((s, key), held);
+                }
+                (Some(b), Some(a)) if a == b + 1.0 && batch.is_some() => {
+                    let Some(batch) = batch else { continue };
+                    if let Some(Some(held)) = self.copies.get_mut(&(s, key))
+                        && !held.insert(batch)
+                        && self.twice.is_none()
+                    {
+                        self.twice = Some(format!(
+                            "exactly-once: shard {s} applied batch {batch:?} to its copy of \
+                             {key} twice"
+                        ));
+                    }
+                }
+                (Some(_), Some(_)) => {
+                    self.copies.insert((s, key), None);
+                }
+                (Some(_), None) => {
+                    self.copies.remove(&(s, key));
+                }
+                (None, None) => {}
+            }
+        }
     }
 
     /// A push applied `batch` to `key`.
@@ -975,6 +1105,18 @@ struct Sim {
     /// Coordinator calls whose connection failed end the worker instead of being repeated.
     give_up: bool,
     log: std::collections::VecDeque<String>,
+    /// A replicated job's crashes armed at replication points: `(point, in how many times,
+    /// down for)`.
+    traps: Vec<(Point, u32, u64)>,
+    /// Crashes at each point, in the order of `Point::ALL`.
+    hits: [u32; 7],
+    /// Shards replaced by their backups, and new backups seeded.
+    promotions: u32,
+    seedings: u32,
+    /// The watches over a replicated job's shards, the current coordinator's last.
+    watches: Vec<CancellationToken>,
+    /// Restarted shards' joins to the coordinator, by call.
+    joining: BTreeMap<u64, usize>,
 }
 
 impl Sim {
@@ -1100,6 +1242,12 @@ impl Sim {
             verbose,
             give_up: false,
             log: std::collections::VecDeque::new(),
+            traps: Vec::new(),
+            hits: [0; 7],
+            promotions: 0,
+            seedings: 0,
+            watches: Vec::new(),
+            joining: BTreeMap::new(),
             scenario,
         };
         for s in 0..n {
@@ -1108,6 +1256,21 @@ impl Sim {
             sim.shards.push(shard);
             // Its first checkpoint, as the shard writes it before it serves.
             sim.checkpoint(s);
+        }
+        if sim.replicated() {
+            // Every copy starts with no batch applied.
+            let mut d = lock_disk(&sim.disk);
+            for (s, shard) in sim.shards.iter().enumerate() {
+                for c in &sim.keys {
+                    if shard.state.param(c.key, 0).is_some()
+                        || shard.state.backup_param(c.key, 0).is_some()
+                    {
+                        d.copies.insert((s, c.key), Some(BTreeSet::new()));
+                    }
+                }
+            }
+            drop(d);
+            sim.watch();
         }
         for _ in 0..sim.scenario.workers {
             sim.start_worker(None);
@@ -1133,6 +1296,8 @@ impl Sim {
         let stop = CancellationToken::new();
         let service = ShardService::new(Arc::new(link), Some(store.clone()), stop.clone());
         service.trust(&self.token_key, JOB);
+        // A primary reports a backup it cannot reach to the coordinator.
+        service.report_to(COORDINATOR);
         let state = Arc::new(state);
         service.assign(state.clone());
         SimShard {
@@ -1147,6 +1312,24 @@ impl Sim {
 
     fn faulty(&self) -> bool {
         self.now < FAULTS_END_MS
+    }
+
+    /// Whether the job keeps more than one copy of its key ranges.
+    fn replicated(&self) -> bool {
+        self.scenario.replicas > 1
+    }
+
+    /// The current coordinator watches the shards of a replicated job, as `edl-ps
+    /// coordinator` does (the watch of one that crashed stops with it).
+    fn watch(&mut self) {
+        if !self.replicated() {
+            return;
+        }
+        let stop = CancellationToken::new();
+        let c = self.coordinator.clone();
+        let token = stop.clone();
+        tokio::spawn(async move { c.watch_shards(token).await });
+        self.watches.push(stop);
     }
 
     /// Schedules a delivery at virtual time `t`.
@@ -1415,6 +1598,7 @@ impl Sim {
             // still under way.
             if self.finished()
                 && !self.moving()
+                && !self.replicating()
                 && self
                     .workers
                     .iter()
@@ -1422,6 +1606,9 @@ impl Sim {
             {
                 break;
             }
+        }
+        for watch in &self.watches {
+            watch.cancel();
         }
         if !self.finished() {
             return Err("liveness: no event left and the job is not finished".into());
@@ -1502,6 +1689,28 @@ impl Sim {
             })
     }
 
+    /// A replicated job is not back to its copies: a key has fewer than the job keeps (or
+    /// than there are shards), a shard is down, one the map does not place still holds copies
+    /// (replaced while cut off, it must learn that it was), or a copy is on its way to a new
+    /// backup.
+    fn replicating(&self) -> bool {
+        if !self.replicated() {
+            return false;
+        }
+        let want = self.scenario.replicas.min(self.scenario.shards) as usize;
+        let short = (self.keys.iter())
+            .any(|c| self.map.owner(c.key).is_some() as usize + self.map.backups_of(c.key).count() < want);
+        let copying = |c: &LinkCall| matches!(c.req, Request::CopyOut { .. } | Request::CopyIn { .. });
+        let stale = (self.shards.iter()).any(|s| {
+            let st = s.state.stats();
+            !self.map.places(st.shard) && (!st.ranges.is_empty() || !st.backups.is_empty())
+        });
+        short
+            || stale
+            || self.shards.iter().any(|s| s.down.is_some())
+            || self.links.values().any(copying)
+    }
+
     /// What must hold after every step: map epochs only grow, through coordinator restarts
     /// too; no two nodes hold different maps of one epoch; no key was applied a batch twice.
     fn check_now(&mut self) -> Result<(), String> {
@@ -1525,6 +1734,16 @@ impl Sim {
                 ));
             }
             self.saw_map(&map)?;
+            if self.replicated() && map.epoch > self.map.epoch {
+                let dropped = (self.map.shards.iter())
+                    .filter(|s| self.map.places(s.id) && !map.places(s.id))
+                    .count();
+                self.promotions += dropped as u32;
+                let backed = |m: &ShardMap| m.backups.iter().map(|r| r.end - r.start).sum::<u64>();
+                if backed(&map) > backed(&self.map) {
+                    self.seedings += 1;
+                }
+            }
             self.map = map;
         }
         for s in 0..self.shards.len() {
@@ -1581,10 +1800,19 @@ impl Sim {
         };
         if let Request::SetMap { map, .. }
         | Request::MoveOut { map, .. }
-        | Request::MoveIn { map, .. } = &req
+        | Request::MoveIn { map, .. }
+        | Request::CopyOut { map, .. }
+        | Request::CopyIn { map, .. } = &req
         {
             self.saw_map(map)?;
         }
+        // A primary sending a push to a backup, or a copy to a new backup, may crash as soon
+        // as it sent it.
+        let sent = match (&req, from) {
+            (Request::Replicate { .. }, Node::Shard(p)) => Some((Point::Forwarded, p)),
+            (Request::CopyIn { .. }, Node::Shard(p)) => Some((Point::CopySent, p)),
+            _ => None,
+        };
         let lost = self.lost_call(from, &req, false);
         self.links.insert(
             id,
@@ -1602,6 +1830,9 @@ impl Sim {
         } else {
             let delay = self.delay();
             self.at(self.now + delay, to, 0, id, Body::Call(id));
+        }
+        if let Some((point, p)) = sent {
+            self.trap(point, p);
         }
         Ok(())
     }
@@ -1707,6 +1938,10 @@ impl Sim {
     /// was serving fail with their connections, their tasks aborted or their answers lost.
     fn end_calls(&mut self, orphan: bool) {
         for (call, (worker, seq, task)) in std::mem::take(&mut self.calls) {
+            // A restarted shard's join fails with the connection: it joins again.
+            if let Some(s) = self.joining.remove(&call) {
+                self.at(self.now + TICK_MS, Node::Shard(s), 0, 0, Body::ShardRestart);
+            }
             if orphan {
                 self.orphans.insert(call);
             } else {
@@ -1745,16 +1980,20 @@ impl Sim {
         self.calls.insert(call, (worker, seq, task));
     }
 
-    /// A real client's call reaches the coordinator: its service serves it in a task of its
-    /// own, which reports the answer when it has one.
+    /// A real client's call (or a shard's: a primary reporting a backup it cannot reach)
+    /// reaches the coordinator: its service serves it in a task of its own, which reports the
+    /// answer when it has one.
     fn serve_coordinator(&mut self, id: u64) {
         let Some(call) = self.links.get(&id).filter(|c| c.answer.is_none()) else {
             return;
         };
-        let Node::Worker(slot) = call.from else {
-            return;
+        let peer = match call.from {
+            Node::Worker(slot) => {
+                Peer::in_process(Role::Worker, &format!("w{slot}"), JOB, addr(0, slot))
+            }
+            Node::Shard(n) => Peer::in_process(Role::Shard, &format!("s{n}"), JOB, addr(1, n)),
+            Node::Coordinator => return,
         };
-        let peer = Peer::in_process(Role::Worker, &format!("w{slot}"), JOB, addr(0, slot));
         let (req, payload) = (call.req.clone(), call.payload.clone());
         self.seq += 1;
         let n = self.seq;
@@ -1814,6 +2053,9 @@ impl Sim {
         mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
         self.note(line);
         if a.worker == ADMIN {
+            if let Some(s) = self.joining.remove(&a.call) {
+                return self.rejoined(s, a.resp);
+            }
             match a.resp {
                 Response::Ack => self.drained += 1,
                 Response::Resharded { moves, map } => {
@@ -1884,7 +2126,10 @@ impl Sim {
         // depend on the coordinator.
         match env.body {
             Body::Script(
-                f @ (Scripted::Partition(..) | Scripted::Filter { .. } | Scripted::ShardCrash(..)),
+                f @ (Scripted::Partition(..)
+                | Scripted::Filter { .. }
+                | Scripted::ShardCrash(..)
+                | Scripted::CrashAt(..)),
             ) => return self.fault(f),
             // A shard's answer reaches the coordinator's task (gone if it crashed since).
             Body::LinkReply(id) => {
@@ -1947,6 +2192,7 @@ impl Sim {
                     self.down_until = None;
                     self.restarts += 1;
                     self.note("coordinator restarted from its saved state".into());
+                    self.watch();
                 }
                 Body::Tick => self.at(self.now + TICK_MS, Node::Coordinator, 0, 0, Body::Tick),
                 Body::Script(Scripted::Join) => self.start_worker(None),
@@ -1992,6 +2238,9 @@ impl Sim {
                 }
                 self.note(format!("the coordinator crashes for {down} ms"));
                 self.end_calls(false);
+                if let Some(watch) = self.watches.last() {
+                    watch.cancel();
+                }
             }
             Body::Script(Scripted::Move(n, m)) => self.operator_move(n, m),
             Body::Tick => {
@@ -2116,34 +2365,81 @@ impl Sim {
             // A shard does not crash in the middle of a move (not simulated yet).
             Scripted::ShardCrash(_, _) if !self.mid_move && self.moving() => {}
             Scripted::ShardCrash(n, down) => {
-                let s = n % self.shards.len();
-                if self.shards[s].down.is_none() {
-                    self.note(format!("shard {s} crashes for {down} ms"));
-                    self.shards[s].down = Some(self.now + down);
-                    self.shards[s].stop.cancel();
-                    self.shard_crashes += 1;
-                    // Its process ends: what it was serving fails with the connections, and
-                    // what it was doing (a hand-off, a checkpoint) stops where it was.
-                    for (_, (serving, task)) in std::mem::take(&mut self.shards[s].tasks) {
-                        task.abort();
-                        if let Serving::Push { slot, seq, .. } = serving {
-                            let t = self.now + CONNECTION_TIMEOUT_MS;
-                            self.at(t, Node::Worker(slot), slot, seq, Body::Retry);
-                        }
-                    }
-                    let serving: Vec<u64> = (self.links.iter())
-                        .filter(|(_, c)| c.to == Node::Shard(s) && c.answer.is_none())
-                        .map(|(id, _)| *id)
-                        .collect();
-                    for id in serving {
-                        self.link_failed(id);
-                    }
-                    self.at(self.now + down, Node::Shard(s), 0, 0, Body::ShardRestart);
-                }
+                self.crash_shard(n % self.shards.len(), down);
+            }
+            Scripted::CrashAt(point, n, down) => {
+                self.note(format!("a shard crashes at {point:?} #{n}"));
+                self.traps.push((point, n, down));
             }
             other => return Err(format!("{other:?} is not a fault")),
         }
         Ok(())
+    }
+
+    /// Shard `s` crashes, to restart `down` ms later; false if it is down already, or if it
+    /// holds the last live copy of some keys of a replicated job (what replicas promise to
+    /// survive is fewer failures than copies).
+    fn crash_shard(&mut self, s: usize, down: u64) -> bool {
+        if self.shards[s].down.is_some() {
+            return false;
+        }
+        if self.replicated() {
+            let me = ShardId(s as u32);
+            let up = |id: ShardId| id != me && self.shards.get(id.0 as usize).is_some_and(|sh| sh.down.is_none());
+            let last = self.keys.iter().any(|c| {
+                let mut copies = self.map.owner(c.key).into_iter().chain(self.map.backups_of(c.key));
+                let copies: Vec<ShardId> = copies.by_ref().collect();
+                copies.contains(&me) && !copies.into_iter().any(up)
+            });
+            if last {
+                self.note(format!("shard {s} holds the last live copy of some keys: no crash"));
+                return false;
+            }
+        }
+        self.note(format!("shard {s} crashes for {down} ms"));
+        self.shards[s].down = Some(self.now + down);
+        self.shards[s].stop.cancel();
+        self.shard_crashes += 1;
+        // Its process ends: what it was serving fails with the connections, and what it was
+        // doing (a hand-off, a checkpoint, a push's forwards) stops where it was.
+        for (_, (serving, task)) in std::mem::take(&mut self.shards[s].tasks) {
+            task.abort();
+            if let Serving::Push { slot, seq, .. } = serving {
+                let t = self.now + CONNECTION_TIMEOUT_MS;
+                self.at(t, Node::Worker(slot), slot, seq, Body::Retry);
+            }
+        }
+        let serving: Vec<u64> = (self.links.iter())
+            .filter(|(_, c)| c.to == Node::Shard(s) && c.answer.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in serving {
+            self.link_failed(id);
+        }
+        self.at(self.now + down, Node::Shard(s), 0, 0, Body::ShardRestart);
+        true
+    }
+
+    /// Shard `s` reached `point` of a replication: a crash armed there goes off if it is the
+    /// time (and the shard may crash); true if it crashed.
+    fn trap(&mut self, point: Point, s: usize) -> bool {
+        let Some(i) = self.traps.iter().position(|t| t.0 == point) else {
+            return false;
+        };
+        if self.traps[i].1 > 1 {
+            self.traps[i].1 -= 1;
+            return false;
+        }
+        let down = self.traps[i].2;
+        self.note(format!("shard {s} at {point:?}"));
+        if !self.crash_shard(s, down) {
+            return false;
+        }
+        self.traps.remove(i);
+        if let Some(n) = Point::ALL.iter().position(|p| *p == point) {
+            self.hits[n] += 1;
+        }
+        true
     }
 
     /// The n-th live worker (modulo their number), if any is.
@@ -2169,10 +2465,34 @@ impl Sim {
     }
 
     fn at_shard(&mut self, s: usize, env: Envelope) -> Result<(), String> {
-        // A shard's answer reaches the server that called (gone if it crashed since).
+        // A shard's answer reaches the server that called (gone if it crashed since); a
+        // primary may crash as its backup's acknowledgement of a push arrives.
         if let Body::LinkReply(id) = env.body {
+            let acked = self.links.get(&id).is_some_and(|c| {
+                matches!(c.req, Request::Replicate { .. })
+                    && matches!(&c.answer, Some(Ok(f)) if matches!(f.msg, Response::Ack))
+            });
+            if acked && self.shards[s].down.is_none() {
+                self.trap(Point::BackupAcked, s);
+            }
             self.link_reply(id);
             return Ok(());
+        }
+        // A push reaching its primary, a forwarded push its backup, a copy its new backup.
+        let point = match &env.body {
+            Body::Push { .. } => Some(Point::Pushed),
+            Body::Call(id) => match self.links.get(id).map(|c| &c.req) {
+                Some(Request::Push { .. }) => Some(Point::Pushed),
+                Some(Request::Replicate { .. }) => Some(Point::AtBackup),
+                Some(Request::CopyIn { .. }) => Some(Point::CopyArrives),
+                _ => None,
+            },
+            _ => None,
+        };
+        if let Some(point) = point.filter(|_| self.shards[s].down.is_none())
+            && self.trap(point, s)
+        {
+            return self.at_shard(s, env);
         }
         if self.shards[s].down.is_some() {
             match env.body {
@@ -2210,6 +2530,10 @@ impl Sim {
     /// Shard `s` restarts from its last checkpoint with the coordinator's map; the model forgets,
     /// as the shard does, what came after the checkpoint.
     fn restart_shard(&mut self, s: usize) -> Result<(), String> {
+        if self.replicated() {
+            self.rejoin(s);
+            return Ok(());
+        }
         let (job, map) = self.coordinator.inspect(|st| (st.job().clone(), st.map()));
         let map = map.ok_or("the coordinator has no map")?;
         let ckpt = {
@@ -2227,6 +2551,61 @@ impl Sim {
             .map_err(|e| format!("shard {s} cannot restore its checkpoint: {e}"))?;
         self.shards[s] = self.shard_server(s, state);
         self.note(format!("shard {s} restarted from its checkpoint"));
+        Ok(())
+    }
+
+    /// Restarted shard `s` of a replicated job joins the coordinator, as `edl-ps shard` does
+    /// (the coordinator first replaces it by its backups if its map still places it); it
+    /// serves once answered ([`Sim::rejoined`]).
+    fn rejoin(&mut self, s: usize) {
+        let peer = Peer::in_process(Role::Shard, &format!("s{s}"), JOB, addr(1, s));
+        self.seq += 1;
+        let call = self.seq;
+        let (c, tx) = (self.coordinator.clone(), self.answers.clone());
+        let task = tokio::spawn(async move {
+            let req = Request::ShardJoin {
+                addr: format!("sim:{s}"),
+            };
+            let resp = c.handle(&peer, req, Parts::default()).await.msg;
+            let _ = tx.send(Answer {
+                call,
+                worker: ADMIN,
+                seq: JOIN,
+                clock: Clock(0),
+                resp,
+            });
+        });
+        self.calls.insert(call, (ADMIN, JOIN, task));
+        self.joining.insert(call, s);
+    }
+
+    /// Shard `s` of a replicated job joined again: a standby if the map gives it nothing (its
+    /// checkpoint not used), else restored from its checkpoint; the model forgets its copies.
+    fn rejoined(&mut self, s: usize, resp: Response) -> Result<(), String> {
+        let Response::ShardAssigned { job, map, .. } = resp else {
+            return Err(format!("shard {s}'s join was answered {resp:?}"));
+        };
+        let id = ShardId(s as u32);
+        let standby = ShardState::rejoins_as_standby(&job, &map, id);
+        let state = if standby {
+            ShardState::new(id, job, map)
+        } else {
+            let ckpt = lock_disk(&self.disk).checkpoints[s].clone();
+            let ckpt = ckpt.ok_or("a shard without a checkpoint")?;
+            ShardState::restore(id, job, map, ckpt)
+                .map_err(|e| format!("shard {s} cannot restore its checkpoint: {e}"))?
+        };
+        let mut d = lock_disk(&self.disk);
+        d.copies.retain(|(on, _), _| *on != s);
+        for c in &self.keys {
+            if state.param(c.key, 0).is_some() {
+                d.copies.insert((s, c.key), None);
+            }
+        }
+        drop(d);
+        self.shards[s] = self.shard_server(s, state);
+        let how = if standby { "as a standby" } else { "from its checkpoint" };
+        self.note(format!("shard {s} rejoined {how}"));
         Ok(())
     }
 
@@ -2295,6 +2674,23 @@ impl Sim {
             } => Some((chunks.iter().map(|c| c.key).collect::<Vec<Key>>(), *span)),
             _ => None,
         };
+        // A replicated job's model follows every copy: any request may change one.
+        let copies = self.replicated().then(|| {
+            let batch = match &req {
+                Request::Push {
+                    span: Some(span), ..
+                }
+                | Request::Replicate {
+                    span: Some(span), ..
+                } => Some((span.epoch, span.start)),
+                _ => None,
+            };
+            let source = match (&req, from) {
+                (Request::CopyIn { .. }, Node::Shard(p)) => Some(p),
+                _ => None,
+            };
+            (batch, source, self.keys.len() as u64)
+        });
         self.seq += 1;
         let task_id = self.seq;
         let shard = &self.shards[s];
@@ -2307,6 +2703,23 @@ impl Sim {
         let task = tokio::spawn(async move {
             let frame = if !service.allowed(peer.role, &req) {
                 Frame::new(Response::error(ErrorCode::Forbidden, "not allowed"))
+            } else if let Some((batch, source, keys)) = copies {
+                let values = |st: &ShardState| -> Vec<Option<f32>> {
+                    (0..keys)
+                        .map(|k| (st.param(Key(k), 0)).or_else(|| st.backup_param(Key(k), 0)))
+                        .collect()
+                };
+                let mut serving = std::pin::pin!(service.handle(&peer, req, payload));
+                std::future::poll_fn(|cx| {
+                    let before = values(&state);
+                    let step = serving.as_mut().poll(cx);
+                    let after = values(&state);
+                    if before != after {
+                        lock_disk(&disk).changed(s, (&before, &after), batch, source);
+                    }
+                    step
+                })
+                .await
             } else if let Some((keys, span)) = pushed {
                 let batch = (span.epoch, span.start);
                 let counters = |st: &ShardState| -> Vec<Option<f32>> {
@@ -2355,6 +2768,9 @@ impl Sim {
         if self.bsp() {
             return Ok(());
         }
+        if self.replicated() {
+            return self.acknowledged_by_copies(s, id, span, keys);
+        }
         let batch = (span.epoch, span.start);
         let d = lock_disk(&self.disk);
         let lost: Vec<Key> = (keys.iter())
@@ -2370,6 +2786,36 @@ impl Sim {
                 return Err(format!("exactly-once: {what}"));
             }
             self.note(format!("{what} (lost with a crash)"));
+        }
+        Ok(())
+    }
+
+    /// A replicated job's acknowledged push: the primary's copy of every key of it holds its
+    /// batch, and so does every backup copy its map lists (whose batches are known), crashes
+    /// or not.
+    fn acknowledged_by_copies(
+        &mut self,
+        s: usize,
+        id: WorkerId,
+        span: DataSpan,
+        keys: &[Key],
+    ) -> Result<(), String> {
+        let batch = (span.epoch, span.start);
+        let map = self.shards[s].state.read_map();
+        let d = lock_disk(&self.disk);
+        for &k in keys {
+            let copies = std::iter::once(s).chain(map.backups_of(k).map(|b| b.0 as usize));
+            for (n, on) in copies.enumerate() {
+                if let Some(Some(held)) = d.copies.get(&(on, k))
+                    && !held.contains(&batch)
+                {
+                    let copy = if n == 0 { "its copy" } else { "its backup's" };
+                    return Err(format!(
+                        "exactly-once: shard {s} acknowledged {id}'s {span:?}, but {copy} of {k} \
+                         on shard {on} does not hold it"
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -2406,6 +2852,9 @@ impl Sim {
                     }) if matches!(a.frame.msg, Response::Ack) => {
                         let keys: Vec<Key> = chunks.iter().map(|c| c.key).collect();
                         self.acknowledged(a.shard, worker, span, &keys)?;
+                        self.answer_link(id, Ok(a.frame));
+                        self.trap(Point::Acked, a.shard);
+                        return Ok(());
                     }
                     _ => {}
                 }
@@ -2442,7 +2891,11 @@ impl Sim {
             }
             Ok(other) => return Err(format!("shard {} answered a push {other:?}", a.shard)),
         };
+        let acked = matches!(answer, Body::Pushed { .. });
         self.send(Node::Shard(a.shard), Node::Worker(slot), slot, seq, answer);
+        if acked {
+            self.trap(Point::Acked, a.shard);
+        }
         Ok(())
     }
 
@@ -2481,8 +2934,14 @@ impl Sim {
         }
         let current = env.seq == self.workers[slot].seq;
         match env.body {
+            // A replicated job's worker whose push failed asks for the map first: a backup may
+            // have taken the place of a dead primary (the client follows maps as they change).
+            Body::Retry if current && phase == Phase::Pushing && self.replicated() => {
+                let seq = self.workers[slot].seq;
+                self.send(Node::Worker(slot), Node::Coordinator, slot, seq, Body::GetMap);
+            }
             // A retry of an older round of pushes is stale: the current round carries its keys.
-            Body::Retry if current && phase == Phase::Pushing => self.push(slot),
+            Body::Retry | Body::Route if current && phase == Phase::Pushing => self.push(slot),
             Body::Computed if current && phase == Phase::Pushing => self.push(slot),
             Body::ConnectionLost if current && !self.give_up => self.repeat(slot),
             Body::ConnectionLost if current => {
@@ -2541,7 +3000,8 @@ impl Sim {
                     if map.epoch > w.map.epoch {
                         // Route again with the newer map.
                         w.map = *map;
-                        self.at(self.now, Node::Worker(slot), slot, seq, Body::Retry);
+                        let again = self.route();
+                        self.at(self.now, Node::Worker(slot), slot, seq, again);
                     } else {
                         // The refusing shard is behind: ask the coordinator for its map, as
                         // the client does.
@@ -2565,13 +3025,8 @@ impl Sim {
                 } else {
                     20
                 };
-                self.at(
-                    self.now + after,
-                    Node::Worker(slot),
-                    slot,
-                    env.seq,
-                    Body::Retry,
-                );
+                let again = self.route();
+                self.at(self.now + after, Node::Worker(slot), slot, env.seq, again);
             }
             Body::Pushed { keys, span } if phase == Phase::Pushing => {
                 let w = &mut self.workers[slot];
@@ -2604,6 +3059,16 @@ impl Sim {
             _ => {}
         }
         Ok(())
+    }
+
+    /// What routes a worker's push again at once (a replicated job's worker asks for the map
+    /// first only after a push failed).
+    fn route(&self) -> Body {
+        if self.replicated() {
+            Body::Route
+        } else {
+            Body::Retry
+        }
     }
 
     /// Schedules a worker's next heartbeat, four to a lease.
@@ -2700,9 +3165,11 @@ impl Sim {
             for e in report {
                 // A shard that crashed lost what it applied after its checkpoint (by design,
                 // until replicas): then at most once.
+                // With replicas it loses nothing.
                 let exact = (e.applied, e.duplicates, e.missing) == (u64::from(samples), 0, 0);
                 let at_most_once = e.duplicates == 0 && e.applied <= u64::from(samples);
-                if !exact && (self.shard_crashes == 0 || !at_most_once) {
+                let lossy = self.shard_crashes > 0 && !self.replicated();
+                if !exact && (!lossy || !at_most_once) {
                     return Err(format!("exactly-once: shard {s}, {e:?}"));
                 }
             }
@@ -2729,6 +3196,9 @@ impl Sim {
                     c.key
                 ));
             }
+        }
+        if self.replicated() {
+            return self.check_copies(want);
         }
         let model = std::mem::take(&mut lock_disk(&self.disk).model);
         for (s, shard) in self.shards.iter().enumerate() {
@@ -2766,6 +3236,76 @@ impl Sim {
         Ok(())
     }
 
+    /// A replicated job's end: every key has its copies (as many as the job keeps, or as there
+    /// are shards), each counter of every copy, primary and backup, holds one per batch of the
+    /// job (under BSP: equals its primary's), and the model of each copy whose batches are known
+    /// holds every batch.
+    fn check_copies(&mut self, want: f32) -> Result<(), String> {
+        let copies = self.scenario.replicas.min(self.scenario.shards) as usize;
+        let (bsp, mut digest) = (self.bsp(), self.digest);
+        let disk = self.disk.clone();
+        let d = lock_disk(&disk);
+        for c in &self.keys {
+            let Some(owner) = self.map.owner(c.key) else {
+                return Err(format!("placement: {} has no primary", c.key));
+            };
+            let backups: Vec<ShardId> = self.map.backups_of(c.key).collect();
+            if 1 + backups.len() != copies {
+                return Err(format!(
+                    "replicas: {} has a primary and {} backups at the end, not {copies} copies",
+                    c.key,
+                    backups.len()
+                ));
+            }
+            let primary = &self.shards[owner.0 as usize].state;
+            let value = |st: &ShardState, backup: bool, i: usize| {
+                if backup {
+                    st.backup_param(c.key, i)
+                } else {
+                    st.param(c.key, i)
+                }
+            };
+            let wanted = |i: usize| {
+                if bsp {
+                    primary.param(c.key, i)
+                } else {
+                    Some(want)
+                }
+            };
+            let on = std::iter::once((owner, false)).chain(backups.iter().map(|b| (*b, true)));
+            for (shard, backup) in on {
+                let st = &self.shards[shard.0 as usize].state;
+                for i in 0..c.len as usize {
+                    let v = value(st, backup, i);
+                    mix(&mut digest, &v.unwrap_or(f32::NAN).to_bits().to_le_bytes());
+                    if v.is_none() || v != wanted(i) {
+                        return Err(format!(
+                            "counters: {} of shard {shard}'s {} copy of {} holds {v:?}, not {:?}",
+                            i,
+                            if backup { "backup" } else { "primary" },
+                            c.key,
+                            wanted(i)
+                        ));
+                    }
+                }
+                if bsp {
+                    continue;
+                }
+                if let Some(Some(held)) = d.copies.get(&(shard.0 as usize, c.key))
+                    && held.len() as f32 != want
+                {
+                    return Err(format!(
+                        "model: shard {shard}'s copy of {} was applied {} batches, not {want}",
+                        c.key,
+                        held.len()
+                    ));
+                }
+            }
+        }
+        self.digest = digest;
+        Ok(())
+    }
+
     fn report(&self) -> Report {
         Report {
             seed: self.seed,
@@ -2798,6 +3338,7 @@ impl Sim {
             trace: None,
             ids: self.workers.iter().map(|w| w.id).collect(),
             consistency: self.scenario.consistency,
+            replication: (self.promotions, self.seedings, self.hits),
         }
     }
 }

@@ -114,6 +114,9 @@ pub struct Coordinator {
     avoid: std::sync::Mutex<
         std::collections::HashMap<edl_shared::proto::ShardId, tokio::time::Instant>,
     >,
+    /// A replicated job's shards silent now (see `watch_shards`): none of them takes the place
+    /// of a dead primary.
+    silent: std::sync::Mutex<Vec<edl_shared::proto::ShardId>>,
 }
 
 impl Coordinator {
@@ -145,6 +148,7 @@ impl Coordinator {
             probed: std::sync::Mutex::new(None),
             probe_window: std::sync::Mutex::new(Duration::from_millis(750)),
             avoid: Default::default(),
+            silent: Default::default(),
         }
     }
 
@@ -469,6 +473,7 @@ impl Coordinator {
     /// share one shard's identity, and a second join must not move a live shard's address.
     async fn shard_join(&self, peer: &Peer, addr: &str) -> Response {
         let old = self.lock().shard_addr_by_name(&peer.name);
+        let rejoined = old.is_some();
         if let (Some(old), Some(caller)) = (old.filter(|o| o != addr), self.caller.get()) {
             if caller.answers(&old).await {
                 return Response::error(
@@ -483,6 +488,9 @@ impl Coordinator {
             warn!(shard = %peer.name, %old, new = %addr, "shard moved: the old address is gone");
         }
         let joined = self.lock().shard_join(&peer.name, addr);
+        if let (Ok(id), true) = (&joined, rejoined) {
+            self.restarted(*id).await;
+        }
         match joined {
             Err((code, msg)) => Response::error(code, msg),
             Ok(id) => {

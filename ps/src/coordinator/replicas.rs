@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use edl_shared::proto::{ErrorCode, Parts, Request, Response, ShardId, ShardMap};
+use edl_shared::proto::{ErrorCode, MapEpoch, Parts, Request, Response, ShardId, ShardMap};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::CallError;
 use tokio::time::Instant;
@@ -30,6 +30,9 @@ const ASK: Duration = Duration::from_secs(1);
 const SILENT: Duration = Duration::from_millis(250);
 /// A shard silent this long is dead, its socket found gone or not.
 pub const DEAD_AFTER: Duration = Duration::from_secs(3);
+/// A shard silent for [`DEAD_AFTER`] is dead only if another shard answered within this
+/// long.
+const HEARD: Duration = Duration::from_secs(1);
 /// How long a shard a primary could not reach, or whose seeding failed, is not picked for a
 /// new backup (a cut link heals in its own time; meanwhile other shards are tried).
 const AVOID: Duration = Duration::from_secs(30);
@@ -37,8 +40,10 @@ const AVOID: Duration = Duration::from_secs(30);
 impl Coordinator {
     /// Watches the shards of a replicated job until `stop`, promoting the backups of those
     /// found dead, and seeding new backups (one range at a time) where a range has fewer
-    /// copies than the job keeps, on shards that answer.
-    pub(super) async fn watch_shards(self: &Arc<Self>, stop: CancellationToken) {
+    /// copies than the job keeps, on shards that answer. (`edl-ps coordinator` runs it for a
+    /// replicated job; the simulation runs it on its coordinators, whose addresses are not
+    /// sockets: there only silence finds a shard dead.)
+    pub async fn watch_shards(self: &Arc<Self>, stop: CancellationToken) {
         let Some(caller) = self.caller.get().cloned() else {
             return;
         };
@@ -46,6 +51,8 @@ impl Coordinator {
         let mut answered: HashMap<ShardId, Instant> = HashMap::new();
         let mut seeding: Option<tokio::task::JoinHandle<()>> = None;
         let mut asking: HashSet<ShardId> = HashSet::new();
+        // Shards the map does not place that still held copies, and the epoch sent to them.
+        let mut told: HashMap<ShardId, MapEpoch> = HashMap::new();
         let mut answers = tokio::task::JoinSet::new();
         let mut prober = probe::Prober::<ShardId>::default();
         let mut tick = tokio::time::interval(EVERY);
@@ -60,11 +67,17 @@ impl Coordinator {
                 continue;
             };
             let now = Instant::now();
+            let mut stale = Vec::new();
             while let Some(Ok((id, at, answer))) = answers.try_join_next() {
                 asking.remove(&id);
-                if answer {
+                if let Some(holds) = answer {
                     heard.insert(id, at);
                     answered.insert(id, at);
+                    // One replaced (taken for dead while cut off, say) learns that it was:
+                    // it drops its copies and serves nothing stale.
+                    if holds && !map.places(id) && told.get(&id) != Some(&map.epoch) {
+                        stale.push(id);
+                    }
                 }
             }
             let placed: Vec<(ShardId, String)> = map
@@ -75,6 +88,14 @@ impl Coordinator {
                 .collect();
             // Standby shards are asked too: one that answers can take a new backup.
             let live = self.lock().live_shards();
+            let stale: Vec<(ShardId, String)> =
+                live.iter().filter(|(id, _)| stale.contains(id)).cloned().collect();
+            for (id, _) in &stale {
+                info!(shard = %id, epoch = %map.epoch, "a shard the map does not place holds \
+                    copies: sending it the map");
+                told.insert(*id, map.epoch);
+            }
+            reshard::announce(&caller, &map, stale, &[], self.term());
             heard.retain(|id, _| placed.iter().any(|(p, _)| p == id));
             for (id, addr) in &live {
                 if placed.iter().any(|(p, _)| p == id) {
@@ -85,10 +106,12 @@ impl Coordinator {
                     answers.spawn(async move {
                         let ask = caller.call(&addr, Request::ShardStats, Parts::default());
                         let answered = match tokio::time::timeout(ASK, ask).await {
-                            Ok(Ok(_)) => true,
-                            // An error answer is an answer: the process is there.
-                            Ok(Err(CallError::Remote { .. })) => true,
-                            _ => false,
+                            Ok(Ok(Response::ShardStats(s))) => {
+                                Some(!s.ranges.is_empty() || !s.backups.is_empty())
+                            }
+                            // Any answer is an answer: the process is there.
+                            Ok(Ok(_) | Err(CallError::Remote { .. })) => Some(false),
+                            _ => None,
                         };
                         (id, Instant::now(), answered)
                     });
@@ -106,13 +129,23 @@ impl Coordinator {
                 .into_iter()
                 .map(|(id, addr)| (id, format!("its socket at {addr} is gone")))
                 .collect();
+            // Silence alone condemns a shard only while another shard is heard: when none
+            // is, the coordinator is the one cut off (a blip of its own network must not
+            // take every shard for dead).
+            let others_heard = |id: ShardId| {
+                answered
+                    .iter()
+                    .any(|(o, t)| *o != id && now.saturating_duration_since(*t) < HEARD)
+            };
             for (id, _) in silent(DEAD_AFTER) {
-                if !dead.iter().any(|(d, _)| *d == id) {
+                if !dead.iter().any(|(d, _)| *d == id) && others_heard(id) {
                     dead.push((id, format!("silent for {DEAD_AFTER:?}")));
                 }
             }
+            *self.silent.lock().unwrap_or_else(|p| p.into_inner()) =
+                silent(SILENT).into_iter().map(|(id, _)| id).collect();
             for (id, why) in dead {
-                if self.promote(id, &why).await.is_some() {
+                if self.promote(id, &why, true).await.is_some() {
                     heard.remove(&id);
                     answered.remove(&id);
                 }
@@ -251,6 +284,31 @@ impl Coordinator {
         Response::Ack
     }
 
+    /// A shard of a replicated job that the map places joined again: its process restarted,
+    /// so the copies it held are gone (a checkpoint is older than its backups' copies). If
+    /// every range it is the primary of has a backup, it is replaced by its backups as a dead
+    /// shard is, and rejoins as a standby; a range of which it held the only copy stays on it
+    /// (it restores what its checkpoint holds).
+    pub(super) async fn restarted(&self, id: ShardId) {
+        let backed = {
+            let st = self.lock();
+            let replicated = st.job().replicas > 1;
+            let Some(map) = st.map().filter(|m| replicated && m.places(id)) else {
+                return;
+            };
+            map.ranges_of(id)
+                .all(|r| map.backups_of(edl_shared::proto::Key(r.start)).next().is_some())
+        };
+        if !backed {
+            warn!(shard = %id, "a restarted shard held the only copy of some keys: it restores \
+                them from its checkpoint");
+            return;
+        }
+        // Any backup, silent or not, is better than a checkpoint of what it held.
+        self.promote(id, "it restarted: its copies are gone", false)
+            .await;
+    }
+
     /// Picks no new backups on `shard` for a while ([`AVOID`]).
     fn avoid(&self, shard: ShardId) {
         let mut avoid = self.avoid.lock().unwrap_or_else(|p| p.into_inner());
@@ -265,14 +323,19 @@ impl Coordinator {
     }
 
     /// Replaces the dead shard `dead` by its backups: publishes the map without it (made
-    /// durable first) and sends it to the shards in it. The published map, if `dead` held
-    /// anything.
-    pub(super) async fn promote(&self, dead: ShardId, why: &str) -> Option<ShardMap> {
+    /// durable first) and sends it to the shards in it. With `wary` (`dead` may be only cut
+    /// off), a key's backup silent now does not take its place (it may be dead too: the key
+    /// stays on `dead`, whose copy may be the last). The published map, if it changed anything.
+    pub(super) async fn promote(&self, dead: ShardId, why: &str, wary: bool) -> Option<ShardMap> {
         let caller = self.caller.get().cloned()?;
         let t0 = Instant::now();
+        let avoid: Vec<ShardId> = match wary {
+            true => self.silent.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            false => Vec::new(),
+        };
         let (map, shards) = {
             let mut st = self.lock();
-            let map = st.promote(dead)?;
+            let map = st.promote(dead, &avoid)?;
             let shards = st.placed_shards(&map);
             (map, shards)
         };

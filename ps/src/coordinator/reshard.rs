@@ -294,7 +294,7 @@ impl Coordinator {
                     ),
                 );
             }
-            let map = st.promote(id).unwrap_or(current);
+            let map = st.promote(id, &[]).unwrap_or(current);
             st.retire_shard(id);
             let shards = st.placed_shards(&map);
             let addr = st.shard_list().into_iter().find(|s| s.id == id);

@@ -850,7 +850,7 @@ fn a_backup_applies_forwarded_pushes_once_and_its_promoted_copy_holds_them() {
     // The backup does not serve the keys it holds copies of...
     assert!(backup.param(mine[0].key, 0).is_none());
     // ...until a map without s0 promotes them, with their ledger.
-    assert!(backup.adopt_map(&map.without(s0).expect("s0 held keys")));
+    assert!(backup.adopt_map(&map.without(s0, &[]).expect("s0 held keys")));
     for c in &mine {
         for i in 0..2 {
             assert_eq!(backup.param(c.key, i), primary.param(c.key, i), "{}", c.key);
@@ -955,8 +955,8 @@ fn a_new_backup_keeps_the_pushes_sent_before_its_copy_and_applies_them_after_it(
     );
     // Promoted (s0 and then s1 gone), s2's copy equals the primary's: both pushes, each once.
     let promoted = seeded
-        .without(s0)
-        .and_then(|m| m.without(ShardId(1)))
+        .without(s0, &[])
+        .and_then(|m| m.without(ShardId(1), &[]))
         .expect("s0 and s1 held keys");
     assert!(standby.adopt_map(&promoted));
     for c in &chunks {

@@ -47,6 +47,11 @@ struct Cli {
     /// leads at the next term; the old leader's writes and orders are refused.
     #[arg(long)]
     failover: bool,
+    /// Keep this many copies of every key range (at most the seed's shards): the coordinator
+    /// watches the shards and promotes backups, and shards crash at every step of a push's
+    /// replication and of a new backup's seeding.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    replicas: u32,
 }
 
 fn parse_range(s: &str) -> Result<RangeInclusive<u64>, String> {
@@ -73,6 +78,7 @@ fn main() -> ExitCode {
             mid_move: cli.mid_move,
             clients: cli.clients,
             failover: cli.failover,
+            replicas: cli.replicas,
             ..dst::Options::default()
         };
         return match dst::run(seed, options) {
@@ -101,6 +107,7 @@ fn main() -> ExitCode {
             mid_move: cli.mid_move,
             clients: cli.clients,
             failover: cli.failover,
+            replicas: cli.replicas,
             ..dst::Options::default()
         };
         match dst::run(seed, options) {

@@ -311,10 +311,11 @@ impl CoordinatorState {
     }
 
     /// A replicated job's shard `dead` was found dead: the map without it at a fresh epoch
-    /// (each key it was the primary of goes to its first live backup; its backup copies are
-    /// dropped), published as the current map. `None` if the map places nothing on it.
-    pub fn promote(&mut self, dead: ShardId) -> Option<ShardMap> {
-        let map = self.map.as_ref()?.without(dead)?;
+    /// (each key it was the primary of goes to its first backup not in `avoid`, shards that
+    /// may be dead too; its backup copies are dropped), published as the current map. `None`
+    /// if that changes nothing.
+    pub fn promote(&mut self, dead: ShardId, avoid: &[ShardId]) -> Option<ShardMap> {
+        let map = self.map.as_ref()?.without(dead, avoid)?;
         let map = self.issue(map);
         self.map = Some(map.clone());
         Some(map)

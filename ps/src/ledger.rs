@@ -244,6 +244,15 @@ impl Ledgers {
         Ledgers { segments, next: 1 }
     }
 
+    /// Segments `0..n`, empty (a backup's: one per primary whose keys it copies).
+    pub fn segments(job: &JobConfig, n: u32) -> Self {
+        let segments = (0..n).map(|s| (s, DataLedger::new(job))).collect();
+        Ledgers {
+            segments,
+            next: n.max(1),
+        }
+    }
+
     /// Checks `span` against every segment in `segs`, then, if none refuses it, claims it in
     /// each; per segment whether its keys apply the push.
     pub fn claim(

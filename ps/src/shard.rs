@@ -338,7 +338,24 @@ impl ShardState {
         let chunks = fresh(&mut map.ranges_of(id));
         let backup_chunks = fresh(&mut map.backed_by(id));
         let ledgers = Ledgers::new(&job, !chunks.is_empty());
-        let backup_ledgers = Ledgers::new(&job, !backup_chunks.is_empty());
+        // Backup copies of different primaries' keys get a segment each: each primary forwards
+        // a span's push of its own keys, so one ledger over both would take the second
+        // primary's forward of a span for a repeat of the first's.
+        let mut primaries: Vec<Option<ShardId>> = Vec::new();
+        for k in map.backed_by(id).flat_map(|r| r.start..r.end) {
+            let primary = map.owner(Key(k));
+            let segment = match primaries.iter().position(|p| *p == primary) {
+                Some(i) => i,
+                None => {
+                    primaries.push(primary);
+                    primaries.len() - 1
+                }
+            };
+            if let Some(mut c) = backup_chunks.get_mut(&Key(k)) {
+                c.segment = segment as u32;
+            }
+        }
+        let backup_ledgers = Ledgers::segments(&job, primaries.len() as u32);
         ShardState {
             id,
             layout,

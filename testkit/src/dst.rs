@@ -963,6 +963,8 @@ struct Disk {
     /// backup) holds; `None` once what it holds is not known (a new backup's copy taken
     /// while pushes were on their way to it, a restore, a BSP step).
     copies: BTreeMap<(usize, Key), Option<BTreeSet<Batch>>>,
+    /// What the model of the copies learnt, for the log.
+    notes: Vec<String>,
 }
 
 impl Disk {
@@ -990,10 +992,19 @@ impl Disk {
         source: Option<usize>,
     ) {
         for (k, (b, a)) in before.iter().zip(after).enumerate() {
+            if b == a {
+                continue;
+            }
             let key = Key(k as u64);
             match (*b, *a) {
                 (None, Some(v)) => {
                     let from = source.and_then(|p| self.copies.get(&(p, key)).cloned().flatten());
+                    let line = match (source, &from) {
+                        (Some(p), Some(h)) => format!("from shard {p}, whose copy holds {}", h.len()),
+                        (Some(p), None) => format!("from shard {p}, whose batches are not known"),
+                        (None, _) => "from no copy".into(),
+                    };
+                    self.notes.push(format!("shard {s} takes a copy of {key} at {v} {line}"));
                     let held = from.filter(|h| h.len() as f32 == v);
                     self.copies.insert((s, key), held);
                 }
@@ -1009,7 +1020,8 @@ impl Disk {
                         ));
                     }
                 }
-                (Some(_), Some(_)) => {
+                (Some(b), Some(a)) => {
+                    self.notes.push(format!("shard {s}'s copy of {key} goes from {b} to {a}"));
                     self.copies.insert((s, key), None);
                 }
                 (Some(_), None) => {
@@ -1750,7 +1762,14 @@ impl Sim {
             let map = self.shards[s].state.read_map();
             self.saw_map(&map)?;
         }
-        match lock_disk(&self.disk).twice.take() {
+        let (twice, notes) = {
+            let mut d = lock_disk(&self.disk);
+            (d.twice.take(), std::mem::take(&mut d.notes))
+        };
+        for line in notes {
+            self.note(line);
+        }
+        match twice {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -3279,8 +3298,14 @@ impl Sim {
                     let v = value(st, backup, i);
                     mix(&mut digest, &v.unwrap_or(f32::NAN).to_bits().to_le_bytes());
                     if v.is_none() || v != wanted(i) {
+                        let modelled = match d.copies.get(&(shard.0 as usize, c.key)) {
+                            Some(Some(held)) => format!("the model of it holds {} batches", held.len()),
+                            Some(None) => "the model does not know its batches".into(),
+                            None => "the model has no such copy".into(),
+                        };
                         return Err(format!(
-                            "counters: {} of shard {shard}'s {} copy of {} holds {v:?}, not {:?}",
+                            "counters: {} of shard {shard}'s {} copy of {} holds {v:?}, not {:?} \
+                             ({modelled})",
                             i,
                             if backup { "backup" } else { "primary" },
                             c.key,

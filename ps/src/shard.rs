@@ -2131,8 +2131,8 @@ impl ShardService {
     }
 
     /// Hands the copy `export` of keys `[start, end)` to their new backup `to` at `addr`
-    /// (`CopyIn`, with `map`), offered for [`HANDOFF_WINDOW`] (see [`offer`]); the copy's bytes
-    /// once `to` took it.
+    /// (`CopyIn`, with `map`), offered once (see [`offer`]); the copy's bytes once `to` took
+    /// it.
     async fn hand_copy(
         &self,
         (start, end, to): (u64, u64, ShardId),
@@ -2152,12 +2152,16 @@ impl ShardService {
             map: map.clone(),
         };
         let bytes = payload.len() as u64;
+        // Offered once: the new backup acknowledged the pushes forwarded since the copy was
+        // taken while it kept them in memory, so a copy that did not reach it at once may
+        // reach a restarted process that never saw them (the seeding is given up instead, and
+        // the coordinator seeds a backup again).
         let offered = offer(
             &*self.link,
             addr,
             &req,
             Parts(vec![payload]),
-            Some(HANDOFF_WINDOW),
+            Some(Duration::ZERO),
         );
         match offered.await {
             Handed::Taken => Ok(bytes),

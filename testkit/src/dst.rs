@@ -1764,6 +1764,13 @@ impl Sim {
         }
         let (twice, notes) = {
             let mut d = lock_disk(&self.disk);
+            // A copy dropped outside the shard's served requests (a primary's forward that
+            // learnt a newer map from its backup) is forgotten too.
+            let shards = &self.shards;
+            d.copies.retain(|(s, k), _| {
+                let st = &shards[*s].state;
+                st.param(*k, 0).is_some() || st.backup_param(*k, 0).is_some()
+            });
             (d.twice.take(), std::mem::take(&mut d.notes))
         };
         for line in notes {
@@ -2611,8 +2618,9 @@ impl Sim {
         } else {
             let ckpt = lock_disk(&self.disk).checkpoints[s].clone();
             let ckpt = ckpt.ok_or("a shard without a checkpoint")?;
-            ShardState::restore(id, job, map, ckpt)
-                .map_err(|e| format!("shard {s} cannot restore its checkpoint: {e}"))?
+            ShardState::restore(id, job, map.clone(), ckpt).map_err(|e| {
+                format!("shard {s} cannot restore its checkpoint with map {map:?}: {e}")
+            })?
         };
         let mut d = lock_disk(&self.disk);
         d.copies.retain(|(on, _), _| *on != s);

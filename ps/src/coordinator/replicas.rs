@@ -144,11 +144,10 @@ impl Coordinator {
             }
             *self.silent.lock().unwrap_or_else(|p| p.into_inner()) =
                 silent(SILENT).into_iter().map(|(id, _)| id).collect();
+            // A dead shard the map still places (a key whose backups are silent too stays on
+            // it) stays silent to the watch: its backups take its place once they answer.
             for (id, why) in dead {
-                if self.promote(id, &why, true).await.is_some() {
-                    heard.remove(&id);
-                    answered.remove(&id);
-                }
+                self.promote(id, &why, true).await;
             }
             if seeding.as_ref().is_none_or(|s| s.is_finished()) {
                 let avoid = self.avoided(now);

@@ -979,15 +979,16 @@ impl Disk {
         self.checkpoints[s] = Some(ckpt);
     }
 
-    /// A task of shard `s` changed its copies' counters from `before` to `after` (by key):
-    /// a copy that appeared is a new backup's copy from shard `source` (its batches those of
-    /// the source's copy if their number is the copy's count, else not known) or not known;
-    /// a counter one up applied `batch` (a batch it held already is applied twice); a copy
-    /// gone is forgotten.
+    /// A task of shard `s` changed its copies from `before` to `after` (by key: whether the
+    /// copy is a backup, and its counter): a copy that appeared, or a primary's that a backup
+    /// copy replaced, is a new backup's copy from shard `source` (its batches those of the
+    /// source's copy if their number is the copy's count, else not known) or not known; a
+    /// backup copy that became the primary's is the same copy; a counter one up applied
+    /// `batch` (a batch it held already is applied twice); a copy gone is forgotten.
     fn changed(
         &mut self,
         s: usize,
-        (before, after): (&[Option<f32>], &[Option<f32>]),
+        (before, after): (&[Copy], &[Copy]),
         batch: Option<Batch>,
         source: Option<usize>,
     ) {
@@ -997,7 +998,7 @@ impl Disk {
             }
             let key = Key(k as u64);
             match (*b, *a) {
-                (None, Some(v)) => {
+                (Some((false, _)), Some((true, v))) | (None, Some((_, v))) => {
                     let from = source.and_then(|p| self.copies.get(&(p, key)).cloned().flatten());
                     let line = match (source, &from) {
                         (Some(p), Some(h)) => format!("from shard {p}, whose copy holds {}", h.len()),
@@ -1008,7 +1009,8 @@ impl Disk {
                     let held = from.filter(|h| h.len() as f32 == v);
                     self.copies.insert((s, key), held);
                 }
-                (Some(b), Some(a)) if a == b + 1.0 && batch.is_some() => {
+                (Some((_, b)), Some((_, a))) if a == b => {}
+                (Some((_, b)), Some((_, a))) if a == b + 1.0 && batch.is_some() => {
                     let Some(batch) = batch else { continue };
                     if let Some(Some(held)) = self.copies.get_mut(&(s, key))
                         && !held.insert(batch)
@@ -1020,7 +1022,7 @@ impl Disk {
                         ));
                     }
                 }
-                (Some(b), Some(a)) => {
+                (Some((_, b)), Some((_, a))) => {
                     self.notes.push(format!("shard {s}'s copy of {key} goes from {b} to {a}"));
                     self.copies.insert((s, key), None);
                 }
@@ -1041,6 +1043,10 @@ impl Disk {
         }
     }
 }
+
+/// A shard's copy of a key as the model watches it: whether it is a backup copy, and its
+/// counter.
+type Copy = Option<(bool, f32)>;
 
 /// Locks the disks (a task that panicked holding it is a failed run anyway).
 fn lock_disk(d: &std::sync::Mutex<Disk>) -> std::sync::MutexGuard<'_, Disk> {
@@ -1746,6 +1752,20 @@ impl Sim {
                 ));
             }
             self.saw_map(&map)?;
+            if map.epoch > self.map.epoch {
+                let runs = |rs: &[edl_proto::job::RangeOwner]| {
+                    rs.iter()
+                        .map(|r| format!("{}..{} s{}", r.start, r.end, r.shard.0))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                self.note(format!(
+                    "the coordinator's map {}: {}; backups {}",
+                    map.epoch,
+                    runs(&map.ranges),
+                    runs(&map.backups)
+                ));
+            }
             if self.replicated() && map.epoch > self.map.epoch {
                 let dropped = (self.map.shards.iter())
                     .filter(|s| self.map.places(s.id) && !map.places(s.id))
@@ -2731,9 +2751,12 @@ impl Sim {
             let frame = if !service.allowed(peer.role, &req) {
                 Frame::new(Response::error(ErrorCode::Forbidden, "not allowed"))
             } else if let Some((batch, source, keys)) = copies {
-                let values = |st: &ShardState| -> Vec<Option<f32>> {
+                let values = |st: &ShardState| -> Vec<Copy> {
                     (0..keys)
-                        .map(|k| (st.param(Key(k), 0)).or_else(|| st.backup_param(Key(k), 0)))
+                        .map(|k| {
+                            let primary = st.param(Key(k), 0).map(|v| (false, v));
+                            primary.or_else(|| st.backup_param(Key(k), 0).map(|v| (true, v)))
+                        })
                         .collect()
                 };
                 let mut serving = std::pin::pin!(service.handle(&peer, req, payload));

@@ -1311,13 +1311,19 @@ impl ShardState {
             return Vec::new();
         }
         let (_, worker, clock, chunks, payload, span, covers) = push;
+        // A backup being seeded with some of the keys gets their part apart (it keeps that
+        // part until the copy arrives) from the part of the keys it holds already (applied at
+        // once): were they one push, it would keep all of it, and a seeding that fails would
+        // take with it what the keys it holds already were acknowledged.
+        let seeding = lock(&self.seeding).clone();
+        let seeded = |b: ShardId, k: u64| seeding.iter().any(|(to, a, e)| *to == b && *a <= k && k < *e);
         type Part = (Vec<ChunkRef>, Vec<(usize, usize)>, Vec<u64>);
-        let mut by: BTreeMap<ShardId, Part> = BTreeMap::new();
+        let mut by: BTreeMap<(ShardId, bool), Part> = BTreeMap::new();
         let mut at = 0usize;
         for c in chunks {
             let len = c.len as usize * 4;
             for b in map.backups_of(c.key) {
-                let (refs, bytes, _) = by.entry(b).or_default();
+                let (refs, bytes, _) = by.entry((b, seeded(b, c.key.0))).or_default();
                 refs.push(*c);
                 match bytes.last_mut() {
                     Some(last) if last.1 == at => last.1 = at + len,
@@ -1329,18 +1335,15 @@ impl ShardState {
         for r in covers {
             for k in r.start..r.end {
                 for b in map.backups_of(Key(k)) {
-                    by.entry(b).or_default().2.push(k);
+                    by.entry((b, seeded(b, k))).or_default().2.push(k);
                 }
             }
         }
         by.into_iter()
-            .filter_map(|(shard, (refs, bytes, covered))| {
+            .filter_map(|((shard, seeding), (refs, bytes, covered))| {
                 let addr = map.addr_of(shard)?.to_string();
                 let mut keys: Vec<Key> = refs.iter().map(|c| c.key).collect();
                 keys.extend(covered.iter().map(|k| Key(*k)));
-                let seeding = lock(&self.seeding)
-                    .iter()
-                    .any(|(to, a, b)| *to == shard && keys.iter().any(|k| *a <= k.0 && k.0 < *b));
                 let req = Request::Replicate {
                     epoch: map.epoch,
                     worker,

@@ -2424,14 +2424,19 @@ impl Sim {
 
     /// Shard `s` crashes, to restart `down` ms later; false if it is down already, or if it
     /// holds the last live copy of some keys of a replicated job (what replicas promise to
-    /// survive is fewer failures than copies).
+    /// survive is fewer failures than copies, and a shard cut off long enough is taken for a
+    /// failed one: its copies do not count).
     fn crash_shard(&mut self, s: usize, down: u64) -> bool {
         if self.shards[s].down.is_some() {
             return false;
         }
         if self.replicated() {
             let me = ShardId(s as u32);
-            let up = |id: ShardId| id != me && self.shards.get(id.0 as usize).is_some_and(|sh| sh.down.is_none());
+            let up = |id: ShardId| {
+                id != me
+                    && !self.cut(Node::Shard(id.0 as usize))
+                    && self.shards.get(id.0 as usize).is_some_and(|sh| sh.down.is_none())
+            };
             let last = self.keys.iter().any(|c| {
                 let mut copies = self.map.owner(c.key).into_iter().chain(self.map.backups_of(c.key));
                 let copies: Vec<ShardId> = copies.by_ref().collect();

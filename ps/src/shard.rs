@@ -1218,7 +1218,11 @@ impl ShardState {
     /// [`KEPT_BYTES`] (the caller waits for the copy instead).
     pub fn keep_or_replicate(&self, push: Kept) -> Option<Result<Claim, Refusal>> {
         let mut kept = lock(&self.incoming);
-        if push.keys().all(|k| self.backup_chunks.contains_key(&k)) {
+        // The copy is here once this shard adopted the seeding's map (the primary's when it
+        // forwarded, or older): a copy held under an older map is a stale one, replaced when
+        // the copy arrives.
+        let arrived = self.map_epoch() >= push.epoch;
+        if arrived && push.keys().all(|k| self.backup_chunks.contains_key(&k)) {
             drop(kept);
             return Some(self.replicate(push.as_ref()));
         }
@@ -1241,6 +1245,7 @@ impl ShardState {
         exactly(start, end, &export)?;
         {
             let _gate = write_lock(&self.gate);
+            let keys = || (start..end).map(Key);
             if let Some(k) = (start..end).find(|k| !map.backups_of(Key(*k)).any(|s| s == self.id)) {
                 return Err(Refusal::new(
                     ErrorCode::InvalidRequest,
@@ -1250,8 +1255,14 @@ impl ShardState {
                     ),
                 ));
             }
-            let taken = (start..end).all(|k| self.backup_chunks.contains_key(&Key(k)));
+            // Taken already if this shard adopted the map (a repeated offer); a copy held
+            // under an older map (it was a backup before, and was dropped while cut off) is
+            // stale: replaced.
+            let taken = self.map_epoch() >= map.epoch
+                && keys().all(|k| self.backup_chunks.contains_key(&k));
             if !taken {
+                let stale: Vec<Key> = keys().filter(|k| self.backup_chunks.contains_key(k)).collect();
+                drop(take_out(&self.backup_chunks, &self.backup_ledgers, stale.into_iter()));
                 self.take_in_to(Side::Backup, start, end, export)?;
             }
             if self.set_map(map) {

@@ -2425,16 +2425,19 @@ impl Sim {
     /// Shard `s` crashes, to restart `down` ms later; false if it is down already, or if it
     /// holds the last live copy of some keys of a replicated job (what replicas promise to
     /// survive is fewer failures than copies, and a shard cut off long enough is taken for a
-    /// failed one: its copies do not count).
+    /// failed one: its copies do not count, until the coordinator can have heard it again, a
+    /// question's timeout and a tick after the cut heals).
     fn crash_shard(&mut self, s: usize, down: u64) -> bool {
         if self.shards[s].down.is_some() {
             return false;
         }
         if self.replicated() {
             let me = ShardId(s as u32);
+            let heard_again = self.now.saturating_sub(CONNECTION_TIMEOUT_MS + 2 * TICK_MS);
+            let cut = |n: Node| (self.cuts.iter()).any(|&(c, until)| c == n && heard_again < until);
             let up = |id: ShardId| {
                 id != me
-                    && !self.cut(Node::Shard(id.0 as usize))
+                    && !cut(Node::Shard(id.0 as usize))
                     && self.shards.get(id.0 as usize).is_some_and(|sh| sh.down.is_none())
             };
             let last = self.keys.iter().any(|c| {

@@ -1027,6 +1027,7 @@ impl Disk {
                     self.copies.insert((s, key), None);
                 }
                 (Some(_), None) => {
+                    self.notes.push(format!("shard {s} drops its copy of {key}"));
                     self.copies.remove(&(s, key));
                 }
                 (None, None) => {}
@@ -1837,7 +1838,16 @@ impl Sim {
                 .map(Node::Shard),
             None => None,
         };
-        let line = format!("{from:?} calls {addr} #{id}: {}", req.name());
+        let line = match &req {
+            Request::SetMap { map, .. }
+            | Request::CopyOut { map, .. }
+            | Request::CopyIn { map, .. }
+            | Request::MoveOut { map, .. }
+            | Request::MoveIn { map, .. } => {
+                format!("{from:?} calls {addr} #{id}: {} ({})", req.name(), map.epoch)
+            }
+            _ => format!("{from:?} calls {addr} #{id}: {}", req.name()),
+        };
         mix(&mut self.digest, format!("{} {line}", self.now).as_bytes());
         self.note(line);
         let Some(to) = to else {
@@ -3001,6 +3011,11 @@ impl Sim {
             // A retry of an older round of pushes is stale: the current round carries its keys.
             Body::Retry | Body::Route if current && phase == Phase::Pushing => self.push(slot),
             Body::Computed if current && phase == Phase::Pushing => self.push(slot),
+            // A map asked for while pushing (a refusal's, a replicated job's retry) is asked
+            // again with the push, as when its message is lost.
+            Body::ConnectionLost if current && phase == Phase::Pushing => {
+                self.at(self.now, Node::Worker(slot), slot, env.seq, Body::Retry);
+            }
             Body::ConnectionLost if current && !self.give_up => self.repeat(slot),
             Body::ConnectionLost if current => {
                 self.note(format!(

@@ -90,12 +90,15 @@ impl Coordinator {
             let live = self.lock().live_shards();
             let stale: Vec<(ShardId, String)> =
                 live.iter().filter(|(id, _)| stale.contains(id)).cloned().collect();
-            for (id, _) in &stale {
-                info!(shard = %id, epoch = %map.epoch, "a shard the map does not place holds \
-                    copies: sending it the map");
-                told.insert(*id, map.epoch);
+            // As every map sent, only once it is durable (a deposed coordinator sends none).
+            if !stale.is_empty() && self.durable().await {
+                for (id, _) in &stale {
+                    info!(shard = %id, epoch = %map.epoch, "a shard the map does not place \
+                        holds copies: sending it the map");
+                    told.insert(*id, map.epoch);
+                }
+                reshard::announce(&caller, &map, stale, &[], self.term());
             }
-            reshard::announce(&caller, &map, stale, &[], self.term());
             heard.retain(|id, _| placed.iter().any(|(p, _)| p == id));
             for (id, addr) in &live {
                 if placed.iter().any(|(p, _)| p == id) {

@@ -574,7 +574,12 @@ impl ShardState {
                 not_primary.into_iter(),
             ));
         }
-        lock(&self.incoming).retain(|p| p.keys().all(|k| map.backups_of(k).any(|s| s == me)));
+        // Pushes kept for a copy on its way go with a map that does not list this shard as
+        // their keys' backup, unless they came with a newer one (that seeding's: this map,
+        // older, arrived late).
+        lock(&self.incoming).retain(|p| {
+            p.epoch > map.epoch || p.keys().all(|k| map.backups_of(k).any(|s| s == me))
+        });
         let not_backed: Vec<Key> = self
             .backup_chunks
             .iter()
@@ -604,6 +609,11 @@ impl ShardState {
     /// Parameter `i` of this shard's backup copy of `key`, if it holds one.
     pub fn backup_param(&self, key: Key, i: usize) -> Option<f32> {
         self.backup_chunks.get(&key)?.params.get(i).copied()
+    }
+
+    /// Forwarded pushes this new backup keeps until the copy of their keys arrives.
+    pub fn kept_pushes(&self) -> usize {
+        lock(&self.incoming).len()
     }
 
     /// Whether shard `id` of a replicated job, joining with `map`, rejoins as a standby: the

@@ -2859,8 +2859,8 @@ impl Sim {
     }
 
     /// A replicated job's acknowledged push: the primary's copy of every key of it holds its
-    /// batch, and so does every backup copy its map lists (whose batches are known), crashes
-    /// or not.
+    /// batch, and so does every backup copy its map lists (whose batches are known, and that
+    /// keeps no push for a copy on its way: it may be one of them), crashes or not.
     fn acknowledged_by_copies(
         &mut self,
         s: usize,
@@ -2872,7 +2872,10 @@ impl Sim {
         let map = self.shards[s].state.read_map();
         let d = lock_disk(&self.disk);
         for &k in keys {
-            let copies = std::iter::once(s).chain(map.backups_of(k).map(|b| b.0 as usize));
+            let copies = std::iter::once(s).chain(
+                (map.backups_of(k).map(|b| b.0 as usize))
+                    .filter(|b| self.shards[*b].state.kept_pushes() == 0),
+            );
             for (n, on) in copies.enumerate() {
                 if let Some(Some(held)) = d.copies.get(&(on, k))
                     && !held.contains(&batch)

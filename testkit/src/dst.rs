@@ -2859,8 +2859,10 @@ impl Sim {
     }
 
     /// A replicated job's acknowledged push: the primary's copy of every key of it holds its
-    /// batch, and so does every backup copy its map lists (whose batches are known, and that
-    /// keeps no push for a copy on its way: it may be one of them), crashes or not.
+    /// batch, and so does every backup copy its map lists (whose batches are known, that keeps
+    /// no push for a copy on its way: it may be one of them, and whose map is as new as the
+    /// primary's: an older one's copy may be a stale one a new copy is on its way to replace),
+    /// crashes or not.
     fn acknowledged_by_copies(
         &mut self,
         s: usize,
@@ -2873,8 +2875,10 @@ impl Sim {
         let d = lock_disk(&self.disk);
         for &k in keys {
             let copies = std::iter::once(s).chain(
-                (map.backups_of(k).map(|b| b.0 as usize))
-                    .filter(|b| self.shards[*b].state.kept_pushes() == 0),
+                (map.backups_of(k).map(|b| b.0 as usize)).filter(|b| {
+                    let st = &self.shards[*b].state;
+                    st.kept_pushes() == 0 && st.map_epoch() >= map.epoch
+                }),
             );
             for (n, on) in copies.enumerate() {
                 if let Some(Some(held)) = d.copies.get(&(on, k))

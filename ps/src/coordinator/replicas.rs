@@ -10,7 +10,7 @@
 //! but acknowledges nothing more: its pushes need its backups' acknowledgements, and the
 //! promoted backup refuses them with the new map, which it then adopts.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,7 +50,12 @@ impl Coordinator {
         let mut heard: HashMap<ShardId, Instant> = HashMap::new();
         let mut answered: HashMap<ShardId, Instant> = HashMap::new();
         let mut seeding: Option<tokio::task::JoinHandle<()>> = None;
-        let mut asking: HashSet<ShardId> = HashSet::new();
+        // Questions in flight, per shard: a new one every tick even while older ones wait (up
+        // to `ASK / EVERY`), so that what is known of a shard is never older than a tick once
+        // it answers again (one question at a time, a question sent while the coordinator was
+        // cut off would hide for its whole timeout that the shard answers again).
+        let mut asking: HashMap<ShardId, u32> = HashMap::new();
+        let most = (ASK.as_millis() / EVERY.as_millis()).max(1) as u32;
         // Shards the map does not place that still held copies, and the epoch sent to them.
         let mut told: HashMap<ShardId, MapEpoch> = HashMap::new();
         let mut answers = tokio::task::JoinSet::new();
@@ -69,7 +74,9 @@ impl Coordinator {
             let now = Instant::now();
             let mut stale = Vec::new();
             while let Some(Ok((id, at, answer))) = answers.try_join_next() {
-                asking.remove(&id);
+                if let Some(n) = asking.get_mut(&id) {
+                    *n = n.saturating_sub(1);
+                }
                 if let Some(holds) = answer {
                     heard.insert(id, at);
                     answered.insert(id, at);
@@ -104,7 +111,9 @@ impl Coordinator {
                 if placed.iter().any(|(p, _)| p == id) {
                     heard.entry(*id).or_insert(now);
                 }
-                if asking.insert(*id) {
+                let pending = asking.entry(*id).or_default();
+                if *pending < most {
+                    *pending += 1;
                     let (caller, id, addr) = (caller.clone(), *id, addr.clone());
                     answers.spawn(async move {
                         let ask = caller.call(&addr, Request::ShardStats, Parts::default());

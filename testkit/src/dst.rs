@@ -3451,6 +3451,15 @@ impl fmt::Display for Report {
             self.taken_back,
             self.moves.1
         );
+        let (promoted, seeded, hits) = self.replication;
+        if promoted + seeded + hits.iter().sum::<u32>() > 0 {
+            let _ = write!(
+                s,
+                "; {promoted} shards replaced by their backups, {seeded} backups seeded, crashes \
+                 at {:?}: {hits:?}",
+                Point::ALL
+            );
+        }
         f.write_str(&s)
     }
 }

@@ -1238,14 +1238,24 @@ mod tests {
             ]
         );
         assert!(map.backed_by(ShardId(1)).all(|r| r.shard == ShardId(1)));
-        // s1 dies while s2 is silent too: its keys go to their next backup (s0) where they
-        // have one besides s2, and stay on s1 where s2 is their only other copy.
-        // (s1 stays the backup of s2's keys: their copy on s1 may be the last.)
+        // s1 dies while s2 is silent too: its keys go to their first backup that is not (s0);
+        // s1 stays the backup of s2's keys (their copy on s1 may be the last).
         let wary = map.without(ShardId(1), &[ShardId(2)]).expect("s1 held keys");
         assert_eq!(
             copies(&wary),
-            [[0, 2], [0, 2], [1, 2], [1, 2], [2, 0, 1], [2, 0, 1], [2, 0, 1]]
+            [
+                vec![0, 2],
+                vec![0, 2],
+                vec![0, 2],
+                vec![0, 2],
+                vec![2, 0, 1],
+                vec![2, 0, 1],
+                vec![2, 0, 1]
+            ]
         );
+        // With s0 silent as well, s1's keys have no backup to go to and its copies may be the
+        // last of the others' keys: nothing changes.
+        assert_eq!(map.without(ShardId(1), &[ShardId(0), ShardId(2)]), None);
         // s1 dies: its keys go to their first backup (s2), its copies go.
         let after = map.without(ShardId(1), &[]).expect("s1 held keys");
         assert_eq!(after.epoch, MapEpoch(2));

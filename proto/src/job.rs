@@ -1240,7 +1240,9 @@ mod tests {
         assert!(map.backed_by(ShardId(1)).all(|r| r.shard == ShardId(1)));
         // s1 dies while s2 is silent too: its keys go to their first backup that is not (s0);
         // s1 stays the backup of s2's keys (their copy on s1 may be the last).
-        let wary = map.without(ShardId(1), &[ShardId(2)]).expect("s1 held keys");
+        let wary = map
+            .without(ShardId(1), &[ShardId(2)])
+            .expect("s1 held keys");
         assert_eq!(
             copies(&wary),
             [

@@ -1271,8 +1271,14 @@ impl ShardState {
             let taken = self.map_epoch() >= map.epoch
                 && keys().all(|k| self.backup_chunks.contains_key(&k));
             if !taken {
-                let stale: Vec<Key> = keys().filter(|k| self.backup_chunks.contains_key(k)).collect();
-                drop(take_out(&self.backup_chunks, &self.backup_ledgers, stale.into_iter()));
+                let stale: Vec<Key> = keys()
+                    .filter(|k| self.backup_chunks.contains_key(k))
+                    .collect();
+                drop(take_out(
+                    &self.backup_chunks,
+                    &self.backup_ledgers,
+                    stale.into_iter(),
+                ));
                 self.take_in_to(Side::Backup, start, end, export)?;
             }
             if self.set_map(map) {
@@ -1337,7 +1343,11 @@ impl ShardState {
         // once): were they one push, it would keep all of it, and a seeding that fails would
         // take with it what the keys it holds already were acknowledged.
         let seeding = lock(&self.seeding).clone();
-        let seeded = |b: ShardId, k: u64| seeding.iter().any(|(to, a, e)| *to == b && *a <= k && k < *e);
+        let seeded = |b: ShardId, k: u64| {
+            seeding
+                .iter()
+                .any(|(to, a, e)| *to == b && *a <= k && k < *e)
+        };
         type Part = (Vec<ChunkRef>, Vec<(usize, usize)>, Vec<u64>);
         let mut by: BTreeMap<(ShardId, bool), Part> = BTreeMap::new();
         let mut at = 0usize;

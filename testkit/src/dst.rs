@@ -29,8 +29,15 @@
 //! `Scenario::clients` (`edl-dst --clients`) they are the client library itself, its `Session`
 //! in the trainer's loop, over in-process connections (`Dialer::Local`) whose calls the
 //! simulation delivers, delays or fails; those runs include BSP (the model does not pull, so
-//! it runs ASP and SSP only). The transport itself, and shard crashes in the middle of a move
-//! (`Options::mid_move`, off by default: known to break) are not covered.
+//! it runs ASP and SSP only). With `Options::replicas` (`edl-dst --replicas N`) the job keeps
+//! copies of its key ranges: the coordinator's watch over the shards
+//! ([`Coordinator::watch_shards`]) runs on virtual time, a crashed shard restarts by joining
+//! the coordinator (a standby once its backups replaced it), shards crash at each [`Point`] of
+//! a push's replication and of a new backup's seeding, and the model follows each copy,
+//! primary and backup: a copy applies no batch twice, an acknowledged push is held by its
+//! primary's copy and by the backups the primary's map lists, and at the end every copy is
+//! exact to the float, whatever crashed. The transport itself, and shard crashes in the middle
+//! of a move (`Options::mid_move`, off by default: known to break) are not covered.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -491,7 +498,9 @@ pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
                 false => rng.random_range(3500..6000),
             };
             let at = rng.random_range(0..FAULTS_END_MS);
-            scenario.script.push((at, Scripted::CrashAt(point, n, down)));
+            scenario
+                .script
+                .push((at, Scripted::CrashAt(point, n, down)));
         }
         scenario.script.sort_by_key(|(t, _)| *t);
     }
@@ -1001,11 +1010,14 @@ impl Disk {
                 (Some((false, _)), Some((true, v))) | (None, Some((_, v))) => {
                     let from = source.and_then(|p| self.copies.get(&(p, key)).cloned().flatten());
                     let line = match (source, &from) {
-                        (Some(p), Some(h)) => format!("from shard {p}, whose copy holds {}", h.len()),
+                        (Some(p), Some(h)) => {
+                            format!("from shard {p}, whose copy holds {}", h.len())
+                        }
                         (Some(p), None) => format!("from shard {p}, whose batches are not known"),
                         (None, _) => "from no copy".into(),
                     };
-                    self.notes.push(format!("shard {s} takes a copy of {key} at {v} {line}"));
+                    self.notes
+                        .push(format!("shard {s} takes a copy of {key} at {v} {line}"));
                     let held = from.filter(|h| h.len() as f32 == v);
                     self.copies.insert((s, key), held);
                 }
@@ -1023,11 +1035,13 @@ impl Disk {
                     }
                 }
                 (Some((_, b)), Some((_, a))) => {
-                    self.notes.push(format!("shard {s}'s copy of {key} goes from {b} to {a}"));
+                    self.notes
+                        .push(format!("shard {s}'s copy of {key} goes from {b} to {a}"));
                     self.copies.insert((s, key), None);
                 }
                 (Some(_), None) => {
-                    self.notes.push(format!("shard {s} drops its copy of {key}"));
+                    self.notes
+                        .push(format!("shard {s} drops its copy of {key}"));
                     self.copies.remove(&(s, key));
                 }
                 (None, None) => {}
@@ -1717,9 +1731,11 @@ impl Sim {
             return false;
         }
         let want = self.scenario.replicas.min(self.scenario.shards) as usize;
-        let short = (self.keys.iter())
-            .any(|c| self.map.owner(c.key).is_some() as usize + self.map.backups_of(c.key).count() < want);
-        let copying = |c: &LinkCall| matches!(c.req, Request::CopyOut { .. } | Request::CopyIn { .. });
+        let short = (self.keys.iter()).any(|c| {
+            self.map.owner(c.key).is_some() as usize + self.map.backups_of(c.key).count() < want
+        });
+        let copying =
+            |c: &LinkCall| matches!(c.req, Request::CopyOut { .. } | Request::CopyIn { .. });
         let stale = (self.shards.iter()).any(|s| {
             let st = s.state.stats();
             !self.map.places(st.shard) && (!st.ranges.is_empty() || !st.backups.is_empty())
@@ -1844,7 +1860,11 @@ impl Sim {
             | Request::CopyIn { map, .. }
             | Request::MoveOut { map, .. }
             | Request::MoveIn { map, .. } => {
-                format!("{from:?} calls {addr} #{id}: {} ({})", req.name(), map.epoch)
+                format!(
+                    "{from:?} calls {addr} #{id}: {} ({})",
+                    req.name(),
+                    map.epoch
+                )
             }
             _ => format!("{from:?} calls {addr} #{id}: {}", req.name()),
         };
@@ -2448,15 +2468,24 @@ impl Sim {
             let up = |id: ShardId| {
                 id != me
                     && !cut(Node::Shard(id.0 as usize))
-                    && self.shards.get(id.0 as usize).is_some_and(|sh| sh.down.is_none())
+                    && self
+                        .shards
+                        .get(id.0 as usize)
+                        .is_some_and(|sh| sh.down.is_none())
             };
             let last = self.keys.iter().any(|c| {
-                let mut copies = self.map.owner(c.key).into_iter().chain(self.map.backups_of(c.key));
+                let mut copies = self
+                    .map
+                    .owner(c.key)
+                    .into_iter()
+                    .chain(self.map.backups_of(c.key));
                 let copies: Vec<ShardId> = copies.by_ref().collect();
                 copies.contains(&me) && !copies.into_iter().any(up)
             });
             if last {
-                self.note(format!("shard {s} holds the last live copy of some keys: no crash"));
+                self.note(format!(
+                    "shard {s} holds the last live copy of some keys: no crash"
+                ));
                 return false;
             }
         }
@@ -2669,7 +2698,11 @@ impl Sim {
         }
         drop(d);
         self.shards[s] = self.shard_server(s, state);
-        let how = if standby { "as a standby" } else { "from its checkpoint" };
+        let how = if standby {
+            "as a standby"
+        } else {
+            "from its checkpoint"
+        };
         self.note(format!("shard {s} rejoined {how}"));
         Ok(())
     }
@@ -2874,12 +2907,11 @@ impl Sim {
         let map = self.shards[s].state.read_map();
         let d = lock_disk(&self.disk);
         for &k in keys {
-            let copies = std::iter::once(s).chain(
-                (map.backups_of(k).map(|b| b.0 as usize)).filter(|b| {
+            let copies =
+                std::iter::once(s).chain((map.backups_of(k).map(|b| b.0 as usize)).filter(|b| {
                     let st = &self.shards[*b].state;
                     st.kept_pushes() == 0 && st.map_epoch() >= map.epoch
-                }),
-            );
+                }));
             for (n, on) in copies.enumerate() {
                 if let Some(Some(held)) = d.copies.get(&(on, k))
                     && !held.contains(&batch)
@@ -3013,7 +3045,13 @@ impl Sim {
             // have taken the place of a dead primary (the client follows maps as they change).
             Body::Retry if current && phase == Phase::Pushing && self.replicated() => {
                 let seq = self.workers[slot].seq;
-                self.send(Node::Worker(slot), Node::Coordinator, slot, seq, Body::GetMap);
+                self.send(
+                    Node::Worker(slot),
+                    Node::Coordinator,
+                    slot,
+                    seq,
+                    Body::GetMap,
+                );
             }
             // A retry of an older round of pushes is stale: the current round carries its keys.
             Body::Retry | Body::Route if current && phase == Phase::Pushing => self.push(slot),
@@ -3360,7 +3398,9 @@ impl Sim {
                     mix(&mut digest, &v.unwrap_or(f32::NAN).to_bits().to_le_bytes());
                     if v.is_none() || v != wanted(i) {
                         let modelled = match d.copies.get(&(shard.0 as usize, c.key)) {
-                            Some(Some(held)) => format!("the model of it holds {} batches", held.len()),
+                            Some(Some(held)) => {
+                                format!("the model of it holds {} batches", held.len())
+                            }
                             Some(None) => "the model does not know its batches".into(),
                             None => "the model has no such copy".into(),
                         };

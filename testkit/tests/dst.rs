@@ -155,7 +155,10 @@ fn replicated_jobs_lose_nothing_when_shards_crash_at_every_point_of_replication(
         // three: with two, that crash waits (and never comes).
         let points = dst::Point::ALL.iter().zip(hits);
         let may = |p: &dst::Point| replicas > 2 || *p != dst::Point::CopySent;
-        assert!(points.filter(|(p, _)| may(p)).all(|(_, n)| n >= runs / 50), "{what}");
+        assert!(
+            points.filter(|(p, _)| may(p)).all(|(_, n)| n >= runs / 50),
+            "{what}"
+        );
     }
 }
 

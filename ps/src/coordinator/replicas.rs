@@ -95,8 +95,11 @@ impl Coordinator {
                 .collect();
             // Standby shards are asked too: one that answers can take a new backup.
             let live = self.lock().live_shards();
-            let stale: Vec<(ShardId, String)> =
-                live.iter().filter(|(id, _)| stale.contains(id)).cloned().collect();
+            let stale: Vec<(ShardId, String)> = live
+                .iter()
+                .filter(|(id, _)| stale.contains(id))
+                .cloned()
+                .collect();
             // As every map sent, only once it is durable (a deposed coordinator sends none).
             if !stale.is_empty() && self.durable().await {
                 for (id, _) in &stale {
@@ -307,8 +310,11 @@ impl Coordinator {
             let Some(map) = st.map().filter(|m| replicated && m.places(id)) else {
                 return;
             };
-            map.ranges_of(id)
-                .all(|r| map.backups_of(edl_shared::proto::Key(r.start)).next().is_some())
+            map.ranges_of(id).all(|r| {
+                map.backups_of(edl_shared::proto::Key(r.start))
+                    .next()
+                    .is_some()
+            })
         };
         if !backed {
             warn!(shard = %id, "a restarted shard held the only copy of some keys: it restores \
@@ -341,7 +347,11 @@ impl Coordinator {
         let caller = self.caller.get().cloned()?;
         let t0 = Instant::now();
         let avoid: Vec<ShardId> = match wary {
-            true => self.silent.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            true => self
+                .silent
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             false => Vec::new(),
         };
         let (map, shards) = {

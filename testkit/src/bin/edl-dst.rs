@@ -11,8 +11,10 @@ use edl_testkit::dst;
 
 /// Runs seeded simulations of a job (workers joining, draining and crashing, ranges moving,
 /// shards and the coordinator crashing and restarting, over a network that delays, reorders,
-/// loses, duplicates and filters messages and partitions nodes) and checks the consistency
-/// model, exactly-once data, float-exact counters, map epochs and that the job finishes.
+/// loses, duplicates and filters messages and partitions nodes; with --replicas, copies of
+/// every range, backups promoted and seeded, and shards crashing at every step of a push's
+/// replication) and checks the consistency model, exactly-once data, float-exact counters on
+/// every copy, map epochs and that the job finishes.
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Cli {

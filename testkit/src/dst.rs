@@ -2851,13 +2851,13 @@ impl Sim {
         self.shards[s].tasks.insert(task_id, (serving, task));
     }
 
-    /// An acknowledged push: every key of it holds its batch (applied now or before), unless a
-    /// shard crash lost it since.
     /// Whether the job runs BSP (only with real clients: they pull each step).
     fn bsp(&self) -> bool {
         self.scenario.consistency == Consistency::Bsp
     }
 
+    /// An acknowledged push: every key of it holds its batch (applied now or before), unless a
+    /// shard crash lost it since.
     fn acknowledged(
         &mut self,
         s: usize,

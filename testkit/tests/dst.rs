@@ -96,13 +96,7 @@ fn a_seed_replays_to_the_same_history() {
         // More seeds with real clients: their tasks interleave with more of the services'.
         let seeds = if clients { 1..=500 } else { 1..=200 };
         for seed in seeds {
-            let a = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
-            let b = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
-            assert_eq!(
-                (a.digest, a.events, a.virtual_ms),
-                (b.digest, b.events, b.virtual_ms),
-                "seed {seed}, clients {clients}"
-            );
+            replays(seed, options);
         }
     }
     let seven = dst::run(7, Options::default()).expect("seed 7");
@@ -215,15 +209,20 @@ fn a_replicated_seed_replays_to_the_same_history() {
             ..Options::default()
         };
         for seed in 1..=100 {
-            let a = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
-            let b = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
-            assert_eq!(
-                (a.digest, a.events, a.virtual_ms),
-                (b.digest, b.events, b.virtual_ms),
-                "seed {seed}, clients {clients}"
-            );
+            replays(seed, options);
         }
     }
+}
+
+/// Runs `seed` twice: the same history both times.
+fn replays(seed: u64, options: Options) {
+    let a = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
+    let b = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(
+        (a.digest, a.events, a.virtual_ms),
+        (b.digest, b.events, b.virtual_ms),
+        "seed {seed}, {options:?}"
+    );
 }
 
 /// Found by the simulation (at seed 3): with a coordinator call repeated on a new connection

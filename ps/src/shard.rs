@@ -1342,7 +1342,8 @@ impl ShardState {
         // part until the copy arrives) from the part of the keys it holds already (applied at
         // once): were they one push, it would keep all of it, and a seeding that fails would
         // take with it what the keys it holds already were acknowledged.
-        let seeding = lock(&self.seeding).clone();
+        // Held while the forwards are planned (not copied on every push).
+        let seeding = lock(&self.seeding);
         let seeded = |b: ShardId, k: u64| {
             seeding
                 .iter()
@@ -1877,6 +1878,28 @@ impl HandOff {
     }
 }
 
+/// The answer to a hand-off or a seeding of keys `[start, end)` from `from` to `to` with the
+/// map of `epoch`: `bytes` sent, begun at `t0`, the keys held for `hold_ms`.
+fn moved(
+    from: ShardId,
+    (start, end, to): (u64, u64, ShardId),
+    epoch: MapEpoch,
+    bytes: u64,
+    (t0, hold_ms): (std::time::Instant, f64),
+) -> Frame<Response, Parts> {
+    Frame::new(Response::Moved(MoveReport {
+        t_ms: 0,
+        start,
+        end,
+        from,
+        to,
+        epoch,
+        bytes,
+        millis: t0.elapsed().as_secs_f64() * 1000.0,
+        hold_ms,
+    }))
+}
+
 /// Offers `req` with `payload` (a range's state) to the shard at `addr`, again on connection
 /// failures (taking a range is idempotent), until it answers or `window` (if any) ends.
 async fn offer(
@@ -2108,17 +2131,13 @@ impl ShardService {
             tracing::error!(error = %e, "checkpoint after a move failed");
         }
         info!(shard = %st.id(), %to, start, end, bytes, hold_ms, "range handed off");
-        Ok(Frame::new(Response::Moved(MoveReport {
-            t_ms: 0,
-            start,
-            end,
-            from: st.id(),
-            to,
-            epoch: map.epoch,
+        Ok(moved(
+            st.id(),
+            (start, end, to),
+            map.epoch,
             bytes,
-            millis: t0.elapsed().as_secs_f64() * 1000.0,
-            hold_ms,
-        })))
+            (t0, hold_ms),
+        ))
     }
 
     /// Seeds a new backup of keys `[start, end)` on shard `to`, which `map` lists: copies them
@@ -2151,17 +2170,13 @@ impl ShardService {
         })?;
         let hold_ms = held.elapsed().as_secs_f64() * 1000.0;
         info!(shard = %st.id(), %to, start, end, bytes, "backup seeded");
-        Ok(Frame::new(Response::Moved(MoveReport {
-            t_ms: 0,
-            start,
-            end,
-            from: st.id(),
-            to,
-            epoch: map.epoch,
+        Ok(moved(
+            st.id(),
+            (start, end, to),
+            map.epoch,
             bytes,
-            millis: t0.elapsed().as_secs_f64() * 1000.0,
-            hold_ms,
-        })))
+            (t0, hold_ms),
+        ))
     }
 
     /// Hands the copy `export` of keys `[start, end)` to their new backup `to` at `addr`

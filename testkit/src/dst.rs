@@ -2474,12 +2474,9 @@ impl Sim {
                         .is_some_and(|sh| sh.down.is_none())
             };
             let last = self.keys.iter().any(|c| {
-                let mut copies = self
-                    .map
-                    .owner(c.key)
-                    .into_iter()
-                    .chain(self.map.backups_of(c.key));
-                let copies: Vec<ShardId> = copies.by_ref().collect();
+                let copies: Vec<ShardId> = (self.map.owner(c.key).into_iter())
+                    .chain(self.map.backups_of(c.key))
+                    .collect();
                 copies.contains(&me) && !copies.into_iter().any(up)
             });
             if last {
@@ -2949,6 +2946,7 @@ impl Sim {
                     self.orders_refused += 1;
                 }
                 let req = self.links.get(&id).map(|c| c.req.clone());
+                let mut acked = false;
                 match req {
                     Some(Request::MoveOut { .. }) if failed => self.taken_back += 1,
                     Some(Request::Push {
@@ -2959,13 +2957,14 @@ impl Sim {
                     }) if matches!(a.frame.msg, Response::Ack) => {
                         let keys: Vec<Key> = chunks.iter().map(|c| c.key).collect();
                         self.acknowledged(a.shard, worker, span, &keys)?;
-                        self.answer_link(id, Ok(a.frame));
-                        self.trap(Point::Acked, a.shard);
-                        return Ok(());
+                        acked = true;
                     }
                     _ => {}
                 }
                 self.answer_link(id, Ok(a.frame));
+                if acked {
+                    self.trap(Point::Acked, a.shard);
+                }
                 return Ok(());
             }
             Serving::Checkpoint => return Ok(()),

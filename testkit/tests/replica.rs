@@ -79,6 +79,29 @@ async fn work(job: Job, name: String, acks: Arc<Acks>, t0: Instant) -> anyhow::R
     Ok(pushed)
 }
 
+/// Two workers (`w0`, `w1`) pushing to `cluster`'s job, once they have 20 pushes
+/// acknowledged: their acknowledgements, when they started, their tasks.
+async fn two_workers(
+    cluster: &edl_testkit::TestCluster,
+) -> anyhow::Result<(
+    Arc<Acks>,
+    Instant,
+    tokio::task::JoinSet<anyhow::Result<u64>>,
+)> {
+    let acks = Arc::new(Acks::default());
+    let t0 = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for name in ["w0", "w1"] {
+        let job = cluster.connect(name).await?;
+        workers.spawn(work(job, name.to_string(), acks.clone(), t0));
+    }
+    while acks.count.load(Ordering::Relaxed) < 20 {
+        anyhow::ensure!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok((acks, t0, workers))
+}
+
 /// Whether every key of `map` has `copies` copies (its primary and backups).
 fn fully_copied(map: &edl_shared::proto::ShardMap, copies: usize) -> bool {
     (0..map.num_keys()).all(|k| 1 + map.backups_of(Key(k)).count() == copies)
@@ -312,17 +335,7 @@ async fn a_primary_cut_off_from_its_backup_goes_on_and_the_copies_come_back() ->
     let map = observer.map();
     let primary = map.owner(Key(0)).expect("placed");
     let backup = map.backups_of(Key(0)).next().expect("a backup");
-    let acks = Arc::new(Acks::default());
-    let t0 = Instant::now();
-    let mut workers = tokio::task::JoinSet::new();
-    for name in ["w0", "w1"] {
-        let job = cluster.connect(name).await?;
-        workers.spawn(work(job, name.to_string(), acks.clone(), t0));
-    }
-    while acks.count.load(Ordering::Relaxed) < 20 {
-        anyhow::ensure!(t0.elapsed() < Duration::from_secs(60), "no progress");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (acks, t0, mut workers) = two_workers(&cluster).await?;
     let (p, b) = (format!("s{}", primary.0), format!("s{}", backup.0));
     faults.partition(p.as_str(), b.as_str());
     let cut_at = t0.elapsed();
@@ -379,17 +392,7 @@ async fn removing_a_primary_hands_its_ranges_to_their_backups() -> anyhow::Resul
     let cluster = TestCluster::start(counter(SAMPLES), 3).await?;
     let observer = cluster.connect("observer").await?;
     let primary = observer.map().owner(Key(0)).expect("placed");
-    let acks = Arc::new(Acks::default());
-    let t0 = Instant::now();
-    let mut workers = tokio::task::JoinSet::new();
-    for name in ["w0", "w1"] {
-        let job = cluster.connect(name).await?;
-        workers.spawn(work(job, name.to_string(), acks.clone(), t0));
-    }
-    while acks.count.load(Ordering::Relaxed) < 20 {
-        anyhow::ensure!(t0.elapsed() < Duration::from_secs(60), "no progress");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (_, t0, mut workers) = two_workers(&cluster).await?;
     let view = cluster
         .admin()
         .await?

@@ -139,8 +139,9 @@ impl Coordinator {
                     .cloned()
                     .collect::<Vec<_>>()
             };
+            let quiet = silent(SILENT);
             let mut dead: Vec<(ShardId, String)> = prober
-                .check(&silent(SILENT))
+                .check(&quiet)
                 .into_iter()
                 .map(|(id, addr)| (id, format!("its socket at {addr} is gone")))
                 .collect();
@@ -158,7 +159,7 @@ impl Coordinator {
                 }
             }
             *self.silent.lock().unwrap_or_else(|p| p.into_inner()) =
-                silent(SILENT).into_iter().map(|(id, _)| id).collect();
+                quiet.into_iter().map(|(id, _)| id).collect();
             // A dead shard the map still places (a key whose backups are silent too stays on
             // it) stays silent to the watch: its backups take its place once they answer.
             for (id, why) in dead {

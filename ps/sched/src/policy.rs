@@ -18,11 +18,16 @@
 //! A running job is resized at most once per [`JobView`]'s `resize_after` (the caller's rate
 //! limit, from the resize's measured cost): until then it keeps its size.
 
+use std::sync::Arc;
+
 use crate::speed::Speedup;
 
 /// A job as a policy sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobView {
+    /// Names the job to stateful policies ([`Tiresias`]'s queues) from one decision to the
+    /// next: unique among the jobs that have not ended, small (an index).
+    pub id: usize,
     /// Arrival time, seconds.
     pub submit: f64,
     /// GPUs it asked for.
@@ -39,6 +44,8 @@ pub struct JobView {
     pub resize_after: f64,
     /// Higher goes first wherever a policy goes by arrival (0 in traces).
     pub priority: i32,
+    /// Its speed by GPU count ([`Goodput`] puts slots where they buy the most of it).
+    pub speed: Arc<Speedup>,
 }
 
 impl JobView {
@@ -55,12 +62,14 @@ pub trait Policy {
     fn elastic(&self) -> bool;
     /// The GPUs each job of `jobs` should hold at `now`, in the same order, on a cluster of
     /// `gpus`. The sum never exceeds `gpus`.
-    fn allocate(&mut self, now: f64, gpus: u32, jobs: &[JobView], speed: &Speedup) -> Vec<u32>;
+    fn allocate(&mut self, now: f64, gpus: u32, jobs: &[JobView]) -> Vec<u32>;
     /// When the policy wants to decide again without an arrival or completion (e.g. a job
     /// crossing a priority threshold), if ever.
     fn wake_after(&self, _now: f64, _jobs: &[JobView]) -> Option<f64> {
         None
     }
+    /// Job `id` has ended: a stateful policy drops what it kept about it.
+    fn forget(&mut self, _id: usize) {}
 }
 
 /// Indices of `jobs` by priority (highest first), then arrival, then index.
@@ -89,7 +98,7 @@ impl Policy for Fifo {
         false
     }
 
-    fn allocate(&mut self, _now: f64, gpus: u32, jobs: &[JobView], _speed: &Speedup) -> Vec<u32> {
+    fn allocate(&mut self, _now: f64, gpus: u32, jobs: &[JobView]) -> Vec<u32> {
         let mut out: Vec<u32> = jobs.iter().map(|j| j.alloc).collect();
         let mut free = gpus.saturating_sub(out.iter().sum());
         for i in by_arrival(jobs) {
@@ -107,24 +116,71 @@ impl Policy for Fifo {
     }
 }
 
-/// Tiresias-style least attained service in two queues.
+/// Tiresias's discretized two-dimensional least attained service (2D-LAS, Gu et al., NSDI
+/// 2019), as its published simulator (`dlas-gpu` in SymbioticLab/Tiresias) runs it:
+///
+/// - a job's attained service is the GPU-seconds it has held; queue `k` holds the jobs with
+///   attained service below `limits[k]` (and at least `limits[k - 1]`), the last queue the rest;
+/// - a new job joins the back of the first queue; a job that crosses its queue's limit joins
+///   the back of the next one;
+/// - at every decision the queues are scanned in order, each front to back, and a job runs
+///   (with all its GPUs, or not at all) if it fits in what the jobs scanned before it left:
+///   a job that does not fit is skipped, not waited for;
+/// - after each decision, every queue keeps its running jobs at the front in their order and
+///   moves its waiting jobs behind them, in theirs (so a running job is preempted only by a job
+///   of a higher queue, never by one of its own).
+///
+/// Preemption has no cost of its own here; the simulator charges a resumed job a restart.
+/// Priorities (0 in traces) go before queues.
 #[derive(Debug)]
 pub struct Tiresias {
-    /// GPU-seconds after which a job drops to the second queue.
-    pub threshold: f64,
+    /// Attained GPU-seconds at which a job leaves queue `k` for queue `k + 1`, ascending.
+    pub limits: Vec<f64>,
+    /// Every job's queue and place in it, by [`JobView::id`].
+    places: Vec<Option<Place>>,
+    /// The next place at the back of a queue.
+    seq: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Place {
+    queue: usize,
+    seq: u64,
 }
 
 impl Default for Tiresias {
     fn default() -> Self {
-        // One GPU-hour.
-        Tiresias { threshold: 3600.0 }
+        Tiresias::new(vec![DEFAULT_LAS_LIMIT])
     }
 }
 
+/// Tiresias's queue limit: one GPU-hour, two queues.
+pub const DEFAULT_LAS_LIMIT: f64 = 3600.0;
+
 impl Tiresias {
-    /// In the second queue (within rounding of the threshold).
-    fn demoted(&self, j: &JobView) -> bool {
-        j.attained >= self.threshold - 1e-6
+    /// 2D-LAS with these queue limits (GPU-seconds, ascending; `limits.len() + 1` queues).
+    pub fn new(mut limits: Vec<f64>) -> Tiresias {
+        limits.retain(|l| l.is_finite() && *l > 0.0);
+        limits.sort_by(f64::total_cmp);
+        Tiresias {
+            limits,
+            places: Vec::new(),
+            seq: 0,
+        }
+    }
+
+    /// The queue a job with `attained` GPU-seconds belongs in at least (within rounding).
+    fn queue_of(&self, attained: f64, from: usize) -> usize {
+        let mut q = from;
+        while q < self.limits.len() && attained >= self.limits[q] - 1e-6 {
+            q += 1;
+        }
+        q
+    }
+
+    fn back(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
     }
 }
 
@@ -137,28 +193,74 @@ impl Policy for Tiresias {
         false
     }
 
-    fn allocate(&mut self, _now: f64, gpus: u32, jobs: &[JobView], _speed: &Speedup) -> Vec<u32> {
-        let mut order = by_arrival(jobs);
-        // Stable: within a queue, by arrival.
-        order.sort_by_key(|&i| self.demoted(&jobs[i]));
+    fn allocate(&mut self, _now: f64, gpus: u32, jobs: &[JobView]) -> Vec<u32> {
+        // New jobs join the first queue in arrival order; crossing a limit moves a job to the
+        // back of its next queue.
+        for i in by_arrival(jobs) {
+            let j = &jobs[i];
+            if self.places.len() <= j.id {
+                self.places.resize(j.id + 1, None);
+            }
+            match self.places[j.id] {
+                None => {
+                    let seq = self.back();
+                    let queue = self.queue_of(j.attained, 0);
+                    self.places[j.id] = Some(Place { queue, seq });
+                }
+                Some(p) => {
+                    let queue = self.queue_of(j.attained, p.queue);
+                    if queue != p.queue {
+                        let seq = self.back();
+                        self.places[j.id] = Some(Place { queue, seq });
+                    }
+                }
+            }
+        }
+        let place = |j: &JobView, places: &[Option<Place>]| {
+            places[j.id].map_or((usize::MAX, u64::MAX), |p| (p.queue, p.seq))
+        };
+        let mut order: Vec<usize> = (0..jobs.len()).collect();
+        order.sort_by_key(|&i| {
+            let (q, s) = place(&jobs[i], &self.places);
+            (std::cmp::Reverse(jobs[i].priority), q, s)
+        });
         let mut out = vec![0; jobs.len()];
         let mut free = gpus;
-        for i in order {
-            let want = jobs[i].requested.min(gpus);
+        for &i in &order {
+            let want = jobs[i].requested.clamp(1, gpus);
             if want <= free {
                 out[i] = want;
                 free -= want;
             }
         }
+        // Waiting jobs go behind the running ones of their queue, in their order.
+        for &i in &order {
+            if out[i] == 0 {
+                let seq = self.back();
+                if let Some(p) = self.places[jobs[i].id].as_mut() {
+                    p.seq = seq;
+                }
+            }
+        }
         out
     }
 
-    /// When the first running job of the first queue crosses the threshold.
+    /// When the first running job crosses its queue's limit.
     fn wake_after(&self, now: f64, jobs: &[JobView]) -> Option<f64> {
         jobs.iter()
-            .filter(|j| j.alloc > 0 && !self.demoted(j))
-            .map(|j| now + (self.threshold - j.attained) / f64::from(j.alloc))
+            .filter(|j| j.alloc > 0)
+            .filter_map(|j| {
+                let q = self.places.get(j.id).copied().flatten()?.queue;
+                let limit = self.limits.get(q)?;
+                Some(now + ((limit - j.attained) / f64::from(j.alloc)).max(0.0))
+            })
             .min_by(f64::total_cmp)
+    }
+
+    fn forget(&mut self, id: usize) {
+        if let Some(p) = self.places.get_mut(id) {
+            *p = None;
+        }
     }
 }
 
@@ -168,7 +270,7 @@ pub struct Elastic;
 
 /// Gives every job its minimum in arrival order (locked jobs keep their size); returns the
 /// allocation and the free slots left.
-fn minimums(now: f64, gpus: u32, jobs: &[JobView]) -> (Vec<u32>, u32) {
+fn minimums(now: f64, gpus: u32, jobs: &[JobView], order: &[usize]) -> (Vec<u32>, u32) {
     let mut out = vec![0u32; jobs.len()];
     let mut free = gpus;
     // Jobs that may not be resized keep what they hold.
@@ -179,9 +281,11 @@ fn minimums(now: f64, gpus: u32, jobs: &[JobView]) -> (Vec<u32>, u32) {
         }
     }
     // Running jobs first (they are not stopped for newcomers), then the queue, by arrival.
-    let order = by_arrival(jobs);
     for running in [true, false] {
-        for &i in &order {
+        for &i in order {
+            if free == 0 {
+                break;
+            }
             let j = &jobs[i];
             if (j.alloc > 0) != running || out[i] > 0 {
                 continue;
@@ -196,6 +300,54 @@ fn minimums(now: f64, gpus: u32, jobs: &[JobView]) -> (Vec<u32>, u32) {
     (out, free)
 }
 
+/// Hands `free` slots out one at a time, round robin over `order`, to the jobs `may_grow`
+/// allows, each up to `cap` (the rounds computed at once: every job gets `min(deficit, L)`
+/// for the most full rounds `L` that fit, then one more each in order while slots last).
+fn round_robin(
+    out: &mut [u32],
+    free: &mut u32,
+    order: &[usize],
+    may_grow: impl Fn(usize) -> bool,
+    cap: impl Fn(usize) -> u32,
+) {
+    let deficit: Vec<(usize, u32)> = order
+        .iter()
+        .copied()
+        .filter(|&i| may_grow(i))
+        .map(|i| (i, cap(i).saturating_sub(out[i])))
+        .filter(|&(_, d)| d > 0)
+        .collect();
+    if deficit.is_empty() || *free == 0 {
+        return;
+    }
+    let given =
+        |rounds: u32| -> u64 { deficit.iter().map(|&(_, d)| u64::from(d.min(rounds))).sum() };
+    // The most full rounds that fit: binary search over 0..=the largest deficit.
+    let (mut lo, mut hi) = (0u32, deficit.iter().map(|&(_, d)| d).max().unwrap_or(0));
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if given(mid) <= u64::from(*free) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    for &(i, d) in &deficit {
+        let g = d.min(lo);
+        out[i] += g;
+        *free -= g;
+    }
+    for &(i, d) in &deficit {
+        if *free == 0 {
+            break;
+        }
+        if d > lo {
+            out[i] += 1;
+            *free -= 1;
+        }
+    }
+}
+
 impl Policy for Elastic {
     fn name(&self) -> String {
         "elastic".into()
@@ -205,30 +357,18 @@ impl Policy for Elastic {
         true
     }
 
-    fn allocate(&mut self, now: f64, gpus: u32, jobs: &[JobView], _speed: &Speedup) -> Vec<u32> {
-        let (mut out, mut free) = minimums(now, gpus, jobs);
+    fn allocate(&mut self, now: f64, gpus: u32, jobs: &[JobView]) -> Vec<u32> {
         let order = by_arrival(jobs);
+        let (mut out, mut free) = minimums(now, gpus, jobs, &order);
         // Up to what each asked for, then up to its maximum: one slot at a time, round robin
         // in arrival order.
-        for cap in [|j: &JobView| j.requested.min(j.max), |j: &JobView| j.max] {
-            loop {
-                let mut gave = false;
-                for &i in &order {
-                    let j = &jobs[i];
-                    if free == 0 {
-                        break;
-                    }
-                    if out[i] > 0 && !j.locked(now) && out[i] < cap(j) {
-                        out[i] += 1;
-                        free -= 1;
-                        gave = true;
-                    }
-                }
-                if !gave || free == 0 {
-                    break;
-                }
-            }
-        }
+        let grows = |i: usize| !jobs[i].locked(now);
+        let started: Vec<bool> = out.iter().map(|&o| o > 0).collect();
+        let may = |i: usize| started[i] && grows(i);
+        round_robin(&mut out, &mut free, &order, may, |i| {
+            jobs[i].requested.min(jobs[i].max)
+        });
+        round_robin(&mut out, &mut free, &order, may, |i| jobs[i].max);
         out
     }
 }
@@ -236,6 +376,33 @@ impl Policy for Elastic {
 /// Puts each idle slot where it adds the most (relative) throughput.
 #[derive(Debug, Default)]
 pub struct Goodput;
+
+/// A candidate for the next slot: the most gain first, then the job holding fewer slots, then
+/// the earlier in arrival order.
+#[derive(PartialEq)]
+struct Gain {
+    gain: f64,
+    holds: u32,
+    pos: usize,
+    job: usize,
+}
+
+impl Eq for Gain {}
+
+impl Ord for Gain {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.gain
+            .total_cmp(&o.gain)
+            .then(o.holds.cmp(&self.holds))
+            .then(o.pos.cmp(&self.pos))
+    }
+}
+
+impl PartialOrd for Gain {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
 
 impl Policy for Goodput {
     fn name(&self) -> String {
@@ -246,33 +413,47 @@ impl Policy for Goodput {
         true
     }
 
-    fn allocate(&mut self, now: f64, gpus: u32, jobs: &[JobView], speed: &Speedup) -> Vec<u32> {
-        let (mut out, mut free) = minimums(now, gpus, jobs);
+    fn allocate(&mut self, now: f64, gpus: u32, jobs: &[JobView]) -> Vec<u32> {
         let order = by_arrival(jobs);
+        let (mut out, mut free) = minimums(now, gpus, jobs, &order);
+        // The gain of job i's next slot, relative to its speed at the size it asked for.
+        let gain = |i: usize, holds: u32| {
+            let j = &jobs[i];
+            let nominal = j.speed.at(j.requested).max(f64::MIN_POSITIVE);
+            (j.speed.at(holds + 1) - j.speed.at(holds)) / nominal
+        };
+        let mut heap: std::collections::BinaryHeap<Gain> = order
+            .iter()
+            .enumerate()
+            .filter(|&(_, &i)| out[i] > 0 && !jobs[i].locked(now) && out[i] < jobs[i].max)
+            .map(|(pos, &i)| Gain {
+                gain: gain(i, out[i]),
+                holds: out[i],
+                pos,
+                job: i,
+            })
+            .collect();
         while free > 0 {
-            // The job whose next slot buys the most of its nominal speed; ties to the job
-            // holding fewer slots, then by arrival.
-            let best = order
-                .iter()
-                .copied()
-                .filter(|&i| out[i] > 0 && !jobs[i].locked(now) && out[i] < jobs[i].max)
-                .map(|i| {
-                    let j = &jobs[i];
-                    let nominal = speed.at(j.requested).max(f64::MIN_POSITIVE);
-                    (i, (speed.at(out[i] + 1) - speed.at(out[i])) / nominal)
-                })
-                .fold(None::<(usize, f64)>, |best, (i, g)| match best {
-                    Some((b, bg)) if bg > g + 1e-12 || (bg >= g - 1e-12 && out[b] <= out[i]) => {
-                        best
-                    }
-                    _ => Some((i, g)),
-                });
-            match best {
-                Some((i, g)) if g > 0.0 => {
-                    out[i] += 1;
-                    free -= 1;
+            let Some(mut best) = heap.pop() else { break };
+            if best.gain <= 0.0 {
+                break;
+            }
+            // The best job takes slots while its next one still beats every other job's.
+            let i = best.job;
+            loop {
+                out[i] += 1;
+                free -= 1;
+                best.holds = out[i];
+                best.gain = gain(i, out[i]);
+                if free == 0 || out[i] >= jobs[i].max || best.gain <= 0.0 {
+                    break;
                 }
-                _ => break,
+                if heap.peek().is_some_and(|top| *top > best) {
+                    break;
+                }
+            }
+            if out[i] < jobs[i].max && best.gain > 0.0 {
+                heap.push(best);
             }
         }
         out
@@ -304,6 +485,8 @@ mod tests {
             attained: 0.0,
             resize_after: 0.0,
             priority: 0,
+            id: submit as usize,
+            speed: Arc::new(Speedup::Linear),
         }
     }
 
@@ -311,12 +494,9 @@ mod tests {
     fn fifo_blocks_behind_the_head_and_never_resizes() {
         let jobs = [job(0.0, 3, 3), job(1.0, 2, 0), job(2.0, 1, 0)];
         // 4 GPUs: job 1 does not fit behind job 0, and job 2 must not jump the queue.
-        assert_eq!(
-            Fifo.allocate(2.0, 4, &jobs, &Speedup::Linear),
-            vec![3, 0, 0]
-        );
+        assert_eq!(Fifo.allocate(2.0, 4, &jobs), vec![3, 0, 0]);
         let jobs = [job(0.0, 3, 0), job(1.0, 1, 0)];
-        assert_eq!(Fifo.allocate(0.0, 4, &jobs, &Speedup::Linear), vec![3, 1]);
+        assert_eq!(Fifo.allocate(0.0, 4, &jobs), vec![3, 1]);
     }
 
     #[test]
@@ -326,14 +506,11 @@ mod tests {
         urgent.priority = 1;
         // FIFO: the urgent job is the head of the queue although it came later.
         assert_eq!(
-            Fifo.allocate(5.0, 4, &[early.clone(), urgent.clone()], &Speedup::Linear),
+            Fifo.allocate(5.0, 4, &[early.clone(), urgent.clone()]),
             vec![0, 3]
         );
         // Elastic: both get their minimum; the idle slot goes to the urgent job.
-        assert_eq!(
-            Elastic.allocate(5.0, 3, &[early, urgent], &Speedup::Linear),
-            vec![1, 2]
-        );
+        assert_eq!(Elastic.allocate(5.0, 3, &[early, urgent]), vec![1, 2]);
     }
 
     #[test]
@@ -342,7 +519,7 @@ mod tests {
         a.attained = 10_000.0;
         let b = job(5.0, 2, 0);
         let c = job(6.0, 4, 0);
-        let out = Tiresias::default().allocate(6.0, 4, &[a, b, c], &Speedup::Linear);
+        let out = Tiresias::default().allocate(6.0, 4, &[a, b, c]);
         // b (new) first; c does not fit beside it; a is preempted.
         assert_eq!(out, vec![0, 2, 0]);
     }
@@ -350,34 +527,34 @@ mod tests {
     #[test]
     fn elastic_shrinks_for_arrivals_and_grows_into_idle_slots() {
         // One job alone grows to its maximum.
-        let out = Elastic.allocate(0.0, 8, &[job(0.0, 2, 0)], &Speedup::Linear);
+        let out = Elastic.allocate(0.0, 8, &[job(0.0, 2, 0)]);
         assert_eq!(out, vec![4]);
         // An arrival: the running job shrinks; both get what they asked for first.
-        let out = Elastic.allocate(1.0, 8, &[job(0.0, 2, 4), job(1.0, 4, 0)], &Speedup::Linear);
+        let out = Elastic.allocate(1.0, 8, &[job(0.0, 2, 4), job(1.0, 4, 0)]);
         assert_eq!(out, vec![3, 5]);
         // A locked job keeps its size; the newcomer gets the rest.
         let mut a = job(0.0, 2, 4);
         a.resize_after = 10.0;
-        let out = Elastic.allocate(1.0, 8, &[a, job(1.0, 4, 0)], &Speedup::Linear);
+        let out = Elastic.allocate(1.0, 8, &[a, job(1.0, 4, 0)]);
         assert_eq!(out, vec![4, 4]);
         // More jobs than slots: minimums in arrival order, running ones first.
         let jobs = [job(0.0, 2, 2), job(1.0, 1, 0), job(2.0, 1, 0)];
-        assert_eq!(
-            Elastic.allocate(2.0, 2, &jobs, &Speedup::Linear),
-            vec![1, 1, 0]
-        );
+        assert_eq!(Elastic.allocate(2.0, 2, &jobs), vec![1, 1, 0]);
     }
 
     #[test]
     fn goodput_puts_slots_where_they_buy_the_most() {
         // With diminishing returns, a second slot for the small job buys more of its
         // nominal speed than a fifth for the big one.
-        let s = Speedup::Amdahl { serial: 0.2 };
-        let out = Goodput.allocate(0.0, 6, &[job(0.0, 4, 0), job(0.0, 1, 0)], &s);
+        let s = Arc::new(Speedup::Amdahl { serial: 0.2 });
+        let (mut a, mut b) = (job(0.0, 4, 0), job(0.0, 1, 0));
+        a.speed = s.clone();
+        b.speed = s;
+        let out = Goodput.allocate(0.0, 6, &[a, b]);
         assert_eq!(out.iter().sum::<u32>(), 6);
         assert_eq!(out[1], 2, "{out:?}");
         // Linear scaling and equal sizes: slots are spread evenly.
-        let out = Goodput.allocate(0.0, 4, &[job(0.0, 2, 0), job(0.0, 2, 0)], &Speedup::Linear);
+        let out = Goodput.allocate(0.0, 4, &[job(0.0, 2, 0), job(0.0, 2, 0)]);
         assert_eq!(out, vec![2, 2]);
     }
 }

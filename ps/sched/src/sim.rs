@@ -13,8 +13,11 @@
 //! `cost / overhead` seconds (so resizes take at most that fraction of its time). Nothing is
 //! random: the same trace, policy and settings give the same schedule.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
+use crate::curves::Curves;
 use crate::policy::{JobView, Policy};
 use crate::speed::Speedup;
 use crate::trace::TraceJob;
@@ -24,8 +27,11 @@ use crate::trace::TraceJob;
 pub struct SimConfig {
     /// GPU slots in the cluster.
     pub gpus: u32,
-    /// Speed by GPU count.
+    /// Speed by GPU count of the jobs `curves` has no curve for.
     pub speed: Speedup,
+    /// Measured speed by GPU count per model (and batch size), for the jobs of a trace that
+    /// name them.
+    pub curves: Option<Arc<Curves>>,
     /// Seconds a running job loses to a stop-free resize.
     pub resize_cost: f64,
     /// Seconds a job loses to a restart (resuming after preemption, or every resize of the
@@ -47,6 +53,7 @@ impl Default for SimConfig {
         SimConfig {
             gpus: 64,
             speed: Speedup::Amdahl { serial: 0.05 },
+            curves: None,
             resize_cost: 0.014,
             restart_cost: 30.0,
             resize_by_restart: false,
@@ -70,7 +77,8 @@ pub struct JobOutcome {
     pub requested: u32,
     /// Resizes while running.
     pub resizes: u32,
-    /// Resumptions after a preemption.
+    /// Times it was stopped and started again: resumptions after a preemption, and resizes
+    /// by restart (which count as resizes too).
     pub restarts: u32,
 }
 
@@ -93,29 +101,33 @@ pub struct Summary {
     pub utilization: f64,
     /// Resizes of running jobs.
     pub resizes: u64,
-    /// Resumptions after preemption.
+    /// Stops and starts again: resumptions after preemption, and resizes by restart.
     pub restarts: u64,
+    /// Decisions the simulation took (arrivals, completions, wake-ups).
+    pub events: u64,
 }
 
 #[derive(Clone, Debug)]
 struct State {
     work: f64,
     left: f64,
-    alloc: u32,
     pause_until: f64,
-    attained: f64,
     start: Option<f64>,
     finish: Option<f64>,
-    resize_after: f64,
     ran: bool,
     resizes: u32,
     restarts: u32,
+    speed: Arc<Speedup>,
 }
 
 /// Relative precision of completion.
 const EPS: f64 = 1e-9;
 
 /// Replays `jobs` (in submission order) under `policy`.
+///
+/// The jobs that have arrived and not finished are kept as the policy sees them
+/// ([`JobView`]s in arrival order), updated in place: an event costs the policy's decision and
+/// a pass over those jobs, never a rebuild.
 pub fn simulate(
     jobs: &[TraceJob],
     policy: &mut dyn Policy,
@@ -131,22 +143,26 @@ pub fn simulate(
         "the minimum share must be 0 to 1"
     );
     let gpus = cfg.gpus;
+    let default_speed = Arc::new(cfg.speed.clone());
     let mut st: Vec<State> = jobs
         .iter()
         .map(|j| {
-            let work = j.duration * cfg.speed.at(j.gpus.min(gpus));
+            let speed = cfg
+                .curves
+                .as_ref()
+                .and_then(|c| c.for_job(j))
+                .unwrap_or_else(|| default_speed.clone());
+            let work = j.duration * speed.at(j.gpus.min(gpus));
             State {
                 work,
                 left: work,
-                alloc: 0,
                 pause_until: 0.0,
-                attained: 0.0,
                 start: None,
                 finish: None,
-                resize_after: 0.0,
                 ran: false,
                 resizes: 0,
                 restarts: 0,
+                speed,
             }
         })
         .collect();
@@ -156,28 +172,32 @@ pub fn simulate(
         cfg.resize_cost
     };
     let view = |i: usize, s: &State| JobView {
+        id: i,
         submit: jobs[i].submit,
         requested: jobs[i].gpus.min(gpus),
         min: ((f64::from(jobs[i].gpus.min(gpus)) * cfg.min_share).ceil() as u32).clamp(1, gpus),
         max: (jobs[i].gpus.saturating_mul(cfg.max_factor)).clamp(1, gpus),
-        alloc: s.alloc,
-        attained: s.attained,
-        resize_after: s.resize_after,
+        alloc: 0,
+        attained: 0.0,
+        resize_after: 0.0,
         priority: 0,
+        speed: s.speed.clone(),
     };
-    let mut active: Vec<usize> = Vec::new();
+    // The jobs that have arrived and not finished, in arrival order.
+    let mut active: Vec<JobView> = Vec::new();
     let mut next = 0usize;
     let mut t = jobs.first().map_or(0.0, |j| j.submit);
     let mut busy = 0.0f64;
+    let mut events = 0u64;
     loop {
+        events += 1;
         // Arrivals due, then the policy's decision.
         while next < jobs.len() && jobs[next].submit <= t {
-            active.push(next);
+            active.push(view(next, &st[next]));
             next += 1;
         }
         if !active.is_empty() {
-            let views: Vec<JobView> = active.iter().map(|&i| view(i, &st[i])).collect();
-            let want = policy.allocate(t, gpus, &views, &cfg.speed);
+            let want = policy.allocate(t, gpus, &active);
             anyhow::ensure!(want.len() == active.len(), "the policy skipped jobs");
             let total: u64 = want.iter().map(|&w| u64::from(w)).sum();
             anyhow::ensure!(
@@ -185,12 +205,12 @@ pub fn simulate(
                 "{} allocated {total} of {gpus} GPUs at {t} s",
                 policy.name()
             );
-            for (&i, &w) in active.iter().zip(&want) {
-                let s = &mut st[i];
-                let old = s.alloc;
+            for (v, &w) in active.iter_mut().zip(&want) {
+                let old = v.alloc;
                 if w == old {
                     continue;
                 }
+                let s = &mut st[v.id];
                 if old == 0 {
                     // A start, or a resumption after a preemption.
                     let cost = if s.ran { cfg.restart_cost } else { 0.0 };
@@ -202,26 +222,30 @@ pub fn simulate(
                     s.start.get_or_insert(t);
                 } else if w > 0 {
                     s.resizes += 1;
+                    // A resize by restart stops and starts the job again.
+                    if cfg.resize_by_restart {
+                        s.restarts += 1;
+                    }
                     s.pause_until = t.max(s.pause_until) + resize_cost;
-                    s.resize_after = t + resize_cost / cfg.overhead;
+                    v.resize_after = t + resize_cost / cfg.overhead;
                 }
-                s.alloc = w;
+                v.alloc = w;
             }
         }
         // The next event: an arrival, a completion, a rate limit running out, or a time the
         // policy asks to decide again.
         let mut until = jobs.get(next).map_or(f64::INFINITY, |j| j.submit);
-        let now_views: Vec<JobView> = active.iter().map(|&i| view(i, &st[i])).collect();
-        if let Some(w) = policy.wake_after(t, &now_views).filter(|w| *w > t) {
+        if let Some(w) = policy.wake_after(t, &active).filter(|w| *w > t) {
             until = until.min(w);
         }
-        for &i in &active {
-            let s = &st[i];
-            if s.alloc > 0 {
-                let done = t.max(s.pause_until) + s.left / cfg.speed.at(s.alloc);
+        let elastic = policy.elastic();
+        for v in &active {
+            if v.alloc > 0 {
+                let s = &st[v.id];
+                let done = t.max(s.pause_until) + s.left / s.speed.at(v.alloc);
                 until = until.min(done);
-                if policy.elastic() && s.resize_after > t {
-                    until = until.min(s.resize_after);
+                if elastic && v.resize_after > t {
+                    until = until.min(v.resize_after);
                 }
             }
         }
@@ -234,29 +258,33 @@ pub fn simulate(
             );
             break;
         }
-        for &i in &active {
-            let s = &mut st[i];
-            if s.alloc == 0 {
+        let mut ended = false;
+        for v in &mut active {
+            if v.alloc == 0 {
                 continue;
             }
+            let s = &mut st[v.id];
             let from = t.max(s.pause_until).min(until);
             let eff = until - from;
-            s.left -= eff * cfg.speed.at(s.alloc);
-            s.attained += f64::from(s.alloc) * (until - t);
-            busy += f64::from(s.alloc) * eff;
+            s.left -= eff * s.speed.at(v.alloc);
+            v.attained += f64::from(v.alloc) * (until - t);
+            busy += f64::from(v.alloc) * eff;
+            if s.left <= EPS * s.work.max(1.0) {
+                s.left = 0.0;
+                s.finish = Some(until);
+                ended = true;
+            }
         }
         t = until;
-        active.retain(|&i| {
-            let s = &mut st[i];
-            if s.alloc > 0 && s.left <= EPS * s.work.max(1.0) {
-                s.left = 0.0;
-                s.finish = Some(t);
-                s.alloc = 0;
-                false
-            } else {
-                true
-            }
-        });
+        if ended {
+            active.retain(|v| {
+                let done = st[v.id].finish.is_some();
+                if done {
+                    policy.forget(v.id);
+                }
+                !done
+            });
+        }
     }
     let outcomes: Vec<JobOutcome> = jobs
         .iter()
@@ -270,7 +298,7 @@ pub fn simulate(
             restarts: s.restarts,
         })
         .collect();
-    let summary = summarize(
+    let mut summary = summarize(
         &format!(
             "{}{}",
             policy.name(),
@@ -284,6 +312,7 @@ pub fn simulate(
         busy,
         gpus,
     );
+    summary.events = events;
     Ok((summary, outcomes))
 }
 
@@ -324,6 +353,7 @@ fn summarize(policy: &str, out: &[JobOutcome], busy: f64, gpus: u32) -> Summary 
         },
         resizes: out.iter().map(|o| u64::from(o.resizes)).sum(),
         restarts: out.iter().map(|o| u64::from(o.restarts)).sum(),
+        events: 0,
     }
 }
 
@@ -337,6 +367,8 @@ mod tests {
             submit,
             gpus,
             duration,
+            model: None,
+            batch: None,
         }
     }
 
@@ -344,6 +376,7 @@ mod tests {
         SimConfig {
             gpus,
             speed: Speedup::Linear,
+            curves: None,
             resize_cost: 0.0,
             restart_cost: 0.0,
             resize_by_restart: false,
@@ -378,18 +411,35 @@ mod tests {
 
     #[test]
     fn tiresias_by_hand() {
-        // Threshold 100 GPU-s; a job runs with all its GPUs or not at all.
-        //  0 s: A runs (2).  10 s: B (4) does not fit beside A.  20 s: C runs beside A.
-        // 50 s: A crosses 100 GPU-s, drops to the second queue. First queue by arrival: B
-        //       takes all 4; C and A are preempted (C did 30 of 40 s, A 50 of 100 s).
-        // 75 s: B crosses 100 GPU-s (25 s x 4). First queue: C resumes (1); second queue
-        //       by arrival: A resumes (2); B (4) does not fit and is preempted (100 of 200).
-        // 85 s: C done.  125 s: A done (50 s more); B resumes: 100 GPU-s on 4 = 25 s: 150 s.
-        let mut p = Tiresias { threshold: 100.0 };
+        // Limit 100 GPU-s (two queues); a job runs with all its GPUs or not at all.
+        //  0 s: A runs (2).  10 s: B (4) does not fit beside A and waits behind it.
+        // 20 s: C runs beside A (fit-first: B is skipped).
+        // 50 s: A crosses 100 GPU-s and joins the second queue. The first queue: C (running,
+        //       ahead of the waiting B) keeps its GPU; B (4) still does not fit; A (2) runs on.
+        // 60 s: C done. B takes all 4; A (60 of 100 s done) is preempted.
+        // 85 s: B crosses 100 GPU-s and joins the back of the second queue, behind A: A
+        //       resumes (2), B (4) no longer fits and is preempted (25 of 50 s done).
+        // 125 s: A done; B resumes: 25 s more, done at 150 s. Two resumptions.
+        let mut p = Tiresias::new(vec![100.0]);
         let (s, out) = simulate(&tiny(), &mut p, &cfg(4)).expect("sim");
-        assert_eq!(finishes(&out), vec![125.0, 150.0, 85.0]);
-        assert_eq!(s.restarts, 3);
+        assert_eq!(finishes(&out), vec![125.0, 150.0, 60.0]);
+        assert_eq!(s.restarts, 2);
         assert_eq!(s.resizes, 0);
+    }
+
+    #[test]
+    fn tiresias_keeps_running_jobs_ahead_of_waiting_ones_in_a_queue() {
+        // 8 GPUs, limit 100 GPU-s. Y (8 GPUs, 1000 s) crosses the limit at 12.5 s and runs on
+        // alone. X (4) at 20 s and Z (4) at 21 s preempt it from the first queue. X crosses at 45 s and runs
+        // on (Y, waiting in the second queue, does not fit beside Z); Z crosses at 46 s and
+        // runs on too; Z ends at 50 s. Now Y (earlier) waits behind X (running) in the second
+        // queue: X keeps its GPUs to the end (120 s) instead of Y preempting it, as ordering
+        // the queue by arrival would; then Y runs the 980 s it has left.
+        let jobs = vec![j(0.0, 8, 1000.0), j(20.0, 4, 100.0), j(21.0, 4, 29.0)];
+        let mut p = Tiresias::new(vec![100.0]);
+        let (_, out) = simulate(&jobs, &mut p, &cfg(8)).expect("sim");
+        assert_eq!(finishes(&out), vec![1100.0, 120.0, 50.0]);
+        assert_eq!(out[1].restarts, 0, "X is never preempted");
     }
 
     #[test]

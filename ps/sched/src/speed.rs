@@ -17,6 +17,9 @@ pub enum Speedup {
     /// Measured samples/s by worker count, ascending; normalized to the first point per
     /// worker.
     Curve(Vec<(u32, f64)>),
+    /// The speed with `n` workers at index `n` (0 at 0), flat past the end: a curve
+    /// tabulated once ([`Speedup::tabulated`]) so that a look-up costs an index.
+    Table(Vec<f64>),
 }
 
 #[derive(Deserialize)]
@@ -46,6 +49,18 @@ impl Speedup {
         Ok(Speedup::Curve(pts))
     }
 
+    /// The same speed-up as a [`Speedup::Table`] where that is exact: a curve, whose speed is
+    /// flat past its last point; other models as they are.
+    pub fn tabulated(&self) -> Speedup {
+        match self {
+            Speedup::Curve(pts) => {
+                let last = pts.last().map_or(0, |p| p.0);
+                Speedup::Table((0..=last).map(|n| self.at(n)).collect())
+            }
+            other => other.clone(),
+        }
+    }
+
     /// Speed with `n` workers in units of one worker's (0 for none).
     pub fn at(&self, n: u32) -> f64 {
         if n == 0 {
@@ -55,6 +70,7 @@ impl Speedup {
         match self {
             Speedup::Linear => x,
             Speedup::Amdahl { serial } => x / (1.0 + serial * (x - 1.0)),
+            Speedup::Table(t) => t.get(n as usize).or(t.last()).copied().unwrap_or(0.0),
             Speedup::Curve(pts) => {
                 let (n0, r0) = pts[0];
                 let unit = r0 / f64::from(n0);
@@ -91,6 +107,10 @@ mod tests {
         assert_eq!(c.at(1), 1.0);
         assert!((c.at(2) - 1.5).abs() < 1e-12);
         assert_eq!(c.at(8), 2.5);
+        let t = c.tabulated();
+        for n in 0..12 {
+            assert_eq!(t.at(n), c.at(n), "{n}");
+        }
         assert!(Speedup::from_profile(r#"{"points":[]}"#).is_err());
     }
 }

@@ -14,6 +14,10 @@ pub struct TraceJob {
     pub gpus: u32,
     /// Seconds it ran with them.
     pub duration: f64,
+    /// Its model, if the trace names it (its speed curve, [`crate::curves::Curves`]).
+    pub model: Option<String>,
+    /// Its global batch size, if the trace gives it.
+    pub batch: Option<u32>,
 }
 
 /// The columns to read.
@@ -25,6 +29,10 @@ pub struct Columns {
     pub gpus: String,
     /// Duration in seconds.
     pub duration: String,
+    /// The model's name (optional: a trace without it has no model per job).
+    pub model: String,
+    /// The global batch size (optional).
+    pub batch: String,
 }
 
 impl Default for Columns {
@@ -33,6 +41,8 @@ impl Default for Columns {
             submit: "submission_time".into(),
             gpus: "num_gpu".into(),
             duration: "duration".into(),
+            model: "model_name".into(),
+            batch: "batch_size".into(),
         }
     }
 }
@@ -53,6 +63,8 @@ pub fn read(path: &Path, cols: &Columns) -> anyhow::Result<Vec<TraceJob>> {
         })
     };
     let (s, g, d) = (col(&cols.submit)?, col(&cols.gpus)?, col(&cols.duration)?);
+    let optional = |name: &str| headers.iter().position(|h| h == name);
+    let (m, b) = (optional(&cols.model), optional(&cols.batch));
     let mut jobs = Vec::new();
     for (i, rec) in r.records().enumerate() {
         let rec = rec.with_context(|| format!("{} line {}", path.display(), i + 2))?;
@@ -73,6 +85,15 @@ pub fn read(path: &Path, cols: &Columns) -> anyhow::Result<Vec<TraceJob>> {
             submit: num(s, "submission time")?,
             gpus: (num(g, "GPU count")?.round() as u32).max(1),
             duration: num(d, "duration")?,
+            model: m
+                .and_then(|c| rec.get(c))
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(str::to_string),
+            batch: match b {
+                Some(c) => Some(num(c, "batch size")?.round() as u32).filter(|b| *b > 0),
+                None => None,
+            },
         };
         if job.duration > 0.0 {
             jobs.push(job);
@@ -95,6 +116,7 @@ mod tests {
             submit: "t".into(),
             gpus: "g".into(),
             duration: "d".into(),
+            ..Columns::default()
         };
         let jobs = read(&p, &cols).expect("read");
         assert_eq!(jobs.len(), 2);

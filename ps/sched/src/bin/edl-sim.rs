@@ -3,11 +3,13 @@
 //! JSON and PNG plots.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use edl_sched::curves::Curves;
 use edl_sched::policy;
 use edl_sched::sim::{SimConfig, Summary, simulate};
 use edl_sched::speed::Speedup;
@@ -38,17 +40,33 @@ struct Cli {
     #[arg(long)]
     jobs: Option<usize>,
     /// Policies to compare: fifo, tiresias, elastic, goodput; elastic+restart and
-    /// goodput+restart are the same policies resizing by restart instead of stop-free.
+    /// goodput+restart are the same policies resizing by restart instead of stop-free, and
+    /// `@F` sets an elastic policy's --max-factor for that row (elastic@1 never grows a job
+    /// past what it asked for: what is left of elastic's gain is removing head-of-line
+    /// blocking).
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "fifo,tiresias,elastic,elastic+restart,goodput"
     )]
     policies: Vec<String>,
-    /// Scaling model: `linear`, `amdahl:S` (serial fraction S), or a curve from `edlctl
-    /// profile --out FILE` given as `curve:FILE`.
-    #[arg(long, default_value = "amdahl:0.05")]
+    /// How a job's speed grows with its GPUs: `measured` (each job's model and batch size in
+    /// the measured tables, --curves; a job of another model or none gets the tables' typical
+    /// curve), or one model for every job: `linear`, `amdahl:S` (serial fraction S), or a
+    /// curve from `edlctl profile --out FILE` given as `curve:FILE`.
+    #[arg(long, default_value = "measured")]
     speedup: String,
+    /// Measured throughput tables for `--speedup measured`: a folder of MODEL.csv in the
+    /// ElasticFlow artifact's format (a row per global batch size, a column per GPU count).
+    /// Default: the built-in ElasticFlow A100 tables (ps/sched/curves/elasticflow-a100).
+    #[arg(long, value_name = "DIR")]
+    curves: Option<PathBuf>,
+    /// The column with the model's name (`--speedup measured`; optional in the trace).
+    #[arg(long, default_value = "model_name")]
+    model_col: String,
+    /// The column with the global batch size (optional in the trace).
+    #[arg(long, default_value = "batch_size")]
+    batch_col: String,
     /// Seconds a running job loses to a stop-free resize. Default: the largest stall a join
     /// or leave cost in EDL's elasticity benchmark (BENCHMARKS.md, 14 ms).
     #[arg(long, default_value_t = 0.014)]
@@ -70,9 +88,10 @@ struct Cli {
     /// cost/overhead seconds.
     #[arg(long, default_value_t = 0.05)]
     overhead: f64,
-    /// Tiresias: GPU-seconds after which a job drops to the second queue.
-    #[arg(long, default_value_t = 3600.0)]
-    las_threshold: f64,
+    /// Tiresias: the attained GPU-seconds at which a job drops to the next queue, one limit
+    /// per queue but the last. Default: the Tiresias simulator's (3 queues).
+    #[arg(long, value_delimiter = ',', default_values_t = [3250.0, 7200.0])]
+    las_limits: Vec<f64>,
     /// Write the table and every job's outcome as JSON here.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -81,7 +100,23 @@ struct Cli {
     plots: Option<PathBuf>,
 }
 
-fn speedup(s: &str) -> anyhow::Result<Speedup> {
+/// The scaling model of `--speedup` and, for `measured`, the tables.
+fn speedup(s: &str, curves: Option<&PathBuf>) -> anyhow::Result<(Speedup, Option<Arc<Curves>>)> {
+    if s == "measured" {
+        let c = match curves {
+            Some(dir) => Curves::read_dir(dir)?,
+            None => Curves::built_in(),
+        };
+        return Ok((c.typical().clone(), Some(Arc::new(c))));
+    }
+    anyhow::ensure!(
+        curves.is_none(),
+        "--curves goes with --speedup measured (not {s})"
+    );
+    one_model(s).map(|m| (m, None))
+}
+
+fn one_model(s: &str) -> anyhow::Result<Speedup> {
     match s.split_once(':') {
         None if s == "linear" => Ok(Speedup::Linear),
         Some(("amdahl", f)) => {
@@ -98,7 +133,7 @@ fn speedup(s: &str) -> anyhow::Result<Speedup> {
             let text = std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?;
             Speedup::from_profile(&text).with_context(|| file.to_string())
         }
-        _ => anyhow::bail!("--speedup {s}: use linear, amdahl:S or curve:FILE"),
+        _ => anyhow::bail!("--speedup {s}: use measured, linear, amdahl:S or curve:FILE"),
     }
 }
 
@@ -108,15 +143,19 @@ fn main() -> anyhow::Result<()> {
         submit: cli.submit_col.clone(),
         gpus: cli.gpus_col.clone(),
         duration: cli.duration_col.clone(),
+        model: cli.model_col.clone(),
+        batch: cli.batch_col.clone(),
     };
     let mut jobs = trace::read(&cli.trace, &cols)?;
     if let Some(n) = cli.jobs {
         jobs.truncate(n);
     }
     anyhow::ensure!(!jobs.is_empty(), "{} has no jobs", cli.trace.display());
+    let (speed, curves) = speedup(&cli.speedup, cli.curves.as_ref())?;
     let base = SimConfig {
         gpus: cli.gpus,
-        speed: speedup(&cli.speedup)?,
+        speed,
+        curves,
         resize_cost: cli.resize_cost,
         restart_cost: cli.restart_cost,
         resize_by_restart: false,
@@ -126,33 +165,60 @@ fn main() -> anyhow::Result<()> {
     };
     let mut rows: Vec<Summary> = Vec::new();
     let mut runs = Vec::new();
+    let all = Instant::now();
     for name in &cli.policies {
-        let (pname, restart) = match name.strip_suffix("+restart") {
+        let (rest, factor) = match name.split_once('@') {
+            Some((p, f)) => {
+                let f: u32 = f
+                    .parse()
+                    .ok()
+                    .filter(|f| *f >= 1)
+                    .with_context(|| format!("{name}: @F takes a max factor of 1 or more"))?;
+                (p, Some(f))
+            }
+            None => (name.as_str(), None),
+        };
+        let (pname, restart) = match rest.strip_suffix("+restart") {
             Some(p) => (p, true),
-            None => (name.as_str(), false),
+            None => (rest, false),
         };
         let mut p: Box<dyn policy::Policy> = match pname {
-            "tiresias" => Box::new(policy::Tiresias {
-                threshold: cli.las_threshold,
-            }),
+            "tiresias" => Box::new(policy::Tiresias::new(cli.las_limits.clone())),
             other => policy::by_name(other).with_context(|| {
-                format!("unknown policy {other:?}: use fifo, tiresias, elastic, goodput (+restart)")
+                format!(
+                    "unknown policy {other:?}: use fifo, tiresias, elastic, goodput (+restart, @F)"
+                )
             })?,
         };
+        anyhow::ensure!(
+            factor.is_none() || p.elastic(),
+            "{name}: @F is for the elastic policies"
+        );
         let cfg = SimConfig {
             resize_by_restart: restart,
+            max_factor: factor.unwrap_or(base.max_factor),
             ..base.clone()
         };
         let t = Instant::now();
-        let (summary, outcomes) = simulate(&jobs, p.as_mut(), &cfg)?;
+        let (mut summary, outcomes) = simulate(&jobs, p.as_mut(), &cfg)?;
+        if factor.is_some() {
+            summary.policy = name.clone();
+        }
+        let secs = t.elapsed().as_secs_f64();
         eprintln!(
-            "edl-sim: {} in {:.2} s",
+            "edl-sim: {} in {secs:.2} s ({} events, {:.0} events/s)",
             summary.policy,
-            t.elapsed().as_secs_f64()
+            summary.events,
+            summary.events as f64 / secs.max(1e-9)
         );
         runs.push((summary.policy.clone(), outcomes));
         rows.push(summary);
     }
+    eprintln!(
+        "edl-sim: {} policies in {:.2} s",
+        rows.len(),
+        all.elapsed().as_secs_f64()
+    );
     let base_of = |name: &str| rows.iter().find(|r| r.policy == name).map(|r| r.mean_jct);
     let mut t = Table::new();
     t.load_preset(UTF8_BORDERS_ONLY).set_header(vec![
@@ -194,6 +260,10 @@ fn main() -> anyhow::Result<()> {
         cli.restart_cost
     );
     println!("{t}");
+    println!(
+        "restarts: stops and starts again (a preempted job resuming, and under +restart every \
+         resize, which counts as a resize too)"
+    );
     if let Some(path) = &cli.json {
         let out = serde_json::json!({
             "trace": cli.trace,

@@ -85,6 +85,10 @@ pub struct Scheduler<P: Placer> {
     exits: Vec<Exit>,
     /// Workers of each job that failed in a row (a worker that exits cleanly resets it).
     failures: HashMap<String, u32>,
+    /// Each running job's samples trained and active workers at the last poll, and when.
+    polled: HashMap<String, (u64, Instant, u32)>,
+    /// The speed-up curve of a job not measured yet (the measured tables' typical one).
+    typical: Speedup,
     last_tick: Instant,
     /// With an election: the store only the leader may write (else `sched.json`), the state
     /// written last, and cancelled once the lead may be lost.
@@ -144,9 +148,9 @@ impl<P: Placer> Scheduler<P> {
             .with_context(|| format!("creating the cluster CA in {}", dir.display()))?;
         let policy: Box<dyn Policy + Send + Sync> = match cluster.policy.as_str() {
             "fifo" => Box::new(crate::policy::Fifo),
-            "tiresias" => Box::new(Tiresias {
-                threshold: cluster.tiresias_threshold.as_secs_f64(),
-            }),
+            "tiresias" => Box::new(Tiresias::new(vec![
+                cluster.tiresias_threshold.as_secs_f64(),
+            ])),
             "elastic" => Box::new(crate::policy::Elastic),
             "goodput" => Box::new(crate::policy::Goodput),
             other => anyhow::bail!("unknown policy {other:?}"),
@@ -173,6 +177,8 @@ impl<P: Placer> Scheduler<P> {
             stopping: Default::default(),
             exits: Vec::new(),
             failures: HashMap::new(),
+            polled: HashMap::new(),
+            typical: crate::curves::Curves::built_in().typical().clone(),
             last_tick: Instant::now(),
             store,
             written: None,
@@ -652,7 +658,22 @@ impl<P: Placer> Scheduler<P> {
                 .filter(|w| w.state == WorkerState::Active && !w.draining)
                 .count() as u32;
             let overhead = self.cluster.resize_overhead;
+            let steady = self
+                .polled
+                .insert(name.clone(), (st.samples_done, Instant::now(), active));
             if let Some(j) = self.saved.job_mut(&name) {
+                // Its throughput at a size it held since the last poll (not growing).
+                if let Some((before, at, was)) = steady
+                    && was == active
+                    && j.growing.is_none()
+                    && active == j.alloc
+                {
+                    j.measured(
+                        active,
+                        st.samples_done.saturating_sub(before),
+                        at.elapsed().as_secs_f64(),
+                    );
+                }
                 j.samples = (st.samples_done, st.samples_total);
                 // A growth is done once the new workers train: its cost rate-limits the
                 // job's next resize.
@@ -714,6 +735,10 @@ impl<P: Placer> Scheduler<P> {
     async fn end_job(&mut self, name: &str, state: State, message: String) {
         self.admins.remove(name);
         self.failures.remove(name);
+        self.polled.remove(name);
+        if let Some(i) = self.saved.jobs.iter().position(|j| j.name == name) {
+            self.policy.forget(i);
+        }
         self.placer.stop_job(name).await;
         for p in self.procs_of(name) {
             self.forget_proc(name, &p.name);
@@ -753,6 +778,8 @@ impl<P: Placer> Scheduler<P> {
             .map(|&i| {
                 let j = &self.saved.jobs[i];
                 JobView {
+                    id: i,
+                    speed: Arc::new(j.speed(&self.typical)),
                     submit: j.submit_ms as f64 / 1000.0,
                     requested: j.workers,
                     min: j.min_workers,
@@ -764,12 +791,9 @@ impl<P: Placer> Scheduler<P> {
                 }
             })
             .collect();
-        let sizes = self.policy.allocate(
-            now as f64 / 1000.0,
-            self.cluster.slots.len() as u32,
-            &views,
-            &Speedup::Linear,
-        );
+        let sizes =
+            self.policy
+                .allocate(now as f64 / 1000.0, self.cluster.slots.len() as u32, &views);
         for (k, &i) in live.iter().enumerate() {
             let name = self.saved.jobs[i].name.clone();
             let (old, state) = (self.saved.jobs[i].alloc, self.saved.jobs[i].state);

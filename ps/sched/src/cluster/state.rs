@@ -49,6 +49,11 @@ impl From<State> for JobState {
 
 pub use edl_launch::ProcRecord;
 
+use crate::speed::Speedup;
+
+/// The least time a job must have trained at one size for its throughput there to count.
+pub const MEASURED_FOR: f64 = 2.0;
+
 /// A job, as saved.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Job {
@@ -94,6 +99,10 @@ pub struct Job {
     pub growing: Option<(u64, u32)>,
     /// Slot-seconds held.
     pub attained_s: f64,
+    /// Its measured throughput: per worker count it trained at steadily, the samples and the
+    /// seconds (its speed curve for the `goodput` policy, [`Job::speed`]).
+    #[serde(default)]
+    pub throughput: Vec<(u32, u64, f64)>,
     /// Samples trained and in all.
     pub samples: (u64, u64),
     /// The coordinator's address.
@@ -129,12 +138,50 @@ impl Job {
             resize_cost_ms: None,
             growing: None,
             attained_s: 0.0,
+            throughput: Vec::new(),
             samples: (0, 0),
             coordinator: None,
             procs: Vec::new(),
             ledger: None,
             message: String::new(),
         }
+    }
+
+    /// Adds `samples` trained in `seconds` by `workers` steady workers to its throughput.
+    pub fn measured(&mut self, workers: u32, samples: u64, seconds: f64) {
+        if workers == 0 || seconds.is_nan() || seconds <= 0.0 {
+            return;
+        }
+        match self.throughput.iter_mut().find(|r| r.0 == workers) {
+            Some(r) => {
+                r.1 += samples;
+                r.2 += seconds;
+            }
+            None => {
+                self.throughput.push((workers, samples, seconds));
+                self.throughput.sort_by_key(|r| r.0);
+            }
+        }
+    }
+
+    /// Its speed by worker count: the throughput measured at each size it ran at for at
+    /// least [`MEASURED_FOR`] seconds; past the largest, and before any, the `typical` curve's
+    /// shape (scaled to the measurement).
+    pub fn speed(&self, typical: &Speedup) -> Speedup {
+        let pts: Vec<(u32, f64)> = self
+            .throughput
+            .iter()
+            .filter(|r| r.2 >= MEASURED_FOR && r.1 > 0)
+            .map(|r| (r.0, r.1 as f64 / r.2))
+            .collect();
+        let Some(&(last, rate)) = pts.last() else {
+            return typical.clone();
+        };
+        let mut curve = pts;
+        let top = self.max_workers.max(self.workers);
+        let base = typical.at(last).max(f64::MIN_POSITIVE);
+        curve.extend((last + 1..=top).map(|n| (n, rate * typical.at(n) / base)));
+        Speedup::Curve(curve)
     }
 
     /// Worker processes running (holding slots).

@@ -81,6 +81,10 @@ pub struct TrainOptions {
     pub max_steps: Option<u64>,
     /// A test aid: makes every step this many times slower, as a slower device would.
     pub slowdown: Slowdown,
+    /// A test aid: every step takes at least this long (the worker waits out the rest after
+    /// its work), as on a device whose step time is fixed: the job's speed then follows its
+    /// workers rather than how busy this machine's cores are.
+    pub step_time: Option<Duration>,
     /// Spot notices this process receives (e.g. on SIGUSR1), each with its length: the
     /// worker tells the coordinator, finishes its step, commits and leaves in time.
     pub spot: Option<tokio::sync::mpsc::UnboundedReceiver<Duration>>,
@@ -387,6 +391,9 @@ pub async fn train<M: Model>(
                 }
             };
             opts.slowdown.after(begun.elapsed()).await;
+            if let Some(t) = opts.step_time {
+                tokio::time::sleep(t.saturating_sub(begun.elapsed())).await;
+            }
             METRICS.work.observe(begun.elapsed().as_secs_f64());
             Ok::<_, TrainError>((stats, batch, &mut session))
         };

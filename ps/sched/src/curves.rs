@@ -1,8 +1,10 @@
 //! Measured speed by GPU count per model and batch size, for trace jobs that name their
 //! model: tables in the ElasticFlow artifact's format (one CSV per model, named after it: a
 //! row per global batch size, a column per GPU count, iterations per second in the cells; an
-//! empty or zero cell is a size the model cannot run at). The ElasticFlow artifact's A100
-//! tables ship in `ps/sched/curves/elasticflow-a100/` and are built in.
+//! empty or zero cell is a size the model cannot run at). Six models measured on A100 GPUs
+//! ship in `ps/sched/curves/elasticflow-a100/` and are built in (derived from the MIT-licensed
+//! ElasticFlow traces, whose durations are iterations over the ElasticFlow artifact's measured
+//! throughput; see the folder's README).
 //!
 //! A job's curve is its model's row for its batch size (the nearest batch size the table has,
 //! if not that one). A job whose model is not in the tables gets the typical curve: at each
@@ -18,8 +20,8 @@ use anyhow::{Context, bail};
 use crate::speed::Speedup;
 use crate::trace::TraceJob;
 
-/// The ElasticFlow artifact's measured throughput on A100 GPUs (pkusys/ElasticFlow,
-/// `ElasticFlow/scheduler/throughputs_A100/`, Apache-2.0; see the folder's README).
+/// Six models' throughput on A100 GPUs, derived from the ElasticFlow traces (MIT; see the
+/// folder's README).
 const BUILT_IN: [(&str, &str); 6] = [
     ("bert", include_str!("../curves/elasticflow-a100/bert.csv")),
     (
@@ -214,7 +216,7 @@ mod tests {
         assert_eq!(c.models().count(), 6);
         // ResNet-50 at batch 256: 1.843 it/s on 1 GPU, 10.379 on 8 (the table's cells).
         let r = c.of("resnet50", Some(256)).expect("resnet50");
-        assert!((r.at(8) - 10.378702644353233 / 1.843374951404324).abs() < 1e-9);
+        assert!((r.at(8) - 10.378702 / 1.843375).abs() < 1e-5, "{}", r.at(8));
         // Between measured sizes: interpolated; past the last (64): flat.
         assert!(r.at(6) > r.at(4) && r.at(6) < r.at(8));
         assert_eq!(r.at(128), r.at(64));
@@ -234,6 +236,57 @@ mod tests {
         let t = c.for_job(&j).expect("typical");
         assert!(t.at(16) > 1.0 && t.at(16) < 8.0, "{}", t.at(16));
         assert_eq!(Curves::built_in().models().count(), 6);
+    }
+
+    /// Every cell agrees with the shipped traces: a job's duration is its iterations over the
+    /// throughput at its model, batch size and GPU count, rounded up to a second.
+    #[test]
+    fn the_built_in_tables_are_the_shipped_traces_iterations_over_durations() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/elasticflow");
+        let mut raw = std::collections::BTreeMap::new();
+        for (m, t) in BUILT_IN {
+            let mut lines = t.lines();
+            let sizes: Vec<u32> = lines
+                .next()
+                .expect("header")
+                .split(',')
+                .skip(1)
+                .map(|c| c.parse().expect("size"))
+                .collect();
+            for l in lines {
+                let mut cells = l.split(',');
+                let b: u32 = cells.next().expect("batch").parse().expect("batch");
+                for (&n, c) in sizes.iter().zip(cells) {
+                    if let Ok(v) = c.parse::<f64>() {
+                        raw.insert((m.to_string(), b, n), v);
+                    }
+                }
+            }
+        }
+        let mut checked = 0;
+        for trace in ["195job.csv", "cluster01.csv", "cluster10.csv"] {
+            let path = std::path::Path::new(dir).join(trace);
+            let mut r = csv::Reader::from_path(&path).expect("trace");
+            for rec in r.records() {
+                let rec = rec.expect("row");
+                let it: f64 = rec[2].parse().expect("iterations");
+                let (model, batch): (&str, u32) = (&rec[3], rec[5].parse().expect("batch"));
+                let (gpus, duration): (u32, f64) = (
+                    rec[6].parse().expect("gpus"),
+                    rec[7].parse().expect("duration"),
+                );
+                let thr = raw
+                    .get(&(model.to_string(), batch, gpus))
+                    .unwrap_or_else(|| panic!("no cell for {model} {batch} {gpus}"));
+                assert_eq!(
+                    (it / thr).ceil(),
+                    duration,
+                    "{trace}: {model} {batch} {gpus}: {it} iterations at {thr}/s"
+                );
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 195 + 1595 + 260, "every job of the three traces");
     }
 
     #[test]

@@ -37,6 +37,14 @@ pub struct SimConfig {
     /// Seconds a job loses to a restart (resuming after preemption, or every resize of the
     /// restart-based variant).
     pub restart_cost: f64,
+    /// Seconds from a job's first start until it trains (its servers' and workers' start).
+    pub start_cost: f64,
+    /// Seconds a stop-free growth's new workers take to start training: the job runs on at
+    /// its old size meanwhile.
+    pub join_cost: f64,
+    /// The least time between two resizes of a running job (the scheduler's
+    /// `resize_interval`).
+    pub min_interval: f64,
     /// Resize by restarting (checkpoint, stop, start) instead of stop-free.
     pub resize_by_restart: bool,
     /// An elastic job may use up to this many times the GPUs it asked for.
@@ -56,6 +64,9 @@ impl Default for SimConfig {
             curves: None,
             resize_cost: 0.014,
             restart_cost: 30.0,
+            start_cost: 0.0,
+            join_cost: 0.0,
+            min_interval: 0.0,
             resize_by_restart: false,
             max_factor: 2,
             min_share: 0.25,
@@ -112,6 +123,9 @@ struct State {
     work: f64,
     left: f64,
     pause_until: f64,
+    /// Until then (a growth's new workers starting), the job trains at `slow_alloc` GPUs.
+    slow_until: f64,
+    slow_alloc: u32,
     start: Option<f64>,
     finish: Option<f64>,
     ran: bool,
@@ -157,6 +171,8 @@ pub fn simulate(
                 work,
                 left: work,
                 pause_until: 0.0,
+                slow_until: 0.0,
+                slow_alloc: 0,
                 start: None,
                 finish: None,
                 ran: false,
@@ -213,7 +229,11 @@ pub fn simulate(
                 let s = &mut st[v.id];
                 if old == 0 {
                     // A start, or a resumption after a preemption.
-                    let cost = if s.ran { cfg.restart_cost } else { 0.0 };
+                    let cost = if s.ran {
+                        cfg.restart_cost
+                    } else {
+                        cfg.start_cost
+                    };
                     if s.ran {
                         s.restarts += 1;
                     }
@@ -227,7 +247,18 @@ pub fn simulate(
                         s.restarts += 1;
                     }
                     s.pause_until = t.max(s.pause_until) + resize_cost;
-                    v.resize_after = t + resize_cost / cfg.overhead;
+                    // A stop-free growth: the job trains at the size it had until the new
+                    // workers start.
+                    let had = if t < s.slow_until { s.slow_alloc } else { old };
+                    let joining = !cfg.resize_by_restart && w > had && cfg.join_cost > 0.0;
+                    if joining {
+                        s.slow_alloc = had;
+                        s.slow_until = s.pause_until + cfg.join_cost;
+                    } else {
+                        s.slow_until = 0.0;
+                    }
+                    let cost = resize_cost + if joining { cfg.join_cost } else { 0.0 };
+                    v.resize_after = t + cfg.min_interval.max(cost / cfg.overhead);
                 }
                 v.alloc = w;
             }
@@ -241,8 +272,7 @@ pub fn simulate(
         let elastic = policy.elastic();
         for v in &active {
             if v.alloc > 0 {
-                let s = &st[v.id];
-                let done = t.max(s.pause_until) + s.left / s.speed.at(v.alloc);
+                let done = finish_time(&st[v.id], v.alloc, t);
                 until = until.min(done);
                 if elastic && v.resize_after > t {
                     until = until.min(v.resize_after);
@@ -266,7 +296,7 @@ pub fn simulate(
             let s = &mut st[v.id];
             let from = t.max(s.pause_until).min(until);
             let eff = until - from;
-            s.left -= eff * s.speed.at(v.alloc);
+            s.left -= trained(s, v.alloc, t, until);
             v.attained += f64::from(v.alloc) * (until - t);
             busy += f64::from(v.alloc) * eff;
             if s.left <= EPS * s.work.max(1.0) {
@@ -314,6 +344,31 @@ pub fn simulate(
     );
     summary.events = events;
     Ok((summary, outcomes))
+}
+
+/// The work job `s` holding `alloc` GPUs does from `t` to `until`: nothing while paused, at
+/// its old size while a growth's workers join, then at `alloc`.
+fn trained(s: &State, alloc: u32, t: f64, until: f64) -> f64 {
+    let from = t.max(s.pause_until).min(until);
+    let slow_end = s.slow_until.clamp(from, until);
+    (slow_end - from) * s.speed.at(s.slow_alloc) + (until - slow_end) * s.speed.at(alloc)
+}
+
+/// When job `s` holding `alloc` GPUs from `t` on finishes, if nothing changes.
+fn finish_time(s: &State, alloc: u32, t: f64) -> f64 {
+    let from = t.max(s.pause_until);
+    let mut left = s.left;
+    let mut at = from;
+    if s.slow_until > from {
+        let slow = s.speed.at(s.slow_alloc);
+        let can = (s.slow_until - from) * slow;
+        if can >= left && slow > 0.0 {
+            return from + left / slow;
+        }
+        left -= can;
+        at = s.slow_until;
+    }
+    at + left / s.speed.at(alloc)
 }
 
 fn summarize(policy: &str, out: &[JobOutcome], busy: f64, gpus: u32) -> Summary {
@@ -379,6 +434,9 @@ mod tests {
             curves: None,
             resize_cost: 0.0,
             restart_cost: 0.0,
+            start_cost: 0.0,
+            join_cost: 0.0,
+            min_interval: 0.0,
             resize_by_restart: false,
             max_factor: 2,
             min_share: 0.0,
@@ -467,6 +525,25 @@ mod tests {
         assert!(out.iter().all(|o| o.finish > o.submit));
         // Total work 440 GPU-s on 4 GPUs from 0 with no idle slot: done at 110.
         assert_eq!(s.makespan, 110.0);
+    }
+
+    #[test]
+    fn a_growth_trains_at_the_old_size_until_its_workers_join() {
+        // 4 GPUs: A (2 GPUs, 100 s: 200 GPU-s) and B (2, 10 s) at 0. B ends at 10 s and A
+        // grows to 4; its new workers take 5 s to join: 20 done by 10 s, 10 more by 15 s at
+        // 2 GPUs, the 170 left at 4: done at 57.5 s (55 s if they joined at once).
+        let jobs = vec![j(0.0, 2, 100.0), j(0.0, 2, 10.0)];
+        let mut c = cfg(4);
+        c.join_cost = 5.0;
+        let (_, out) = simulate(&jobs, &mut Elastic, &c).expect("sim");
+        assert_eq!(finishes(&out), vec![57.5, 10.0]);
+        c.join_cost = 0.0;
+        let (_, out) = simulate(&jobs, &mut Elastic, &c).expect("sim");
+        assert_eq!(finishes(&out), vec![55.0, 10.0]);
+        // A first start costs start_cost.
+        c.start_cost = 2.0;
+        let (_, out) = simulate(&jobs, &mut Elastic, &c).expect("sim");
+        assert_eq!(out[1].finish, 12.0);
     }
 
     #[test]

@@ -56,3 +56,70 @@ fn a_shipped_trace_replays_under_every_policy() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown policy \"magic\""));
 }
+
+/// Mean JCT (hours) that the published simulators give on the shipped traces: the Tiresias
+/// simulator (SymbioticLab/Tiresias, `run_sim.py --scheme=count`, schedules `fifo` and
+/// `dlas-gpu`) and the ElasticFlow artifact's (pkusys/ElasticFlow, `dlas-gpu` and `fifo`),
+/// run on 2026-12-05 under Python 3 with the changes BENCHMARKS.md lists. Rows: trace, GPUs,
+/// FIFO (both agree), Tiresias in the Tiresias simulator, Tiresias in ElasticFlow's.
+const REFERENCE: [(&str, u32, f64, f64, f64); 5] = [
+    ("195job.csv", 64, 17.8579, 11.8162, 11.8727),
+    ("cluster01.csv", 64, 40.0489, 8.2812, 8.4045),
+    ("cluster01.csv", 128, 5.6161, 4.3402, 4.3977),
+    ("cluster10.csv", 64, 9.0905, 9.0905, 9.1008),
+    ("cluster10.csv", 256, 9.0905, 9.0905, 9.1058),
+];
+
+#[test]
+fn fifo_and_tiresias_match_the_published_simulators() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("out.json");
+    for (trace, gpus, fifo, tiresias, elasticflow) in REFERENCE {
+        let path = format!("{}/traces/elasticflow/{trace}", env!("CARGO_MANIFEST_DIR"));
+        let out = sim(&[
+            "--trace",
+            &path,
+            "--gpus",
+            &gpus.to_string(),
+            // The references charge nothing for a preemption.
+            "--restart-cost",
+            "0",
+            "--policies",
+            "fifo,tiresias",
+            "--json",
+            json.to_str().expect("path"),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("valid");
+        let mean = |policy: &str| {
+            v["summary"]
+                .as_array()
+                .expect("summary")
+                .iter()
+                .find(|r| r["policy"] == policy)
+                .and_then(|r| r["mean_jct"].as_f64())
+                .expect("mean JCT")
+                / 3600.0
+        };
+        let (f, t) = (mean("fifo"), mean("tiresias"));
+        eprintln!(
+            "{trace} on {gpus}: fifo {f:.4} h (reference {fifo}), tiresias {t:.4} h \
+             (references {tiresias}, {elasticflow})"
+        );
+        assert!(
+            (f / fifo - 1.0).abs() < 1e-3,
+            "{trace} on {gpus}: fifo {f} h"
+        );
+        for r in [tiresias, elasticflow] {
+            assert!(
+                (t / r - 1.0).abs() <= 0.05,
+                "{trace} on {gpus}: tiresias {t:.3} h against the reference's {r} h"
+            );
+        }
+    }
+}

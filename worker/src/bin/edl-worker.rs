@@ -95,6 +95,11 @@ struct Cli {
     /// step's work before committing), to play a straggler.
     #[arg(long, default_value_t = 1.0, value_name = "FACTOR")]
     slowdown: f64,
+    /// Test aid: every step takes at least this long (the worker waits out the rest after
+    /// its work), as on a device whose step time is fixed, so that a job's speed follows its
+    /// workers rather than how busy this machine's cores are.
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    step_time: Option<std::time::Duration>,
     /// Test aid: re-read the slowdown factor from this file (at most every 250 ms) while
     /// training; edl-local's scenario event `slow` writes it.
     #[arg(long, value_name = "FILE")]
@@ -192,6 +197,7 @@ async fn main() -> anyhow::Result<()> {
                 Some(f) => Slowdown::new(cli.slowdown).with_file(f.clone()),
                 None => Slowdown::new(cli.slowdown),
             },
+            step_time: cli.step_time,
             spot: Some(spot),
             grace: cli.grace,
         },

@@ -21,9 +21,10 @@ use edl_sched::trace::{self, Columns};
 #[command(version)]
 struct Cli {
     /// The trace, e.g. ps/sched/traces/elasticflow/cluster01.csv (the other ElasticFlow
-    /// clusters are in elasticflow-traces.tar.gz beside it).
-    #[arg(long)]
-    trace: PathBuf,
+    /// clusters are in elasticflow-traces.tar.gz beside it); several, comma-separated, are
+    /// replayed as one (merged by submission time).
+    #[arg(long, value_delimiter = ',', required = true)]
+    trace: Vec<PathBuf>,
     /// The column with the submission time in seconds.
     #[arg(long, default_value = "submission_time")]
     submit_col: String,
@@ -77,6 +78,19 @@ struct Cli {
     /// measured 0.4-0.7 s as a lower bound.
     #[arg(long, default_value_t = 30.0)]
     restart_cost: f64,
+    /// Seconds from a job's first start until it trains (its servers' and workers' start). 0
+    /// by default: a trace's durations hold their own start.
+    #[arg(long, default_value_t = 0.0)]
+    start_cost: f64,
+    /// Seconds a stop-free growth's new workers take to start training (the job trains on at
+    /// its old size meanwhile). 0 by default; about 1.5 s for an `edl-worker` process on one
+    /// machine (the sim-to-real replay measures it), longer where a pod must start.
+    #[arg(long, default_value_t = 0.0)]
+    join_cost: f64,
+    /// The least seconds between two resizes of a running job (`edl-sched`'s
+    /// `resize_interval`).
+    #[arg(long, default_value_t = 0.0)]
+    min_interval: f64,
     /// An elastic job may use up to this many times the GPUs it asked for.
     #[arg(long, default_value_t = 2)]
     max_factor: u32,
@@ -146,11 +160,21 @@ fn main() -> anyhow::Result<()> {
         model: cli.model_col.clone(),
         batch: cli.batch_col.clone(),
     };
-    let mut jobs = trace::read(&cli.trace, &cols)?;
+    let mut jobs = Vec::new();
+    for t in &cli.trace {
+        jobs.extend(trace::read(t, &cols)?);
+    }
+    jobs.sort_by(|a, b| a.submit.total_cmp(&b.submit));
+    let names = cli
+        .trace
+        .iter()
+        .map(|t| t.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
     if let Some(n) = cli.jobs {
         jobs.truncate(n);
     }
-    anyhow::ensure!(!jobs.is_empty(), "{} has no jobs", cli.trace.display());
+    anyhow::ensure!(!jobs.is_empty(), "{names} has no jobs");
     let (speed, curves) = speedup(&cli.speedup, cli.curves.as_ref())?;
     let base = SimConfig {
         gpus: cli.gpus,
@@ -158,6 +182,9 @@ fn main() -> anyhow::Result<()> {
         curves,
         resize_cost: cli.resize_cost,
         restart_cost: cli.restart_cost,
+        start_cost: cli.start_cost,
+        join_cost: cli.join_cost,
+        min_interval: cli.min_interval,
         resize_by_restart: false,
         max_factor: cli.max_factor.max(1),
         min_share: cli.min_share,
@@ -253,7 +280,7 @@ fn main() -> anyhow::Result<()> {
     println!(
         "{} jobs of {} on {} GPUs, speedup {}, resize {} s stop-free / {} s by restart:",
         jobs.len(),
-        cli.trace.display(),
+        names,
         cli.gpus,
         cli.speedup,
         cli.resize_cost,
@@ -266,7 +293,7 @@ fn main() -> anyhow::Result<()> {
     );
     if let Some(path) = &cli.json {
         let out = serde_json::json!({
-            "trace": cli.trace,
+            "trace": names,
             "gpus": cli.gpus,
             "speedup": cli.speedup,
             "resize_cost": cli.resize_cost,
@@ -282,9 +309,14 @@ fn main() -> anyhow::Result<()> {
         let title = format!(
             "{} on {} GPUs",
             cli.trace
-                .file_name()
-                .map(|f| f.to_string_lossy().to_string())
-                .unwrap_or_default(),
+                .iter()
+                .map(|t| {
+                    t.file_name()
+                        .map(|f| f.to_string_lossy().to_string())
+                        .unwrap_or_default()
+                })
+                .collect::<Vec<_>>()
+                .join(" + "),
             cli.gpus
         );
         edl_sched::plot::jct_bars(&rows, &title, &dir.join("jct.png"))?;

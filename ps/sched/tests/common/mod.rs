@@ -92,6 +92,22 @@ impl Sched {
         s
     }
 
+    /// A scheduler of 4 slots under `policy` whose workers take `worker_args` (a TOML array's
+    /// items) instead of the default pacing.
+    pub fn start_paced(dir: &Path, policy: &str, worker_args: &str) -> Sched {
+        let mut s = Sched::prepare(dir, policy, 4, "", true);
+        let text = std::fs::read_to_string(&s.cluster).expect("cluster file");
+        let default = format!("worker_args = [\"--slowdown\", \"{SLOWDOWN}\"]");
+        assert!(text.contains(&default));
+        std::fs::write(
+            &s.cluster,
+            text.replace(&default, &format!("worker_args = [{worker_args}]")),
+        )
+        .expect("write the cluster file");
+        s.launch();
+        s
+    }
+
     /// Scheduler number `i` of several sharing `dir`'s state directory and the etcd at
     /// `etcd_url` (one leads), with a lease of `ttl`.
     pub fn start_elected(dir: &Path, policy: &str, i: usize, etcd_url: &str, ttl: &str) -> Sched {

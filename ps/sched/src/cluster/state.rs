@@ -418,10 +418,51 @@ mod tests {
             "python3 train.py".into(),
             5,
         ));
+        s.jobs[0].measured(2, 5000, 2.5);
         s.next_job = 2;
         s.save(&path).expect("save");
         let back = Saved::load(&path).expect("load");
         assert_eq!(back.jobs, s.jobs);
         assert_eq!(back.next_job, 2);
+    }
+
+    #[test]
+    fn a_jobs_speed_is_its_measured_throughput_then_the_typical_shape() {
+        let mut j = Job::new(
+            "j".into(),
+            "alice".into(),
+            Submission {
+                name: String::new(),
+                job_file: String::new(),
+                file_dir: "/tmp".into(),
+                workers: 2,
+                min_workers: 1,
+                max_workers: 4,
+                priority: 0,
+            },
+            String::new(),
+            0,
+        );
+        let typical = Speedup::Amdahl { serial: 0.1 };
+        // Nothing measured yet: the typical curve.
+        assert_eq!(j.speed(&typical), typical);
+        // 1 worker: 100 samples/s over 3 s; 2 workers: 150/s over 4 s (two polls); a span
+        // shorter than MEASURED_FOR (4 workers, 1 s) does not count yet.
+        j.measured(1, 300, 3.0);
+        j.measured(2, 200, 1.5);
+        j.measured(2, 400, 2.5);
+        j.measured(4, 1000, 1.0);
+        j.measured(0, 10, 1.0);
+        j.measured(3, 10, f64::NAN);
+        let s = j.speed(&typical);
+        assert_eq!(s.at(1), 1.0);
+        assert_eq!(s.at(2), 1.5);
+        // Past the largest measured size, the typical curve's shape from there.
+        let want = 1.5 * typical.at(3) / typical.at(2);
+        assert!((s.at(3) - want).abs() < 1e-12, "{} {want}", s.at(3));
+        assert!(s.at(4) > s.at(3));
+        // Once 4 workers have run long enough, their own measurement counts.
+        j.measured(4, 1000, 1.5);
+        assert!((j.speed(&typical).at(4) - 2000.0 / 2.5 / 100.0).abs() < 1e-12);
     }
 }

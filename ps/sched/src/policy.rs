@@ -130,12 +130,25 @@ impl Policy for Fifo {
 ///   moves its waiting jobs behind them, in theirs (so a running job is preempted only by a job
 ///   of a higher queue, never by one of its own).
 ///
+/// - with starvation handling on (`starvation` K > 0, off in the simulator's `dlas-gpu`, on in
+///   its `dlas-gpu-K`), a job of a lower queue that has waited K times as long as it has run
+///   since it last entered the first queue goes back to the back of the first queue, its
+///   attained service counted from zero again.
+///
 /// Preemption has no cost of its own here; the simulator charges a resumed job a restart.
 /// Priorities (0 in traces) go before queues.
 #[derive(Debug)]
 pub struct Tiresias {
     /// Attained GPU-seconds at which a job leaves queue `k` for queue `k + 1`, ascending.
     pub limits: Vec<f64>,
+    /// Starvation handling: a waiting job of a lower queue goes back to the first once it has
+    /// waited this many times as long as it has run (0: never).
+    pub starvation: f64,
+    /// Wake up to demote a running job when the Tiresias simulator does rather than when it
+    /// crosses its limit: its wake-ups are timed as if a job's GPU-seconds were its running
+    /// seconds, so a multi-GPU job is demoted later (at the next decision after it crosses).
+    /// For comparing with it; off by default.
+    pub reference_wakeups: bool,
     /// Every job's queue and place in it, by [`JobView::id`].
     places: Vec<Option<Place>>,
     /// The next place at the back of a queue.
@@ -146,6 +159,25 @@ pub struct Tiresias {
 struct Place {
     queue: usize,
     seq: u64,
+    /// Attained GPU-seconds when it last entered the first queue (its service counts from
+    /// there).
+    base: f64,
+    /// Seconds it has waited, having run, since it last entered the first queue.
+    waited: f64,
+    /// When the policy last decided with it.
+    seen: f64,
+}
+
+impl Place {
+    fn new(queue: usize, seq: u64, now: f64) -> Place {
+        Place {
+            queue,
+            seq,
+            base: 0.0,
+            waited: 0.0,
+            seen: now,
+        }
+    }
 }
 
 impl Default for Tiresias {
@@ -164,9 +196,29 @@ impl Tiresias {
         limits.sort_by(f64::total_cmp);
         Tiresias {
             limits,
+            starvation: 0.0,
+            reference_wakeups: false,
             places: Vec::new(),
             seq: 0,
         }
+    }
+
+    /// With starvation handling: a waiting job goes back to the first queue after waiting
+    /// `k` times as long as it ran (0: never).
+    pub fn with_starvation(mut self, k: f64) -> Tiresias {
+        self.starvation = if k.is_finite() { k.max(0.0) } else { 0.0 };
+        self
+    }
+
+    /// With [`Tiresias::reference_wakeups`].
+    pub fn with_reference_wakeups(mut self, on: bool) -> Tiresias {
+        self.reference_wakeups = on;
+        self
+    }
+
+    /// Seconds job `j` has run since it last entered the first queue.
+    fn ran(j: &JobView, p: &Place) -> f64 {
+        (j.attained - p.base).max(0.0) / f64::from(j.requested.max(1))
     }
 
     /// The queue a job with `attained` GPU-seconds belongs in at least (within rounding).
@@ -193,28 +245,39 @@ impl Policy for Tiresias {
         false
     }
 
-    fn allocate(&mut self, _now: f64, gpus: u32, jobs: &[JobView]) -> Vec<u32> {
+    fn allocate(&mut self, now: f64, gpus: u32, jobs: &[JobView]) -> Vec<u32> {
         // New jobs join the first queue in arrival order; crossing a limit moves a job to the
-        // back of its next queue.
+        // back of its next queue; a starving one goes back to the first.
         for i in by_arrival(jobs) {
             let j = &jobs[i];
             if self.places.len() <= j.id {
                 self.places.resize(j.id + 1, None);
             }
-            match self.places[j.id] {
-                None => {
-                    let seq = self.back();
-                    let queue = self.queue_of(j.attained, 0);
-                    self.places[j.id] = Some(Place { queue, seq });
-                }
-                Some(p) => {
-                    let queue = self.queue_of(j.attained, p.queue);
-                    if queue != p.queue {
-                        let seq = self.back();
-                        self.places[j.id] = Some(Place { queue, seq });
-                    }
-                }
+            let Some(mut p) = self.places[j.id] else {
+                let seq = self.back();
+                let queue = self.queue_of(j.attained, 0);
+                self.places[j.id] = Some(Place::new(queue, seq, now));
+                continue;
+            };
+            let ran = Tiresias::ran(j, &p);
+            if j.alloc == 0 && ran > 0.0 {
+                p.waited += now - p.seen;
             }
+            p.seen = now;
+            let queue = self.queue_of(j.attained - p.base, p.queue);
+            if queue != p.queue {
+                p.queue = queue;
+                p.seq = self.back();
+            } else if self.starvation > 0.0
+                && p.queue > 0
+                && j.alloc == 0
+                && ran > 0.0
+                && p.waited >= ran * self.starvation - 1e-6
+            {
+                p = Place::new(0, self.back(), now);
+                p.base = j.attained;
+            }
+            self.places[j.id] = Some(p);
         }
         let place = |j: &JobView, places: &[Option<Place>]| {
             places[j.id].map_or((usize::MAX, u64::MAX), |p| (p.queue, p.seq))
@@ -245,14 +308,28 @@ impl Policy for Tiresias {
         out
     }
 
-    /// When the first running job crosses its queue's limit.
+    /// When the first running job crosses its queue's limit, or the first waiting one has
+    /// starved.
     fn wake_after(&self, now: f64, jobs: &[JobView]) -> Option<f64> {
         jobs.iter()
-            .filter(|j| j.alloc > 0)
             .filter_map(|j| {
-                let q = self.places.get(j.id).copied().flatten()?.queue;
-                let limit = self.limits.get(q)?;
-                Some(now + ((limit - j.attained) / f64::from(j.alloc)).max(0.0))
+                let p = self.places.get(j.id).copied().flatten()?;
+                if j.alloc > 0 {
+                    let limit = self.limits.get(p.queue)?;
+                    let (g, served) = (f64::from(j.alloc), j.attained - p.base);
+                    let after = if self.reference_wakeups {
+                        // Its limit less its running seconds, over its GPUs, whole seconds.
+                        ((limit - served / g) / g).floor()
+                    } else {
+                        (limit - served) / g
+                    };
+                    Some(now + after.max(0.0))
+                } else if self.starvation > 0.0 && p.queue > 0 {
+                    let ran = Tiresias::ran(j, &p);
+                    (ran > 0.0).then(|| now + (ran * self.starvation - p.waited).max(0.0))
+                } else {
+                    None
+                }
             })
             .min_by(f64::total_cmp)
     }

@@ -70,43 +70,56 @@ const REFERENCE: [(&str, u32, f64, f64, f64); 5] = [
     ("cluster10.csv", 256, 9.0905, 9.0905, 9.1058),
 ];
 
-#[test]
-fn fifo_and_tiresias_match_the_published_simulators() {
+/// The Tiresias simulator's `dlas-gpu-K` (starvation handling on, K = 2 and 8) on 64 GPUs.
+const STARVATION: [(&str, &str, f64); 4] = [
+    ("195job.csv", "2", 12.1749),
+    ("195job.csv", "8", 12.1558),
+    ("cluster01.csv", "2", 10.8472),
+    ("cluster01.csv", "8", 13.2117),
+];
+
+/// Mean JCT in hours per policy from `edl-sim` on a shipped trace (no preemption cost, as
+/// the references), with `extra` flags.
+fn means(trace: &str, gpus: u32, extra: &[&str]) -> std::collections::BTreeMap<String, f64> {
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("out.json");
+    let path = format!("{}/traces/elasticflow/{trace}", env!("CARGO_MANIFEST_DIR"));
+    let gpus = gpus.to_string();
+    let mut args = vec![
+        "--trace",
+        &path,
+        "--gpus",
+        &gpus,
+        "--restart-cost",
+        "0",
+        "--json",
+        json.to_str().expect("path"),
+    ];
+    args.extend_from_slice(extra);
+    let out = sim(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("valid");
+    v["summary"]
+        .as_array()
+        .expect("summary")
+        .iter()
+        .map(|r| {
+            let policy = r["policy"].as_str().expect("policy").to_string();
+            (policy, r["mean_jct"].as_f64().expect("mean JCT") / 3600.0)
+        })
+        .collect()
+}
+
+#[test]
+fn fifo_and_tiresias_match_the_published_simulators() {
     for (trace, gpus, fifo, tiresias, elasticflow) in REFERENCE {
-        let path = format!("{}/traces/elasticflow/{trace}", env!("CARGO_MANIFEST_DIR"));
-        let out = sim(&[
-            "--trace",
-            &path,
-            "--gpus",
-            &gpus.to_string(),
-            // The references charge nothing for a preemption.
-            "--restart-cost",
-            "0",
-            "--policies",
-            "fifo,tiresias",
-            "--json",
-            json.to_str().expect("path"),
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("valid");
-        let mean = |policy: &str| {
-            v["summary"]
-                .as_array()
-                .expect("summary")
-                .iter()
-                .find(|r| r["policy"] == policy)
-                .and_then(|r| r["mean_jct"].as_f64())
-                .expect("mean JCT")
-                / 3600.0
-        };
-        let (f, t) = (mean("fifo"), mean("tiresias"));
+        let m = means(trace, gpus, &["--policies", "fifo,tiresias"]);
+        let (f, t) = (m["fifo"], m["tiresias"]);
         eprintln!(
             "{trace} on {gpus}: fifo {f:.4} h (reference {fifo}), tiresias {t:.4} h \
              (references {tiresias}, {elasticflow})"
@@ -121,5 +134,34 @@ fn fifo_and_tiresias_match_the_published_simulators() {
                 "{trace} on {gpus}: tiresias {t:.3} h against the reference's {r} h"
             );
         }
+        // Waking up to demote when the Tiresias simulator does: its figure.
+        let m = means(
+            trace,
+            gpus,
+            &["--policies", "tiresias", "--las-reference-wakeups"],
+        );
+        let t = m["tiresias"];
+        assert!(
+            (t / tiresias - 1.0).abs() < 1e-3,
+            "{trace} on {gpus}: tiresias with its wake-ups {t:.4} h against {tiresias} h"
+        );
+    }
+    for (trace, k, want) in STARVATION {
+        let m = means(
+            trace,
+            64,
+            &[
+                "--policies",
+                "tiresias",
+                "--las-reference-wakeups",
+                "--las-starvation",
+                k,
+            ],
+        );
+        let t = m["tiresias"];
+        assert!(
+            (t / want - 1.0).abs() < 1e-3,
+            "{trace}, starvation {k}: tiresias {t:.4} h against the reference's {want} h"
+        );
     }
 }

@@ -59,7 +59,8 @@ struct Cli {
     speedup: String,
     /// Measured throughput tables for `--speedup measured`: a folder of MODEL.csv in the
     /// ElasticFlow artifact's format (a row per global batch size, a column per GPU count).
-    /// Default: the built-in ElasticFlow A100 tables (ps/sched/curves/elasticflow-a100).
+    /// Default: the built-in A100 tables of six models (ps/sched/curves/elasticflow-a100,
+    /// derived from the ElasticFlow traces).
     #[arg(long, value_name = "DIR")]
     curves: Option<PathBuf>,
     /// The column with the model's name (`--speedup measured`; optional in the trace).
@@ -83,8 +84,9 @@ struct Cli {
     #[arg(long, default_value_t = 0.0)]
     start_cost: f64,
     /// Seconds a stop-free growth's new workers take to start training (the job trains on at
-    /// its old size meanwhile). 0 by default; about 1.5 s for an `edl-worker` process on one
-    /// machine (the sim-to-real replay measures it), longer where a pod must start.
+    /// its old size meanwhile). 0 by default; under a second for an `edl-worker` process on
+    /// one machine (the sim-to-real replay test measured 0.83 s), longer where a pod must
+    /// start.
     #[arg(long, default_value_t = 0.0)]
     join_cost: f64,
     /// The least seconds between two resizes of a running job (`edl-sched`'s
@@ -106,6 +108,16 @@ struct Cli {
     /// per queue but the last. Default: the Tiresias simulator's (3 queues).
     #[arg(long, value_delimiter = ',', default_values_t = [3250.0, 7200.0])]
     las_limits: Vec<f64>,
+    /// Tiresias: a waiting job of a lower queue goes back to the first once it has waited K
+    /// times as long as it ran since it last entered it (the simulator's `dlas-gpu-K`); 0, the
+    /// default, never (its `dlas-gpu`).
+    #[arg(long, default_value_t = 0.0, value_name = "K")]
+    las_starvation: f64,
+    /// Tiresias: demote a running job when the Tiresias simulator would (its wake-ups are
+    /// timed as if GPU-seconds were running seconds, so a multi-GPU job is demoted at the next
+    /// decision after it crosses its limit) rather than as it crosses: for comparing with it.
+    #[arg(long)]
+    las_reference_wakeups: bool,
     /// Write the table and every job's outcome as JSON here.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -210,7 +222,11 @@ fn main() -> anyhow::Result<()> {
             None => (rest, false),
         };
         let mut p: Box<dyn policy::Policy> = match pname {
-            "tiresias" => Box::new(policy::Tiresias::new(cli.las_limits.clone())),
+            "tiresias" => Box::new(
+                policy::Tiresias::new(cli.las_limits.clone())
+                    .with_starvation(cli.las_starvation)
+                    .with_reference_wakeups(cli.las_reference_wakeups),
+            ),
             other => policy::by_name(other).with_context(|| {
                 format!(
                     "unknown policy {other:?}: use fifo, tiresias, elastic, goodput (+restart, @F)"

@@ -53,14 +53,10 @@ pub struct Curves {
 }
 
 impl Curves {
-    /// The built-in tables (the ElasticFlow artifact's A100 measurements).
+    /// The built-in tables (six models on A100s, derived from the ElasticFlow traces).
     pub fn built_in() -> Curves {
-        let tables: Vec<(String, String)> = BUILT_IN
-            .iter()
-            .map(|(m, t)| (m.to_string(), t.to_string()))
-            .collect();
         // The built-in tables are checked by the tests below.
-        Curves::from_tables(&tables).unwrap_or_else(|_| Curves {
+        Curves::from_tables(&BUILT_IN).unwrap_or_else(|_| Curves {
             models: BTreeMap::new(),
             typical: Arc::new(Speedup::Linear),
         })
@@ -92,11 +88,12 @@ impl Curves {
     }
 
     /// Parses `(model, table)` pairs.
-    pub fn from_tables(tables: &[(String, String)]) -> anyhow::Result<Curves> {
+    pub fn from_tables<M: AsRef<str>, T: AsRef<str>>(tables: &[(M, T)]) -> anyhow::Result<Curves> {
         let mut models = BTreeMap::new();
         for (model, text) in tables {
-            let rows = parse(text).with_context(|| format!("{model}.csv"))?;
-            models.insert(model.clone(), rows);
+            let model = model.as_ref();
+            let rows = parse(text.as_ref()).with_context(|| format!("{model}.csv"))?;
+            models.insert(model.to_string(), rows);
         }
         // The typical curve: up to the largest GPU count measured, the mean speed-up.
         let all: Vec<&Arc<Speedup>> = models.values().flat_map(|r| r.values()).collect();
@@ -133,13 +130,11 @@ impl Curves {
     }
 
     /// A trace job's curve: its model's, else the typical one.
-    pub fn for_job(&self, j: &TraceJob) -> Option<Arc<Speedup>> {
-        Some(
-            j.model
-                .as_deref()
-                .and_then(|m| self.of(m, j.batch))
-                .unwrap_or_else(|| self.typical.clone()),
-        )
+    pub fn for_job(&self, j: &TraceJob) -> Arc<Speedup> {
+        j.model
+            .as_deref()
+            .and_then(|m| self.of(m, j.batch))
+            .unwrap_or_else(|| self.typical.clone())
     }
 
     /// The curve of a job of no known model.
@@ -208,11 +203,7 @@ mod tests {
 
     #[test]
     fn the_built_in_tables_parse_and_scale_as_measured() {
-        let tables: Vec<(String, String)> = BUILT_IN
-            .iter()
-            .map(|(m, t)| (m.to_string(), t.to_string()))
-            .collect();
-        let c = Curves::from_tables(&tables).expect("built-in tables");
+        let c = Curves::from_tables(&BUILT_IN).expect("built-in tables");
         assert_eq!(c.models().count(), 6);
         // ResNet-50 at batch 256: 1.843 it/s on 1 GPU, 10.379 on 8 (the table's cells).
         let r = c.of("resnet50", Some(256)).expect("resnet50");
@@ -233,7 +224,7 @@ mod tests {
             model: Some("llama".into()),
             batch: None,
         };
-        let t = c.for_job(&j).expect("typical");
+        let t = c.for_job(&j);
         assert!(t.at(16) > 1.0 && t.at(16) < 8.0, "{}", t.at(16));
         assert_eq!(Curves::built_in().models().count(), 6);
     }
@@ -298,7 +289,7 @@ mod tests {
             ("global_batch_size,1,2\n64,-1,2\n", "not a throughput"),
             ("global_batch_size,1,2\n", "no rows"),
         ] {
-            let e = Curves::from_tables(&[("m".into(), text.into())]).expect_err(text);
+            let e = Curves::from_tables(&[("m", text)]).expect_err(text);
             assert!(format!("{e:#}").contains(want), "{text:?}: {e:#}");
         }
     }

@@ -186,7 +186,8 @@ impl Default for Tiresias {
     }
 }
 
-/// Tiresias's queue limit: one GPU-hour, two queues.
+/// The limit of [`Tiresias::default`]: one GPU-hour, two queues (`edl-sim` uses the Tiresias
+/// simulator's 3,250 and 7,200 GPU-seconds, three queues).
 pub const DEFAULT_LAS_LIMIT: f64 = 3600.0;
 
 impl Tiresias {

@@ -164,8 +164,7 @@ pub fn simulate(
             let speed = cfg
                 .curves
                 .as_ref()
-                .and_then(|c| c.for_job(j))
-                .unwrap_or_else(|| default_speed.clone());
+                .map_or_else(|| default_speed.clone(), |c| c.for_job(j));
             let work = j.duration * speed.at(j.gpus.min(gpus));
             State {
                 work,
@@ -488,9 +487,9 @@ mod tests {
     #[test]
     fn tiresias_keeps_running_jobs_ahead_of_waiting_ones_in_a_queue() {
         // 8 GPUs, limit 100 GPU-s. Y (8 GPUs, 1000 s) crosses the limit at 12.5 s and runs on
-        // alone. X (4) at 20 s and Z (4) at 21 s preempt it from the first queue. X crosses at 45 s and runs
-        // on (Y, waiting in the second queue, does not fit beside Z); Z crosses at 46 s and
-        // runs on too; Z ends at 50 s. Now Y (earlier) waits behind X (running) in the second
+        // alone. X (4) at 20 s and Z (4) at 21 s preempt it from the first queue. X crosses at
+        // 45 s and runs on (Y, waiting in the second queue, does not fit beside Z); Z crosses
+        // at 46 s and runs on too; Z ends at 50 s. Now Y (earlier) waits behind X (running) in the second
         // queue: X keeps its GPUs to the end (120 s) instead of Y preempting it, as ordering
         // the queue by arrival would; then Y runs the 980 s it has left.
         let jobs = vec![j(0.0, 8, 1000.0), j(20.0, 4, 100.0), j(21.0, 4, 29.0)];

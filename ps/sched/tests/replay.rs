@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::{ONE_AT_A_TIME, Sched, assert_exact, job_file};
 use edl_ps::cluster::JobRow;
-use edl_sched::cluster::state::Saved;
+use edl_sched::cluster::state::{MEASURED_FOR, Saved};
 use edl_sched::curves::Curves;
 use edl_sched::policy::{Elastic, Fifo, Policy};
 use edl_sched::sim::{SimConfig, simulate};
@@ -73,7 +73,7 @@ fn run(dir: &Path, policy: &str) -> (Vec<JobRow>, Saved) {
             &workers.to_string(),
         ]);
     }
-    let jobs = sched.wait(
+    let mut jobs = sched.wait(
         |j| {
             j.len() == TRACE.len()
                 && j.iter()
@@ -83,7 +83,6 @@ fn run(dir: &Path, policy: &str) -> (Vec<JobRow>, Saved) {
     );
     assert_exact(&jobs, policy);
     let saved = Saved::load(&sched.state.join("sched.json")).expect("the scheduler's state");
-    let mut jobs = jobs;
     jobs.sort_by_key(|j| j.submit_ms);
     (jobs, saved)
 }
@@ -99,7 +98,7 @@ fn curve(saved: &Saved) -> Vec<(u32, f64)> {
         }
     }
     by.into_iter()
-        .filter(|(_, (s, secs))| *s > 0 && *secs >= 2.0)
+        .filter(|(_, (s, secs))| *s > 0 && *secs >= MEASURED_FOR)
         .map(|(w, (s, secs))| (w, s as f64 / secs))
         .collect()
 }
@@ -169,7 +168,7 @@ fn the_simulator_predicts_a_real_elastic_run() {
             .collect::<Vec<_>>()
             .join(",")
     );
-    let curves = Curves::from_tables(&[("mlp".into(), table)]).expect("the measured curve");
+    let curves = Curves::from_tables(&[("mlp", table)]).expect("the measured curve");
     let speed = curves.of("mlp", None).expect("mlp");
 
     // What the curve cannot know, from the FIFO run: a job's time from its start to its end

@@ -67,3 +67,33 @@ pub fn spawn_shard(
     ];
     spawn_from(ps, &args, state, log)
 }
+
+/// The last `lines` lines of every `*.log` file in `dir`, each under its name: what a test
+/// prints when it fails, since its processes' logs go with its temporary directory.
+pub fn log_tails(dir: &Path, lines: usize) -> String {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    names.sort();
+    let mut out = String::new();
+    for path in names {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        let from = all.len().saturating_sub(lines);
+        out.push_str(&format!(
+            "==> {} (last {} of {} lines) <==\n",
+            path.display(),
+            all.len() - from,
+            all.len()
+        ));
+        for l in &all[from..] {
+            out.push_str(l);
+            out.push('\n');
+        }
+    }
+    out
+}

@@ -185,7 +185,22 @@ async fn the_control_plane_survives_coordinator_and_etcd_failures() -> anyhow::R
         bin("edl-ps").display()
     );
     let dir = tempfile::tempdir()?;
-    let state = dir.path();
+    let run = tokio::spawn(failures(dir.path().to_path_buf())).await;
+    if !matches!(run, Ok(Ok(()))) {
+        eprintln!("{}", edl_testkit::procs::log_tails(dir.path(), 80));
+    }
+    match run {
+        Ok(result) => result,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+/// The run of [`the_control_plane_survives_coordinator_and_etcd_failures`], its processes'
+/// logs in `state`.
+async fn failures(state: PathBuf) -> anyhow::Result<()> {
+    let state = state.as_path();
+    // The worker's side of each failover, in the output of a failed run.
+    edl_shared::telemetry::init("info");
     let etcd = std::sync::Arc::new(std::sync::Mutex::new(EtcdCluster::start(
         3,
         &state.join("etcd"),
@@ -277,7 +292,9 @@ async fn the_control_plane_survives_coordinator_and_etcd_failures() -> anyhow::R
             };
             at += 4;
             w.push_span(&[-1.0; 20], span).await?;
-            tokio::time::timeout(Duration::from_secs(90), w.commit_span(span, 0.0)).await??;
+            tokio::time::timeout(Duration::from_secs(90), w.commit_span(span, 0.0))
+                .await
+                .map_err(|_| anyhow::anyhow!("commit {} took over 90 s", commits + 1))??;
             commits += 1;
             commit_times.push(Instant::now());
             if let Some(k) = killed_at.take() {

@@ -519,44 +519,62 @@ pub struct EtcdStore {
     held: Arc<std::sync::Mutex<tokio::time::Instant>>,
 }
 
+impl EtcdStore {
+    /// Runs `ops` in a transaction conditional on this term still leading: `Fenced`
+    /// (naming who leads now) if it does not, `Unavailable` if etcd does not answer in time.
+    /// The client's own timeout covers a request once a member's connection has it, not the
+    /// wait for one: bounded here too, so that a request that hangs counts as failing (and
+    /// training reports go on from memory) instead of holding every answer.
+    async fn as_leader(&self, ops: Vec<TxnOp>) -> Result<(), StoreError> {
+        let leader = self.meta.leader_key();
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                leader.clone(),
+                CompareOp::Equal,
+                self.term,
+            )])
+            .and_then(ops)
+            .or_else([TxnOp::get(leader, None)]);
+        let resp = tokio::time::timeout(2 * REQUEST_TIMEOUT, self.meta.client.clone().txn(txn))
+            .await
+            .map_err(|_| {
+                StoreError::Unavailable(format!(
+                    "etcd: no answer within {} s",
+                    (2 * REQUEST_TIMEOUT).as_secs()
+                ))
+            })?
+            .map_err(|e| StoreError::Unavailable(format!("etcd: {e}")))?;
+        if resp.succeeded() {
+            return Ok(());
+        }
+        let holder = resp.op_responses().into_iter().find_map(|r| match r {
+            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| {
+                format!(
+                    "{} leads since revision {}",
+                    String::from_utf8_lossy(kv.value()),
+                    kv.create_revision()
+                )
+            }),
+            _ => None,
+        });
+        Err(StoreError::Fenced(format!(
+            "the lead won at revision {} is lost ({})",
+            self.term,
+            holder.unwrap_or_else(|| "no one leads".into())
+        )))
+    }
+}
+
 impl MetaStore for EtcdStore {
     fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            let leader = self.meta.leader_key();
-            let txn = Txn::new()
-                .when([Compare::create_revision(
-                    leader.clone(),
-                    CompareOp::Equal,
-                    self.term,
-                )])
-                .and_then([TxnOp::put(self.meta.state_key(), record.to_vec(), None)])
-                .or_else([TxnOp::get(leader, None)]);
-            let resp = self
-                .meta
-                .client
-                .clone()
-                .txn(txn)
-                .await
-                .map_err(|e| StoreError::Unavailable(format!("etcd: {e}")))?;
-            if resp.succeeded() {
-                return Ok(());
-            }
-            let holder = resp.op_responses().into_iter().find_map(|r| match r {
-                TxnOpResponse::Get(g) => g.kvs().first().map(|kv| {
-                    format!(
-                        "{} leads since revision {}",
-                        String::from_utf8_lossy(kv.value()),
-                        kv.create_revision()
-                    )
-                }),
-                _ => None,
-            });
-            Err(StoreError::Fenced(format!(
-                "the lead won at revision {} is lost ({})",
-                self.term,
-                holder.unwrap_or_else(|| "no one leads".into())
-            )))
+            let put = TxnOp::put(self.meta.state_key(), record.to_vec(), None);
+            self.as_leader(vec![put]).await
         })
+    }
+
+    fn confirm(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(self.as_leader(Vec::new()))
     }
 
     fn term(&self) -> u64 {

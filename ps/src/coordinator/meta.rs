@@ -65,6 +65,11 @@ pub trait MetaStore: Send + Sync + 'static {
     fn lease_until(&self) -> Option<tokio::time::Instant> {
         None
     }
+    /// Checks, writing nothing, that this writer still leads: [`StoreError::Fenced`] once
+    /// another one does. Always `Ok` where there is no election.
+    fn confirm(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 /// Encodes a state record.
@@ -278,10 +283,11 @@ impl MemoryStore {
     }
 }
 
-impl MetaStore for MemoryStore {
-    fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>> {
+impl MemoryStore {
+    /// Whether this handle may write now: cut off, or fenced by a later term.
+    fn may_write(&self) -> Result<(), StoreError> {
         use std::sync::atomic::Ordering;
-        let out = if self.cut.load(Ordering::Acquire) {
+        if self.cut.load(Ordering::Acquire) {
             Err(StoreError::Unavailable("cut off from the store".into()))
         } else if self.elected.load(Ordering::Acquire) != self.term {
             Err(StoreError::Fenced(format!(
@@ -290,10 +296,21 @@ impl MetaStore for MemoryStore {
                 self.elected.load(Ordering::Acquire)
             )))
         } else {
-            *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(record);
             Ok(())
-        };
+        }
+    }
+}
+
+impl MetaStore for MemoryStore {
+    fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>> {
+        let out = self.may_write().map(|()| {
+            *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(record);
+        });
         Box::pin(std::future::ready(out))
+    }
+
+    fn confirm(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(self.may_write()))
     }
 
     fn describe(&self) -> String {

@@ -60,9 +60,19 @@ const PERSIST_EVERY: Duration = Duration::from_millis(500);
 /// How long a write to an unavailable store waits before it is tried again, at most.
 const STORE_RETRY_MAX: Duration = Duration::from_secs(1);
 
-/// How long a training report waits for its write before it may be acknowledged from memory
-/// (while the store is unreachable and the lead surely holds).
+/// How often a training report waiting for its write looks whether it may be acknowledged from
+/// memory (while the store is unreachable and the lead surely holds).
 const FROM_MEMORY_AFTER: Duration = Duration::from_millis(100);
+
+/// How long the store's writes must have failed before training reports are acknowledged from
+/// memory: an outage, not the few failed requests of one etcd member's restart (which a retry
+/// sends to another member) or of an election among etcd's members. A report acknowledged from
+/// memory is not durable, so fewer of them mean less to recover if the coordinator then dies.
+const STORE_OUTAGE: Duration = Duration::from_secs(1);
+
+/// Writes retried at once after a failure, before the retries back off: a request to an etcd
+/// member that is down fails at once, and the next goes to another member.
+const STORE_RETRY_AT_ONCE: u32 = 2;
 
 /// What is left of the lead's lease below which nothing more is acknowledged from memory: a
 /// report answered must reach its worker, and clocks may drift, before another coordinator
@@ -99,9 +109,10 @@ pub struct Coordinator {
     /// Cancelled when the store refused a write because another coordinator leads now: this
     /// one answers nothing more that depends on its state, and its process ends.
     deposed: CancellationToken,
-    /// The store's last write failed as unavailable (etcd unreachable), and whether training
-    /// reports are being acknowledged from memory meanwhile (logged once per outage).
-    store_failing: std::sync::atomic::AtomicBool,
+    /// Since when the store's writes fail as unavailable (etcd unreachable), if they do, and
+    /// whether training reports are being acknowledged from memory meanwhile (logged once per
+    /// outage).
+    store_failing: std::sync::Mutex<Option<tokio::time::Instant>>,
     from_memory: std::sync::atomic::AtomicBool,
     /// When a standby last asked this coordinator whether it leads (`etcd::Prober`), and for
     /// how long after that this one may acknowledge from memory: a standby revokes the lease of
@@ -109,6 +120,9 @@ pub struct Coordinator {
     /// must not count on its lease.
     probed: std::sync::Mutex<Option<tokio::time::Instant>>,
     probe_window: std::sync::Mutex<Duration>,
+    /// When the last check that this coordinator still leads was sent, of those the store
+    /// confirmed (see [`Coordinator::still_leads`]); held while one is under way.
+    confirmed: tokio::sync::Mutex<Option<tokio::time::Instant>>,
     /// A replicated job's shards not to seed new backups on until the time given: one its
     /// primary could not reach, or whose seeding failed.
     avoid: std::sync::Mutex<
@@ -147,6 +161,7 @@ impl Coordinator {
             from_memory: Default::default(),
             probed: std::sync::Mutex::new(None),
             probe_window: std::sync::Mutex::new(Duration::from_millis(750)),
+            confirmed: tokio::sync::Mutex::new(None),
             avoid: Default::default(),
             silent: Default::default(),
         }
@@ -248,10 +263,11 @@ impl Coordinator {
         if last.as_ref() != Some(&record) {
             let mut pause = Duration::from_millis(20);
             let mut failing_since: Option<tokio::time::Instant> = None;
+            let mut failures = 0;
             loop {
                 match store.write(record.clone()).await {
                     Ok(()) => {
-                        self.store_failing.store(false, Ordering::Release);
+                        *self.store_failing.lock().unwrap_or_else(|p| p.into_inner()) = None;
                         if self.from_memory.swap(false, Ordering::AcqRel) {
                             info!(
                                 "the state store is back: everything acknowledged from memory is written"
@@ -268,8 +284,15 @@ impl Coordinator {
                         return None;
                     }
                     Err(e) => {
-                        self.store_failing.store(true, Ordering::Release);
                         let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+                        self.store_failing
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(since);
+                        failures += 1;
+                        if failures <= STORE_RETRY_AT_ONCE {
+                            continue;
+                        }
                         if pause == Duration::from_millis(20) || pause >= STORE_RETRY_MAX {
                             warn!(
                                 store = %store.describe(),
@@ -327,19 +350,15 @@ impl Coordinator {
                 .and_then(|s| s.lease_until())
                 .unwrap_or(until);
             let margin = until.saturating_duration_since(tokio::time::Instant::now());
-            let window = *self.probe_window.lock().unwrap_or_else(|p| p.into_inner());
             // Never probed: no standby could revoke the lease. Probed: only while the standby
             // surely still sees this coordinator leading.
-            let seen = self
-                .probed
+            let seen = self.probed_within_window().is_none_or(|fresh| fresh);
+            let outage = self
+                .store_failing
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .is_none_or(|t| t.elapsed() < window);
-            if self.store_failing.load(Ordering::Acquire)
-                && !self.deposed.is_cancelled()
-                && margin > LEASE_MARGIN
-                && seen
-            {
+                .is_some_and(|since| since.elapsed() >= STORE_OUTAGE);
+            if outage && !self.deposed.is_cancelled() && margin > LEASE_MARGIN && seen {
                 if !self.from_memory.swap(true, Ordering::AcqRel) {
                     warn!(
                         lease_left_ms = margin.as_millis() as u64,
@@ -349,6 +368,83 @@ impl Coordinator {
                     );
                 }
                 return true;
+            }
+        }
+    }
+
+    /// Whether the last standby's probe came within the probe window (`None`: no standby ever
+    /// probed this coordinator).
+    fn probed_within_window(&self) -> Option<bool> {
+        let window = *self.probe_window.lock().unwrap_or_else(|p| p.into_inner());
+        self.probed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|t| t.elapsed() < window)
+    }
+
+    /// Whether this coordinator still leads, checked before a request is answered (an
+    /// elected one's: a single coordinator always leads). One a standby probed within the
+    /// probe window surely does: no standby revokes its lease before the window is over.
+    /// Any other (one that was paused, or cut off from its standbys) asks the store, in a
+    /// round trip shared by the requests that arrived before it was sent: a leader deposed
+    /// while it was paused must not answer from the state it held, which the new leader has
+    /// moved on from. `false` once deposed. While the store cannot be reached, one that no
+    /// standby ever probed goes on answering within its lease, as it acknowledges training
+    /// from memory (no standby knows it, and none can take the lead without the store); one a
+    /// standby probed, but not lately, waits (as a control operation does) until a probe comes
+    /// or the store answers: that standby may be about to revoke its lease.
+    async fn still_leads(&self) -> bool {
+        let Some(store) = self.store.as_ref().filter(|s| s.term() > 0) else {
+            return true;
+        };
+        let arrived = tokio::time::Instant::now();
+        let mut pause = Duration::from_millis(20);
+        let mut failing_since: Option<tokio::time::Instant> = None;
+        loop {
+            if self.deposed.is_cancelled() {
+                return false;
+            }
+            let lease_holds = store.lease_until().is_none_or(|until| {
+                until.saturating_duration_since(tokio::time::Instant::now()) > LEASE_MARGIN
+            });
+            let probed = self.probed_within_window();
+            if lease_holds && probed == Some(true) {
+                return true;
+            }
+            if lease_holds && probed.is_none() && failing_since.is_some() {
+                return true;
+            }
+            let mut last = self.confirmed.lock().await;
+            if last.is_some_and(|t| t >= arrived) {
+                return true;
+            }
+            let sent = tokio::time::Instant::now();
+            match store.confirm().await {
+                Ok(()) => {
+                    *last = Some(sent);
+                    return true;
+                }
+                Err(StoreError::Fenced(why)) => {
+                    tracing::error!(
+                        store = %store.describe(),
+                        "{why}: this coordinator was deposed and answers nothing more"
+                    );
+                    self.deposed.cancel();
+                    return false;
+                }
+                Err(e) => {
+                    drop(last);
+                    let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+                    if pause == Duration::from_millis(20) || pause >= STORE_RETRY_MAX {
+                        warn!(
+                            store = %store.describe(),
+                            waiting_ms = since.elapsed().as_millis() as u64,
+                            "{e}; cannot confirm that this coordinator still leads: answers wait"
+                        );
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(STORE_RETRY_MAX);
+                }
             }
         }
     }
@@ -554,6 +650,11 @@ impl Service for Coordinator {
                 | Request::Stragglers { set: None }
         );
         let training = matches!(req, Request::Clock { .. } | Request::NextPartition { .. });
+        // Checked before a standby's probe counts: a probe answered by a deposed leader
+        // proves nothing.
+        if !self.still_leads().await {
+            return Frame::new(Response::NotLeader { leader: None });
+        }
         if matches!(req, Request::GetJob) && peer.role == Role::Coordinator {
             // A standby's probe (`etcd::Prober`): it sees this coordinator leading.
             *self.probed.lock().unwrap_or_else(|p| p.into_inner()) =

@@ -11,6 +11,7 @@ pub mod detect;
 pub mod elastic;
 pub mod failover;
 pub mod load;
+pub mod netns;
 pub mod plots;
 pub mod promote;
 pub mod report;

@@ -16,7 +16,7 @@ pub use edl_shared::transport::LOOPBACK_DATAGRAM;
 pub struct All {
     /// The machine, in words.
     pub machine: String,
-    /// Transport with QUIC's default datagrams (safe on any network).
+    /// Transport with the default datagrams (path-MTU discovery, safe on any network).
     pub transport_default: transport::Results,
     /// Transport with large datagrams (loopback, jumbo frames).
     pub transport_loopback: transport::Results,
@@ -121,13 +121,20 @@ pub fn transport_table(r: &transport::Results) -> String {
             ]);
         }
     }
-    let dg = r
-        .datagram
-        .map_or("QUIC default datagrams".to_string(), |n| {
-            format!("{n}-byte datagrams")
-        });
+    let found: Vec<u16> = r.rows.iter().filter_map(|x| x.datagram).collect();
+    let dg = match (r.datagram, found.iter().min(), found.iter().max()) {
+        (Some(n), _, _) => format!("{n}-byte datagrams"),
+        (None, Some(lo), Some(hi)) if lo == hi => {
+            format!("path-MTU discovery (settled at {lo}-byte datagrams)")
+        }
+        (None, Some(lo), Some(hi)) => {
+            format!("path-MTU discovery (settled at {lo}-{hi}-byte datagrams)")
+        }
+        _ => "path-MTU discovery".to_string(),
+    };
+    let link = r.link.as_deref().unwrap_or("loopback");
     format!(
-        "transport, push+pull pairs, {dg}, AES-GCM from {}:\n{t}",
+        "transport, push+pull pairs over {link}, {dg}, AES-GCM from {}:\n{t}",
         r.aead
     )
 }
@@ -566,8 +573,11 @@ even on a noisy machine, where absolute figures move from run to run.
   (another tenant, say) slows all of them alike. The AES-GCM in use is named with each
   table (aws-lc's or ring's, picked by the CPU's features). With several shards the tensor
   is split evenly and the parts travel in parallel, as EDL's client sends them. Tables are
-  given for QUIC's default datagrams (safe on any network) and for a fixed large datagram
-  (loopback, jumbo frames). Whether striping a request over several streams or connections
+  given for the default datagrams (path-MTU discovery from 1,200 bytes up to a 9,000-byte
+  link's, safe on any network; loopback carries them all) and for a fixed large datagram
+  (loopback). `edl-bench transport --netns --mtu 1500` (or `9000`) puts the servers in a
+  network namespace behind a veth pair with that MTU, as root, so that every system crosses
+  a link held to it; outside `all`. Whether striping a request over several streams or connections
   pays is measured with bare quinn (`--systems quinn,quinn-2streams,quinn-2conns`), outside
   `all`.
 - **apply**: the server-side optimizer applied in place to 64 MiB of parameters, in GB/s of

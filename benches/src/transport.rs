@@ -13,7 +13,7 @@
 //! the ratios of one run hold even where the machine's speed does not.
 
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,6 +62,9 @@ pub struct Row {
     pub p50_us: f64,
     /// 99th percentile of the pair round trip, microseconds.
     pub p99_us: f64,
+    /// The datagram size (UDP payload bytes) its QUIC connections sent at the end, where
+    /// the system can tell (bare quinn): what path-MTU discovery found.
+    pub datagram: Option<u16>,
 }
 
 /// EDL against the baselines at one point.
@@ -86,6 +89,8 @@ pub struct Results {
     pub datagram: Option<u16>,
     /// Whose AES-GCM encrypted the packets (`aws-lc` or `ring`).
     pub aead: &'static str,
+    /// The link the servers were behind (`None`: loopback).
+    pub link: Option<String>,
     /// Every measurement.
     pub rows: Vec<Row>,
     /// Per point, EDL over the baselines.
@@ -107,6 +112,56 @@ pub struct Plan {
     pub systems: Vec<String>,
     /// Pairs per point, instead of the default for the size.
     pub pairs: Option<usize>,
+    /// Where the servers run: on loopback beside the clients, or behind a link.
+    pub side: Side,
+}
+
+/// Where a benchmark's servers listen and run: on loopback in this runtime, or on a runtime
+/// whose threads are in the network namespace of a [`crate::netns::Link`], at its far end.
+#[derive(Clone, Debug)]
+pub struct Side {
+    /// The address servers listen on.
+    pub ip: IpAddr,
+    /// The runtime the servers run on (`None`: the caller's).
+    handle: Option<tokio::runtime::Handle>,
+    /// The link crossed, as reports name it (`None`: loopback).
+    pub link: Option<String>,
+}
+
+impl Default for Side {
+    fn default() -> Self {
+        Side {
+            ip: Ipv4Addr::LOCALHOST.into(),
+            handle: None,
+            link: None,
+        }
+    }
+}
+
+impl Side {
+    /// Servers at `link`'s far end, run on `rt` (made by [`crate::netns::Link::runtime`]).
+    pub fn behind(link: &crate::netns::Link, rt: &tokio::runtime::Runtime) -> Side {
+        Side {
+            ip: link.server_ip.into(),
+            handle: Some(rt.handle().clone()),
+            link: Some(link.describe()),
+        }
+    }
+
+    /// Runs `setup` where the servers run: what it binds, and the tasks it spawns, are there.
+    async fn run<T: Send + 'static>(
+        &self,
+        setup: impl Future<Output = anyhow::Result<T>> + Send + 'static,
+    ) -> anyhow::Result<T> {
+        match &self.handle {
+            Some(h) => h.spawn(setup).await?,
+            None => setup.await,
+        }
+    }
+
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::new(self.ip, 0)
+    }
 }
 
 impl Plan {
@@ -119,6 +174,7 @@ impl Plan {
             settings,
             systems: SYSTEMS.iter().map(|s| s.to_string()).collect(),
             pairs: None,
+            side: Side::default(),
         }
     }
 
@@ -155,7 +211,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
                 (REPLICATED, true, 2),
             ] {
                 if runs(system) && shards >= replicas {
-                    let r = edl(size, (clients, shards), (apply, replicas), &plan.settings)
+                    let r = edl(size, (clients, shards), (apply, replicas), plan)
                         .await
                         .with_context(|| format!("{system} {size} B"))?;
                     ready.push((system, r));
@@ -163,14 +219,14 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
             }
             for (system, stripes) in QUINN {
                 if runs(system) {
-                    let r = quinn_pairs(&pki, size, (clients, shards), stripes, &plan.settings)
+                    let r = quinn_pairs(&pki, size, (clients, shards), stripes, plan)
                         .await
                         .with_context(|| format!("{system} {size} B"))?;
                     ready.push((system, r));
                 }
             }
             if runs("tcp") {
-                let r = tcp_pairs(size, clients, shards)
+                let r = tcp_pairs(size, clients, shards, &plan.side)
                     .await
                     .with_context(|| format!("tcp {size} B"))?;
                 ready.push(("tcp", r));
@@ -179,7 +235,9 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
                 .await
                 .with_context(|| format!("{size} B, {clients}×{shards}"))?;
             for ((system, r), m) in ready.into_iter().zip(measured) {
-                rows.push(m.row(system, size, clients, shards));
+                let mut row = m.row(system, size, clients, shards);
+                row.datagram = r.datagram.as_ref().map(|d| d());
+                rows.push(row);
                 r.stop().await;
             }
         }
@@ -188,6 +246,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     Ok(Results {
         datagram: plan.settings.datagram,
         aead: plan.settings.aead.name(),
+        link: plan.side.link.clone(),
         rows,
         ratios,
     })
@@ -303,6 +362,7 @@ impl Measured {
             gbps: gbps((2 * size * self.samples.len()) as f64, self.wall),
             p50_us: self.samples.quantile(0.5),
             p99_us: self.samples.quantile(0.99),
+            datagram: None,
         }
     }
 }
@@ -318,6 +378,8 @@ struct Ready {
     pair: Box<dyn Fn(usize) -> PairFuture + Send + Sync>,
     /// Takes down what the system started (servers, a cluster).
     stop: Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// The datagram size its QUIC connections send, where the system can tell.
+    datagram: Option<Box<dyn Fn() -> u16 + Send + Sync>>,
 }
 
 impl Ready {
@@ -329,6 +391,7 @@ impl Ready {
         Ready {
             pair: Box::new(move |c| Box::pin(pair(c))),
             stop: Box::pin(stop),
+            datagram: None,
         }
     }
 
@@ -376,8 +439,9 @@ async fn edl(
     size: usize,
     (clients, shards): (usize, usize),
     (apply, replicas): (bool, usize),
-    settings: &TransportSettings,
+    plan: &Plan,
 ) -> anyhow::Result<Ready> {
+    let settings = &plan.settings;
     let floats = (size / 4).max(1);
     // Chunks of at most 256 KiB: large tensors spread over several keys per shard.
     let chunk = floats.min(64 << 10) as u32;
@@ -386,7 +450,11 @@ async fn edl(
         job.optimizer = OptimizerSpec::sgd(0.0);
     }
     job.replicas = replicas as u32;
-    let cluster = TestCluster::start_with(job, shards as u32, settings.clone()).await?;
+    let (server_settings, ip) = (settings.clone(), plan.side.ip);
+    let cluster = plan
+        .side
+        .run(async move { TestCluster::start_on(job, shards as u32, server_settings, ip).await })
+        .await?;
     let mut sessions = Vec::new();
     for c in 0..clients {
         let mut cfg = cluster.client_config(&format!("bench{c}"))?;
@@ -413,14 +481,16 @@ async fn edl(
 }
 
 /// Bare quinn as the baseline, and striped: each part of a request split over 2 streams of
-/// one connection, or over 2 connections, each between endpoints of their own (an endpoint is
-/// driven by one task, so only separate endpoints can encrypt on more than one core).
-pub const QUINN: [(&str, Stripes); 3] = [
+/// one connection, or over 2 connections, each between endpoints of their own (each endpoint
+/// receives on one task), or over 2 connections between the same two endpoints (each
+/// connection encrypts and decrypts on a task of its own).
+pub const QUINN: [(&str, Stripes); 4] = [
     (
         "quinn",
         Stripes {
             streams: 1,
             endpoints: 1,
+            conns: 1,
         },
     ),
     (
@@ -428,6 +498,7 @@ pub const QUINN: [(&str, Stripes); 3] = [
         Stripes {
             streams: 2,
             endpoints: 1,
+            conns: 1,
         },
     ),
     (
@@ -435,6 +506,15 @@ pub const QUINN: [(&str, Stripes); 3] = [
         Stripes {
             streams: 1,
             endpoints: 2,
+            conns: 1,
+        },
+    ),
+    (
+        "quinn-2conns-1ep",
+        Stripes {
+            streams: 1,
+            endpoints: 1,
+            conns: 2,
         },
     ),
 ];
@@ -445,8 +525,10 @@ pub const QUINN: [(&str, Stripes); 3] = [
 pub struct Stripes {
     /// Streams per connection.
     pub streams: usize,
-    /// Connections (each between endpoints of their own).
+    /// Connections, each between endpoints of their own.
     pub endpoints: usize,
+    /// Connections between each pair of endpoints.
+    pub conns: usize,
 }
 
 /// Bare quinn: `shards` servers that read a request (a 9-byte header: op, length; then the
@@ -456,26 +538,41 @@ async fn quinn_pairs(
     size: usize,
     (clients, shards): (usize, usize),
     stripes: Stripes,
-    settings: &TransportSettings,
+    plan: &Plan,
 ) -> anyhow::Result<Ready> {
-    let (streams, endpoints) = (stripes.streams.max(1), stripes.endpoints.max(1));
+    let settings = &plan.settings;
+    let (streams, endpoints) = (
+        stripes.streams.max(1),
+        stripes.endpoints.max(1) * stripes.conns.max(1),
+    );
     // Each shard's part, cut into one piece per stream and per connection.
     let piece = (size / shards / streams / endpoints).max(1);
     let server_id = pki.ensure(Role::Shard, "bare")?;
-    let mut addrs = Vec::new();
-    let mut servers = JoinSet::new();
-    for _ in 0..shards * endpoints {
-        let ep = server_endpoint("127.0.0.1:0".parse()?, &server_id, settings)?;
-        addrs.push(ep.local_addr()?);
-        servers.spawn(quinn_server(ep, Bytes::from(vec![7u8; piece])));
-    }
+    let (bind, server_settings) = (plan.side.addr(), settings.clone());
+    let (addrs, mut servers) = plan
+        .side
+        .run(async move {
+            let mut addrs = Vec::new();
+            let mut servers = JoinSet::new();
+            for _ in 0..shards * stripes.endpoints.max(1) {
+                let ep = server_endpoint(bind, &server_id, &server_settings)?;
+                addrs.push(ep.local_addr()?);
+                servers.spawn(quinn_server(ep, Bytes::from(vec![7u8; piece])));
+            }
+            anyhow::Ok((addrs, servers))
+        })
+        .await?;
     let client_id = pki.ensure(Role::Worker, "bare-client")?;
     let mut conns = Vec::new();
     for _ in 0..clients {
         let mut mine = Vec::new();
         // With several connections per part, each gets a client endpoint of its own.
-        for group in addrs.chunks(if endpoints > 1 { 1 } else { addrs.len() }) {
-            mine.extend(quinn_connect(&client_id, settings, group).await?);
+        for group in addrs.chunks(if stripes.endpoints > 1 {
+            1
+        } else {
+            addrs.len()
+        }) {
+            mine.extend(quinn_connect(&client_id, settings, group, stripes.conns).await?);
         }
         // One entry per stream: streams of one connection share it.
         let mine: Vec<_> = mine
@@ -485,6 +582,7 @@ async fn quinn_pairs(
         conns.push(Arc::new(mine));
     }
     let payload = Bytes::from(vec![1u8; piece]);
+    let all: Vec<quinn::Connection> = conns.iter().flat_map(|v| v.iter().cloned()).collect();
     let pair = move |c: usize| {
         let (conns, payload) = (conns[c].clone(), payload.clone());
         async move {
@@ -493,18 +591,28 @@ async fn quinn_pairs(
             Ok(())
         }
     };
-    Ok(Ready::new(pair, async move { servers.abort_all() }))
+    let mut ready = Ready::new(pair, async move { servers.abort_all() });
+    ready.datagram = Some(Box::new(move || {
+        all.iter()
+            .map(|c| c.stats().path.current_mtu)
+            .min()
+            .unwrap_or(0)
+    }));
+    Ok(ready)
 }
 
 async fn quinn_connect(
     id: &Identity,
     settings: &TransportSettings,
     addrs: &[SocketAddr],
+    each: usize,
 ) -> anyhow::Result<Vec<quinn::Connection>> {
     let ep = client_endpoint(id, settings, false)?;
     let mut out = Vec::new();
     for a in addrs {
-        out.push(ep.connect(*a, CLUSTER_SERVER_NAME)?.await?);
+        for _ in 0..each.max(1) {
+            out.push(ep.connect(*a, CLUSTER_SERVER_NAME)?.await?);
+        }
     }
     Ok(out)
 }
@@ -595,16 +703,27 @@ async fn quinn_server(ep: quinn::Endpoint, data: Bytes) {
     }
 }
 
-/// Plain TCP on loopback: one connection per (client, server), the same requests in sequence.
-async fn tcp_pairs(size: usize, clients: usize, shards: usize) -> anyhow::Result<Ready> {
+/// Plain TCP: one connection per (client, server), the same requests in sequence.
+async fn tcp_pairs(
+    size: usize,
+    clients: usize,
+    shards: usize,
+    side: &Side,
+) -> anyhow::Result<Ready> {
     let part = (size / shards).max(1);
-    let mut addrs = Vec::new();
-    let mut servers = JoinSet::new();
-    for _ in 0..shards {
-        let l = TcpListener::bind("127.0.0.1:0").await?;
-        addrs.push(l.local_addr()?);
-        servers.spawn(tcp_server(l, Arc::new(vec![7u8; part])));
-    }
+    let bind = side.addr();
+    let (addrs, mut servers) = side
+        .run(async move {
+            let mut addrs = Vec::new();
+            let mut servers = JoinSet::new();
+            for _ in 0..shards {
+                let l = TcpListener::bind(bind).await?;
+                addrs.push(l.local_addr()?);
+                servers.spawn(tcp_server(l, Arc::new(vec![7u8; part])));
+            }
+            anyhow::Ok((addrs, servers))
+        })
+        .await?;
     let mut conns = Vec::new();
     for _ in 0..clients {
         let mut per = Vec::new();

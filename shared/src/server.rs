@@ -424,6 +424,10 @@ async fn connection<S: Service>(
         }
     };
     debug!(%addr, role = %peer.role, name = %peer.name, "connected");
+    tokio::spawn(crate::transport::watch_datagram(
+        conn.clone(),
+        format!("{}/{}", peer.role, peer.name),
+    ));
     // The first stream must carry the version handshake, within the deadline.
     let hello = tokio::time::timeout(shared.budgets.hello_timeout, async {
         let (mut send, mut recv) = conn.accept_bi().await?;

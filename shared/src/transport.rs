@@ -40,9 +40,10 @@ pub struct TransportSettings {
     /// (the default) retries, with capped backoff, until the server answers.
     pub reconnect: Option<Duration>,
     /// A fixed UDP datagram size (bytes of UDP payload) for paths known to carry it: loopback,
-    /// or networks with jumbo frames. `None` keeps QUIC's safe default for any network
-    /// (1200-byte datagrams, probing upward to what the path carries). Large datagrams are
-    /// what makes bulk transfer fast: per-packet work is most of QUIC's cost.
+    /// or networks with jumbo frames. `None`, the default, is safe on any network: QUIC
+    /// starts at 1,200-byte datagrams and path-MTU discovery probes upward to what the path
+    /// carries, up to [`JUMBO_DATAGRAM`] (a 9,000-byte link's). Large datagrams are what
+    /// makes bulk transfer fast: per-packet work is most of QUIC's cost.
     pub datagram: Option<u16>,
     /// Socket send and receive buffer size asked of the kernel (it caps the request at
     /// `net.core.rmem_max` / `wmem_max`). Small buffers drop packets under load.
@@ -129,8 +130,17 @@ impl Aead {
 /// `edl-bench transport --datagram N` among 9000, 16000, 32000 and 65000 bytes.
 pub const LOOPBACK_DATAGRAM: u16 = 65_000;
 
+/// The largest datagram path-MTU discovery looks for: the UDP payload of an IPv4 packet on a
+/// link with 9,000-byte jumbo frames (an IPv6 path settles 20 bytes lower). A path that
+/// carries less is found out by the probes, which cost nothing but a few lost probe packets.
+pub const JUMBO_DATAGRAM: u16 = 8_972;
+
 /// The largest UDP payload quinn sends or accepts.
 const MAX_UDP_PAYLOAD: u16 = 65_527;
+
+/// The most bytes one segmentation-offload send may carry (all its datagrams together): the
+/// largest IPv4 UDP payload; the kernel refuses a larger batch.
+const MAX_BATCH_BYTES: usize = 65_507;
 /// quinn-proto 0.11 overflows a padded Initial above this `min_mtu`.
 const MAX_MIN_MTU: u16 = 16_383;
 
@@ -178,6 +188,12 @@ impl TransportSettings {
             let mut cubic = quinn::congestion::CubicConfig::default();
             cubic.initial_window(10 * u64::from(n));
             t.congestion_controller_factory(Arc::new(cubic));
+        } else {
+            // Start safe, probe up to a jumbo link's datagrams: a 9,000-byte network gets
+            // them with no setting, a 1,500-byte one settles at its own.
+            let mut discovery = quinn::MtuDiscoveryConfig::default();
+            discovery.upper_bound(JUMBO_DATAGRAM);
+            t.mtu_discovery_config(Some(discovery));
         }
         t.stream_receive_window(VarInt::from_u32(self.stream_window));
         t.receive_window(VarInt::from_u32(self.conn_window));
@@ -292,12 +308,12 @@ fn endpoint(
     settings: &TransportSettings,
 ) -> Result<Endpoint, CallError> {
     use socket2::{Domain, Protocol, Socket, Type};
-    if let Some(n) = settings.datagram {
-        // Tell peers that datagrams this large are welcome (the default says 1472 bytes).
-        config
-            .max_udp_payload_size(n.clamp(1200, MAX_UDP_PAYLOAD))
-            .map_err(|e| CallError::Bind(std::io::Error::other(e.to_string())))?;
-    }
+    // Tell peers that datagrams this large are welcome (quinn's default says 1472 bytes, which
+    // would hold path-MTU discovery below a jumbo link's size).
+    let largest = settings.datagram.unwrap_or(JUMBO_DATAGRAM);
+    config
+        .max_udp_payload_size(largest.clamp(1200, MAX_UDP_PAYLOAD))
+        .map_err(|e| CallError::Bind(std::io::Error::other(e.to_string())))?;
     let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))
         .map_err(CallError::Bind)?;
     // Best effort: the kernel caps the sizes, and a smaller buffer still works.
@@ -309,13 +325,7 @@ fn endpoint(
     let udp = runtime
         .wrap_udp_socket(socket.into())
         .map_err(CallError::Bind)?;
-    let udp: Arc<dyn quinn::AsyncUdpSocket> = match settings.datagram {
-        Some(n) => Arc::new(CappedSegments {
-            max: (usize::from(MAX_UDP_PAYLOAD) / usize::from(n.max(1))).max(1),
-            inner: udp,
-        }),
-        None => udp,
-    };
+    let udp: Arc<dyn quinn::AsyncUdpSocket> = Arc::new(SplitBatches { inner: udp });
     let udp = match &settings.faults {
         Some(faults) => faults.wrap(udp).map_err(CallError::Bind)?,
         None => udp,
@@ -323,22 +333,46 @@ fn endpoint(
     Endpoint::new_with_abstract_socket(config, server, udp, runtime).map_err(CallError::Bind)
 }
 
-/// A UDP socket whose segmentation-offload batches stay within one UDP payload: with large
-/// datagrams quinn would batch up to ten, the kernel refuses the send (EMSGSIZE), quinn takes
-/// it for loss and falls back to small datagrams.
+/// A UDP socket that sends a segmentation-offload batch larger than the kernel takes
+/// ([`MAX_BATCH_BYTES`]) as several: quinn batches up to ten datagrams, and ten large ones (a
+/// jumbo link's, loopback's) exceed it. Refused, the send would be taken for loss, and path-MTU
+/// discovery's black-hole detection would fall back to small datagrams.
 #[derive(Debug)]
-struct CappedSegments {
+struct SplitBatches {
     inner: Arc<dyn quinn::AsyncUdpSocket>,
-    max: usize,
 }
 
-impl quinn::AsyncUdpSocket for CappedSegments {
+impl quinn::AsyncUdpSocket for SplitBatches {
     fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
         self.inner.clone().create_io_poller()
     }
 
     fn try_send(&self, transmit: &quinn::udp::Transmit) -> std::io::Result<()> {
-        self.inner.try_send(transmit)
+        let Some(segment) = transmit.segment_size.filter(|s| *s > 0) else {
+            return self.inner.try_send(transmit);
+        };
+        if transmit.contents.len() <= MAX_BATCH_BYTES {
+            return self.inner.try_send(transmit);
+        }
+        let per_send = (MAX_BATCH_BYTES / segment).max(1) * segment;
+        for (i, piece) in transmit.contents.chunks(per_send).enumerate() {
+            let part = quinn::udp::Transmit {
+                destination: transmit.destination,
+                ecn: transmit.ecn,
+                contents: piece,
+                segment_size: (piece.len() > segment).then_some(segment),
+                src_ip: transmit.src_ip,
+            };
+            match self.inner.try_send(&part) {
+                Ok(()) => {}
+                // Nothing sent yet: quinn tries the whole batch again once writable.
+                Err(e) if i == 0 => return Err(e),
+                // Some of it went: the rest is lost, and QUIC's loss recovery resends it
+                // (rare: the socket buffers are large).
+                Err(_) => return Ok(()),
+            }
+        }
+        Ok(())
     }
 
     fn poll_recv(
@@ -355,7 +389,7 @@ impl quinn::AsyncUdpSocket for CappedSegments {
     }
 
     fn max_transmit_segments(&self) -> usize {
-        self.inner.max_transmit_segments().min(self.max)
+        self.inner.max_transmit_segments()
     }
 
     fn max_receive_segments(&self) -> usize {
@@ -365,6 +399,42 @@ impl quinn::AsyncUdpSocket for CappedSegments {
     fn may_fragment(&self) -> bool {
         self.inner.may_fragment()
     }
+}
+
+/// The datagram size in use on each connection, by peer: `edl_datagram_bytes`.
+static DATAGRAM: std::sync::LazyLock<crate::metrics::Gauges> = std::sync::LazyLock::new(|| {
+    crate::metrics::gauges(
+        "datagram_bytes",
+        "UDP payload bytes of the datagrams sent on the connection to each peer (path-MTU \
+         discovery's finding, or the fixed --datagram size).",
+    )
+});
+
+/// Follows the datagram size `conn` sends (what path-MTU discovery found) for as long as the
+/// connection lives: logs it once it has settled and whenever it changes after that, and
+/// keeps it in `edl_datagram_bytes{peer}`.
+pub async fn watch_datagram(conn: quinn::Connection, peer: String) {
+    let labels = crate::metrics::label("peer", &peer);
+    let mut logged = 0u16;
+    let mut seen = 0u16;
+    // Discovery runs in the connection's first second or so, then every ten minutes.
+    let mut wait = Duration::from_millis(250);
+    loop {
+        tokio::select! {
+            _ = conn.closed() => break,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        let now = conn.stats().path.current_mtu;
+        DATAGRAM.get_or_create(&labels).set(f64::from(now));
+        // Logged once unchanged for a check: not every step of the search.
+        if now == seen && now != logged {
+            tracing::info!(%peer, bytes = now, "datagram size in use");
+            logged = now;
+        }
+        seen = now;
+        wait = (wait * 2).min(Duration::from_secs(10));
+    }
+    DATAGRAM.remove(&labels);
 }
 
 /// Binds a client endpoint on an ephemeral port of the given address family.
@@ -666,14 +736,25 @@ pub async fn read_frame_into<T: Message, S: Sink<T>>(
         .map_err(CallError::Refused)?;
     let len = p.payload_len;
     let mut got = 0u64;
+    // Several chunks per call: one look at the connection's state (a lock, a waker) for up
+    // to a batch of datagrams' data, not for every datagram's.
+    let mut batch: [Bytes; READ_BATCH] = Default::default();
     while got < len {
-        match recv.read_chunk((len - got) as usize, true).await? {
-            Some(chunk) => {
-                got += chunk.bytes.len() as u64;
-                sink.part(chunk.bytes);
+        let Some(n) = recv.read_chunks(&mut batch).await? else {
+            return Err(ProtoError::Truncated { needed: len, got }.into());
+        };
+        for chunk in &mut batch[..n] {
+            let mut chunk = std::mem::take(chunk);
+            let room = len - got;
+            if chunk.len() as u64 > room {
+                // More than the frame announced: what fits is the frame's, the rest trails it.
+                let extra = chunk.len() as u64 - room;
+                let _ = recv.stop(VarInt::from_u32(0));
+                return Err(ProtoError::Trailing(extra).into());
             }
-            None => {
-                return Err(ProtoError::Truncated { needed: len, got }.into());
+            got += chunk.len() as u64;
+            if !chunk.is_empty() {
+                sink.part(std::mem::take(&mut chunk));
             }
         }
     }
@@ -687,6 +768,9 @@ pub async fn read_frame_into<T: Message, S: Sink<T>>(
     }
     Ok(msg)
 }
+
+/// Stream chunks taken from quinn per call while a frame's payload is read.
+const READ_BATCH: usize = 32;
 
 /// Passes an answer's payload to the caller's sink, except an error answer's (it has none;
 /// the call turns it into [`CallError::Remote`]).
@@ -822,6 +906,7 @@ impl Conn {
     ) -> Result<Conn, CallError> {
         let sock = resolve(addr).await?;
         let conn = endpoint.connect(sock, CLUSTER_SERVER_NAME)?.await?;
+        tokio::spawn(watch_datagram(conn.clone(), addr.to_string()));
         let c = Conn {
             link: Link::Quic(conn),
             limits: settings.limits,
@@ -949,6 +1034,7 @@ pub async fn resolve(addr: &str) -> Result<SocketAddr, CallError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use quinn::AsyncUdpSocket;
 
     /// A server and a client encrypting with different implementations agree on the suite
     /// and carry a payload of many packets intact, each way.
@@ -1019,6 +1105,167 @@ mod tests {
             );
             echo.await.expect("echo task");
         }
+    }
+
+    /// A socket that records what it is asked to send, refusing sends once `full` of them
+    /// went (as a full socket buffer does).
+    #[derive(Debug, Default)]
+    struct Recording {
+        sent: std::sync::Mutex<Vec<(usize, Option<usize>)>>,
+        full: Option<usize>,
+    }
+
+    impl quinn::AsyncUdpSocket for Recording {
+        fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
+            unreachable!("not polled in these tests")
+        }
+
+        fn try_send(&self, t: &quinn::udp::Transmit) -> std::io::Result<()> {
+            let mut sent = self.sent.lock().expect("sent");
+            if self.full.is_some_and(|n| sent.len() >= n) {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            sent.push((t.contents.len(), t.segment_size));
+            Ok(())
+        }
+
+        fn poll_recv(
+            &self,
+            _: &mut std::task::Context,
+            _: &mut [std::io::IoSliceMut<'_>],
+            _: &mut [quinn::udp::RecvMeta],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::task::Poll::Pending
+        }
+
+        fn local_addr(&self) -> std::io::Result<SocketAddr> {
+            Ok(SocketAddr::from(([127, 0, 0, 1], 1)))
+        }
+    }
+
+    fn transmit(contents: &[u8], segment: Option<usize>) -> quinn::udp::Transmit<'_> {
+        quinn::udp::Transmit {
+            destination: SocketAddr::from(([127, 0, 0, 1], 2)),
+            ecn: None,
+            contents,
+            segment_size: segment,
+            src_ip: None,
+        }
+    }
+
+    #[test]
+    fn batches_larger_than_the_kernel_takes_go_as_several_of_whole_datagrams() {
+        let inner = Arc::new(Recording::default());
+        let split = SplitBatches {
+            inner: inner.clone(),
+        };
+        // Ten jumbo datagrams, the last one short: 89,000 bytes in one batch.
+        let bytes = vec![0u8; 9 * 8972 + 1000];
+        split.try_send(&transmit(&bytes, Some(8972))).expect("sent");
+        let sent = inner.sent.lock().expect("sent").clone();
+        assert_eq!(
+            sent,
+            [(7 * 8972, Some(8972)), (2 * 8972 + 1000, Some(8972))]
+        );
+        assert!(sent.iter().all(|(len, _)| *len <= MAX_BATCH_BYTES));
+        // What fits goes as it is; a lone datagram too.
+        inner.sent.lock().expect("sent").clear();
+        split
+            .try_send(&transmit(&bytes[..10 * 1452], Some(1452)))
+            .expect("sent");
+        split
+            .try_send(&transmit(&bytes[..60_000], None))
+            .expect("sent");
+        assert_eq!(
+            *inner.sent.lock().expect("sent"),
+            [(10 * 1452, Some(1452)), (60_000, None)]
+        );
+        // The last piece of a split batch goes as a lone datagram when it is one.
+        inner.sent.lock().expect("sent").clear();
+        let long = vec![0u8; 14 * 8972 + 500];
+        split.try_send(&transmit(&long, Some(8972))).expect("sent");
+        assert_eq!(
+            *inner.sent.lock().expect("sent"),
+            [(7 * 8972, Some(8972)), (7 * 8972, Some(8972)), (500, None)]
+        );
+    }
+
+    #[test]
+    fn a_full_socket_refuses_a_batch_whole_or_drops_only_its_tail() {
+        let bytes = vec![0u8; 10 * 8972];
+        // Full at once: nothing went, and quinn is told to try the whole batch again.
+        let refusing = Arc::new(Recording {
+            full: Some(0),
+            ..Recording::default()
+        });
+        let split = SplitBatches {
+            inner: refusing.clone(),
+        };
+        let e = split
+            .try_send(&transmit(&bytes, Some(8972)))
+            .expect_err("would block");
+        assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
+        // Full after the first piece: the first went, the rest counts as lost (QUIC resends
+        // it), and the batch is not sent again (which would send the first piece twice).
+        let half = Arc::new(Recording {
+            full: Some(1),
+            ..Recording::default()
+        });
+        let split = SplitBatches {
+            inner: half.clone(),
+        };
+        split.try_send(&transmit(&bytes, Some(8972))).expect("ok");
+        assert_eq!(*half.sent.lock().expect("sent"), [(7 * 8972, Some(8972))]);
+    }
+
+    /// With the default settings, path-MTU discovery finds that loopback carries a jumbo
+    /// link's datagrams, both peers send them, and the size is exported as a metric.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn path_mtu_discovery_reaches_jumbo_datagrams_where_the_path_carries_them() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let pki = crate::pki::PkiDir::new(dir.path());
+        pki.init_ca().expect("CA");
+        let server_id = pki.ensure(crate::Role::Shard, "s").expect("server");
+        let client_id = pki.ensure(crate::Role::Worker, "w").expect("client");
+        let settings = TransportSettings {
+            datagram: None,
+            ..TransportSettings::default()
+        };
+        let server = server_endpoint("127.0.0.1:0".parse().expect("addr"), &server_id, &settings)
+            .expect("server endpoint");
+        let addr = server.local_addr().expect("bound");
+        let accepted = tokio::spawn(async move {
+            let conn = server.accept().await.expect("a connection").await;
+            (server, conn.expect("handshake"))
+        });
+        let client = client_endpoint(&client_id, &settings, false).expect("client endpoint");
+        let conn = client
+            .connect(addr, CLUSTER_SERVER_NAME)
+            .expect("connect")
+            .await
+            .expect("handshake");
+        let (_server, theirs) = accepted.await.expect("server task");
+        tokio::spawn(watch_datagram(conn.clone(), "mtu-test-peer".into()));
+        // The search starts at 1,200 bytes; it takes a few round trips, a few seconds at most.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (mine, other) = (
+                conn.stats().path.current_mtu,
+                theirs.stats().path.current_mtu,
+            );
+            let shown = crate::metrics::render().contains(&format!(
+                "edl_datagram_bytes{{peer=\"mtu-test-peer\"}} {JUMBO_DATAGRAM}"
+            ));
+            if mine == JUMBO_DATAGRAM && other == JUMBO_DATAGRAM && shown {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "after 20 s: client {mine}, server {other} bytes; metric shown: {shown}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        conn.close(VarInt::from_u32(0), b"done");
     }
 
     #[test]

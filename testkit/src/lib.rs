@@ -6,7 +6,7 @@
 //! let job = cluster.connect("w1").await?;      // a worker-role client
 //! ```
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -84,6 +84,18 @@ impl TestCluster {
         shards: u32,
         settings: TransportSettings,
     ) -> anyhow::Result<TestCluster> {
+        Self::start_on(job, shards, settings, Ipv4Addr::LOCALHOST.into()).await
+    }
+
+    /// [`TestCluster::start_with`] with every server listening on `ip` (an address of this
+    /// host, or of the network namespace the calling runtime's threads are in) instead of
+    /// loopback.
+    pub async fn start_on(
+        job: JobConfig,
+        shards: u32,
+        settings: TransportSettings,
+        ip: IpAddr,
+    ) -> anyhow::Result<TestCluster> {
         edl_shared::telemetry::init("warn");
         let dir = tempfile::tempdir()?;
         let pki = PkiDir::new(dir.path());
@@ -93,7 +105,7 @@ impl TestCluster {
         let id = pki.ensure(Role::Coordinator, "coordinator")?;
         let bound = coordinator::bind(
             in_memory_coordinator(job, shards),
-            "127.0.0.1:0".parse()?,
+            SocketAddr::new(ip, 0),
             &id,
             labelled(&settings, "coordinator"),
         )?;
@@ -123,7 +135,8 @@ impl TestCluster {
     async fn spawn_shard(&mut self, name: &str) -> anyhow::Result<SocketAddr> {
         let id = self.pki.ensure(Role::Shard, name)?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let cfg = loopback_shard(&self.coordinator_addr);
+        let mut cfg = loopback_shard(&self.coordinator_addr);
+        cfg.listen.set_ip(self.coordinator_addr.ip());
         let (stop, settings) = (self.shutdown.clone(), labelled(&self.settings, name));
         self.tasks.spawn(async move {
             if let Err(e) = shard::run(cfg, id, settings, stop, Some(tx)).await {

@@ -26,9 +26,10 @@ struct Cli {
     /// Also write the results as JSON to this file.
     #[arg(long, global = true)]
     json: Option<PathBuf>,
-    /// UDP datagram size for EDL and bare quinn (`default`: QUIC's 1200 bytes with path
-    /// probing, safe on any network; a number: fixed, for loopback or jumbo frames). Without
-    /// it, `transport` uses QUIC's default and scale, elastic and tta the loopback size.
+    /// UDP datagram size for EDL and bare quinn (`default`: path-MTU discovery from 1,200 bytes
+    /// up to a 9,000-byte link's, safe on any network; a number: fixed, for loopback or jumbo
+    /// frames). Without it, `transport` uses the default and scale, elastic and tta the
+    /// loopback size.
     #[arg(long, global = true)]
     datagram: Option<String>,
     #[command(subcommand)]
@@ -53,6 +54,14 @@ enum Cmd {
         /// Pairs per point instead of the size's default (longer runs for profiling).
         #[arg(long)]
         pairs: Option<usize>,
+        /// Run the servers in a network namespace of their own behind a veth pair (as root),
+        /// so that every system crosses a link held to --mtu, with segmentation offloads on
+        /// as on a NIC; removed afterwards.
+        #[arg(long)]
+        netns: bool,
+        /// With --netns: the link's MTU (1500: an ordinary network; 9000: jumbo frames).
+        #[arg(long, default_value_t = 1500, requires = "netns")]
+        mtu: u32,
     },
     /// The server-side optimizers (every torch.optim kind the shards apply) against memcpy of
     /// the same bytes.
@@ -310,6 +319,21 @@ fn write_json<T: Serialize>(path: &Option<PathBuf>, v: &T) -> anyhow::Result<()>
     Ok(())
 }
 
+/// Resolves on SIGINT or SIGTERM, naming it.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut int), Ok(mut term)) => tokio::select! {
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        },
+        _ => std::future::pending().await,
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     edl_shared::telemetry::init("warn");
@@ -325,9 +349,23 @@ async fn main() -> anyhow::Result<()> {
             points,
             systems,
             pairs,
+            netns,
+            mtu,
         } => {
             let mut plan = transport::Plan::standard(cli.quick, settings);
             plan.pairs = *pairs;
+            // The link and the servers' runtime live until the end of the run; the runtime is
+            // shut down without waiting, as this runtime may not block.
+            let behind = match netns {
+                true => {
+                    let link = edl_benches::netns::Link::create(*mtu)?;
+                    let rt = link.runtime(2)?;
+                    plan.side = transport::Side::behind(&link, &rt);
+                    println!("servers behind a {}", link.describe());
+                    Some((link, rt))
+                }
+                false => None,
+            };
             if !sizes.is_empty() {
                 plan.sizes = sizes
                     .iter()
@@ -351,7 +389,16 @@ async fn main() -> anyhow::Result<()> {
                 }
                 plan.systems = systems.clone();
             }
-            let r = transport::run(&plan).await?;
+            // Interrupted, the link is still removed (a namespace would outlive the process).
+            let r = tokio::select! {
+                r = transport::run(&plan) => r,
+                why = interrupted() => Err(anyhow::anyhow!("interrupted by {why}")),
+            };
+            if let Some((link, rt)) = behind {
+                rt.shutdown_background();
+                drop(link);
+            }
+            let r = r?;
             println!("{}", report::transport_table(&r));
             for line in transport::replication_costs(&r.rows) {
                 println!("{line}");

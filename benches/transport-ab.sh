@@ -1,7 +1,9 @@
 #!/bin/bash
 # Two edl-bench binaries (say, before and after a transport change) in alternating rounds over
 # a veth pair at MTU 1500 and 9000 and on loopback: 16 MiB push+pull, 1 client x 1 shard,
-# EDL, bare quinn and TCP. As root (network namespaces). Prints one line per run.
+# EDL, bare quinn and TCP. As root (network namespaces). Prints one line per run. Both binaries
+# must have `transport --netns` (EDL from commit 242eab4 on); to measure a transport from before
+# it, build the benchmark of this tree against that transport.
 #
 #   benches/transport-ab.sh BEFORE_BIN AFTER_BIN [ROUNDS]
 set -euo pipefail

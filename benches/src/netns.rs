@@ -113,6 +113,10 @@ impl Link {
     /// A runtime of `threads` worker threads, each in the namespace (its blocking threads
     /// too): what runs on it binds behind the link.
     pub fn runtime(&self, threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+        // Checked once here, where it can be reported: a thread that cannot enter later
+        // aborts the process.
+        std::thread::scope(|s| s.spawn(|| self.enter()).join())
+            .map_err(|_| anyhow::anyhow!("a thread entering {} panicked", self.ns))??;
         let file = self.file.clone();
         let ns = self.ns.clone();
         Ok(tokio::runtime::Builder::new_multi_thread()
@@ -137,6 +141,40 @@ impl Link {
             "veth pair, MTU {} ({} -> {} in namespace {})",
             self.mtu, self.client_ip, self.server_ip, self.ns
         )
+    }
+}
+
+/// A link and the runtime its servers run on. Dropped (an error, a panic), the runtime is shut
+/// down without waiting, which is allowed inside another runtime, and the link removed.
+pub struct Servers {
+    rt: Option<tokio::runtime::Runtime>,
+    link: Link,
+}
+
+impl Servers {
+    /// A link of `mtu` and a runtime of `threads` threads behind it.
+    pub fn start(mtu: u32, threads: usize) -> anyhow::Result<Servers> {
+        let link = Link::create(mtu)?;
+        let rt = link.runtime(threads)?;
+        Ok(Servers { rt: Some(rt), link })
+    }
+
+    /// The link.
+    pub fn link(&self) -> &Link {
+        &self.link
+    }
+
+    /// The servers' runtime.
+    pub fn runtime(&self) -> Option<&tokio::runtime::Runtime> {
+        self.rt.as_ref()
+    }
+}
+
+impl Drop for Servers {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use crate::{scale, transport, tta};
 const SYSTEMS: [(&str, RGBColor); 3] = [("edl", BLUE), ("quinn", GREEN), ("tcp", RED)];
 
 /// Gbit/s against tensor size, one line per system, for one client and one shard; solid with
-/// large datagrams, dashed with QUIC's default ones.
+/// large datagrams, dashed with the default ones (path-MTU discovery).
 pub fn transport(
     loopback: &transport::Results,
     default: &transport::Results,

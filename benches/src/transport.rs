@@ -85,7 +85,7 @@ pub struct Ratio {
 /// What the run measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct Results {
-    /// The datagram size in use (`None`: QUIC's default).
+    /// The fixed datagram size in use (`None`: path-MTU discovery).
     pub datagram: Option<u16>,
     /// Whose AES-GCM encrypted the packets (`aws-lc` or `ring`).
     pub aead: &'static str,
@@ -139,12 +139,12 @@ impl Default for Side {
 }
 
 impl Side {
-    /// Servers at `link`'s far end, run on `rt` (made by [`crate::netns::Link::runtime`]).
-    pub fn behind(link: &crate::netns::Link, rt: &tokio::runtime::Runtime) -> Side {
+    /// Servers at the far end of `servers`' link, run on its runtime.
+    pub fn behind(servers: &crate::netns::Servers) -> Side {
         Side {
-            ip: link.server_ip.into(),
-            handle: Some(rt.handle().clone()),
-            link: Some(link.describe()),
+            ip: servers.link().server_ip.into(),
+            handle: servers.runtime().map(|rt| rt.handle().clone()),
+            link: Some(servers.link().describe()),
         }
     }
 
@@ -519,8 +519,9 @@ pub const QUINN: [(&str, Stripes); 4] = [
     ),
 ];
 
-/// How bare quinn carries each part of a request: split over `streams` streams of one
-/// connection, and over `endpoints` connections between endpoints of their own, all at once.
+/// How bare quinn carries each part of a request: split over `streams` streams of each
+/// connection, over `conns` connections between each pair of endpoints, and over `endpoints`
+/// pairs of endpoints of their own, all at once.
 #[derive(Clone, Copy, Debug)]
 pub struct Stripes {
     /// Streams per connection.

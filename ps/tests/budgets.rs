@@ -212,8 +212,14 @@ async fn a_hostile_client_cannot_pass_the_budgets() -> anyhow::Result<()> {
     assert!(busy > 0, "no frame was refused for the budget: {codes:?}");
     assert!(timed_out > 0, "no frame hit the deadline: {codes:?}");
     assert_eq!(busy + timed_out, codes.len(), "{codes:?}");
-    // The budget, plus room for the runtime and buffers that are not frames.
-    let slack = 32 << 20;
+    // The budget, plus room for the runtime and buffers that are not frames: among them
+    // quinn's receive buffer (a datagram's bytes x 64 offload segments x 32 per read: 18 MiB
+    // at the 8,972-byte datagrams path-MTU discovery reaches on loopback) and as much again in
+    // received batches that a stream's unread bytes keep alive (quinn copies each batch whole
+    // into one buffer). Measured at 8,972 bytes: +103 to +109 MiB; at 1,452 bytes it stayed
+    // within 32 MiB of the budget.
+    let receive = u64::from(edl_shared::transport::JUMBO_DATAGRAM) * 64 * 32;
+    let slack = (32 << 20) + 2 * receive;
     assert!(
         grown <= (SERVER_MIB << 20) + slack,
         "the shard grew by {} MiB, past its {SERVER_MIB} MiB budget",

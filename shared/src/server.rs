@@ -424,10 +424,9 @@ async fn connection<S: Service>(
         }
     };
     debug!(%addr, role = %peer.role, name = %peer.name, "connected");
-    tokio::spawn(crate::transport::watch_datagram(
-        conn.clone(),
-        format!("{}/{}", peer.role, peer.name),
-    ));
+    // Ends with this function, so that it keeps no connection open.
+    let _watch =
+        crate::transport::DatagramWatch::start(&conn, format!("{}/{}", peer.role, peer.name));
     // The first stream must carry the version handshake, within the deadline.
     let hello = tokio::time::timeout(shared.budgets.hello_timeout, async {
         let (mut send, mut recv) = conn.accept_bi().await?;

@@ -171,7 +171,8 @@ impl Default for TransportSettings {
 }
 
 impl TransportSettings {
-    /// These settings with a fixed datagram size (`None`: QUIC's default and path probing).
+    /// These settings with a fixed datagram size (`None`: path-MTU discovery from 1,200 bytes
+    /// up to [`JUMBO_DATAGRAM`]).
     pub fn with_datagram(mut self, datagram: Option<u16>) -> Self {
         self.datagram = datagram.map(|n| n.clamp(1200, MAX_UDP_PAYLOAD));
         self
@@ -325,7 +326,15 @@ fn endpoint(
     let udp = runtime
         .wrap_udp_socket(socket.into())
         .map_err(CallError::Bind)?;
-    let udp: Arc<dyn quinn::AsyncUdpSocket> = Arc::new(SplitBatches { inner: udp });
+    // A fixed size's batches are capped to what one send carries (a batch split midway can
+    // lose its tail to a full socket buffer); discovery's are split where they grow past it.
+    let max_segments = settings.datagram.map_or(usize::MAX, |n| {
+        (MAX_BATCH_BYTES / usize::from(n.max(1))).max(1)
+    });
+    let udp: Arc<dyn quinn::AsyncUdpSocket> = Arc::new(SplitBatches {
+        inner: udp,
+        max_segments,
+    });
     let udp = match &settings.faults {
         Some(faults) => faults.wrap(udp).map_err(CallError::Bind)?,
         None => udp,
@@ -335,11 +344,13 @@ fn endpoint(
 
 /// A UDP socket that sends a segmentation-offload batch larger than the kernel takes
 /// ([`MAX_BATCH_BYTES`]) as several: quinn batches up to ten datagrams, and ten large ones (a
-/// jumbo link's, loopback's) exceed it. Refused, the send would be taken for loss, and path-MTU
-/// discovery's black-hole detection would fall back to small datagrams.
+/// jumbo link's) exceed it. Refused, the send would be taken for loss, and path-MTU
+/// discovery's black-hole detection would fall back to small datagrams. With a fixed size the
+/// batches are capped instead (`max_segments`), so that none is split.
 #[derive(Debug)]
 struct SplitBatches {
     inner: Arc<dyn quinn::AsyncUdpSocket>,
+    max_segments: usize,
 }
 
 impl quinn::AsyncUdpSocket for SplitBatches {
@@ -389,7 +400,7 @@ impl quinn::AsyncUdpSocket for SplitBatches {
     }
 
     fn max_transmit_segments(&self) -> usize {
-        self.inner.max_transmit_segments()
+        self.inner.max_transmit_segments().min(self.max_segments)
     }
 
     fn max_receive_segments(&self) -> usize {
@@ -410,11 +421,36 @@ static DATAGRAM: std::sync::LazyLock<crate::metrics::Gauges> = std::sync::LazyLo
     )
 });
 
-/// Follows the datagram size `conn` sends (what path-MTU discovery found) for as long as the
-/// connection lives: logs it once it has settled and whenever it changes after that, and
-/// keeps it in `edl_datagram_bytes{peer}`.
-pub async fn watch_datagram(conn: quinn::Connection, peer: String) {
-    let labels = crate::metrics::label("peer", &peer);
+/// The task that follows the datagram size a connection sends, and its metric: both end when
+/// this is dropped. The task holds a handle of the connection, which keeps it open: so the
+/// owner of the connection holds this beside it, and a connection dropped by its owner still
+/// closes.
+#[derive(Debug)]
+pub struct DatagramWatch {
+    task: tokio::task::JoinHandle<()>,
+    labels: crate::metrics::Labels,
+}
+
+impl DatagramWatch {
+    /// Follows `conn` (what path-MTU discovery found): logs the size once it has settled and
+    /// whenever it changes after that, and keeps it in `edl_datagram_bytes{peer}`.
+    pub fn start(conn: &quinn::Connection, peer: String) -> DatagramWatch {
+        let labels = crate::metrics::label("peer", &peer);
+        DatagramWatch {
+            task: tokio::spawn(watch_datagram(conn.clone(), peer, labels.clone())),
+            labels,
+        }
+    }
+}
+
+impl Drop for DatagramWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+        DATAGRAM.remove(&self.labels);
+    }
+}
+
+async fn watch_datagram(conn: quinn::Connection, peer: String, labels: crate::metrics::Labels) {
     let mut logged = 0u16;
     let mut seen = 0u16;
     // Discovery runs in the connection's first second or so, then every ten minutes.
@@ -744,7 +780,7 @@ pub async fn read_frame_into<T: Message, S: Sink<T>>(
             return Err(ProtoError::Truncated { needed: len, got }.into());
         };
         for chunk in &mut batch[..n] {
-            let mut chunk = std::mem::take(chunk);
+            let chunk = std::mem::take(chunk);
             let room = len - got;
             if chunk.len() as u64 > room {
                 // More than the frame announced: what fits is the frame's, the rest trails it.
@@ -754,7 +790,7 @@ pub async fn read_frame_into<T: Message, S: Sink<T>>(
             }
             got += chunk.len() as u64;
             if !chunk.is_empty() {
-                sink.part(std::mem::take(&mut chunk));
+                sink.part(chunk);
             }
         }
     }
@@ -887,6 +923,8 @@ pub enum Dialer {
 pub struct Conn {
     link: Link,
     limits: FrameLimits,
+    /// Follows the connection's datagram size while any clone of it lives.
+    _watch: Option<Arc<DatagramWatch>>,
 }
 
 /// What a connection runs on.
@@ -906,10 +944,11 @@ impl Conn {
     ) -> Result<Conn, CallError> {
         let sock = resolve(addr).await?;
         let conn = endpoint.connect(sock, CLUSTER_SERVER_NAME)?.await?;
-        tokio::spawn(watch_datagram(conn.clone(), addr.to_string()));
+        let watch = DatagramWatch::start(&conn, addr.to_string());
         let c = Conn {
             link: Link::Quic(conn),
             limits: settings.limits,
+            _watch: Some(Arc::new(watch)),
         };
         let resp = c
             .call(
@@ -938,6 +977,7 @@ impl Conn {
             Dialer::Local(net) => Ok(Conn {
                 link: Link::Local(net.connect(addr, name).await?),
                 limits: settings.limits,
+                _watch: None,
             }),
         }
     }
@@ -1158,6 +1198,7 @@ mod tests {
         let inner = Arc::new(Recording::default());
         let split = SplitBatches {
             inner: inner.clone(),
+            max_segments: usize::MAX,
         };
         // Ten jumbo datagrams, the last one short: 89,000 bytes in one batch.
         let bytes = vec![0u8; 9 * 8972 + 1000];
@@ -1200,6 +1241,7 @@ mod tests {
         });
         let split = SplitBatches {
             inner: refusing.clone(),
+            max_segments: usize::MAX,
         };
         let e = split
             .try_send(&transmit(&bytes, Some(8972)))
@@ -1213,6 +1255,7 @@ mod tests {
         });
         let split = SplitBatches {
             inner: half.clone(),
+            max_segments: usize::MAX,
         };
         split.try_send(&transmit(&bytes, Some(8972))).expect("ok");
         assert_eq!(*half.sent.lock().expect("sent"), [(7 * 8972, Some(8972))]);
@@ -1245,7 +1288,7 @@ mod tests {
             .await
             .expect("handshake");
         let (_server, theirs) = accepted.await.expect("server task");
-        tokio::spawn(watch_datagram(conn.clone(), "mtu-test-peer".into()));
+        let watch = DatagramWatch::start(&conn, "mtu-test-peer".into());
         // The search starts at 1,200 bytes; it takes a few round trips, a few seconds at most.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         loop {
@@ -1265,7 +1308,14 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        conn.close(VarInt::from_u32(0), b"done");
+        // The metric goes with the watch; the watch holds no handle that keeps the connection.
+        drop(watch);
+        assert!(!crate::metrics::render().contains("mtu-test-peer"));
+        drop(conn);
+        tokio::time::timeout(Duration::from_secs(5), theirs.closed())
+            .await
+            .expect("the client's connection, dropped, closed");
+        drop(client);
     }
 
     #[test]

@@ -354,18 +354,6 @@ async fn main() -> anyhow::Result<()> {
         } => {
             let mut plan = transport::Plan::standard(cli.quick, settings);
             plan.pairs = *pairs;
-            // The link and the servers' runtime live until the end of the run; the runtime is
-            // shut down without waiting, as this runtime may not block.
-            let behind = match netns {
-                true => {
-                    let link = edl_benches::netns::Link::create(*mtu)?;
-                    let rt = link.runtime(2)?;
-                    plan.side = transport::Side::behind(&link, &rt);
-                    println!("servers behind a {}", link.describe());
-                    Some((link, rt))
-                }
-                false => None,
-            };
             if !sizes.is_empty() {
                 plan.sizes = sizes
                     .iter()
@@ -389,15 +377,22 @@ async fn main() -> anyhow::Result<()> {
                 }
                 plan.systems = systems.clone();
             }
-            // Interrupted, the link is still removed (a namespace would outlive the process).
+            // The link and the servers' runtime live until the end of the run, and go however
+            // it ends: interrupted too (a namespace would outlive the process).
+            let behind = match netns {
+                true => {
+                    let servers = edl_benches::netns::Servers::start(*mtu, 2)?;
+                    plan.side = transport::Side::behind(&servers);
+                    println!("servers behind a {}", servers.link().describe());
+                    Some(servers)
+                }
+                false => None,
+            };
             let r = tokio::select! {
                 r = transport::run(&plan) => r,
                 why = interrupted() => Err(anyhow::anyhow!("interrupted by {why}")),
             };
-            if let Some((link, rt)) = behind {
-                rt.shutdown_background();
-                drop(link);
-            }
+            drop(behind);
             let r = r?;
             println!("{}", report::transport_table(&r));
             for line in transport::replication_costs(&r.rows) {

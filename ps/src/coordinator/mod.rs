@@ -74,6 +74,10 @@ const STORE_OUTAGE: Duration = Duration::from_secs(1);
 /// member that is down fails at once, and the next goes to another member.
 const STORE_RETRY_AT_ONCE: u32 = 2;
 
+/// An answer that took this long (a long poll) is held until the coordinator has checked
+/// again that it still leads ([`Coordinator::still_leads`]).
+const RECHECK_AFTER: Duration = Duration::from_millis(100);
+
 /// What is left of the lead's lease below which nothing more is acknowledged from memory: a
 /// report answered must reach its worker, and clocks may drift, before another coordinator
 /// could lead.
@@ -120,9 +124,10 @@ pub struct Coordinator {
     /// must not count on its lease.
     probed: std::sync::Mutex<Option<tokio::time::Instant>>,
     probe_window: std::sync::Mutex<Duration>,
-    /// When the last check that this coordinator still leads was sent, of those the store
-    /// confirmed (see [`Coordinator::still_leads`]); held while one is under way.
-    confirmed: tokio::sync::Mutex<Option<tokio::time::Instant>>,
+    /// When the last check that this coordinator still leads was sent, and whether the store
+    /// confirmed it (`false`: it could not be reached), shared by the requests that arrived
+    /// before it was sent (see [`Coordinator::still_leads`]); held while one is under way.
+    confirmed: tokio::sync::Mutex<Option<(tokio::time::Instant, bool)>>,
     /// A replicated job's shards not to seed new backups on until the time given: one its
     /// primary could not reach, or whose seeding failed.
     avoid: std::sync::Mutex<
@@ -276,11 +281,7 @@ impl Coordinator {
                         break;
                     }
                     Err(StoreError::Fenced(why)) => {
-                        tracing::error!(
-                            store = %store.describe(),
-                            "{why}: this coordinator was deposed and answers nothing more"
-                        );
-                        self.deposed.cancel();
+                        self.fenced(store.as_ref(), &why);
                         return None;
                     }
                     Err(e) => {
@@ -397,7 +398,8 @@ impl Coordinator {
         let Some(store) = self.store.as_ref().filter(|s| s.term() > 0) else {
             return true;
         };
-        let arrived = tokio::time::Instant::now();
+        // Only a check sent after this moment covers the request (moved on after each retry).
+        let mut arrived = tokio::time::Instant::now();
         let mut pause = Duration::from_millis(20);
         let mut failing_since: Option<tokio::time::Instant> = None;
         loop {
@@ -415,38 +417,61 @@ impl Coordinator {
                 return true;
             }
             let mut last = self.confirmed.lock().await;
-            if last.is_some_and(|t| t >= arrived) {
+            if self.deposed.is_cancelled() {
+                return false;
+            }
+            // A check sent after the request arrived covers it, whatever it found: waiters
+            // share one round trip, and one failure, rather than each sending its own.
+            let (confirmed, failure) = match *last {
+                Some((sent, ok)) if sent >= arrived => (ok, None),
+                _ => {
+                    let sent = tokio::time::Instant::now();
+                    match store.confirm().await {
+                        Ok(()) => {
+                            *last = Some((sent, true));
+                            (true, None)
+                        }
+                        Err(StoreError::Fenced(why)) => {
+                            self.fenced(store.as_ref(), &why);
+                            return false;
+                        }
+                        Err(e) => {
+                            *last = Some((sent, false));
+                            (false, Some(e))
+                        }
+                    }
+                }
+            };
+            drop(last);
+            if confirmed {
                 return true;
             }
-            let sent = tokio::time::Instant::now();
-            match store.confirm().await {
-                Ok(()) => {
-                    *last = Some(sent);
-                    return true;
-                }
-                Err(StoreError::Fenced(why)) => {
-                    tracing::error!(
-                        store = %store.describe(),
-                        "{why}: this coordinator was deposed and answers nothing more"
-                    );
-                    self.deposed.cancel();
-                    return false;
-                }
-                Err(e) => {
-                    drop(last);
-                    let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
-                    if pause == Duration::from_millis(20) || pause >= STORE_RETRY_MAX {
-                        warn!(
-                            store = %store.describe(),
-                            waiting_ms = since.elapsed().as_millis() as u64,
-                            "{e}; cannot confirm that this coordinator still leads: answers wait"
-                        );
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(STORE_RETRY_MAX);
-                }
+            let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+            if let Some(e) = failure
+                && (pause == Duration::from_millis(20) || pause >= STORE_RETRY_MAX)
+            {
+                warn!(
+                    store = %store.describe(),
+                    waiting_ms = since.elapsed().as_millis() as u64,
+                    "{e}; cannot confirm that this coordinator still leads: answers wait"
+                );
             }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(STORE_RETRY_MAX);
+            arrived = tokio::time::Instant::now();
         }
+    }
+
+    /// The store fenced this coordinator off (`why`): another one leads. It answers nothing
+    /// more, and its process ends.
+    fn fenced(&self, store: &dyn MetaStore, why: &str) {
+        if !self.deposed.is_cancelled() {
+            tracing::error!(
+                store = %store.describe(),
+                "{why}: this coordinator was deposed and answers nothing more"
+            );
+        }
+        self.deposed.cancel();
     }
 
     /// How long after a standby's probe this coordinator may still acknowledge from memory
@@ -650,17 +675,24 @@ impl Service for Coordinator {
                 | Request::Stragglers { set: None }
         );
         let training = matches!(req, Request::Clock { .. } | Request::NextPartition { .. });
-        // Checked before a standby's probe counts: a probe answered by a deposed leader
-        // proves nothing.
-        if !self.still_leads().await {
-            return Frame::new(Response::NotLeader { leader: None });
-        }
-        if matches!(req, Request::GetJob) && peer.role == Role::Coordinator {
-            // A standby's probe (`etcd::Prober`): it sees this coordinator leading.
+        let probe = matches!(req, Request::GetJob) && peer.role == Role::Coordinator;
+        if probe {
+            // A standby's probe (`etcd::Prober`): it sees this coordinator leading (the key
+            // names it), so it will not revoke the lease for its `dead_after`. Answered as it
+            // comes: held up by `still_leads` while the store is unreachable, no probe would
+            // count again, and nothing could be acknowledged from memory.
             *self.probed.lock().unwrap_or_else(|p| p.into_inner()) =
                 Some(tokio::time::Instant::now());
+        } else if !self.still_leads().await {
+            return Frame::new(Response::NotLeader { leader: None });
         }
+        let began = tokio::time::Instant::now();
         let answer = self.answer(peer, req, payload).await;
+        // A long poll (or a pause) may have outlived the lead: checked again before the
+        // answer goes, which may rest on nothing written (a refusal, a wait's end).
+        if !probe && began.elapsed() >= RECHECK_AFTER && !self.still_leads().await {
+            return Frame::new(Response::NotLeader { leader: None });
+        }
         // Nothing is acknowledged before the changes it depends on are durable (training
         // reports aside while the store is unreachable within the lead's lease); a deposed
         // coordinator acknowledges nothing.
@@ -1221,5 +1253,120 @@ pub async fn run_elected(
             let _ = server.await;
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_shared::proto::{Consistency, ModelSection, OptimizerSpec};
+
+    fn config() -> CoordinatorConfig {
+        CoordinatorConfig {
+            job: JobConfig {
+                model: ModelSection::custom(),
+                tensors: edl_shared::models::Builtin::tensors(&edl_shared::models::Mlp {
+                    layers: vec![4, 3],
+                }),
+                chunk_size: 4,
+                optimizer: OptimizerSpec::sgd(0.1),
+                optimizer_groups: Vec::new(),
+                schedule: Default::default(),
+                consistency: Consistency::Asp,
+                batch_size: 2,
+                epochs: 1,
+                partition_size: 4,
+                train_samples: 8,
+                seed: 1,
+                lease_ms: 1000,
+                replicas: 1,
+                data: None,
+            },
+            shards: 1,
+            state_file: None,
+            stragglers: Default::default(),
+            probe_sockets: false,
+        }
+    }
+
+    async fn ask(c: &Coordinator, role: Role, req: Request) -> Response {
+        let peer = Peer::in_process(role, "t", "default", "127.0.0.1:9".parse().expect("addr"));
+        c.handle(&peer, req, Parts::default()).await.msg
+    }
+
+    /// A leader whose term another coordinator's election ended while it was away (paused,
+    /// cut off) answers nothing from its state, reads included: it finds out from the store
+    /// before it answers, and is deposed.
+    #[tokio::test]
+    async fn a_leader_deposed_while_it_was_away_answers_nothing_from_its_old_state() {
+        let disk = meta::MemoryStore::default();
+        let lead = Coordinator::new(config())
+            .expect("coordinator")
+            .with_store(Arc::new(disk.elect()));
+        assert!(matches!(
+            ask(&lead, Role::Admin, Request::Status).await,
+            Response::Status(_)
+        ));
+        // Another coordinator is elected; this one has not been probed lately.
+        let _next = disk.elect();
+        assert!(matches!(
+            ask(&lead, Role::Admin, Request::Status).await,
+            Response::NotLeader { leader: None }
+        ));
+        assert!(lead.deposed().is_cancelled());
+    }
+
+    /// With the store unreachable, a leader no standby ever probed answers (as it acknowledges
+    /// training from memory); one a standby probed, but not lately, waits until a probe
+    /// comes, and a probe is answered at once.
+    #[tokio::test]
+    async fn a_leader_cut_off_from_the_store_answers_while_no_standby_could_replace_it() {
+        let disk = meta::MemoryStore::default();
+        let handle = disk.elect();
+        let lead = Arc::new(
+            Coordinator::new(config())
+                .expect("coordinator")
+                .with_store(Arc::new(handle.clone())),
+        );
+        lead.set_probe_window(Duration::from_millis(100));
+        handle.cut_off();
+        assert!(matches!(
+            ask(&lead, Role::Admin, Request::Status).await,
+            Response::Status(_)
+        ));
+        // A standby probes it, then goes quiet for longer than the probe window.
+        assert!(!matches!(
+            ask(&lead, Role::Coordinator, Request::GetJob).await,
+            Response::NotLeader { .. }
+        ));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let waiting = tokio::spawn({
+            let lead = lead.clone();
+            async move { ask(&lead, Role::Admin, Request::Status).await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !waiting.is_finished(),
+            "answered with no probe and no store"
+        );
+        // The standby probes again, as it does every 250 ms: each probe is answered at once,
+        // and the waiting request once it sees one within the window.
+        let standby = tokio::spawn({
+            let lead = lead.clone();
+            async move {
+                loop {
+                    let r = ask(&lead, Role::Coordinator, Request::GetJob).await;
+                    assert!(!matches!(r, Response::NotLeader { .. }), "{r:?}");
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+            }
+        });
+        let answer = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("answered once probed")
+            .expect("task");
+        assert!(matches!(answer, Response::Status(_)), "{answer:?}");
+        assert!(!standby.is_finished(), "a probe was refused");
+        standby.abort();
     }
 }

@@ -12,7 +12,8 @@ folder as working directory; SIGTERM to stop).
 The job file is checked (`edl-ps job check`) before anything starts, and its own error is
 raised (`JobFileError`). Every process talks over loopback with 65000-byte QUIC datagrams, as
 `edl-local` runs them (`EDL_DATAGRAM`; QUIC's 1,452-byte datagrams, where path-MTU discovery
-used to stop, cost a 1.2M-parameter CNN more than twice the time per pull and push). A run that fails keeps its logs and says where.
+used to stop, cost a 1.2M-parameter CNN more than twice the time per pull and push). A run
+that fails keeps its logs and says where.
 
 The binaries (`edl-ps`, `edl-worker`, ...) are found in `$EDL_BIN_DIR`, on `$PATH`, in
 `$CARGO_HOME/bin` (`~/.cargo/bin`), where `cargo install` puts them, or in an EDL checkout's

@@ -1259,29 +1259,12 @@ pub async fn run_elected(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use edl_shared::proto::{Consistency, ModelSection, OptimizerSpec};
+    use edl_shared::proto::Consistency;
 
     fn config() -> CoordinatorConfig {
         CoordinatorConfig {
-            job: JobConfig {
-                model: ModelSection::custom(),
-                tensors: edl_shared::models::Builtin::tensors(&edl_shared::models::Mlp {
-                    layers: vec![4, 3],
-                }),
-                chunk_size: 4,
-                optimizer: OptimizerSpec::sgd(0.1),
-                optimizer_groups: Vec::new(),
-                schedule: Default::default(),
-                consistency: Consistency::Asp,
-                batch_size: 2,
-                epochs: 1,
-                partition_size: 4,
-                train_samples: 8,
-                seed: 1,
-                lease_ms: 1000,
-                replicas: 1,
-                data: None,
-            },
+            // The state tests' small job.
+            job: state::tests::job(Consistency::Asp),
             shards: 1,
             state_file: None,
             stragglers: Default::default(),

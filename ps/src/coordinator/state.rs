@@ -1056,4 +1056,4 @@ pub mod shards;
 #[cfg(test)]
 mod proptests;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

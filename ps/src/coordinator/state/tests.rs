@@ -4,7 +4,7 @@ use super::*;
 use edl_shared::proto::{Consistency, ModelSection, OptimizerSpec};
 
 /// A small job: 8 samples in partitions of 4, one epoch, a 1 s lease.
-pub(super) fn job(consistency: Consistency) -> JobConfig {
+pub(crate) fn job(consistency: Consistency) -> JobConfig {
     JobConfig {
         model: ModelSection::custom(),
         tensors: edl_shared::models::Builtin::tensors(&edl_shared::models::Mlp {

@@ -343,8 +343,9 @@ fn endpoint(
 }
 
 /// A UDP socket that sends a segmentation-offload batch larger than the kernel takes
-/// ([`MAX_BATCH_BYTES`]) as several: quinn batches up to ten datagrams, and ten large ones (a
-/// jumbo link's) exceed it. Refused, the send would be taken for loss, and path-MTU
+/// ([`MAX_BATCH_BYTES`]) as several: quinn batches at least ten datagrams (as many as one send
+/// takes where that is more, with EDL's patch of quinn), and ten large ones (a jumbo link's)
+/// exceed it. Refused, the send would be taken for loss, and path-MTU
 /// discovery's black-hole detection would fall back to small datagrams. With a fixed size the
 /// batches are capped instead (`max_segments`), so that none is split.
 #[derive(Debug)]

@@ -369,6 +369,8 @@ pub fn epoch_reports(
                 } else {
                     0.0
                 },
+                bytes_pushed: e.bytes_pushed,
+                bytes_pulled: e.bytes_pulled,
             }
         })
         .collect()

@@ -344,6 +344,8 @@ mod tests {
                     epoch: i as u32,
                     samples,
                     loss_sum,
+                    bytes_pushed: 0,
+                    bytes_pulled: 0,
                 })
                 .collect(),
             workers: vec![

@@ -55,6 +55,50 @@ pub struct EpochReport {
     pub reported_samples: u64,
     /// Mean per-sample training loss (0 when the epoch has no samples).
     pub train_loss: f64,
+    /// Payload bytes the workers pushed for this epoch's steps (see [`Traffic`]).
+    #[serde(default)]
+    pub bytes_pushed: u64,
+    /// Payload bytes the workers pulled for this epoch's steps.
+    #[serde(default)]
+    pub bytes_pulled: u64,
+}
+
+/// Payload bytes on the wire between workers and shards, all workers and epochs together:
+/// gradients pushed and parameters pulled, as each worker counted them and reported them to
+/// the coordinator with its steps (frame headers and QUIC's own bytes not included). A
+/// worker's bytes since its last step report are not counted when it dies, nor those of a
+/// report whose answer was lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Traffic {
+    /// Gradient bytes pushed to the shards.
+    pub bytes_pushed: u64,
+    /// Parameter bytes pulled from the shards.
+    pub bytes_pulled: u64,
+    /// Bytes pushed per sample trained on (0 without samples).
+    pub pushed_per_sample: f64,
+    /// Bytes pulled per sample trained on (0 without samples).
+    pub pulled_per_sample: f64,
+}
+
+impl Traffic {
+    /// The totals of `epochs`, per sample of `samples`.
+    pub fn of(epochs: &[EpochReport], samples: u64) -> Traffic {
+        let pushed = epochs.iter().map(|e| e.bytes_pushed).sum::<u64>();
+        let pulled = epochs.iter().map(|e| e.bytes_pulled).sum::<u64>();
+        let per = |b: u64| {
+            if samples > 0 {
+                b as f64 / samples as f64
+            } else {
+                0.0
+            }
+        };
+        Traffic {
+            bytes_pushed: pushed,
+            bytes_pulled: pulled,
+            pushed_per_sample: per(pushed),
+            pulled_per_sample: per(pulled),
+        }
+    }
 }
 
 /// One membership or shard event and what it cost the workers (see [`crate::costs`]).
@@ -184,6 +228,9 @@ pub struct Report {
     pub finished: bool,
     /// Training samples per second of training wall time.
     pub throughput_samples_per_s: f64,
+    /// Payload bytes pushed and pulled by the workers.
+    #[serde(default)]
+    pub traffic: Traffic,
     /// Seconds the whole launcher run took, set-up and shutdown included.
     pub wall_s: f64,
     /// Seconds from the first active worker to the last worker's exit.
@@ -424,6 +471,15 @@ impl fmt::Display for Report {
             "  throughput {:.0} samples/s ({} samples in {:.1} s of training); {:.1} s in all",
             self.throughput_samples_per_s, self.samples, self.train_wall_s, self.wall_s
         )?;
+        let t = &self.traffic;
+        writeln!(
+            f,
+            "  traffic {} pushed, {} pulled ({:.0} and {:.0} bytes per sample)",
+            edl_shared::units::human_bytes(t.bytes_pushed),
+            edl_shared::units::human_bytes(t.bytes_pulled),
+            t.pushed_per_sample,
+            t.pulled_per_sample
+        )?;
         if self.scenario.is_some() || !self.restarts.is_empty() {
             writeln!(f, "  membership: {}", self.membership)?;
         }
@@ -647,10 +703,18 @@ mod tests {
                 skipped_pushes: 2,
                 reported_samples: 60_000,
                 train_loss: 0.5,
+                bytes_pushed: 6_000_000,
+                bytes_pulled: 12_000_000,
             }],
             samples: 60_000,
             finished: true,
             throughput_samples_per_s: 3000.0,
+            traffic: Traffic {
+                bytes_pushed: 6_000_000,
+                bytes_pulled: 12_000_000,
+                pushed_per_sample: 100.0,
+                pulled_per_sample: 200.0,
+            },
             wall_s: 25.0,
             train_wall_s: 20.0,
             shards: 2,
@@ -730,6 +794,7 @@ mod tests {
             "test_loss",
             "epochs",
             "throughput_samples_per_s",
+            "traffic",
             "wall_s",
             "train_wall_s",
             "shards",

@@ -61,6 +61,20 @@ async fn small_job_trains_evaluates_and_reports() {
     // Ten classes: chance is 0.1, and even 4,096 samples get a small MLP far past it.
     assert!(report.test_accuracy > 0.5, "{}", report.test_accuracy);
     assert!(report.throughput_samples_per_s > 0.0);
+    // Every step pushes the whole gradient once (a repeat after a failed connection is the
+    // only excess) and pulls the parameters: 50,890 floats of 4 bytes per 64 samples.
+    let model = (784 * 64 + 64 + 64 * 10 + 10) * 4;
+    let per_sample = model as f64 / 64.0;
+    let t = report.traffic;
+    assert_eq!(t.bytes_pushed, report.epochs[0].bytes_pushed);
+    assert!(
+        (per_sample..per_sample * 1.1).contains(&t.pushed_per_sample),
+        "{t:?}, {per_sample} per sample expected"
+    );
+    assert!(
+        (per_sample * 0.9..per_sample * 1.5).contains(&t.pulled_per_sample),
+        "{t:?}, about {per_sample} per sample expected"
+    );
     assert!(report.wall_s >= report.train_wall_s);
     assert!(
         report.shutdown_problems.is_empty(),

@@ -403,6 +403,14 @@ async fn metrics_and_the_dashboard_follow_a_churn_run() {
     for e in &report.epochs {
         let samples = coord[&format!("edl_epoch_samples{{epoch=\"{}\"}}", e.epoch)];
         assert_eq!(samples, e.reported_samples as f64, "epoch {}", e.epoch);
+        for (direction, bytes) in [("pushed", e.bytes_pushed), ("pulled", e.bytes_pulled)] {
+            let key = format!(
+                "edl_epoch_bytes{{epoch=\"{}\",direction=\"{direction}\"}}",
+                e.epoch
+            );
+            assert_eq!(coord[&key], bytes as f64, "{key}");
+            assert!(bytes > 0, "{key}");
+        }
     }
     assert!(
         dir.path().join("plots").join("run.png").is_file(),

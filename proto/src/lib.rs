@@ -28,4 +28,4 @@ pub use schedule::{Anneal, Curve, LrSchedule, ScheduleUnit, WorkerScaling};
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;

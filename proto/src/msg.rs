@@ -109,6 +109,11 @@ pub struct EpochStats {
     pub samples: u64,
     /// Sum of per-sample training losses.
     pub loss_sum: f64,
+    /// Payload bytes the workers pushed (gradients) for this epoch's steps, as they reported
+    /// them with their steps.
+    pub bytes_pushed: u64,
+    /// Payload bytes the workers pulled (parameters) for this epoch's steps, likewise.
+    pub bytes_pulled: u64,
 }
 
 /// Where a worker stands in its life cycle.
@@ -511,6 +516,11 @@ pub enum Request {
         /// The worker leaves after this step: record it and answer at once, without waiting
         /// for the consistency model.
         last: bool,
+        /// Payload bytes the worker pushed to shards since its previous report (its retries
+        /// and pushes refused included: what crossed the wire).
+        bytes_pushed: u64,
+        /// Payload bytes it pulled from shards since its previous report.
+        bytes_pulled: u64,
     },
     /// Asks for a job status snapshot.
     Status,

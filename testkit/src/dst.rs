@@ -2389,6 +2389,8 @@ impl Sim {
                     loss_sum: 0.0,
                     span: Some(span),
                     last: false,
+                    bytes_pushed: 0,
+                    bytes_pulled: 0,
                 };
                 self.call(slot, seq, clock, req);
             }

@@ -63,6 +63,8 @@ async fn another_certificate_cannot_act_for_a_worker() -> anyhow::Result<()> {
             loss_sum: 0.0,
             span: None,
             last: false,
+            bytes_pushed: 0,
+            bytes_pulled: 0,
         },
     ];
     for req in spoofs {

@@ -239,11 +239,15 @@ fn epochs_take_the_worst_shard() {
                 epoch: 0,
                 samples: 100,
                 loss_sum: 50.0,
+                bytes_pushed: 400,
+                bytes_pulled: 800,
             },
             EpochStats {
                 epoch: 1,
                 samples: 100,
                 loss_sum: 25.0,
+                bytes_pushed: 0,
+                bytes_pulled: 0,
             },
         ],
         workers: vec![],
@@ -278,6 +282,10 @@ fn epochs_take_the_worst_shard() {
     // Shard 1 has no account of epoch 1: it applied none of it.
     assert_eq!((r[1].samples, r[1].duplicates, r[1].missing), (0, 2, 100));
     assert_eq!(r[1].reported_samples, 100);
+    assert_eq!((r[0].bytes_pushed, r[0].bytes_pulled), (400, 800));
+    let t = crate::report::Traffic::of(&r, 200);
+    assert_eq!((t.bytes_pushed, t.bytes_pulled), (400, 800));
+    assert_eq!((t.pushed_per_sample, t.pulled_per_sample), (2.0, 4.0));
 }
 
 #[test]

@@ -47,7 +47,7 @@ use crate::costs::{
 };
 use crate::progress::{Progress, StallWatch, active_workers, worker_states};
 use crate::report::{
-    Evaluation, Report, RestartReport, ShardLayout, SkippedEvent, TraceDump, throughput,
+    Evaluation, Report, RestartReport, ShardLayout, SkippedEvent, TraceDump, Traffic, throughput,
 };
 use crate::scenario::{Scenario, worker_name};
 use edl_launch::procs::{Proc, Spawn, Stopped, failure_message};
@@ -365,15 +365,18 @@ pub async fn run(cfg: &LocalConfig, shutdown: CancellationToken) -> anyhow::Resu
         trained.placements,
         cfg.batch_size,
     );
+    let epochs = epoch_reports(&trained.status, &trained.ledgers, cfg.train_samples);
+    let traffic = Traffic::of(&epochs, samples);
     let report = Report {
         elastic,
         test_accuracy: trained.evaluation.test_accuracy,
         test_loss: trained.evaluation.test_loss,
         test_samples: trained.evaluation.test_samples,
-        epochs: epoch_reports(&trained.status, &trained.ledgers, cfg.train_samples),
+        epochs,
         samples,
         finished: trained.status.finished,
         throughput_samples_per_s: throughput(samples, train_wall_s),
+        traffic,
         wall_s: started.elapsed().as_secs_f64(),
         train_wall_s,
         shards: cfg.shards,

@@ -572,13 +572,22 @@ fn job_history() -> BoxedStrategy<JobHistory> {
 }
 
 fn job_status() -> BoxedStrategy<JobStatus> {
-    let epoch = (any::<u32>(), edgy_u64(), f64_no_nan()).prop_map(|(epoch, samples, loss_sum)| {
-        EpochStats {
-            epoch,
-            samples,
-            loss_sum,
-        }
-    });
+    let epoch = (
+        any::<u32>(),
+        edgy_u64(),
+        f64_no_nan(),
+        edgy_u64(),
+        edgy_u64(),
+    )
+        .prop_map(
+            |(epoch, samples, loss_sum, bytes_pushed, bytes_pulled)| EpochStats {
+                epoch,
+                samples,
+                loss_sum,
+                bytes_pushed,
+                bytes_pulled,
+            },
+        );
     let worker = (
         worker_id(),
         text(),
@@ -652,18 +661,23 @@ pub fn request() -> BoxedStrategy<Request> {
             f64_no_nan(),
             proptest::option::of(data_span()),
             any::<bool>(),
+            (edgy_u64(), edgy_u64()),
         )
-            .prop_map(|(worker, clock, (epoch, samples), loss_sum, span, last)| {
-                Request::Clock {
-                    worker,
-                    clock,
-                    epoch,
-                    samples,
-                    loss_sum,
-                    span,
-                    last,
-                }
-            }),
+            .prop_map(
+                |(worker, clock, (epoch, samples), loss_sum, span, last, (pushed, pulled))| {
+                    Request::Clock {
+                        worker,
+                        clock,
+                        epoch,
+                        samples,
+                        loss_sum,
+                        span,
+                        last,
+                        bytes_pushed: pushed,
+                        bytes_pulled: pulled,
+                    }
+                },
+            ),
         Just(Request::Status),
         Just(Request::GetMap),
         Just(Request::GetJob),

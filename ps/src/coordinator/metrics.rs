@@ -22,6 +22,7 @@ struct CoordinatorMetrics {
     samples_expected: Gauge,
     epoch_samples: Gauges,
     epoch_loss: Gauges,
+    epoch_bytes: Gauges,
     rate: Gauge,
     loss: Gauge,
     accuracy: Gauge,
@@ -63,6 +64,11 @@ static M: LazyLock<CoordinatorMetrics> = LazyLock::new(|| CoordinatorMetrics {
     samples_expected: metrics::gauge("samples_expected", "Samples the whole run will commit."),
     epoch_samples: metrics::gauges("epoch_samples", "Samples committed, per epoch."),
     epoch_loss: metrics::gauges("epoch_loss", "Mean training loss per sample, per epoch."),
+    epoch_bytes: metrics::gauges(
+        "epoch_bytes",
+        "Payload bytes the workers reported with their steps, per epoch and direction \
+         (pushed: gradients, pulled: parameters).",
+    ),
     rate: metrics::gauge(
         "samples_per_second",
         "Samples committed per second, last 10 s.",
@@ -158,6 +164,18 @@ fn refresh(c: &Coordinator) {
             .iter()
             .filter(|e| e.samples > 0)
             .map(|e| (label("epoch", e.epoch), e.loss_sum / e.samples as f64)),
+    );
+    metrics::set_all(
+        &M.epoch_bytes,
+        status.epochs.iter().flat_map(|e| {
+            [("pushed", e.bytes_pushed), ("pulled", e.bytes_pulled)].map(|(direction, b)| {
+                let labels = vec![
+                    ("epoch", e.epoch.to_string()),
+                    ("direction", direction.to_string()),
+                ];
+                (labels, b as f64)
+            })
+        }),
     );
     M.rate.set(status.samples_per_s);
     M.loss.set(status.loss.unwrap_or(f64::NAN));

@@ -863,10 +863,20 @@ impl Coordinator {
                 loss_sum,
                 span,
                 last,
+                bytes_pushed,
+                bytes_pulled,
             } => {
-                let r = self
-                    .lock()
-                    .advance(worker, clock, epoch, samples, loss_sum, span, now());
+                let traffic = (bytes_pushed, bytes_pulled);
+                let r = (self.lock()).advance(
+                    worker,
+                    clock,
+                    epoch,
+                    samples,
+                    loss_sum,
+                    span,
+                    traffic,
+                    now(),
+                );
                 match r {
                     Err((code, msg)) => Response::error(code, msg),
                     Ok(()) => {

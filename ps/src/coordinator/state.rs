@@ -211,6 +211,8 @@ impl CoordinatorState {
                 epoch,
                 samples: 0,
                 loss_sum: 0.0,
+                bytes_pushed: 0,
+                bytes_pulled: 0,
             })
             .collect();
         CoordinatorState {
@@ -751,6 +753,8 @@ impl CoordinatorState {
 
     /// A worker finished a step: records its clock and progress, and commits the step's data
     /// span. A span must continue its lease exactly where the committed samples end.
+    /// `traffic` is the payload bytes (pushed, pulled) the worker reported with the step,
+    /// counted once (a repeated report adds nothing).
     #[allow(clippy::too_many_arguments)]
     pub fn advance(
         &mut self,
@@ -760,6 +764,7 @@ impl CoordinatorState {
         samples: u32,
         loss_sum: f64,
         span: Option<DataSpan>,
+        traffic: (u64, u64),
         now: Instant,
     ) -> Result<(), Refusal> {
         if !loss_sum.is_finite() {
@@ -869,6 +874,8 @@ impl CoordinatorState {
         push_capped(&mut self.steps, step, MAX_STEP_RECORDS, &mut self.dropped.1);
         stats.samples += u64::from(samples);
         stats.loss_sum += loss_sum;
+        stats.bytes_pushed = stats.bytes_pushed.saturating_add(traffic.0);
+        stats.bytes_pulled = stats.bytes_pulled.saturating_add(traffic.1);
         self.samples_done += u64::from(samples);
         let active = self
             .workers

@@ -149,6 +149,8 @@ pub struct Traffic {
     sent: AtomicU64,
     received: AtomicU64,
     requests: AtomicU64,
+    /// Bytes sent and received not yet reported to the coordinator with a step.
+    unreported: [AtomicU64; 2],
 }
 
 /// A reading of [`Traffic`].
@@ -165,11 +167,26 @@ pub struct TrafficCount {
 impl Traffic {
     fn sent(&self, bytes: usize) {
         self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.unreported[0].fetch_add(bytes as u64, Ordering::Relaxed);
         self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
     fn received(&self, bytes: usize) {
         self.received.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.unreported[1].fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// The bytes (sent, received) since the last call, to report with a step: each byte is
+    /// reported once, whichever of the job's sessions reports next.
+    fn take_unreported(&self) -> (u64, u64) {
+        let [s, r] = &self.unreported;
+        (s.swap(0, Ordering::Relaxed), r.swap(0, Ordering::Relaxed))
+    }
+
+    /// Puts back bytes taken for a report that was not counted.
+    fn unreport(&self, (sent, received): (u64, u64)) {
+        self.unreported[0].fetch_add(sent, Ordering::Relaxed);
+        self.unreported[1].fetch_add(received, Ordering::Relaxed);
     }
 
     fn read(&self) -> TrafficCount {

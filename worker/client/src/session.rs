@@ -600,9 +600,13 @@ impl Session {
         self.feed.committing = true;
         let mut span = span;
         let (mut samples, mut loss_sum) = (samples, loss_sum);
+        // The payload bytes since the last report go with this one; put back if it is not
+        // counted (refused, or its connection failed: the repeat is counted, unless the
+        // first had arrived, whose bytes are then not counted at all).
+        let traffic = self.job.traffic.take_unreported();
         let resp = loop {
             let r = self
-                .report_step(next, epoch, samples, loss_sum, span, last)
+                .report_step(next, epoch, (samples, loss_sum), span, last, traffic)
                 .await;
             match (&r, span) {
                 // The coordinator does not hold the span's partition as leased to this worker
@@ -631,6 +635,9 @@ impl Session {
         if !matches!(&resp, Err(e) if is_connection_failure(e)) {
             self.feed.committing = false;
         }
+        if resp.is_err() {
+            self.job.traffic.unreport(traffic);
+        }
         // A Clock retried after a long-poll timeout repeats only the wait: the coordinator
         // treats a report of the clock it already holds as a duplicate.
         let resp = match resp {
@@ -653,10 +660,10 @@ impl Session {
         &self,
         next: Clock,
         epoch: u32,
-        samples: u32,
-        loss_sum: f64,
+        (samples, loss_sum): (u32, f64),
         span: Option<DataSpan>,
         last: bool,
+        (bytes_pushed, bytes_pulled): (u64, u64),
     ) -> Result<edl_shared::proto::Frame<Response>, CallError> {
         retry_not_ready(u32::MAX, || {
             self.job.coordinator.call(
@@ -668,6 +675,8 @@ impl Session {
                     loss_sum,
                     span,
                     last,
+                    bytes_pushed,
+                    bytes_pulled,
                 },
                 Bytes::new(),
             )

@@ -743,7 +743,7 @@ impl Harness {
         let restored = self.restored.contains(&id);
         let got = self
             .st
-            .advance(id, clock, epoch, samples, loss_sum, span, self.now);
+            .advance(id, clock, epoch, samples, loss_sum, span, (0, 0), self.now);
         let Ok(()) = got else {
             assert!(!correct, "a correct report refused: {got:?}");
             self.unchanged(&before, "advance");
@@ -926,7 +926,7 @@ fn restored_at_the_largest_clock(consistency: Consistency) -> (Harness, WorkerId
     h.apply(&Op::Register { ident: 0 });
     h.apply(&Op::Restart);
     let id = h.ids[0];
-    h.st.advance(id, Clock(u64::MAX), 0, 2, 1.0, None, h.now)
+    h.st.advance(id, Clock(u64::MAX), 0, 2, 1.0, None, (0, 0), h.now)
         .expect("a restored worker may report past its saved clock");
     // The model counts the report's samples, as `apply` does for a report without a span.
     h.spanless[0] += 2;
@@ -939,7 +939,7 @@ fn restored_at_the_largest_clock(consistency: Consistency) -> (Harness, WorkerId
 #[test]
 fn a_report_after_the_largest_clock_is_refused() {
     let (mut h, id) = restored_at_the_largest_clock(Consistency::Asp);
-    let next = h.st.advance(id, Clock(0), 0, 2, 1.0, None, h.now);
+    let next = h.st.advance(id, Clock(0), 0, 2, 1.0, None, (0, 0), h.now);
     assert!(next.is_err(), "{next:?}");
     h.check();
 }

@@ -41,10 +41,10 @@ fn ssp_bound_holds_and_dead_workers_stop_counting() {
     st.shard_join("s0", "127.0.0.1:1").expect("join");
     let (a, ..) = ready(st.register("a", "x", t0, t0));
     let (b, ..) = ready(st.register("b", "x", t0, t0));
-    st.advance(a, Clock(1), 0, 2, 1.0, None, t0)
+    st.advance(a, Clock(1), 0, 2, 1.0, None, (0, 0), t0)
         .expect("advance");
     assert!(matches!(st.may_proceed(a), Poll::Ready((Clock(0), false))));
-    st.advance(a, Clock(2), 0, 2, 1.0, None, t0)
+    st.advance(a, Clock(2), 0, 2, 1.0, None, (0, 0), t0)
         .expect("advance");
     // a is two clocks ahead of b with s = 1: it must wait.
     assert!(matches!(st.may_proceed(a), Poll::Pending));
@@ -80,12 +80,21 @@ fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
         })
     };
     let (b0, b1) = (pb.start, pb.start + 2);
-    st.advance(b, Clock(1), 0, 2, 1.0, span(pb, b0, b1), t0)
+    st.advance(b, Clock(1), 0, 2, 1.0, span(pb, b0, b1), (0, 0), t0)
         .expect("commit");
     // A span that does not continue the lease is refused and changes nothing.
-    let gap = st.advance(b, Clock(2), 0, 1, 1.0, span(pb, b1 + 1, b1 + 2), t0);
+    let gap = st.advance(b, Clock(2), 0, 1, 1.0, span(pb, b1 + 1, b1 + 2), (0, 0), t0);
     assert!(gap.is_err());
-    let foreign = st.advance(b, Clock(2), 0, 2, 1.0, span(pa, pa.start, pa.start + 2), t0);
+    let foreign = st.advance(
+        b,
+        Clock(2),
+        0,
+        2,
+        1.0,
+        span(pa, pa.start, pa.start + 2),
+        (0, 0),
+        t0,
+    );
     assert!(foreign.is_err(), "a span of another worker's lease");
     // Half committed, the lease is asked for again: the rest of it comes back.
     let rest = ready(st.next_partition(b, t0)).0;
@@ -97,15 +106,24 @@ fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
             ..pb
         })
     );
-    st.advance(b, Clock(2), 0, 2, 1.0, span(pb, b1, b1 + 2), t0)
+    st.advance(b, Clock(2), 0, 2, 1.0, span(pb, b1, b1 + 2), (0, 0), t0)
         .expect("commit the rest");
     assert!(
         matches!(st.next_partition(b, t0), Poll::Pending),
         "no data is left"
     );
     // a commits half of its partition, then goes silent.
-    st.advance(a, Clock(1), 0, 2, 1.0, span(pa, pa.start, pa.start + 2), t0)
-        .expect("commit");
+    st.advance(
+        a,
+        Clock(1),
+        0,
+        2,
+        1.0,
+        span(pa, pa.start, pa.start + 2),
+        (0, 0),
+        t0,
+    )
+    .expect("commit");
     st.heartbeat(b, t0 + Duration::from_millis(1100))
         .expect("hb");
     assert_eq!(st.expire_leases(t0 + Duration::from_millis(1200)), vec![a]);
@@ -126,6 +144,7 @@ fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
         2,
         1.0,
         span(again, again.start, again.start + 2),
+        (0, 0),
         t0,
     )
     .expect("commit");
@@ -152,14 +171,14 @@ fn a_worker_waiting_for_data_does_not_hold_back_the_others() {
             start,
             end: start + 2,
         };
-        st.advance(a, Clock(c), 0, 2, 1.0, Some(span), t0)
+        st.advance(a, Clock(c), 0, 2, 1.0, Some(span), (0, 0), t0)
             .expect("commit");
     }
     st.set_idle(a).expect("idle");
     assert!(matches!(st.next_partition(a, t0), Poll::Pending));
     // Under BSP, b would wait for a at every step if a still counted.
     for c in 1..=3 {
-        st.advance(b, Clock(c), 0, 2, 1.0, None, t0)
+        st.advance(b, Clock(c), 0, 2, 1.0, None, (0, 0), t0)
             .expect("advance");
         assert!(
             matches!(st.may_proceed(b), Poll::Ready(_)),
@@ -173,7 +192,7 @@ fn a_worker_waiting_for_data_does_not_hold_back_the_others() {
     let (p, clock) = ready(st.next_partition(a, t0));
     assert_eq!(p, Some(pb));
     assert_eq!(clock, Clock(3));
-    st.advance(a, Clock(4), 0, 2, 1.0, None, t0)
+    st.advance(a, Clock(4), 0, 2, 1.0, None, (0, 0), t0)
         .expect("advance from the re-entry clock");
 }
 
@@ -183,11 +202,20 @@ fn bad_reports_change_nothing() {
     let t0 = Instant::now();
     st.shard_join("s0", "x").expect("join");
     let (a, ..) = ready(st.register("a", "x", t0, t0));
-    assert!(st.advance(a, Clock(1), 0, 2, f64::NAN, None, t0).is_err());
-    assert!(st.advance(a, Clock(1), 7, 2, 1.0, None, t0).is_err());
-    assert!(st.advance(a, Clock(5), 0, 2, 1.0, None, t0).is_err());
     assert!(
-        st.advance(WorkerId(99), Clock(1), 0, 2, 1.0, None, t0)
+        st.advance(a, Clock(1), 0, 2, f64::NAN, None, (0, 0), t0)
+            .is_err()
+    );
+    assert!(
+        st.advance(a, Clock(1), 7, 2, 1.0, None, (0, 0), t0)
+            .is_err()
+    );
+    assert!(
+        st.advance(a, Clock(5), 0, 2, 1.0, None, (0, 0), t0)
+            .is_err()
+    );
+    assert!(
+        st.advance(WorkerId(99), Clock(1), 0, 2, 1.0, None, (0, 0), t0)
             .is_err()
     );
     assert_eq!(st.status(t0).samples_done, 0);
@@ -285,7 +313,7 @@ fn the_trace_is_served_in_pages_and_capped() {
     let (a, ..) = ready(st.register("a", "x", t0, t0));
     let steps = TRACE_PAGE as u64 + 10;
     for c in 1..=steps {
-        st.advance(a, Clock(c), 0, 0, 0.0, None, t0)
+        st.advance(a, Clock(c), 0, 0, 0.0, None, (0, 0), t0)
             .expect("advance");
     }
     let first = st.trace(0);
@@ -327,18 +355,18 @@ fn commits_lost_with_a_crash_are_counted_when_the_worker_resumes() {
             end: start + 1,
         })
     };
-    st.advance(a, Clock(1), 0, 1, 1.0, span(p.start), t0)
+    st.advance(a, Clock(1), 0, 1, 1.0, span(p.start), (0, 0), t0)
         .expect("commit");
     let saved = st.snapshot();
     // Two more steps are committed, then the coordinator crashes before saving them.
-    st.advance(a, Clock(2), 0, 1, 1.0, span(p.start + 1), t0)
+    st.advance(a, Clock(2), 0, 1, 1.0, span(p.start + 1), (0, 0), t0)
         .expect("commit");
-    st.advance(a, Clock(3), 0, 1, 1.0, span(p.start + 2), t0)
+    st.advance(a, Clock(3), 0, 1, 1.0, span(p.start + 2), (0, 0), t0)
         .expect("commit");
     let mut back = CoordinatorState::restore(saved, &j, 1, t0).expect("restore");
     assert_eq!(back.status(t0).samples_done, 1);
     // The worker goes on where it was: its next span shows the two lost commits.
-    back.advance(a, Clock(4), 0, 1, 1.0, span(p.start + 3), t0)
+    back.advance(a, Clock(4), 0, 1, 1.0, span(p.start + 3), (0, 0), t0)
         .expect("resume");
     assert_eq!(
         back.status(t0).samples_done,
@@ -347,4 +375,31 @@ fn commits_lost_with_a_crash_are_counted_when_the_worker_resumes() {
     );
     assert_eq!(back.status(t0).epochs[0].samples, 4);
     assert!(back.status(t0).samples_done <= back.status(t0).samples_total);
+}
+
+#[test]
+fn traffic_reported_with_steps_is_counted_once_per_epoch() {
+    let job = JobConfig {
+        epochs: 2,
+        ..job(Consistency::Asp)
+    };
+    let mut st = CoordinatorState::new(job, 1, Instant::now());
+    let t0 = Instant::now();
+    st.shard_join("s0", "127.0.0.1:1").expect("join");
+    let (a, ..) = ready(st.register("a", "x", t0, t0));
+    st.advance(a, Clock(1), 0, 2, 1.0, None, (400, 800), t0)
+        .expect("advance");
+    // The same report again (a retry after a long poll timed out) adds nothing.
+    st.advance(a, Clock(1), 0, 2, 1.0, None, (400, 800), t0)
+        .expect("repeat");
+    // A refused report adds nothing either.
+    assert!(
+        st.advance(a, Clock(5), 0, 2, 1.0, None, (1, 1), t0)
+            .is_err()
+    );
+    st.advance(a, Clock(2), 1, 2, 1.0, None, (40, 80), t0)
+        .expect("advance");
+    let epochs = st.status(t0).epochs;
+    assert_eq!((epochs[0].bytes_pushed, epochs[0].bytes_pulled), (400, 800));
+    assert_eq!((epochs[1].bytes_pushed, epochs[1].bytes_pulled), (40, 80));
 }

@@ -66,6 +66,7 @@ fn round(st: &mut CoordinatorState, ids: &[WorkerId], busy_ms: &[f64], t: Instan
             1,
             0.5,
             None,
+            (0, 0),
             t + Duration::from_secs_f64(ms / 1000.0),
         )
         .expect("advance");
@@ -463,7 +464,7 @@ fn a_worker_holding_the_others_up_is_named_then_dropped_if_the_job_says_so() {
     assert!(ready(st.next_partition(busy, t0)).0.is_some());
     let mut t = t0;
     for c in 1..=2 {
-        st.advance(busy, Clock(c), 0, 1, 0.5, None, t)
+        st.advance(busy, Clock(c), 0, 1, 0.5, None, (0, 0), t)
             .expect("advance");
         t += Duration::from_millis(10);
     }
@@ -505,29 +506,29 @@ fn a_stall_is_reported_only_while_someone_waits_and_never_under_asp() {
     };
     // Under SSP with nobody ahead past the bound, a slow step holds nobody up.
     let (mut st, ids, t0) = cluster_with(2, Consistency::Ssp { staleness: 3 }, stalls);
-    st.advance(ids[0], Clock(1), 0, 1, 0.5, None, t0)
+    st.advance(ids[0], Clock(1), 0, 1, 0.5, None, (0, 0), t0)
         .expect("advance");
     assert!(st.stalls(t0 + Duration::from_secs(5)).is_empty());
     assert!(events(&st, EventKind::Stalled).is_empty());
     // Under ASP nobody ever waits.
     let (mut st, ids, t0) = cluster_with(2, Consistency::Asp, stalls);
     for c in 1..=5 {
-        st.advance(ids[0], Clock(c), 0, 1, 0.5, None, t0)
+        st.advance(ids[0], Clock(c), 0, 1, 0.5, None, (0, 0), t0)
             .expect("advance");
     }
     assert!(st.stalls(t0 + Duration::from_secs(60)).is_empty());
     assert!(events(&st, EventKind::Stalled).is_empty());
     // A worker that progresses is not reported again until it stalls anew (BSP).
     let (mut st, ids, t0) = cluster_with(2, Consistency::Bsp, stalls);
-    st.advance(ids[0], Clock(1), 0, 1, 0.5, None, t0)
+    st.advance(ids[0], Clock(1), 0, 1, 0.5, None, (0, 0), t0)
         .expect("advance");
     st.stalls(t0 + Duration::from_millis(1_500));
     assert_eq!(events(&st, EventKind::Stalled), vec![ids[1]]);
     let t1 = t0 + Duration::from_millis(1_600);
-    st.advance(ids[1], Clock(1), 0, 1, 0.5, None, t1)
+    st.advance(ids[1], Clock(1), 0, 1, 0.5, None, (0, 0), t1)
         .expect("advance");
     assert_eq!(member(&st, ids[1], t1).stalled_ms, None);
-    st.advance(ids[0], Clock(2), 0, 1, 0.5, None, t1)
+    st.advance(ids[0], Clock(2), 0, 1, 0.5, None, (0, 0), t1)
         .expect("advance");
     st.stalls(t1 + Duration::from_millis(900));
     assert_eq!(events(&st, EventKind::Stalled).len(), 1);

@@ -65,9 +65,9 @@ pub struct EpochReport {
 
 /// Payload bytes on the wire between workers and shards, all workers and epochs together:
 /// gradients pushed and parameters pulled, as each worker counted them and reported them to
-/// the coordinator with its steps (frame headers and QUIC's own bytes not included). A
-/// worker's bytes since its last step report are not counted when it dies, nor those of a
-/// report whose answer was lost.
+/// the coordinator with its steps (frame headers and QUIC's own bytes not included). The
+/// bytes a worker moved after its last step report are not counted (a worker that died or
+/// left mid-step, its last pulls).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Traffic {
     /// Gradient bytes pushed to the shards.

@@ -61,8 +61,9 @@ async fn small_job_trains_evaluates_and_reports() {
     // Ten classes: chance is 0.1, and even 4,096 samples get a small MLP far past it.
     assert!(report.test_accuracy > 0.5, "{}", report.test_accuracy);
     assert!(report.throughput_samples_per_s > 0.0);
-    // Every step pushes the whole gradient once (a repeat after a failed connection is the
-    // only excess) and pulls the parameters: 50,890 floats of 4 bytes per 64 samples.
+    // Every step pushes the whole gradient once (a push refused under an old map and sent
+    // again would be the only excess) and pulls the parameters: 50,890 floats of 4 bytes per
+    // 64 samples.
     let model = (784 * 64 + 64 + 64 * 10 + 10) * 4;
     let per_sample = model as f64 / 64.0;
     let t = report.traffic;

@@ -516,8 +516,9 @@ pub enum Request {
         /// The worker leaves after this step: record it and answer at once, without waiting
         /// for the consistency model.
         last: bool,
-        /// Payload bytes the worker pushed to shards since its previous report (its retries
-        /// and pushes refused included: what crossed the wire).
+        /// Payload bytes of the pushes the worker sent to shards since its previous report
+        /// (counted per request sent: one refused and sent again under a newer map counts
+        /// twice, one resent within a call after a lost connection once).
         bytes_pushed: u64,
         /// Payload bytes it pulled from shards since its previous report.
         bytes_pulled: u64,

@@ -85,8 +85,12 @@ pub fn encode(snap: &CoordinatorSnap) -> Vec<u8> {
 pub fn decode(record: &[u8]) -> anyhow::Result<CoordinatorSnap> {
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(record.len());
     aligned.extend_from_slice(record);
-    rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&aligned)
-        .map_err(|e| anyhow::anyhow!("undecodable coordinator state record: {e}"))
+    rkyv::from_bytes::<CoordinatorSnap, BoxedError>(&aligned).map_err(|e| {
+        anyhow::anyhow!(
+            "undecodable coordinator state record ({e}): was it written by another version \
+                 of EDL? Start the coordinator on a fresh state directory (or etcd prefix)"
+        )
+    })
 }
 
 /// The embedded store: `DIR/state.bin` and the log `DIR/state.wal` beside it.

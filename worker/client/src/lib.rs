@@ -188,7 +188,38 @@ impl Traffic {
         self.unreported[0].fetch_add(sent, Ordering::Relaxed);
         self.unreported[1].fetch_add(received, Ordering::Relaxed);
     }
+}
 
+/// Bytes taken for a step report ([`Traffic::take_unreported`]), put back when dropped unless
+/// `counted`: a report refused, failed or abandoned midway (its future dropped) reports them
+/// again with the next.
+pub(crate) struct Unreported {
+    traffic: Arc<Traffic>,
+    /// (sent, received).
+    pub(crate) bytes: (u64, u64),
+    /// Set once the report was answered.
+    pub(crate) counted: bool,
+}
+
+impl Unreported {
+    pub(crate) fn take(traffic: &Arc<Traffic>) -> Unreported {
+        Unreported {
+            traffic: traffic.clone(),
+            bytes: traffic.take_unreported(),
+            counted: false,
+        }
+    }
+}
+
+impl Drop for Unreported {
+    fn drop(&mut self) {
+        if !self.counted {
+            self.traffic.unreport(self.bytes);
+        }
+    }
+}
+
+impl Traffic {
     fn read(&self) -> TrafficCount {
         TrafficCount {
             sent: self.sent.load(Ordering::Relaxed),
@@ -1126,5 +1157,32 @@ async fn heartbeat(
             }
             Err(e) => tracing::debug!(%worker, error = %e, "heartbeat failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_taken_for_a_report_go_back_unless_it_was_answered() {
+        let traffic = Arc::new(Traffic::default());
+        traffic.sent(100);
+        traffic.received(300);
+        // A report abandoned midway (its future dropped) or refused: the bytes go with the
+        // next one.
+        {
+            let taken = Unreported::take(&traffic);
+            assert_eq!(taken.bytes, (100, 300));
+            assert_eq!(traffic.take_unreported(), (0, 0));
+        }
+        traffic.sent(5);
+        let mut answered = Unreported::take(&traffic);
+        assert_eq!(answered.bytes, (105, 300));
+        answered.counted = true;
+        drop(answered);
+        assert_eq!(traffic.take_unreported(), (0, 0));
+        // The totals count every byte once, whatever was reported.
+        assert_eq!((traffic.read().sent, traffic.read().received), (105, 300));
     }
 }

@@ -600,10 +600,11 @@ impl Session {
         self.feed.committing = true;
         let mut span = span;
         let (mut samples, mut loss_sum) = (samples, loss_sum);
-        // The payload bytes since the last report go with this one; put back if it is not
-        // counted (refused, or its connection failed: the repeat is counted, unless the
-        // first had arrived, whose bytes are then not counted at all).
-        let traffic = self.job.traffic.take_unreported();
+        // The payload bytes since the last report go with this one, put back unless it was
+        // answered (refused, failed, or abandoned midway: a report of this clock that had
+        // arrived is counted already, and the coordinator counts a repeat of it as nothing).
+        let mut taken = crate::Unreported::take(&self.job.traffic);
+        let traffic = taken.bytes;
         let resp = loop {
             let r = self
                 .report_step(next, epoch, (samples, loss_sum), span, last, traffic)
@@ -635,9 +636,7 @@ impl Session {
         if !matches!(&resp, Err(e) if is_connection_failure(e)) {
             self.feed.committing = false;
         }
-        if resp.is_err() {
-            self.job.traffic.unreport(traffic);
-        }
+        taken.counted = resp.is_ok();
         // A Clock retried after a long-poll timeout repeats only the wait: the coordinator
         // treats a report of the clock it already holds as a duplicate.
         let resp = match resp {

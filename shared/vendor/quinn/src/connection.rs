@@ -1018,7 +1018,7 @@ impl State {
         let mut transmits = 0;
 
         // EDL: as many datagrams as one send carries (65,507 bytes) where that is more than
-        // MAX_TRANSMIT_SEGMENTS, i.e. below 6,550-byte datagrams.
+        // MAX_TRANSMIT_SEGMENTS, i.e. at datagrams of 5,955 bytes or less.
         let mtu = usize::from(self.inner.current_mtu()).max(1);
         let max_datagrams = self
             .socket

@@ -115,6 +115,7 @@ fn config(plan: &Plan, dir: &Path, consistency: Consistency) -> LocalConfig {
         train_samples: defaults::SAMPLES,
         lease_ms: defaults::LEASE_MS,
         replicas: None,
+        wire: None,
         layers: vec![784, 256, 128, 10],
         seed: defaults::SEED,
         data_dir: plan.data_dir.clone(),

@@ -33,6 +33,7 @@ async fn small_job_trains_evaluates_and_reports() {
         train_samples: 4096,
         lease_ms: 3000,
         replicas: None,
+        wire: None,
         layers: vec![784, 64, 10],
         seed: 7,
         data_dir: DEFAULT_DATA_DIR.into(),
@@ -175,4 +176,84 @@ fn edl_local_prints_each_epoch_with_its_own_time() {
             .expect("report JSON");
     let epochs: Vec<u32> = r.epochs.iter().map(|e| e.epoch).collect();
     assert_eq!(epochs, [0, 1]);
+}
+
+/// The same job with its pushes and pulls at f32, bf16 and fp16: the 16-bit runs train as
+/// well (test accuracy within 0.01 of f32's) on about half the bytes.
+#[tokio::test]
+async fn sixteen_bit_wires_train_as_well_on_half_the_bytes() {
+    if !common::have_dataset() {
+        return;
+    }
+    let bins = common::bin_dir();
+    let mut runs = Vec::new();
+    for wire in edl_shared::proto::Wire::ALL {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = LocalConfig {
+            shards: 2,
+            // One worker: the same data order and the same steps in every run, so that the
+            // runs differ by the wire's rounding alone.
+            workers: 1,
+            epochs: 1,
+            consistency: Consistency::Asp,
+            optimizer: "adam:0.001".parse().expect("optimizer"),
+            schedule: Default::default(),
+            batch_size: 64,
+            train_samples: 8192,
+            lease_ms: 3000,
+            replicas: None,
+            wire: Some(wire),
+            layers: vec![784, 64, 10],
+            seed: 7,
+            data_dir: DEFAULT_DATA_DIR.into(),
+            report: None,
+            trace: None,
+            state_dir: Some(dir.path().join("state")),
+            bin_dir: Some(bins.clone()),
+            progress_bar: false,
+            stall_timeout: Some(Duration::from_secs(60)),
+            scenario: None,
+            restart_on_change: false,
+            elastic: Default::default(),
+            observe: Default::default(),
+            job: None,
+        };
+        let report = edl_deploy::run(&cfg, CancellationToken::new())
+            .await
+            .unwrap_or_else(|e| panic!("the {wire} run: {e:#}"));
+        assert!(report.finished, "{wire}: {report}");
+        assert_eq!(report.epochs[0].samples, 8192, "{wire}");
+        eprintln!(
+            "{wire}: test accuracy {:.4}, {:.0} bytes pushed and {:.0} pulled per sample",
+            report.test_accuracy,
+            report.traffic.pushed_per_sample,
+            report.traffic.pulled_per_sample
+        );
+        runs.push((wire, report));
+    }
+    let (_, f32_run) = &runs[0];
+    for (wire, r) in &runs[1..] {
+        let gap = (r.test_accuracy - f32_run.test_accuracy).abs();
+        assert!(
+            gap <= 0.01,
+            "{wire}: test accuracy {:.4} against f32's {:.4}",
+            r.test_accuracy,
+            f32_run.test_accuracy
+        );
+        for (what, cut) in [
+            (
+                "pushed",
+                f32_run.traffic.pushed_per_sample / r.traffic.pushed_per_sample,
+            ),
+            (
+                "pulled",
+                f32_run.traffic.pulled_per_sample / r.traffic.pulled_per_sample,
+            ),
+        ] {
+            assert!(
+                cut >= 1.9,
+                "{wire}: bytes {what} per sample cut only {cut:.2}x"
+            );
+        }
+    }
 }

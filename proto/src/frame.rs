@@ -151,9 +151,13 @@ macro_rules! impl_message {
 
 // A push's gradients are checked on receipt; parameters and exports are checked where they
 // are made or restored.
+// A 16-bit push is checked as it is decoded, whole, before anything is applied.
 impl_message!(Request, |m| matches!(
     m,
-    Request::Push { .. } | Request::Replicate { .. }
+    Request::Push {
+        wire: crate::Wire::F32,
+        ..
+    } | Request::Replicate { .. }
 ));
 impl_message!(Response, |_m| false);
 
@@ -651,6 +655,7 @@ mod tests {
                     key: Key(9),
                     len: 4,
                 }],
+                wire: crate::Wire::F32,
                 span: Some(crate::msg::DataSpan {
                     epoch: 1,
                     partition: 2,

@@ -14,6 +14,7 @@ pub mod place;
 pub mod sched;
 pub mod schedule;
 pub mod wide;
+pub mod wire;
 
 pub use error::{ErrorCode, ProtoError};
 pub use frame::{Frame, FrameLimits, Parts, Payload};
@@ -25,6 +26,7 @@ pub use job::{
 pub use msg::{Request, Response};
 pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, StragglerSettings};
 pub use schedule::{Anneal, Curve, LrSchedule, ScheduleUnit, WorkerScaling};
+pub use wire::Wire;
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].

@@ -575,6 +575,8 @@ pub enum Request {
         ranges: Vec<KeyRange>,
         /// BSP: apply every pending aggregated update of steps before this clock first.
         apply_through: Clock,
+        /// The precision the answer's values travel at (the chunks' `len` counts values).
+        wire: crate::Wire,
     },
     /// Sends gradients; the request payload holds the chunks in `chunks` order.
     Push {
@@ -586,6 +588,9 @@ pub enum Request {
         clock: Clock,
         /// The chunks in the payload.
         chunks: Vec<ChunkRef>,
+        /// The precision of the payload's values (the chunks' `len` counts values). A shard
+        /// refuses one that is not finite in it, and applies the values as f32.
+        wire: crate::Wire,
         /// The samples the gradients came from; a span this shard already applied is skipped.
         span: Option<DataSpan>,
         /// A sparse push's further keys: their gradient is zero (nothing of them travels) but

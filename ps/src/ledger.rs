@@ -417,6 +417,7 @@ mod tests {
             seed: 0,
             lease_ms: 1000,
             replicas: 1,
+            wire: Default::default(),
             data: None,
         }
     }

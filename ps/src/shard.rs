@@ -12,16 +12,17 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
-use edl_shared::proto::frame::{F32Run, F32Runs, LeF32s, f32s_to_bytes, first_non_finite};
+use edl_shared::proto::frame::{F32Run, F32Runs, LeF32s, Payload, f32s_to_bytes, first_non_finite};
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
 };
+use edl_shared::proto::wire::{Wire, decode_finite, encode_finite};
 use edl_shared::proto::{
-    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Parts, Request,
-    Response, ScheduleUnit, ShardMap,
+    Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Parts, ProtoError,
+    Request, Response, ScheduleUnit, ShardMap,
 };
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::token::Signer;
@@ -84,6 +85,29 @@ fn wire_params(params: &Arc<Vec<f32>>) -> Bytes {
     } else {
         f32s_to_bytes(params)
     }
+}
+
+/// A push's payload of `wire` values as f32 (one part), once every value was found finite in
+/// it and the payload to hold exactly the chunks' values.
+fn widen(chunks: &[ChunkRef], payload: &Parts, wire: Wire) -> Result<Parts, Refusal> {
+    let values = floats_in(chunks) as usize;
+    let bytes = payload.byte_len();
+    if bytes != values * wire.value_bytes() {
+        return Err(Refusal::new(
+            ErrorCode::ShapeMismatch,
+            format!("{bytes} payload bytes for {values} {wire} values"),
+        ));
+    }
+    let mut out = vec![0f32; values];
+    let joined = payload.concat();
+    decode_finite(&joined, wire, &mut out).map_err(|e| match e {
+        ProtoError::NonFinite { index } => Refusal::new(
+            ErrorCode::NonFinite,
+            format!("gradient value at float {index} is not finite; nothing was applied"),
+        ),
+        other => Refusal::new(ErrorCode::Malformed, other.to_string()),
+    })?;
+    Ok(Parts(vec![f32s_to_bytes(&out)]))
 }
 
 /// A draw from the standard normal distribution (Box-Muller).
@@ -669,9 +693,21 @@ impl ShardState {
     /// routed with does not matter as long as this shard holds every key asked for.
     pub fn pull(
         &self,
+        epoch: MapEpoch,
+        ranges: &[KeyRange],
+        apply_through: Clock,
+    ) -> Result<Frame<Response, Parts>, Refusal> {
+        self.pull_in(epoch, ranges, apply_through, Wire::F32)
+    }
+
+    /// [`ShardState::pull`], the values in `wire`: f32 as they lie, a 16-bit precision
+    /// converted (refused if a parameter does not fit it: binary16 ends at 65,504).
+    pub fn pull_in(
+        &self,
         _epoch: MapEpoch,
         ranges: &[KeyRange],
         apply_through: Clock,
+        wire: Wire,
     ) -> Result<Frame<Response, Parts>, Refusal> {
         let mut count = 0u64;
         for r in ranges {
@@ -709,14 +745,29 @@ impl ShardState {
             }
             chunk.load += chunk.params.len() as u64;
             floats += chunk.params.len() as u64;
-            out.push(wire_params(&chunk.params));
+            out.push(match wire {
+                Wire::F32 => wire_params(&chunk.params),
+                _ => {
+                    let mut b = BytesMut::with_capacity(chunk.params.len() * wire.value_bytes());
+                    encode_finite(&mut b, &chunk.params, wire).map_err(|i| {
+                        Refusal::new(
+                            ErrorCode::InvalidRequest,
+                            format!(
+                                "parameter {i} of {key} ({}) does not fit {wire}: pull it as f32",
+                                chunk.params[i]
+                            ),
+                        )
+                    })?;
+                    b.freeze()
+                }
+            });
             refs.push(ChunkRef {
                 key,
                 len: chunk.params.len() as u32,
             });
         }
         self.load.pulls.fetch_add(1, Ordering::Relaxed);
-        self.load.bytes_out.fetch_add(floats * 4, Ordering::Relaxed);
+        (self.load.bytes_out).fetch_add(floats * wire.value_bytes() as u64, Ordering::Relaxed);
         Ok(Frame::with_payload(
             Response::Pulled { chunks: refs },
             Parts(out),
@@ -2369,12 +2420,13 @@ impl Service for ShardService {
                 epoch,
                 ranges,
                 apply_through,
+                wire,
             } => {
                 let keys = || ranges.iter().flat_map(|r| (r.start..r.end).map(Key));
                 if epoch > st.map_epoch() && !st.holds(keys()) {
                     st.wait_for_epoch(epoch, EPOCH_WAIT).await;
                 }
-                st.pull(epoch, &ranges, apply_through)
+                st.pull_in(epoch, &ranges, apply_through, wire)
                     .map_err(Response::from)
             }
             Request::Push {
@@ -2382,10 +2434,20 @@ impl Service for ShardService {
                 worker,
                 clock,
                 chunks,
+                wire,
                 span,
                 covers,
                 token: _,
             } => {
+                // A 16-bit push becomes f32 here, checked whole, before anything else looks
+                // at it (backups are forwarded the f32 values).
+                let payload = match wire {
+                    Wire::F32 => payload,
+                    _ => match widen(&chunks, &payload, wire) {
+                        Ok(p) => p,
+                        Err(r) => return Frame::new(Response::from(r)),
+                    },
+                };
                 let keys = || {
                     let covered = covers.iter().flat_map(|r| (r.start..r.end).map(Key));
                     chunks.iter().map(|c| c.key).chain(covered)

@@ -90,6 +90,7 @@ async fn half_sent(conn: Conn) -> Option<ErrorCode> {
             key: Key(0),
             len: (FRAME / 4) as u32,
         }],
+        wire: Default::default(),
         span: None,
         covers: Vec::new(),
         token: Token::default(),

@@ -230,6 +230,7 @@ pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
         seed: defaults::SEED,
         lease_ms: defaults::LEASE_MS,
         replicas: defaults::REPLICAS,
+        wire: edl_proto::Wire::F32,
         data,
     };
     if let Some(t) = &raw.training {
@@ -298,6 +299,7 @@ struct RawTraining {
     partition_size: Option<Spanned<u32>>,
     lease_ms: Option<Spanned<u32>>,
     replicas: Option<Spanned<u32>>,
+    wire: Option<Spanned<String>>,
     seed: Option<Spanned<Seed>>,
     chunk_size: Option<Spanned<u32>>,
 }
@@ -701,6 +703,9 @@ impl Cx<'_> {
                 return Err(self.at(v, "training.replicas", message));
             }
             job.replicas = *v.get_ref();
+        }
+        if let Some(v) = &t.wire {
+            job.wire = (v.get_ref().parse()).map_err(|e| self.at(v, "training.wire", e))?;
         }
         if let Some(seed) = &t.seed {
             job.seed = seed.get_ref().0;
@@ -1252,6 +1257,9 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
     if job.replicas != defaults::REPLICAS {
         writeln!(out, "replicas = {}", job.replicas)?;
     }
+    if job.wire != edl_proto::Wire::F32 {
+        writeln!(out, "wire = \"{}\"", job.wire)?;
+    }
     if i64::try_from(job.seed).is_ok() {
         writeln!(out, "seed = {}", job.seed)?;
     } else {
@@ -1350,6 +1358,13 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
             match job.replicas {
                 0 | 1 => "1 (no backup copies)".to_string(),
                 n => format!("{n} (a primary and {} backups of every key range)", n - 1),
+            },
+        ),
+        (
+            "wire",
+            match job.wire {
+                edl_proto::Wire::F32 => "f32 (pushes and pulls exact)".to_string(),
+                w => format!("{w} (pushes and pulls at 16 bits; shards keep f32)"),
             },
         ),
         ("seed", job.seed.to_string()),
@@ -1523,6 +1538,17 @@ init = "zeros"
 
     fn close(a: f32, b: f64) -> bool {
         (f64::from(a) - b).abs() < 1e-6
+    }
+
+    #[test]
+    fn the_wire_precision_is_read_and_written_back() {
+        assert_eq!(job(MLP).wire, edl_proto::Wire::F32);
+        let text = MLP.replace("samples = 60000", "samples = 60000\nwire = \"bf16\"");
+        let bf16 = job(&text);
+        assert_eq!(bf16.wire, edl_proto::Wire::Bf16);
+        let back = to_toml(&bf16);
+        assert!(back.contains("wire = \"bf16\""), "{back}");
+        assert_eq!(job(&back).wire, edl_proto::Wire::Bf16);
     }
 
     #[test]
@@ -1900,6 +1926,7 @@ init = "zeros"
             (MLP, &[("samples = 60000", "samples = 60000\npartition_size = 0")], "training.partition_size", 14),
             (MLP, &[("samples = 60000", "samples = 60000\nreplicas = 0")], "training.replicas", 14),
             (MLP, &[("samples = 60000", "samples = 60000\nreplicas = 9")], "training.replicas", 14),
+            (MLP, &[("samples = 60000", "samples = 60000\nwire = \"int8\"")], "training.wire", 14),
             // Data.
             (LOGREG, &[("\"libsvm\"", "\"csv\"")], "data.format", 16),
             (LOGREG, &[("\"/data/agaricus.txt.train\"", "\"\"")], "data.train", 17),

@@ -2725,6 +2725,7 @@ impl Sim {
             worker: id,
             clock,
             chunks,
+            wire: Default::default(),
             span: Some(span),
             covers: Vec::new(),
             token,

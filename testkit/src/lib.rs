@@ -277,6 +277,7 @@ pub fn mlp_job(
         seed: 7,
         lease_ms: 2000,
         replicas: 1,
+        wire: Default::default(),
         data: None,
     }
 }
@@ -303,6 +304,7 @@ pub fn counter_job(len: u32, chunk: u32, consistency: Consistency) -> JobConfig 
         seed: 0,
         lease_ms: 2000,
         replicas: 1,
+        wire: Default::default(),
         data: None,
     }
 }

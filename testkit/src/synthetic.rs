@@ -43,6 +43,7 @@ pub fn synthetic_job(samples: u32, epochs: u32, consistency: Consistency) -> Job
         seed: 3,
         lease_ms: 3000,
         replicas: 1,
+        wire: Default::default(),
         data: None,
     }
 }

@@ -74,6 +74,7 @@ async fn a_push_that_reached_some_shards_before_death_is_applied_once() -> anyho
             worker: a.worker(),
             clock: a.clock(),
             chunks,
+            wire: Default::default(),
             span: Some(second),
             covers: Vec::new(),
             token: a.token(),

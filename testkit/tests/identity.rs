@@ -133,6 +133,7 @@ async fn pushes_need_the_token_of_their_worker_and_certificate() -> anyhow::Resu
         worker,
         clock: Clock(0),
         chunks: one(),
+        wire: Default::default(),
         span: None,
         covers: Vec::new(),
         token,

@@ -286,6 +286,7 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
                     worker,
                     clock: Clock(0),
                     chunks,
+                    wire: Default::default(),
                     span: None,
                     covers: Vec::new(),
                     token,

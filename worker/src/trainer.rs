@@ -617,6 +617,7 @@ mod tests {
             seed: 1,
             lease_ms: 2000,
             replicas: 1,
+            wire: Default::default(),
             data: None,
         }
     }

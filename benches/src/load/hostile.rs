@@ -213,6 +213,7 @@ fn stalled_push() -> anyhow::Result<BytesMut> {
         worker: WorkerId(0),
         clock: Clock(0),
         chunks: Vec::new(),
+        wire: Default::default(),
         span: None,
         covers: Vec::new(),
         token: Token([0; 32]),

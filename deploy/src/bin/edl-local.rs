@@ -68,6 +68,10 @@ struct Cli {
     /// `[training] replicas`). [default: 1, no copies]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=8))]
     replicas: Option<u32>,
+    /// The precision pushes and pulls travel at: f32 (exact), bf16 or fp16 (half the bytes;
+    /// the shards keep f32). Over a job file's `[training] wire`. [default: f32]
+    #[arg(long)]
+    wire: Option<edl_shared::proto::Wire>,
     /// MLP layer widths, input to classes.
     #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
     layers: Vec<u32>,
@@ -176,6 +180,7 @@ impl Cli {
             train_samples: self.train_samples,
             lease_ms: self.lease_ms,
             replicas: self.replicas,
+            wire: self.wire,
             layers: self.layers,
             seed: self.seed,
             data_dir: self.data_dir,

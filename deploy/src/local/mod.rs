@@ -110,6 +110,9 @@ pub struct LocalConfig {
     /// Copies of every key range (`--replicas`), over the job file's; `None`: the job's (1
     /// without a job file).
     pub replicas: Option<u32>,
+    /// The precision pushes and pulls travel at (`--wire`), over the job file's; `None`: the
+    /// job's (f32 without a job file).
+    pub wire: Option<edl_shared::proto::Wire>,
     /// MLP layer widths, input to classes.
     pub layers: Vec<u32>,
     /// Seed for initialization and data order.
@@ -736,6 +739,9 @@ impl Launch<'_> {
         }
         if let Some(r) = cfg.replicas {
             args.extend(["--replicas".into(), r.to_string().into()]);
+        }
+        if let Some(w) = cfg.wire {
+            args.extend(["--wire".into(), w.to_string().into()]);
         }
         if let Some(job) = &cfg.job {
             args.extend(["--job".into(), job.clone().into_os_string()]);

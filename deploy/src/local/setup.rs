@@ -103,6 +103,7 @@ mod tests {
             train_samples: 1000,
             lease_ms: 3000,
             replicas: None,
+            wire: None,
             layers: vec![784, 10],
             seed: 1,
             data_dir: dir.path().into(),

@@ -57,6 +57,7 @@ pub fn replicated_config(
         train_samples: TRAIN_SAMPLES,
         lease_ms: 1000,
         replicas: (replicas > 1).then_some(replicas),
+        wire: None,
         layers: vec![784, 64, 10],
         seed,
         data_dir: DEFAULT_DATA_DIR.into(),

@@ -304,6 +304,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                 seed,
                 lease_ms,
                 replicas: 1,
+                wire: Default::default(),
                 data: None,
             },
         )
@@ -571,6 +572,10 @@ fn job_history() -> BoxedStrategy<JobHistory> {
         .boxed()
 }
 
+fn wire() -> BoxedStrategy<edl_proto::Wire> {
+    proptest::sample::select(edl_proto::Wire::ALL.to_vec()).boxed()
+}
+
 fn job_status() -> BoxedStrategy<JobStatus> {
     let epoch = (
         any::<u32>(),
@@ -689,11 +694,12 @@ pub fn request() -> BoxedStrategy<Request> {
         Just(Request::Placements),
         (edgy_u64(), text()).prop_map(|(id, reason)| Request::PlacementFailed { id, reason }),
         proptest::option::of(straggler_settings()).prop_map(|set| Request::Stragglers { set }),
-        (map_epoch(), vec(key_range(), 0..8), clock()).prop_map(
-            |(epoch, ranges, apply_through)| Request::Pull {
+        (map_epoch(), vec(key_range(), 0..8), clock(), wire()).prop_map(
+            |(epoch, ranges, apply_through, wire)| Request::Pull {
                 epoch,
                 ranges,
                 apply_through,
+                wire,
             }
         ),
         (
@@ -703,13 +709,15 @@ pub fn request() -> BoxedStrategy<Request> {
             chunks(),
             proptest::option::of(data_span()),
             token(),
+            wire(),
         )
             .prop_map(
-                |(epoch, worker, clock, chunks, span, token)| Request::Push {
+                |(epoch, worker, clock, chunks, span, token, wire)| Request::Push {
                     epoch,
                     worker,
                     clock,
                     chunks,
+                    wire,
                     span,
                     covers: Vec::new(),
                     token,

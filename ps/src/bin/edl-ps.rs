@@ -131,6 +131,12 @@ struct CoordinatorArgs {
     /// `[training] replicas`. [default: 1, no copies]
     #[arg(long)]
     replicas: Option<u32>,
+    /// The precision pushes and pulls travel at: f32 (exact), bf16 or fp16 (half the bytes;
+    /// shards keep f32 parameters and optimizer state, and refuse a value that is not finite
+    /// at 16 bits: fp16 ends at 65,504). Overrides a job file's `[training] wire`.
+    /// [default: f32]
+    #[arg(long)]
+    wire: Option<edl_shared::proto::Wire>,
     /// Keep no durable state. By default the coordinator keeps membership, the shard map, the
     /// job, the data leases and the data progress in STATE_DIR/coordinator (a log,
     /// state.wal, folded into state.bin now and then), makes every change durable before it
@@ -361,12 +367,16 @@ async fn main() -> anyhow::Result<()> {
                     seed: a.seed,
                     lease_ms: a.lease_ms,
                     replicas: 1,
+                    wire: Default::default(),
                     data: None,
                 },
             };
             let mut job = job;
             if let Some(r) = a.replicas {
                 job.replicas = r;
+            }
+            if let Some(w) = a.wire {
+                job.wire = w;
             }
             if !(1..=a.shards.min(edl_shared::jobfile::MAX_REPLICAS)).contains(&job.replicas) {
                 anyhow::bail!(

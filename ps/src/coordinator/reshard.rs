@@ -108,6 +108,7 @@ impl Coordinator {
                     end: mv.end,
                 }],
                 apply_through: Clock(0),
+                wire: Default::default(),
             };
             let held = match caller.call(&dest, probe, Parts::default()).await {
                 Ok(Response::Pulled { .. }) => true,

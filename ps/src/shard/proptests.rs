@@ -46,6 +46,7 @@ fn job(consistency: Consistency) -> JobConfig {
         seed: 0,
         lease_ms: 2000,
         replicas: 1,
+        wire: Default::default(),
         data: None,
     }
 }

@@ -30,6 +30,7 @@ fn job_with(consistency: Consistency, schedule: LrSchedule) -> JobConfig {
         seed: 0,
         lease_ms: 1000,
         replicas: 1,
+        wire: Wire::F32,
         data: None,
     }
 }
@@ -80,6 +81,91 @@ const BOTH: [ChunkRef; 2] = [
         len: 2,
     },
 ];
+
+/// The values `v` as a 16-bit push's payload, in parts cut at odd offsets (as QUIC may cut
+/// a stream).
+fn narrow(v: &[f32], wire: Wire) -> Parts {
+    let mut b = BytesMut::new();
+    encode_finite(&mut b, v, wire).expect("finite");
+    let b = b.freeze();
+    Parts(vec![b.slice(..3), b.slice(3..7), b.slice(7..)])
+}
+
+#[test]
+fn sixteen_bit_pushes_apply_their_values_and_pulls_answer_at_sixteen_bits() {
+    let st = state(Consistency::Asp);
+    let w = WorkerId(1);
+    // 1/3 is not a bfloat16: the shard applies the value the worker's encoding rounded to.
+    let g = [1.0 / 3.0, -2.0, 0.5, 1e-8, 7.0, -0.25];
+    for wire in [Wire::Bf16, Wire::F16] {
+        let wide = widen(&BOTH, &narrow(&g, wire), wire).expect("valid");
+        let push = wide.concat();
+        st.push(MapEpoch(1), w, Clock(0), &BOTH, &push, None)
+            .expect("push");
+    }
+    let rounded = |wire| edl_shared::proto::wire::round_trip(&g, wire).expect("finite");
+    let (b, h) = (rounded(Wire::Bf16), rounded(Wire::F16));
+    assert_ne!(b[0], g[0]);
+    let want: Vec<f32> = (0..6).map(|i| -b[i] - h[i]).collect();
+    assert_eq!(read(&st, 0), want);
+    // A pull at 16 bits: half the bytes, the parameters rounded once.
+    for wire in [Wire::Bf16, Wire::F16] {
+        let f = st
+            .pull_in(
+                MapEpoch(1),
+                &[KeyRange { start: 0, end: 2 }],
+                Clock(0),
+                wire,
+            )
+            .expect("pull");
+        let payload = f.payload.concat();
+        assert_eq!(payload.len(), 6 * 2, "{wire}");
+        let mut got = vec![0.0; 6];
+        edl_shared::proto::wire::decode(&payload, wire, &mut got).expect("decodes");
+        let once = edl_shared::proto::wire::round_trip(&want, wire).expect("finite");
+        assert_eq!(got, once, "{wire}");
+    }
+}
+
+#[test]
+fn bad_sixteen_bit_pushes_and_pulls_are_refused() {
+    let st = state(Consistency::Asp);
+    // A bfloat16 infinity at value 4 (bytes 8 and 9), and a NaN at value 1 in binary16.
+    for (wire, at, bits) in [(Wire::Bf16, 4, 0x7f80u16), (Wire::F16, 1, 0x7e00)] {
+        let mut b = BytesMut::new();
+        encode_finite(&mut b, &[1.0; 6], wire).expect("finite");
+        b[at * 2..at * 2 + 2].copy_from_slice(&bits.to_le_bytes());
+        let err = widen(&BOTH, &Parts(vec![b.freeze()]), wire).expect_err("refused");
+        assert_eq!(err.code, ErrorCode::NonFinite, "{}", err.message);
+        assert!(
+            err.message.contains(&format!("float {at}")),
+            "{}",
+            err.message
+        );
+    }
+    // Bytes for five values where the chunks hold six.
+    let short = widen(&BOTH, &narrow(&[1.0; 5], Wire::Bf16), Wire::Bf16).expect_err("short");
+    assert_eq!(short.code, ErrorCode::ShapeMismatch, "{}", short.message);
+    // A parameter past binary16's range cannot be pulled at 16 bits (f32 and bf16 can).
+    st.push(
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        &BOTH,
+        &floats(&[-1e5; 6]),
+        None,
+    )
+    .expect("push");
+    let range = [KeyRange { start: 0, end: 2 }];
+    let err = st
+        .pull_in(MapEpoch(1), &range, Clock(0), Wire::F16)
+        .expect_err("past fp16");
+    assert!(err.message.contains("does not fit fp16"), "{}", err.message);
+    for wire in [Wire::F32, Wire::Bf16] {
+        st.pull_in(MapEpoch(1), &range, Clock(0), wire)
+            .expect("fits");
+    }
+}
 
 #[test]
 fn bad_pushes_change_nothing() {
@@ -309,6 +395,7 @@ fn two_shards_with(
         seed: 0,
         lease_ms: 1000,
         replicas: 1,
+        wire: Default::default(),
         data: None,
     };
     let info = |i: u32| ShardInfo {
@@ -762,6 +849,7 @@ fn replicated() -> (JobConfig, ShardMap, [ShardInfo; 3]) {
         partition_size: 4,
         train_samples: 4,
         replicas: 2,
+        wire: Default::default(),
         ..job_with(Consistency::Asp, LrSchedule::default())
     };
     let info = |i: u32| ShardInfo {

@@ -13,9 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use edl_shared::proto::frame::{Parts, Payload, extend_f32s, extend_finite_f32s, first_non_finite};
+use edl_shared::proto::frame::{Parts, Payload, extend_f32s, first_non_finite};
 use edl_shared::proto::ids::{Clock, Key, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, KeyRange};
+use edl_shared::proto::wire::{Wire, decode, encode_finite};
 use edl_shared::proto::{ErrorCode, KeyLayout, Request, Response, ShardMap};
 use edl_shared::transport::{CallError, Collect, Conn, Release, Sink};
 
@@ -345,6 +346,7 @@ impl Job {
                     epoch: map.epoch,
                     ranges: link.ranges.clone(),
                     apply_through,
+                    wire: self.job.wire,
                 };
                 Ok((req, Parts::default()))
             },
@@ -355,6 +357,9 @@ impl Job {
                 each: &each,
                 chunks: Vec::new(),
                 at: (0, 0),
+                wire: self.job.wire,
+                narrow: Vec::new(),
+                wide: Vec::new(),
             },
             |_, msg| match msg {
                 Response::Pulled { .. } => Ok(()),
@@ -411,8 +416,10 @@ impl Job {
         // before anything is sent; shared ones while QUIC sends them, each request completed
         // only once every part passed (`Gate`), and not at all here when one shard is asked
         // (it refuses a bad gradient whole; the index is then found here).
+        let wire = self.job.wire;
         let shared_check = match &grads {
-            Grads::Shared(g) => Some(|link: &ShardLink| {
+            // Sent as they lie (f32 only): checked while QUIC sends them.
+            Grads::Shared(g) if wire == Wire::F32 => Some(|link: &ShardLink| {
                 link.flat.iter().try_for_each(|&(off, len)| {
                     match first_non_finite(&g[off..off + len]) {
                         Some(i) => Err(ClientError::NonFinite { index: off + i }),
@@ -420,7 +427,7 @@ impl Job {
                     }
                 })
             }),
-            Grads::Borrowed(_) => None,
+            _ => None,
         };
         let check = shared_check.as_ref().map(|c| c as &Check<'_>);
         let pushed = self
@@ -431,15 +438,9 @@ impl Job {
                 |link, map| {
                     // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
                     let payload = match &grads {
-                        Grads::Borrowed(g) => {
-                            let floats = link.flat.iter().map(|&(_, len)| len).sum::<usize>();
-                            let mut payload = BytesMut::with_capacity(floats * 4);
-                            for &(off, len) in &link.flat {
-                                extend_finite_f32s(&mut payload, &g[off..off + len])
-                                    .map_err(|i| ClientError::NonFinite { index: off + i })?;
-                            }
-                            Parts(vec![payload.freeze()])
-                        }
+                        // Copied (converted) and checked in one pass.
+                        Grads::Shared(g) if wire != Wire::F32 => encoded(&link.flat, g, wire)?,
+                        Grads::Borrowed(g) => encoded(&link.flat, g, wire)?,
                         Grads::Shared(g) => Parts(
                             link.flat
                                 .iter()
@@ -452,6 +453,7 @@ impl Job {
                         worker,
                         clock,
                         chunks: link.chunks.clone(),
+                        wire,
                         span,
                         covers: Vec::new(),
                         token,
@@ -508,14 +510,25 @@ impl Job {
                     .filter(|(k, _)| in_ranges(&link.ranges, *k))
                     .collect();
                 let floats = mine.iter().map(|(_, v)| v.len()).sum::<usize>();
-                let mut payload = BytesMut::with_capacity(floats * 4);
-                for (_, v) in &mine {
-                    extend_f32s(&mut payload, v);
+                let wire = self.job.wire;
+                let mut payload = BytesMut::with_capacity(floats * wire.value_bytes());
+                for (k, v) in &mine {
+                    if wire == Wire::F32 {
+                        // Checked above.
+                        extend_f32s(&mut payload, v);
+                    } else {
+                        // Finite, but perhaps past binary16's range.
+                        encode_finite(&mut payload, v, wire).map_err(|i| {
+                            let at = self.layout.span(*k).map_or(0, |s| s.offset as usize);
+                            ClientError::NonFinite { index: at + i }
+                        })?;
+                    }
                 }
                 let req = Request::Push {
                     epoch: map.epoch,
                     worker,
                     clock,
+                    wire,
                     chunks: mine
                         .iter()
                         .map(|(k, v)| ChunkRef {
@@ -540,9 +553,22 @@ impl Job {
     }
 }
 
+/// The values at `flat` (offset, length) of `g`, in `wire`, as one payload, each checked as
+/// it is copied; an error names the first value that is not finite in `wire`.
+fn encoded(flat: &[(usize, usize)], g: &[f32], wire: Wire) -> Result<Parts, ClientError> {
+    let floats = flat.iter().map(|&(_, len)| len).sum::<usize>();
+    let mut payload = BytesMut::with_capacity(floats * wire.value_bytes());
+    for &(off, len) in flat {
+        encode_finite(&mut payload, &g[off..off + len], wire)
+            .map_err(|i| ClientError::NonFinite { index: off + i })?;
+    }
+    Ok(Parts(vec![payload.freeze()]))
+}
+
 /// A pull answer's payload on its way into the caller's buffers: its chunks are checked
 /// against what was asked once the header arrives, then every part is handed on as it
-/// arrives, cut at chunk boundaries.
+/// arrives, cut at chunk boundaries. Values of a 16-bit `wire` are gathered a chunk at a
+/// time and handed on as f32 once the chunk is whole.
 struct PullSink<'a, F> {
     layout: &'a KeyLayout,
     /// The keys asked of this shard.
@@ -551,12 +577,19 @@ struct PullSink<'a, F> {
     /// The answer's chunks, and the chunk and byte in it the next part starts at.
     chunks: Vec<ChunkRef>,
     at: (usize, usize),
+    /// The precision asked for.
+    wire: Wire,
+    /// A 16-bit chunk's bytes so far, and its values decoded.
+    narrow: Vec<u8>,
+    wide: Vec<f32>,
 }
 
 impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
     fn header(&mut self, msg: &Response, len: u64) -> Result<(), String> {
         self.chunks.clear();
         self.at = (0, 0);
+        // A repeated call starts again: nothing of an earlier answer is kept.
+        self.narrow.clear();
         let Response::Pulled { chunks } = msg else {
             return match len {
                 0 => Ok(()),
@@ -572,7 +605,7 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
                     c.key, c.len
                 ));
             }
-            bytes += u64::from(c.len) * 4;
+            bytes += u64::from(c.len) * self.wire.value_bytes() as u64;
         }
         if bytes != len {
             return Err(format!(
@@ -590,12 +623,28 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
                 // The parts add up to the length `header` checked: nothing is left over.
                 return;
             };
-            let (key, size) = (c.key, c.len as usize * 4);
+            let (key, size) = (c.key, c.len as usize * self.wire.value_bytes());
             let n = part.len().min(size - self.at.1);
-            each(key, self.at.1, &part[..n]);
+            if self.wire == Wire::F32 {
+                each(key, self.at.1, &part[..n]);
+            } else {
+                self.narrow.extend_from_slice(&part[..n]);
+            }
             let _ = part.split_to(n);
             self.at.1 += n;
             if self.at.1 == size {
+                if self.wire != Wire::F32 {
+                    self.wide.clear();
+                    self.wide.resize(c.len as usize, 0.0);
+                    // Whole values, as many as the chunk holds: it cannot fail. Parameters
+                    // are not checked here, as f32 ones are not (shards check what they hold).
+                    let decoded = decode(&self.narrow, self.wire, &mut self.wide);
+                    debug_assert!(decoded.is_ok(), "{decoded:?}");
+                    self.narrow.clear();
+                    // The values as little-endian f32 bytes, as an f32 answer has them.
+                    from_le_in_place(&mut self.wide);
+                    each(key, 0, bytemuck::cast_slice(&self.wide));
+                }
                 self.at = (self.at.0 + 1, 0);
             }
         }
@@ -762,6 +811,9 @@ mod tests {
             each,
             chunks: Vec::new(),
             at: (0, 0),
+            wire: Wire::F32,
+            narrow: Vec::new(),
+            wide: Vec::new(),
         }
     }
 

@@ -22,6 +22,7 @@ pub(crate) fn job(consistency: Consistency) -> JobConfig {
         seed: 1,
         lease_ms: 1000,
         replicas: 1,
+        wire: Default::default(),
         data: None,
     }
 }

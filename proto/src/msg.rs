@@ -915,6 +915,9 @@ pub enum Response {
     Pulled {
         /// The chunks in the payload.
         chunks: Vec<ChunkRef>,
+        /// The precision of its values: the one asked for, or f32 when a parameter does not
+        /// fit it (past binary16's 65,504).
+        wire: crate::Wire,
     },
     /// A key range moved.
     Moved(MoveReport),

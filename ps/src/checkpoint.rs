@@ -204,8 +204,13 @@ pub fn read_blob(path: &Path, magic: &[u8; 8]) -> Result<AlignedVec<16>, Checkpo
 
 /// A checksum of a job configuration.
 pub fn fingerprint(job: &edl_shared::proto::JobConfig) -> u32 {
+    // The wire precision changes no state: a job restarted with another keeps its checkpoint.
+    let job = edl_shared::proto::JobConfig {
+        wire: Default::default(),
+        ..job.clone()
+    };
     // A job that cannot be archived gets a fingerprint no checkpoint has.
-    rkyv::to_bytes::<BoxedError>(job)
+    rkyv::to_bytes::<BoxedError>(&job)
         .map(|b| crc32fast::hash(&b))
         .unwrap_or(u32::MAX)
 }

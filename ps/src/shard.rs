@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
-use edl_shared::proto::frame::{F32Run, F32Runs, LeF32s, Payload, f32s_to_bytes, first_non_finite};
+use edl_shared::proto::frame::{
+    F32Run, F32Runs, LeF32s, Payload, bytes_to_f32s, f32s_to_bytes, first_non_finite,
+};
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
@@ -87,27 +89,81 @@ fn wire_params(params: &Arc<Vec<f32>>) -> Bytes {
     }
 }
 
+/// Chunks of f32 parameters (as [`wire_params`] made them) in a 16-bit `wire`, or `None` if a
+/// value does not fit it.
+fn narrowed(chunks: &[Bytes], wire: Wire) -> Option<Vec<Bytes>> {
+    let mut values = Vec::new();
+    chunks
+        .iter()
+        .map(|c| {
+            values.resize(c.len() / 4, 0.0);
+            bytes_to_f32s(c, &mut values).ok()?;
+            let mut b = BytesMut::with_capacity(values.len() * wire.value_bytes());
+            encode_finite(&mut b, &values, wire).ok()?;
+            Some(b.freeze())
+        })
+        .collect()
+}
+
 /// A push's payload of `wire` values as f32 (one part), once every value was found finite in
-/// it and the payload to hold exactly the chunks' values.
-fn widen(chunks: &[ChunkRef], payload: &Parts, wire: Wire) -> Result<Parts, Refusal> {
+/// it and the payload to hold exactly the chunks' values. The parts are decoded where they
+/// lie and dropped: at most the payload and its f32 values are held at once.
+fn widen(chunks: &[ChunkRef], payload: Parts, wire: Wire) -> Result<Parts, Refusal> {
     let values = floats_in(chunks) as usize;
     let bytes = payload.byte_len();
-    if bytes != values * wire.value_bytes() {
+    let size = wire.value_bytes();
+    if bytes != values * size {
         return Err(Refusal::new(
             ErrorCode::ShapeMismatch,
             format!("{bytes} payload bytes for {values} {wire} values"),
         ));
     }
-    let mut out = vec![0f32; values];
-    let joined = payload.concat();
-    decode_finite(&joined, wire, &mut out).map_err(|e| match e {
+    let refuse = |e: ProtoError, at: usize| match e {
         ProtoError::NonFinite { index } => Refusal::new(
             ErrorCode::NonFinite,
-            format!("gradient value at float {index} is not finite; nothing was applied"),
+            format!(
+                "gradient value at float {} is not finite; nothing was applied",
+                at as u64 + index
+            ),
         ),
         other => Refusal::new(ErrorCode::Malformed, other.to_string()),
-    })?;
-    Ok(Parts(vec![f32s_to_bytes(&out)]))
+    };
+    let mut out = vec![0f32; values];
+    let (mut at, mut carry) = (0usize, Vec::with_capacity(size));
+    for part in payload.0 {
+        let mut part = &part[..];
+        // A value cut between two parts.
+        if !carry.is_empty() {
+            let take = (size - carry.len()).min(part.len());
+            carry.extend_from_slice(&part[..take]);
+            part = &part[take..];
+            if carry.len() < size {
+                continue;
+            }
+            decode_finite(&carry, wire, &mut out[at..at + 1]).map_err(|e| refuse(e, at))?;
+            carry.clear();
+            at += 1;
+        }
+        let whole = part.len() / size;
+        decode_finite(&part[..whole * size], wire, &mut out[at..at + whole])
+            .map_err(|e| refuse(e, at))?;
+        at += whole;
+        carry.extend_from_slice(&part[whole * size..]);
+    }
+    // The length was checked: every value was decoded.
+    let values = if cfg!(target_endian = "little") {
+        /// Owns the widened values while they are read as bytes.
+        struct Held(Vec<f32>);
+        impl AsRef<[u8]> for Held {
+            fn as_ref(&self) -> &[u8] {
+                bytemuck::cast_slice(&self.0)
+            }
+        }
+        Bytes::from_owner(Held(out))
+    } else {
+        f32s_to_bytes(&out)
+    };
+    Ok(Parts(vec![values]))
 }
 
 /// A draw from the standard normal distribution (Box-Muller).
@@ -745,31 +801,24 @@ impl ShardState {
             }
             chunk.load += chunk.params.len() as u64;
             floats += chunk.params.len() as u64;
-            out.push(match wire {
-                Wire::F32 => wire_params(&chunk.params),
-                _ => {
-                    let mut b = BytesMut::with_capacity(chunk.params.len() * wire.value_bytes());
-                    encode_finite(&mut b, &chunk.params, wire).map_err(|i| {
-                        Refusal::new(
-                            ErrorCode::InvalidRequest,
-                            format!(
-                                "parameter {i} of {key} ({}) does not fit {wire}: pull it as f32",
-                                chunk.params[i]
-                            ),
-                        )
-                    })?;
-                    b.freeze()
-                }
-            });
+            out.push(wire_params(&chunk.params));
             refs.push(ChunkRef {
                 key,
                 len: chunk.params.len() as u32,
             });
         }
+        // At 16 bits if every value fits, else (fp16 past 65,504) the whole answer at f32.
+        let (wire, out) = match wire {
+            Wire::F32 => (Wire::F32, out),
+            _ => match narrowed(&out, wire) {
+                Some(narrow) => (wire, narrow),
+                None => (Wire::F32, out),
+            },
+        };
         self.load.pulls.fetch_add(1, Ordering::Relaxed);
         (self.load.bytes_out).fetch_add(floats * wire.value_bytes() as u64, Ordering::Relaxed);
         Ok(Frame::with_payload(
-            Response::Pulled { chunks: refs },
+            Response::Pulled { chunks: refs, wire },
             Parts(out),
         ))
     }
@@ -2443,7 +2492,7 @@ impl Service for ShardService {
                 // at it (backups are forwarded the f32 values).
                 let payload = match wire {
                     Wire::F32 => payload,
-                    _ => match widen(&chunks, &payload, wire) {
+                    _ => match widen(&chunks, payload, wire) {
                         Ok(p) => p,
                         Err(r) => return Frame::new(Response::from(r)),
                     },

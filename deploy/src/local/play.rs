@@ -389,10 +389,13 @@ impl Launch<'_> {
             .context("asking the coordinator for the clock to checkpoint at")?;
         let mut params = vec![0f32; job.param_count()];
         // Like the evaluator: only steps every counting worker has passed are applied.
-        tokio::time::timeout(ADMIN_TIMEOUT, job.pull_all(&mut params, st.min_clock))
-            .await
-            .context("the checkpoint pull timed out")?
-            .context("pulling the parameters for a checkpoint")?;
+        tokio::time::timeout(
+            ADMIN_TIMEOUT,
+            job.pull_all_in(&mut params, st.min_clock, edl_shared::proto::Wire::F32),
+        )
+        .await
+        .context("the checkpoint pull timed out")?
+        .context("pulling the parameters for a checkpoint")?;
         let bytes = f32s_to_bytes(&params);
         let path = self.state_dir.join(format!("checkpoint-{n}.bin"));
         edl_shared::pki::write_atomic(&path, &bytes)

@@ -854,7 +854,7 @@ pub fn response() -> BoxedStrategy<Response> {
         any_shard_map().prop_map(Response::Map),
         job_config().prop_map(Response::Job),
         vec(ledger, 0..4).prop_map(Response::Ledger),
-        chunks().prop_map(|chunks| Response::Pulled { chunks }),
+        (chunks(), wire()).prop_map(|(chunks, wire)| Response::Pulled { chunks, wire }),
         move_report().prop_map(Response::Moved),
         (vec(move_report(), 0..3), any_shard_map())
             .prop_map(|(moves, map)| Response::Resharded { moves, map }),

@@ -678,7 +678,7 @@ impl Harness {
                     }
                     expected.extend_from_slice(&key.params);
                 }
-                let Response::Pulled { chunks } = &frame.msg else {
+                let Response::Pulled { chunks, .. } = &frame.msg else {
                     panic!("a pull answered {:?}", frame.msg);
                 };
                 let refs: Vec<(u64, u32)> = chunks.iter().map(|c| (c.key.0, c.len)).collect();

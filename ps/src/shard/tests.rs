@@ -98,7 +98,7 @@ fn sixteen_bit_pushes_apply_their_values_and_pulls_answer_at_sixteen_bits() {
     // 1/3 is not a bfloat16: the shard applies the value the worker's encoding rounded to.
     let g = [1.0 / 3.0, -2.0, 0.5, 1e-8, 7.0, -0.25];
     for wire in [Wire::Bf16, Wire::F16] {
-        let wide = widen(&BOTH, &narrow(&g, wire), wire).expect("valid");
+        let wide = widen(&BOTH, narrow(&g, wire), wire).expect("valid");
         let push = wide.concat();
         st.push(MapEpoch(1), w, Clock(0), &BOTH, &push, None)
             .expect("push");
@@ -135,7 +135,7 @@ fn bad_sixteen_bit_pushes_and_pulls_are_refused() {
         let mut b = BytesMut::new();
         encode_finite(&mut b, &[1.0; 6], wire).expect("finite");
         b[at * 2..at * 2 + 2].copy_from_slice(&bits.to_le_bytes());
-        let err = widen(&BOTH, &Parts(vec![b.freeze()]), wire).expect_err("refused");
+        let err = widen(&BOTH, Parts(vec![b.freeze()]), wire).expect_err("refused");
         assert_eq!(err.code, ErrorCode::NonFinite, "{}", err.message);
         assert!(
             err.message.contains(&format!("float {at}")),
@@ -144,9 +144,9 @@ fn bad_sixteen_bit_pushes_and_pulls_are_refused() {
         );
     }
     // Bytes for five values where the chunks hold six.
-    let short = widen(&BOTH, &narrow(&[1.0; 5], Wire::Bf16), Wire::Bf16).expect_err("short");
+    let short = widen(&BOTH, narrow(&[1.0; 5], Wire::Bf16), Wire::Bf16).expect_err("short");
     assert_eq!(short.code, ErrorCode::ShapeMismatch, "{}", short.message);
-    // A parameter past binary16's range cannot be pulled at 16 bits (f32 and bf16 can).
+    // A parameter past binary16's range: a pull at fp16 is answered at f32, exact.
     st.push(
         MapEpoch(1),
         WorkerId(1),
@@ -157,14 +157,20 @@ fn bad_sixteen_bit_pushes_and_pulls_are_refused() {
     )
     .expect("push");
     let range = [KeyRange { start: 0, end: 2 }];
-    let err = st
-        .pull_in(MapEpoch(1), &range, Clock(0), Wire::F16)
-        .expect_err("past fp16");
-    assert!(err.message.contains("does not fit fp16"), "{}", err.message);
-    for wire in [Wire::F32, Wire::Bf16] {
-        st.pull_in(MapEpoch(1), &range, Clock(0), wire)
-            .expect("fits");
+    for (asked, answered, bytes) in [
+        (Wire::F16, Wire::F32, 24),
+        (Wire::Bf16, Wire::Bf16, 12),
+        (Wire::F32, Wire::F32, 24),
+    ] {
+        let f = st
+            .pull_in(MapEpoch(1), &range, Clock(0), asked)
+            .expect("pull");
+        let Response::Pulled { wire, .. } = f.msg else {
+            panic!("{:?}", f.msg)
+        };
+        assert_eq!((wire, f.payload.byte_len()), (answered, bytes), "{asked}");
     }
+    assert_eq!(read(&st, 0), vec![1e5; 6]);
 }
 
 #[test]

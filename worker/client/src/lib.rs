@@ -823,7 +823,9 @@ impl Job {
         } else {
             status.min_clock
         };
-        self.pull_all(out, through).await?;
+        // Evaluated exact, whatever the job's wire precision.
+        self.pull_all_in(out, through, edl_shared::proto::Wire::F32)
+            .await?;
         Ok(status)
     }
 

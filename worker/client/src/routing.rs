@@ -313,12 +313,24 @@ impl Job {
     /// Pulls every parameter into `out` (the flat vector), from all shards in parallel. Each
     /// shard's answer is written into `out` as it arrives, without an intermediate buffer. On
     /// an error, `out` may hold part of the new values.
-    /// `apply_through` closes BSP steps before that clock first.
+    /// `apply_through` closes BSP steps before that clock first. The values travel at the
+    /// job's wire precision.
     pub async fn pull_all(&self, out: &mut [f32], apply_through: Clock) -> Result<(), ClientError> {
+        self.pull_all_in(out, apply_through, self.job.wire).await
+    }
+
+    /// [`Job::pull_all`] at the precision `wire` (an evaluation or a checkpoint pulls the
+    /// parameters exact, at f32, whatever the job's wire).
+    pub async fn pull_all_in(
+        &self,
+        out: &mut [f32],
+        apply_through: Clock,
+        wire: Wire,
+    ) -> Result<(), ClientError> {
         self.check_len(out.len())?;
         let layout = &self.layout;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut *out);
-        self.pull(None, apply_through, |key, at, part| {
+        self.pull(None, apply_through, wire, |key, at, part| {
             let off = layout.span(key).map_or(0, |s| s.offset as usize) * 4 + at;
             bytes[off..off + part.len()].copy_from_slice(part);
         })
@@ -335,6 +347,7 @@ impl Job {
         &self,
         wanted: Option<Vec<KeyRange>>,
         apply_through: Clock,
+        wire: Wire,
         each: impl FnMut(Key, usize, &[u8]) + Send,
     ) -> Result<(), ClientError> {
         let each = Mutex::new(each);
@@ -346,7 +359,7 @@ impl Job {
                     epoch: map.epoch,
                     ranges: link.ranges.clone(),
                     apply_through,
-                    wire: self.job.wire,
+                    wire,
                 };
                 Ok((req, Parts::default()))
             },
@@ -357,7 +370,8 @@ impl Job {
                 each: &each,
                 chunks: Vec::new(),
                 at: (0, 0),
-                wire: self.job.wire,
+                wire,
+                answer: wire,
                 narrow: Vec::new(),
                 wide: Vec::new(),
             },
@@ -382,12 +396,17 @@ impl Job {
         let mut got: HashMap<Key, Vec<f32>> = HashMap::with_capacity(keys.len());
         let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
         let layout = &self.layout;
-        self.pull(Some(wanted), apply_through, |key, at, part| {
-            let v = got
-                .entry(key)
-                .or_insert_with(|| vec![0.0; layout.span(key).map_or(0, |s| s.len as usize)]);
-            bytemuck::cast_slice_mut::<f32, u8>(v)[at..at + part.len()].copy_from_slice(part);
-        })
+        self.pull(
+            Some(wanted),
+            apply_through,
+            self.job.wire,
+            |key, at, part| {
+                let v = got
+                    .entry(key)
+                    .or_insert_with(|| vec![0.0; layout.span(key).map_or(0, |s| s.len as usize)]);
+                bytemuck::cast_slice_mut::<f32, u8>(v)[at..at + part.len()].copy_from_slice(part);
+            },
+        )
         .await?;
         got.values_mut().for_each(|v| from_le_in_place(v));
         keys.iter()
@@ -401,7 +420,8 @@ impl Job {
 
     /// Pushes the flat gradient vector `grads` for step `clock`, to all shards in parallel.
     /// Borrowed values are checked and copied into one wire buffer per shard in one pass;
-    /// [`Gradients`] are checked and sent as they lie.
+    /// [`Gradients`] are checked and sent as they lie at f32, converted like borrowed ones at
+    /// a 16-bit wire.
     pub(super) async fn push_all(
         &self,
         (worker, token): (WorkerId, Token),
@@ -577,8 +597,10 @@ struct PullSink<'a, F> {
     /// The answer's chunks, and the chunk and byte in it the next part starts at.
     chunks: Vec<ChunkRef>,
     at: (usize, usize),
-    /// The precision asked for.
+    /// The precision asked for, and the one the answer came at (f32 where a value did not
+    /// fit the one asked for).
     wire: Wire,
+    answer: Wire,
     /// A 16-bit chunk's bytes so far, and its values decoded.
     narrow: Vec<u8>,
     wide: Vec<f32>,
@@ -590,12 +612,17 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
         self.at = (0, 0);
         // A repeated call starts again: nothing of an earlier answer is kept.
         self.narrow.clear();
-        let Response::Pulled { chunks } = msg else {
+        let Response::Pulled { chunks, wire } = msg else {
             return match len {
                 0 => Ok(()),
                 n => Err(format!("an answer of {n} payload bytes to a pull")),
             };
         };
+        // The precision asked for, or f32 where a value did not fit it.
+        if *wire != self.wire && *wire != Wire::F32 {
+            return Err(format!("an answer at {wire} to a pull at {}", self.wire));
+        }
+        self.answer = *wire;
         let mut bytes = 0u64;
         for c in chunks {
             let fits = self.layout.span(c.key).is_some_and(|s| s.len == c.len);
@@ -605,7 +632,7 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
                     c.key, c.len
                 ));
             }
-            bytes += u64::from(c.len) * self.wire.value_bytes() as u64;
+            bytes += u64::from(c.len) * self.answer.value_bytes() as u64;
         }
         if bytes != len {
             return Err(format!(
@@ -623,9 +650,9 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
                 // The parts add up to the length `header` checked: nothing is left over.
                 return;
             };
-            let (key, size) = (c.key, c.len as usize * self.wire.value_bytes());
+            let (key, size) = (c.key, c.len as usize * self.answer.value_bytes());
             let n = part.len().min(size - self.at.1);
-            if self.wire == Wire::F32 {
+            if self.answer == Wire::F32 {
                 each(key, self.at.1, &part[..n]);
             } else {
                 self.narrow.extend_from_slice(&part[..n]);
@@ -633,12 +660,12 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
             let _ = part.split_to(n);
             self.at.1 += n;
             if self.at.1 == size {
-                if self.wire != Wire::F32 {
+                if self.answer != Wire::F32 {
                     self.wide.clear();
                     self.wide.resize(c.len as usize, 0.0);
                     // Whole values, as many as the chunk holds: it cannot fail. Parameters
                     // are not checked here, as f32 ones are not (shards check what they hold).
-                    let decoded = decode(&self.narrow, self.wire, &mut self.wide);
+                    let decoded = decode(&self.narrow, self.answer, &mut self.wide);
                     debug_assert!(decoded.is_ok(), "{decoded:?}");
                     self.narrow.clear();
                     // The values as little-endian f32 bytes, as an f32 answer has them.
@@ -800,6 +827,7 @@ mod tests {
                     len: 4,
                 })
                 .collect(),
+            wire: Wire::F32,
         }
     }
 
@@ -812,6 +840,7 @@ mod tests {
             chunks: Vec::new(),
             at: (0, 0),
             wire: Wire::F32,
+            answer: Wire::F32,
             narrow: Vec::new(),
             wide: Vec::new(),
         }
@@ -857,8 +886,19 @@ mod tests {
                 key: Key(1),
                 len: 3,
             }],
+            wire: Wire::F32,
         };
         assert!(sink.header(&wrong_len, 12).is_err());
+        // An f32 pull answered at 16 bits.
+        let Response::Pulled { chunks, .. } = pulled(&[1, 2]) else {
+            unreachable!("pulled answers Pulled")
+        };
+        let narrow = Response::Pulled {
+            chunks,
+            wire: Wire::Bf16,
+        };
+        let e = sink.header(&narrow, 16).expect_err("not asked at bf16");
+        assert!(e.contains("bf16"), "{e}");
         let short = sink.header(&pulled(&[1, 2]), 31).expect_err("length");
         assert!(short.contains("31"), "{short}");
         let other = sink

@@ -476,8 +476,9 @@ impl Session {
         let mut seen = vec![false; keys.len()];
         let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
         let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut *out);
+        let wire = self.job.job.wire;
         self.job
-            .pull(Some(wanted), self.granted, |key, at, part| {
+            .pull(Some(wanted), self.granted, wire, |key, at, part| {
                 // `part` holds the chunk's bytes from `at` on: copy what falls in each piece.
                 let from = pieces.partition_point(|p| p.key < key);
                 for p in pieces[from..].iter().take_while(|p| p.key == key) {

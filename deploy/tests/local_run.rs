@@ -14,15 +14,10 @@ use edl_shared::proto::Consistency;
 use edl_shared::shutdown::CancellationToken;
 use edl_worker::data::DEFAULT_DATA_DIR;
 
-#[tokio::test]
-async fn small_job_trains_evaluates_and_reports() {
-    if !common::have_dataset() {
-        return;
-    }
-    let bins = common::bin_dir();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let report_path = dir.path().join("report.json");
-    let cfg = LocalConfig {
+/// A small job (2 shards, 2 workers, 4,096 samples of one epoch, MLP 784-64-10, ASP, Adam)
+/// with its state in `dir`.
+fn small_job(dir: &std::path::Path) -> LocalConfig {
+    LocalConfig {
         shards: 2,
         workers: 2,
         epochs: 1,
@@ -37,10 +32,10 @@ async fn small_job_trains_evaluates_and_reports() {
         layers: vec![784, 64, 10],
         seed: 7,
         data_dir: DEFAULT_DATA_DIR.into(),
-        report: Some(report_path.clone()),
+        report: None,
         trace: None,
-        state_dir: Some(dir.path().join("state")),
-        bin_dir: Some(bins),
+        state_dir: Some(dir.join("state")),
+        bin_dir: Some(common::bin_dir()),
         progress_bar: false,
         stall_timeout: Some(Duration::from_secs(60)),
         scenario: None,
@@ -48,6 +43,19 @@ async fn small_job_trains_evaluates_and_reports() {
         elastic: Default::default(),
         observe: Default::default(),
         job: None,
+    }
+}
+
+#[tokio::test]
+async fn small_job_trains_evaluates_and_reports() {
+    if !common::have_dataset() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let report_path = dir.path().join("report.json");
+    let cfg = LocalConfig {
+        report: Some(report_path.clone()),
+        ..small_job(dir.path())
     };
     let report = edl_deploy::run(&cfg, CancellationToken::new())
         .await
@@ -185,38 +193,16 @@ async fn sixteen_bit_wires_train_as_well_on_half_the_bytes() {
     if !common::have_dataset() {
         return;
     }
-    let bins = common::bin_dir();
     let mut runs = Vec::new();
     for wire in edl_shared::proto::Wire::ALL {
         let dir = tempfile::tempdir().expect("tempdir");
         let cfg = LocalConfig {
-            shards: 2,
             // One worker: the same data order and the same steps in every run, so that the
             // runs differ by the wire's rounding alone.
             workers: 1,
-            epochs: 1,
-            consistency: Consistency::Asp,
-            optimizer: "adam:0.001".parse().expect("optimizer"),
-            schedule: Default::default(),
-            batch_size: 64,
             train_samples: 8192,
-            lease_ms: 3000,
-            replicas: None,
             wire: Some(wire),
-            layers: vec![784, 64, 10],
-            seed: 7,
-            data_dir: DEFAULT_DATA_DIR.into(),
-            report: None,
-            trace: None,
-            state_dir: Some(dir.path().join("state")),
-            bin_dir: Some(bins.clone()),
-            progress_bar: false,
-            stall_timeout: Some(Duration::from_secs(60)),
-            scenario: None,
-            restart_on_change: false,
-            elastic: Default::default(),
-            observe: Default::default(),
-            job: None,
+            ..small_job(dir.path())
         };
         let report = edl_deploy::run(&cfg, CancellationToken::new())
             .await

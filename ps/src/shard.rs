@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
 use edl_shared::proto::frame::{
-    F32Run, F32Runs, LeF32s, Payload, bytes_to_f32s, f32s_to_bytes, first_non_finite,
+    F32Run, F32Runs, LeF32s, Payload, bytes_to_f32s, f32s_in_place, f32s_to_bytes, first_non_finite,
 };
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{
@@ -90,16 +90,23 @@ fn wire_params(params: &Arc<Vec<f32>>) -> Bytes {
 }
 
 /// Chunks of f32 parameters (as [`wire_params`] made them) in a 16-bit `wire`, or `None` if a
-/// value does not fit it.
+/// value does not fit it. The parameters are read where they lie (a copy only on a
+/// big-endian machine).
 fn narrowed(chunks: &[Bytes], wire: Wire) -> Option<Vec<Bytes>> {
-    let mut values = Vec::new();
+    let mut copy = Vec::new();
     chunks
         .iter()
         .map(|c| {
-            values.resize(c.len() / 4, 0.0);
-            bytes_to_f32s(c, &mut values).ok()?;
+            let values = match f32s_in_place(c) {
+                Some(v) => v,
+                None => {
+                    copy.resize(c.len() / 4, 0.0);
+                    bytes_to_f32s(c, &mut copy).ok()?;
+                    &copy[..]
+                }
+            };
             let mut b = BytesMut::with_capacity(values.len() * wire.value_bytes());
-            encode_finite(&mut b, &values, wire).ok()?;
+            encode_finite(&mut b, values, wire).ok()?;
             Some(b.freeze())
         })
         .collect()
@@ -151,19 +158,7 @@ fn widen(chunks: &[ChunkRef], payload: Parts, wire: Wire) -> Result<Parts, Refus
         carry.extend_from_slice(&part[whole * size..]);
     }
     // The length was checked: every value was decoded.
-    let values = if cfg!(target_endian = "little") {
-        /// Owns the widened values while they are read as bytes.
-        struct Held(Vec<f32>);
-        impl AsRef<[u8]> for Held {
-            fn as_ref(&self) -> &[u8] {
-                bytemuck::cast_slice(&self.0)
-            }
-        }
-        Bytes::from_owner(Held(out))
-    } else {
-        f32s_to_bytes(&out)
-    };
-    Ok(Parts(vec![values]))
+    Ok(Parts(vec![wire_params(&Arc::new(out))]))
 }
 
 /// A draw from the standard normal distribution (Box-Muller).
@@ -757,7 +752,8 @@ impl ShardState {
     }
 
     /// [`ShardState::pull`], the values in `wire`: f32 as they lie, a 16-bit precision
-    /// converted (refused if a parameter does not fit it: binary16 ends at 65,504).
+    /// converted; the whole answer at f32 if a parameter does not fit it (binary16 ends at
+    /// 65,504). The answer names its precision.
     pub fn pull_in(
         &self,
         _epoch: MapEpoch,

@@ -201,7 +201,7 @@ async fn sixteen_bit_wires_train_as_well_on_half_the_bytes() {
             // runs differ by the wire's rounding alone.
             workers: 1,
             train_samples: 8192,
-            wire: Some(wire),
+            wire: Some(wire.into()),
             ..small_job(dir.path())
         };
         let report = edl_deploy::run(&cfg, CancellationToken::new())
@@ -242,4 +242,56 @@ async fn sixteen_bit_wires_train_as_well_on_half_the_bytes() {
             );
         }
     }
+}
+
+/// The same job (plain SGD) pushing every value at f32 and only the largest 1% of each chunk
+/// with error feedback: top-k trains as well (test accuracy within 0.01 of f32's) on a tenth
+/// of the bytes pushed or less, and pulls the same.
+#[tokio::test]
+async fn top_k_pushes_train_as_well_on_a_tenth_of_the_bytes() {
+    if !common::have_dataset() {
+        return;
+    }
+    let mut runs = Vec::new();
+    for wire in ["f32", "topk:0.01"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = LocalConfig {
+            // One worker, as above. Error feedback keeps the sum of what is applied that of
+            // the gradients, which plain SGD turns into the same parameters, only later: with
+            // the server's momentum or Adam, held-back values arrive as one large, late
+            // gradient and top-k lags (BENCHMARKS, "Compression").
+            workers: 1,
+            epochs: 2,
+            train_samples: 8192,
+            optimizer: "sgd:0.1".parse().expect("optimizer"),
+            wire: Some(wire.parse().expect("wire")),
+            ..small_job(dir.path())
+        };
+        let report = edl_deploy::run(&cfg, CancellationToken::new())
+            .await
+            .unwrap_or_else(|e| panic!("the {wire} run: {e:#}"));
+        assert!(report.finished, "{wire}: {report}");
+        for e in &report.epochs {
+            assert_eq!((e.samples, e.duplicates, e.missing), (8192, 0, 0), "{wire}");
+        }
+        eprintln!(
+            "{wire}: test accuracy {:.4}, {:.1} bytes pushed and {:.0} pulled per sample",
+            report.test_accuracy,
+            report.traffic.pushed_per_sample,
+            report.traffic.pulled_per_sample
+        );
+        runs.push(report);
+    }
+    let (dense, topk) = (&runs[0], &runs[1]);
+    assert!(
+        (topk.test_accuracy - dense.test_accuracy).abs() <= 0.01,
+        "top-k: test accuracy {:.4} against f32's {:.4}",
+        topk.test_accuracy,
+        dense.test_accuracy
+    );
+    let cut = dense.traffic.pushed_per_sample / topk.traffic.pushed_per_sample;
+    assert!(cut >= 10.0, "bytes pushed per sample cut only {cut:.1}x");
+    // Pulls are dense at f32 either way.
+    let pulled = topk.traffic.pulled_per_sample / dense.traffic.pulled_per_sample;
+    assert!((0.99..1.01).contains(&pulled), "pulls changed {pulled:.3}x");
 }

@@ -117,6 +117,41 @@ async fn an_elastic_job_grows_shrinks_and_survives_a_kill() {
     }
 }
 
+/// The scenario with top-k pushes: the drained worker leaves with a residual (values its
+/// pushes held back), the killed one dies with one; neither costs a sample or counts one twice.
+#[tokio::test]
+async fn top_k_workers_that_leave_or_die_with_residuals_lose_no_samples() {
+    if !common::have_dataset() {
+        return;
+    }
+    let _one = common::ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = edl_deploy::LocalConfig {
+        wire: Some("topk:0.01".parse().expect("wire")),
+        // Error feedback is made for plain SGD (see local_run's top-k test).
+        optimizer: "sgd:0.05".parse().expect("optimizer"),
+        ..common::scenario_config(dir.path(), SCENARIO, 3, false, 2)
+    };
+    let r = common::run(&cfg).await;
+    assert_trained_exactly_once(&r);
+    // A dense push: 50,890 floats of 4 bytes per batch of 16 samples.
+    let cut = 4.0 * 50_890.0 / 16.0 / r.traffic.pushed_per_sample;
+    assert!(cut >= 10.0, "{:?}: pushes cut only {cut:.1}x", r.traffic);
+    // The drained worker said what it dropped when it left.
+    let log = std::fs::read_to_string(dir.path().join("state/logs/w0.log")).expect("w0's log");
+    let line = log
+        .lines()
+        .find(|l| l.contains("residual of"))
+        .unwrap_or_else(|| panic!("w0 left without a word on its residual:\n{log}"));
+    let l1: f64 = line
+        .split("residual of ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no residual in {line:?}"));
+    assert!(l1 > 0.0, "{line}");
+}
+
 #[tokio::test]
 async fn the_restart_baseline_also_trains_every_sample_once() {
     if !common::have_dataset() {

@@ -140,6 +140,9 @@ pub enum ProtoError {
     /// Encoding the header failed.
     #[error("could not encode header: {0}")]
     Encode(String),
+    /// A payload's layout is not the one its header announces (a sparse push's positions).
+    #[error("malformed payload: {0}")]
+    Payload(String),
     /// A payload of values that must be finite (a push's gradients) holds a NaN or infinity.
     #[error("payload value at float {index} is not finite")]
     NonFinite {

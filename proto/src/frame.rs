@@ -151,11 +151,12 @@ macro_rules! impl_message {
 
 // A push's gradients are checked on receipt; parameters and exports are checked where they
 // are made or restored.
-// A 16-bit push is checked as it is decoded, whole, before anything is applied.
+// A 16-bit or sparse push is checked as it is decoded, whole, before anything is applied.
 impl_message!(Request, |m| matches!(
     m,
     Request::Push {
         wire: crate::Wire::F32,
+        sparse: false,
         ..
     } | Request::Replicate { .. }
 ));
@@ -656,6 +657,7 @@ mod tests {
                     len: 4,
                 }],
                 wire: crate::Wire::F32,
+                sparse: false,
                 span: Some(crate::msg::DataSpan {
                     epoch: 1,
                     partition: 2,

@@ -675,9 +675,9 @@ pub struct JobConfig {
     /// Copies of every key range (1: no replication): a primary and `replicas - 1` backups on
     /// other shards ([`ShardMap::backups`]).
     pub replicas: u32,
-    /// The precision pushes and pulls travel at ([`crate::Wire`]): shards keep f32 whatever
-    /// it is.
-    pub wire: crate::Wire,
+    /// How pushes and pulls travel ([`crate::WireSpec`]): the precision of their values, and
+    /// whether pushes are top-k sparsified. Shards keep f32 whatever it is.
+    pub wire: crate::WireSpec,
     /// Where the data lies, when the job says (a job file's `[data]`); workers may be told
     /// otherwise.
     pub data: Option<DataSpec>,

@@ -13,6 +13,7 @@ pub mod order;
 pub mod place;
 pub mod sched;
 pub mod schedule;
+pub mod sparse;
 pub mod wide;
 pub mod wire;
 
@@ -26,8 +27,9 @@ pub use job::{
 pub use msg::{Request, Response};
 pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, StragglerSettings};
 pub use schedule::{Anneal, Curve, LrSchedule, ScheduleUnit, WorkerScaling};
-pub use wire::Wire;
+pub use sparse::TopK;
+pub use wire::{Wire, WireSpec};
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;

@@ -591,6 +591,9 @@ pub enum Request {
         /// The precision of the payload's values (the chunks' `len` counts values). A shard
         /// refuses one that is not finite in it, and applies the values as f32.
         wire: crate::Wire,
+        /// The payload holds a sparse record per chunk ([`crate::sparse`]): only some of its
+        /// values, with their positions; the others are zero.
+        sparse: bool,
         /// The samples the gradients came from; a span this shard already applied is skipped.
         span: Option<DataSpan>,
         /// A sparse push's further keys: their gradient is zero (nothing of them travels) but

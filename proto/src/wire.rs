@@ -15,6 +15,7 @@ use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 
 use crate::error::ProtoError;
+use crate::sparse::TopK;
 
 /// How the values of a tensor payload travel.
 #[derive(
@@ -86,6 +87,82 @@ impl FromStr for Wire {
                 Wire::NAMES
             )),
         }
+    }
+}
+
+/// How a job's tensors travel: the precision of their values, and for pushes perhaps only the
+/// largest of them (top-k with error feedback, [`crate::sparse`]). Job files and command lines
+/// write `f32`, `bf16`, `fp16` or `topk:FRACTION` (top-k of f32 values, pulls at f32), or
+/// `topk:FRACTION+bf16` (top-k of 16-bit values, pulls at 16 bits).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct WireSpec {
+    /// The precision of the values pushed and pulled.
+    pub values: Wire,
+    /// Pushes carry only this fraction of each chunk's values.
+    pub topk: Option<TopK>,
+}
+
+impl WireSpec {
+    /// What job files and command lines call them.
+    pub const NAMES: &'static str =
+        "f32, bf16, fp16 or topk:FRACTION[+bf16|+fp16] (e.g. topk:0.01)";
+
+    /// Dense values at `values`.
+    pub fn dense(values: Wire) -> WireSpec {
+        WireSpec { values, topk: None }
+    }
+
+    /// Whether values travel exact and whole (the default).
+    pub fn is_exact(self) -> bool {
+        self == WireSpec::default()
+    }
+}
+
+impl From<Wire> for WireSpec {
+    fn from(values: Wire) -> WireSpec {
+        WireSpec::dense(values)
+    }
+}
+
+impl fmt::Display for WireSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.topk {
+            None => write!(f, "{}", self.values),
+            Some(k) if self.values == Wire::F32 => write!(f, "{k}"),
+            Some(k) => write!(f, "{k}+{}", self.values),
+        }
+    }
+}
+
+impl FromStr for WireSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<WireSpec, String> {
+        let s = s.trim();
+        if s.starts_with("topk") {
+            let (k, values) = match s.split_once('+') {
+                Some((k, w)) => (k, w.parse::<Wire>()?),
+                None => (s, Wire::F32),
+            };
+            return Ok(WireSpec {
+                values,
+                topk: Some(k.parse()?),
+            });
+        }
+        s.parse::<Wire>()
+            .map(WireSpec::dense)
+            .map_err(|_| format!("unknown wire {s:?}: expected {}", WireSpec::NAMES))
     }
 }
 
@@ -236,6 +313,32 @@ mod tests {
         let e = "int8".parse::<Wire>().expect_err("unknown");
         assert!(e.contains("f32, bf16 or fp16"), "{e}");
         assert_eq!(Wire::default(), Wire::F32);
+    }
+
+    #[test]
+    fn wire_specs_parse_and_print_back() {
+        for s in [
+            "f32",
+            "bf16",
+            "fp16",
+            "topk:0.01",
+            "topk:0.5",
+            "topk:1",
+            "topk:0.01+bf16",
+        ] {
+            let spec: WireSpec = s.parse().expect(s);
+            assert_eq!(spec.to_string(), s);
+        }
+        let k: WireSpec = " topk:0.001 ".parse().expect("top-k");
+        assert_eq!(
+            (k.values, k.topk.map(TopK::fraction)),
+            (Wire::F32, Some(0.001))
+        );
+        assert!(WireSpec::default().is_exact() && !k.is_exact());
+        let e = "int8".parse::<WireSpec>().expect_err("unknown");
+        assert!(e.contains("topk:FRACTION"), "{e}");
+        let e = "topk:2".parse::<WireSpec>().expect_err("past 1");
+        assert!(e.contains("(0, 1]"), "{e}");
     }
 
     #[test]

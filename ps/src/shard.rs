@@ -21,6 +21,7 @@ use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
 };
+use edl_shared::proto::sparse::decode_sparse;
 use edl_shared::proto::wire::{Wire, decode_finite, encode_finite};
 use edl_shared::proto::{
     Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Parts, ProtoError,
@@ -158,6 +159,46 @@ fn widen(chunks: &[ChunkRef], payload: Parts, wire: Wire) -> Result<Parts, Refus
         carry.extend_from_slice(&part[whole * size..]);
     }
     // The length was checked: every value was decoded.
+    Ok(Parts(vec![wire_params(&Arc::new(out))]))
+}
+
+/// A sparse push's payload ([`edl_shared::proto::sparse`]) as a dense f32 gradient (one part,
+/// zero where nothing travelled), once its chunks were found to be the job's keys at their
+/// lengths (before anything is allocated for them) and every record well formed and finite.
+fn densify(
+    layout: &KeyLayout,
+    chunks: &[ChunkRef],
+    payload: Parts,
+    wire: Wire,
+) -> Result<Parts, Refusal> {
+    if let Some(c) = chunks
+        .iter()
+        .find(|c| layout.span(c.key).is_none_or(|s| s.len != c.len))
+    {
+        return Err(Refusal::new(
+            ErrorCode::ShapeMismatch,
+            format!("{} of {} floats is not one of the job's keys", c.key, c.len),
+        ));
+    }
+    // Sparse payloads are small: one contiguous copy when they come in several parts.
+    let joined;
+    let bytes: &[u8] = match &payload.0[..] {
+        [one] => one,
+        parts => {
+            joined = parts.concat();
+            &joined
+        }
+    };
+    let mut out = vec![0f32; floats_in(chunks) as usize];
+    decode_sparse(bytes, chunks.iter().map(|c| c.len as usize), wire, &mut out).map_err(
+        |e| match e {
+            ProtoError::NonFinite { index } => Refusal::new(
+                ErrorCode::NonFinite,
+                format!("gradient value at float {index} is not finite; nothing was applied"),
+            ),
+            other => Refusal::new(ErrorCode::Malformed, format!("sparse push: {other}")),
+        },
+    )?;
     Ok(Parts(vec![wire_params(&Arc::new(out))]))
 }
 
@@ -2480,18 +2521,21 @@ impl Service for ShardService {
                 clock,
                 chunks,
                 wire,
+                sparse,
                 span,
                 covers,
                 token: _,
             } => {
-                // A 16-bit push becomes f32 here, checked whole, before anything else looks
-                // at it (backups are forwarded the f32 values).
-                let payload = match wire {
-                    Wire::F32 => payload,
-                    _ => match widen(&chunks, payload, wire) {
-                        Ok(p) => p,
-                        Err(r) => return Frame::new(Response::from(r)),
-                    },
+                // A 16-bit or sparse push becomes dense f32 here, checked whole, before
+                // anything else looks at it (backups are forwarded the f32 values).
+                let payload = match (wire, sparse) {
+                    (Wire::F32, false) => Ok(payload),
+                    (_, false) => widen(&chunks, payload, wire),
+                    (_, true) => densify(&st.layout, &chunks, payload, wire),
+                };
+                let payload = match payload {
+                    Ok(p) => p,
+                    Err(r) => return Frame::new(Response::from(r)),
                 };
                 let keys = || {
                     let covered = covers.iter().flat_map(|r| (r.start..r.end).map(Key));

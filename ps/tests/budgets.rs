@@ -91,6 +91,7 @@ async fn half_sent(conn: Conn) -> Option<ErrorCode> {
             len: (FRAME / 4) as u32,
         }],
         wire: Default::default(),
+        sparse: false,
         span: None,
         covers: Vec::new(),
         token: Token::default(),

@@ -230,7 +230,7 @@ pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
         seed: defaults::SEED,
         lease_ms: defaults::LEASE_MS,
         replicas: defaults::REPLICAS,
-        wire: edl_proto::Wire::F32,
+        wire: Default::default(),
         data,
     };
     if let Some(t) = &raw.training {
@@ -1257,7 +1257,7 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
     if job.replicas != defaults::REPLICAS {
         writeln!(out, "replicas = {}", job.replicas)?;
     }
-    if job.wire != edl_proto::Wire::F32 {
+    if !job.wire.is_exact() {
         writeln!(out, "wire = \"{}\"", job.wire)?;
     }
     if i64::try_from(job.seed).is_ok() {
@@ -1334,6 +1334,23 @@ fn optimizer_text(o: &OptimizerSpec) -> String {
     out
 }
 
+/// How a job's pushes and pulls travel, for its description.
+fn wire_text(wire: edl_proto::WireSpec) -> String {
+    let values = match wire.values {
+        edl_proto::Wire::F32 => "exact".to_string(),
+        w => format!("at 16 bits ({w})"),
+    };
+    match wire.topk {
+        None if wire.is_exact() => "f32 (pushes and pulls exact)".to_string(),
+        None => format!("{wire} (pushes and pulls {values}; shards keep f32)"),
+        Some(k) => format!(
+            "{wire} (pushes send the largest {}% of each chunk {values}, the rest kept for the \
+             next; pulls {values})",
+            k.fraction() * 100.0
+        ),
+    }
+}
+
 fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
     let partitions = job.train_samples.div_ceil(job.partition_size.max(1));
     let settings = [
@@ -1360,13 +1377,7 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
                 n => format!("{n} (a primary and {} backups of every key range)", n - 1),
             },
         ),
-        (
-            "wire",
-            match job.wire {
-                edl_proto::Wire::F32 => "f32 (pushes and pulls exact)".to_string(),
-                w => format!("{w} (pushes and pulls at 16 bits; shards keep f32)"),
-            },
-        ),
+        ("wire", wire_text(job.wire)),
         ("seed", job.seed.to_string()),
         ("chunk size", format!("{} floats per key", job.chunk_size)),
         (
@@ -1541,14 +1552,28 @@ init = "zeros"
     }
 
     #[test]
-    fn the_wire_precision_is_read_and_written_back() {
-        assert_eq!(job(MLP).wire, edl_proto::Wire::F32);
-        let text = MLP.replace("samples = 60000", "samples = 60000\nwire = \"bf16\"");
-        let bf16 = job(&text);
-        assert_eq!(bf16.wire, edl_proto::Wire::Bf16);
-        let back = to_toml(&bf16);
-        assert!(back.contains("wire = \"bf16\""), "{back}");
-        assert_eq!(job(&back).wire, edl_proto::Wire::Bf16);
+    fn the_wire_is_read_and_written_back() {
+        assert!(job(MLP).wire.is_exact());
+        for (name, values, topk) in [
+            ("bf16", edl_proto::Wire::Bf16, None),
+            ("topk:0.01", edl_proto::Wire::F32, Some(0.01)),
+            ("topk:0.05+fp16", edl_proto::Wire::F16, Some(0.05)),
+        ] {
+            let text = MLP.replace(
+                "samples = 60000",
+                &format!("samples = 60000\nwire = \"{name}\""),
+            );
+            let read = job(&text);
+            assert_eq!(read.wire.values, values, "{name}");
+            assert_eq!(
+                read.wire.topk.map(edl_proto::TopK::fraction),
+                topk,
+                "{name}"
+            );
+            let back = to_toml(&read);
+            assert!(back.contains(&format!("wire = \"{name}\"")), "{back}");
+            assert_eq!(job(&back).wire, read.wire, "{name}");
+        }
     }
 
     #[test]

@@ -2726,6 +2726,7 @@ impl Sim {
             clock,
             chunks,
             wire: Default::default(),
+            sparse: false,
             span: Some(span),
             covers: Vec::new(),
             token,

@@ -75,6 +75,7 @@ async fn a_push_that_reached_some_shards_before_death_is_applied_once() -> anyho
             clock: a.clock(),
             chunks,
             wire: Default::default(),
+            sparse: false,
             span: Some(second),
             covers: Vec::new(),
             token: a.token(),

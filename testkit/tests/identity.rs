@@ -134,6 +134,7 @@ async fn pushes_need_the_token_of_their_worker_and_certificate() -> anyhow::Resu
         clock: Clock(0),
         chunks: one(),
         wire: Default::default(),
+        sparse: false,
         span: None,
         covers: Vec::new(),
         token,

@@ -287,6 +287,7 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
                     clock: Clock(0),
                     chunks,
                     wire: Default::default(),
+                    sparse: false,
                     span: None,
                     covers: Vec::new(),
                     token,

@@ -451,6 +451,15 @@ pub async fn train<M: Model>(
     if let Some(f) = forward {
         f.abort();
     }
+    if let Some(k) = session.job().config().wire.topk {
+        // What error feedback held back goes with the worker; its uncommitted samples are
+        // issued again, and a shard that applied a span skips it.
+        tracing::info!(
+            "leaving with a {k} residual of {:.6} (the sum of the magnitudes held back), \
+             dropped with this worker",
+            session.residual_l1().await
+        );
+    }
     // Taken before the leave is sent: a leave abandoned midway leaves its outcome unknown.
     let held = session.holdings();
     tokio::select! {

@@ -214,6 +214,7 @@ fn stalled_push() -> anyhow::Result<BytesMut> {
         clock: Clock(0),
         chunks: Vec::new(),
         wire: Default::default(),
+        sparse: false,
         span: None,
         covers: Vec::new(),
         token: Token([0; 32]),

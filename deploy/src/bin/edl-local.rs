@@ -68,10 +68,12 @@ struct Cli {
     /// `[training] replicas`). [default: 1, no copies]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=8))]
     replicas: Option<u32>,
-    /// The precision pushes and pulls travel at: f32 (exact), bf16 or fp16 (half the bytes;
-    /// the shards keep f32). Over a job file's `[training] wire`. [default: f32]
+    /// How pushes and pulls travel: f32 (exact), bf16 or fp16 (half the bytes; the shards
+    /// keep f32), or topk:FRACTION (each push sends the largest FRACTION of every chunk, e.g.
+    /// topk:0.01, and each worker adds what it held back to its next push; +bf16 or +fp16
+    /// sends those at 16 bits). Over a job file's `[training] wire`. [default: f32]
     #[arg(long)]
-    wire: Option<edl_shared::proto::Wire>,
+    wire: Option<edl_shared::proto::WireSpec>,
     /// MLP layer widths, input to classes.
     #[arg(long, value_delimiter = ',', default_value = "784,256,128,10")]
     layers: Vec<u32>,

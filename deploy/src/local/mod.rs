@@ -110,9 +110,9 @@ pub struct LocalConfig {
     /// Copies of every key range (`--replicas`), over the job file's; `None`: the job's (1
     /// without a job file).
     pub replicas: Option<u32>,
-    /// The precision pushes and pulls travel at (`--wire`), over the job file's; `None`: the
-    /// job's (f32 without a job file).
-    pub wire: Option<edl_shared::proto::Wire>,
+    /// How pushes and pulls travel (`--wire`: a precision, or top-k pushes), over the job
+    /// file's; `None`: the job's (f32 without a job file).
+    pub wire: Option<edl_shared::proto::WireSpec>,
     /// MLP layer widths, input to classes.
     pub layers: Vec<u32>,
     /// Seed for initialization and data order.

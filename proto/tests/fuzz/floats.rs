@@ -5,6 +5,8 @@ use edl_proto::ProtoError;
 use edl_proto::frame::{
     FiniteScan, bytes_to_f32s, extend_finite_f32s, f32s_in_place, f32s_to_bytes, first_non_finite,
 };
+use edl_proto::sparse::{decode_sparse, encode_topk};
+use edl_proto::wire::Wire;
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -156,6 +158,56 @@ proptest! {
         // A length that is not whole floats is never viewed in place.
         if !bytes.len().is_multiple_of(4) {
             prop_assert!(f32s_in_place(&bytes).is_none());
+        }
+    }
+
+    /// A top-k record of any finite chunk keeps at most k values, the largest by magnitude,
+    /// and what travelled plus what stayed is the chunk exactly.
+    #[test]
+    fn top_k_sends_the_largest_and_keeps_the_rest(
+        chunk in vec(-1e6f32..1e6, 0..300),
+        zeros in vec(any::<Index>(), 0..50),
+        k in 0usize..40,
+    ) {
+        let mut chunk = chunk;
+        if !chunk.is_empty() {
+            for z in zeros {
+                let i = z.index(chunk.len());
+                chunk[i] = 0.0;
+            }
+        }
+        let mut acc = chunk.clone();
+        let mut out = BytesMut::new();
+        encode_topk(&mut out, &mut acc, k, Wire::F32, &mut Vec::new())
+            .map_err(|i| TestCaseError::fail(format!("refused at {i}")))?;
+        let mut sent = vec![0f32; chunk.len()];
+        decode_sparse(&out, [chunk.len()], Wire::F32, &mut sent)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let nonzero = chunk.iter().filter(|v| **v != 0.0).count();
+        let travelled = sent.iter().filter(|v| **v != 0.0).count();
+        prop_assert_eq!(travelled, k.min(nonzero));
+        for i in 0..chunk.len() {
+            prop_assert_eq!(sent[i] + acc[i], chunk[i]);
+            prop_assert!(sent[i] == 0.0 || acc[i] == 0.0);
+        }
+        let least_sent = sent.iter().filter(|v| **v != 0.0).map(|v| v.abs()).fold(f32::INFINITY, f32::min);
+        let most_kept = acc.iter().map(|v| v.abs()).fold(0.0, f32::max);
+        prop_assert!(travelled == 0 || least_sent >= most_kept);
+    }
+
+    /// Any bytes read as a sparse payload are an error or values where the chunks are, never
+    /// a panic.
+    #[test]
+    fn sparse_payloads_of_any_bytes_are_errors_or_values(
+        bytes in vec(any::<u8>(), 0..200),
+        lens in vec(0usize..20, 0..5),
+        sixteen in any::<bool>(),
+    ) {
+        let wire = if sixteen { Wire::Bf16 } else { Wire::F32 };
+        let mut out = vec![0f32; lens.iter().sum()];
+        match decode_sparse(&bytes, lens.iter().copied(), wire, &mut out) {
+            Ok(()) => prop_assert!(out.iter().all(|v| v.is_finite())),
+            Err(e) => check_error(&e)?,
         }
     }
 }

@@ -710,14 +710,16 @@ pub fn request() -> BoxedStrategy<Request> {
             proptest::option::of(data_span()),
             token(),
             wire(),
+            any::<bool>(),
         )
             .prop_map(
-                |(epoch, worker, clock, chunks, span, token, wire)| Request::Push {
+                |(epoch, worker, clock, chunks, span, token, wire, sparse)| Request::Push {
                     epoch,
                     worker,
                     clock,
                     chunks,
                     wire,
+                    sparse,
                     span,
                     covers: Vec::new(),
                     token,

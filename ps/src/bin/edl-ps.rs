@@ -131,12 +131,14 @@ struct CoordinatorArgs {
     /// `[training] replicas`. [default: 1, no copies]
     #[arg(long)]
     replicas: Option<u32>,
-    /// The precision pushes and pulls travel at: f32 (exact), bf16 or fp16 (half the bytes;
-    /// shards keep f32 parameters and optimizer state, and refuse a value that is not finite
-    /// at 16 bits: fp16 ends at 65,504). Overrides a job file's `[training] wire`.
-    /// [default: f32]
+    /// How pushes and pulls travel: f32 (exact), bf16 or fp16 (half the bytes; shards keep
+    /// f32 parameters and optimizer state, and refuse a value that is not finite at 16 bits:
+    /// fp16 ends at 65,504), or topk:FRACTION (pushes send only the largest FRACTION of each
+    /// chunk's values, e.g. topk:0.01, and each worker adds what it held back to its next
+    /// push; topk:FRACTION+bf16 sends them at 16 bits). Overrides a job file's
+    /// `[training] wire`. [default: f32]
     #[arg(long)]
-    wire: Option<edl_shared::proto::Wire>,
+    wire: Option<edl_shared::proto::WireSpec>,
     /// Keep no durable state. By default the coordinator keeps membership, the shard map, the
     /// job, the data leases and the data progress in STATE_DIR/coordinator (a log,
     /// state.wal, folded into state.bin now and then), makes every change durable before it

@@ -30,7 +30,7 @@ fn job_with(consistency: Consistency, schedule: LrSchedule) -> JobConfig {
         seed: 0,
         lease_ms: 1000,
         replicas: 1,
-        wire: Wire::F32,
+        wire: Default::default(),
         data: None,
     }
 }
@@ -171,6 +171,88 @@ fn bad_sixteen_bit_pushes_and_pulls_are_refused() {
         assert_eq!((wire, f.payload.byte_len()), (answered, bytes), "{asked}");
     }
     assert_eq!(read(&st, 0), vec![1e5; 6]);
+}
+
+/// `chunks` (each a chunk's values) as a sparse push keeping `k` of each, in two parts cut
+/// inside a record.
+fn sparse(chunks: &[&[f32]], k: usize) -> Parts {
+    let mut b = BytesMut::new();
+    for c in chunks {
+        let mut acc = c.to_vec();
+        edl_shared::proto::sparse::encode_topk(&mut b, &mut acc, k, Wire::F32, &mut Vec::new())
+            .expect("finite");
+    }
+    let b = b.freeze();
+    Parts(vec![b.slice(..6), b.slice(6..)])
+}
+
+#[test]
+fn sparse_pushes_apply_what_travelled_and_nothing_else() {
+    let st = state(Consistency::Asp);
+    let layout = st.layout.clone();
+    let dense = densify(
+        &layout,
+        &BOTH,
+        sparse(&[&[0.5, -4.0, 1.0, 3.0], &[0.25, 2.0]], 2),
+        Wire::F32,
+    )
+    .expect("valid");
+    st.push(
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        &BOTH,
+        &dense.concat(),
+        None,
+    )
+    .expect("push");
+    // SGD at rate 1 from zeros: minus what travelled (-4 and 3 of the first key, both of the
+    // second), zero elsewhere.
+    assert_eq!(read(&st, 0), [0.0, 4.0, 0.0, -3.0, -0.25, -2.0]);
+}
+
+#[test]
+fn bad_sparse_pushes_are_refused_before_anything_is_applied() {
+    let st = state(Consistency::Asp);
+    let layout = st.layout.clone();
+    let refused = |chunks: &[ChunkRef], payload: Parts| {
+        densify(&layout, chunks, payload, Wire::F32).expect_err("refused")
+    };
+    // A chunk that is not one of the job's keys, or not at its length: refused before its
+    // floats are allocated (a claim of 4 billion floats costs nothing).
+    for c in [
+        ChunkRef {
+            key: Key(2),
+            len: 4,
+        },
+        ChunkRef {
+            key: Key(0),
+            len: u32::MAX,
+        },
+    ] {
+        let e = refused(&[c], sparse(&[&[1.0]], 1));
+        assert_eq!(e.code, ErrorCode::ShapeMismatch, "{}", e.message);
+    }
+    // A position past its chunk, and a record cut short.
+    let mut b = BytesMut::new();
+    for x in [1u32, 4, 1.0f32.to_bits(), 0] {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    let e = refused(&BOTH, Parts(vec![b.freeze()]));
+    assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
+    let whole = sparse(&[&[1.0; 4], &[1.0; 2]], 1).concat();
+    let e = refused(
+        &BOTH,
+        Parts(vec![Bytes::copy_from_slice(&whole[..whole.len() - 1])]),
+    );
+    assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
+    // A NaN, named by its float in the push: the second key's first value is float 4.
+    let mut b = BytesMut::from(&whole[..]);
+    let at = b.len() - 4;
+    b[at..].copy_from_slice(&f32::NAN.to_le_bytes());
+    let e = refused(&BOTH, Parts(vec![b.freeze()]));
+    assert_eq!(e.code, ErrorCode::NonFinite, "{}", e.message);
+    assert!(e.message.contains("float 4"), "{}", e.message);
 }
 
 #[test]

@@ -62,6 +62,7 @@ mod notice;
 mod routing;
 mod session;
 mod spec;
+mod topk;
 
 pub use grads::Gradients;
 pub use notice::Notices;
@@ -988,6 +989,7 @@ impl Job {
             lost,
             notice,
             feed: session::Feed::default(),
+            residual: Default::default(),
         })
     }
 

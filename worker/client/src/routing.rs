@@ -21,6 +21,7 @@ use edl_shared::proto::{ErrorCode, KeyLayout, Request, Response, ShardMap};
 use edl_shared::transport::{CallError, Collect, Conn, Release, Sink};
 
 use super::{ClientError, Gradients, Job, check_finite, connect_retry};
+use crate::topk::Residual;
 
 /// How long a request keeps being re-routed while the map changes under it.
 const REROUTE_WINDOW: Duration = Duration::from_secs(30);
@@ -316,7 +317,8 @@ impl Job {
     /// `apply_through` closes BSP steps before that clock first. The values travel at the
     /// job's wire precision.
     pub async fn pull_all(&self, out: &mut [f32], apply_through: Clock) -> Result<(), ClientError> {
-        self.pull_all_in(out, apply_through, self.job.wire).await
+        self.pull_all_in(out, apply_through, self.job.wire.values)
+            .await
     }
 
     /// [`Job::pull_all`] at the precision `wire` (an evaluation or a checkpoint pulls the
@@ -399,7 +401,7 @@ impl Job {
         self.pull(
             Some(wanted),
             apply_through,
-            self.job.wire,
+            self.job.wire.values,
             |key, at, part| {
                 let v = got
                     .entry(key)
@@ -436,7 +438,7 @@ impl Job {
         // before anything is sent; shared ones while QUIC sends them, each request completed
         // only once every part passed (`Gate`), and not at all here when one shard is asked
         // (it refuses a bad gradient whole; the index is then found here).
-        let wire = self.job.wire;
+        let wire = self.job.wire.values;
         let shared_check = match &grads {
             // Sent as they lie (f32 only): checked while QUIC sends them.
             Grads::Shared(g) if wire == Wire::F32 => Some(|link: &ShardLink| {
@@ -474,6 +476,7 @@ impl Job {
                         clock,
                         chunks: link.chunks.clone(),
                         wire,
+                        sparse: false,
                         span,
                         covers: Vec::new(),
                         token,
@@ -492,6 +495,57 @@ impl Job {
             }
             (pushed, _) => pushed,
         }
+    }
+
+    /// Pushes the top-k of `grads` plus `residual` for step `clock` (the job's wire names k),
+    /// to all shards in parallel; the residual becomes what the push left for the keys of each
+    /// shard that takes it. As for [`Job::push_all`], only a push with a data span may be
+    /// repeated after a connection failure: the same gradient against the same residual is
+    /// the same push, and a shard that applied its span skips it.
+    pub(super) async fn push_topk(
+        &self,
+        (worker, token): (WorkerId, Token),
+        clock: Clock,
+        residual: &mut Residual,
+        grads: &[f32],
+        span: Option<DataSpan>,
+    ) -> Result<(), ClientError> {
+        self.check_len(grads.len())?;
+        let spec = self.job.wire;
+        let topk = spec.topk.ok_or_else(|| {
+            self.inconsistent(
+                "client",
+                format!("a top-k push in a job whose wire is {spec}"),
+            )
+        })?;
+        let wire = spec.values;
+        // Every value is checked as it is chosen, before anything is sent.
+        let sparse = residual.encode(&self.layout, grads, topk, wire)?;
+        self.fan_out(
+            None,
+            span.is_some(),
+            |link, map| {
+                let req = Request::Push {
+                    epoch: map.epoch,
+                    worker,
+                    clock,
+                    chunks: link.chunks.clone(),
+                    wire,
+                    sparse: true,
+                    span,
+                    covers: Vec::new(),
+                    token,
+                };
+                Ok((req, Parts(sparse.parts(&link.ranges))))
+            },
+            None,
+            |_| Collect::default(),
+            |link, _| {
+                residual.taken(&link.flat);
+                Ok(())
+            },
+        )
+        .await
     }
 
     /// Pushes `(key, values)` pairs for step `clock`, each a whole chunk (a sparse write);
@@ -530,7 +584,7 @@ impl Job {
                     .filter(|(k, _)| in_ranges(&link.ranges, *k))
                     .collect();
                 let floats = mine.iter().map(|(_, v)| v.len()).sum::<usize>();
-                let wire = self.job.wire;
+                let wire = self.job.wire.values;
                 let mut payload = BytesMut::with_capacity(floats * wire.value_bytes());
                 for (k, v) in &mine {
                     if wire == Wire::F32 {
@@ -549,6 +603,7 @@ impl Job {
                     worker,
                     clock,
                     wire,
+                    sparse: false,
                     chunks: mine
                         .iter()
                         .map(|(k, v)| ChunkRef {

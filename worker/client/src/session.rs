@@ -176,6 +176,9 @@ pub struct Session {
     pub(super) lost: Arc<AtomicBool>,
     pub(super) notice: Arc<crate::notice::NoticeState>,
     pub(super) feed: Feed,
+    /// Top-k pushes' error feedback: held for a push's whole length, so that pushes of one
+    /// session take their residual in turn. Dropped with the session.
+    pub(super) residual: tokio::sync::Mutex<crate::topk::Residual>,
 }
 
 impl Drop for Session {
@@ -392,9 +395,24 @@ impl Session {
         span: Option<DataSpan>,
     ) -> Result<(), ClientError> {
         self.check_lost()?;
-        self.job
-            .push_all((self.worker, self.token), self.clock, grads, span)
-            .await
+        let me = (self.worker, self.token);
+        if self.job.job.wire.topk.is_some() {
+            let values: &[f32] = match grads {
+                Grads::Borrowed(g) => g,
+                Grads::Shared(g) => g,
+            };
+            let mut residual = self.residual.lock().await;
+            return (self.job)
+                .push_topk(me, self.clock, &mut residual, values, span)
+                .await;
+        }
+        self.job.push_all(me, self.clock, grads, span).await
+    }
+
+    /// The magnitude of this worker's top-k residual (the sum of the absolute values its
+    /// pushes have held back and not sent yet); 0 in a job that pushes every value.
+    pub async fn residual_l1(&self) -> f64 {
+        self.residual.lock().await.l1()
     }
 
     /// Pushes sparse gradients computed from `batch`'s samples: the given rows of the given
@@ -476,7 +494,7 @@ impl Session {
         let mut seen = vec![false; keys.len()];
         let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
         let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut *out);
-        let wire = self.job.job.wire;
+        let wire = self.job.job.wire.values;
         self.job
             .pull(Some(wanted), self.granted, wire, |key, at, part| {
                 // `part` holds the chunk's bytes from `at` on: copy what falls in each piece.

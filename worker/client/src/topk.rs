@@ -1,0 +1,176 @@
+//! Top-k pushes with error feedback ([`edl_shared::proto::sparse`]): a worker sends only the
+//! largest values of each chunk of its gradient plus what it held back before, and keeps the
+//! rest (its residual) for its next push. The residual lives as long as the worker's session:
+//! a worker that leaves, or dies, takes it with it, and the samples it had not committed are
+//! issued again as for any worker.
+
+use bytes::{Bytes, BytesMut};
+use edl_shared::proto::KeyLayout;
+use edl_shared::proto::msg::KeyRange;
+use edl_shared::proto::sparse::{TopK, encode_topk};
+use edl_shared::proto::wire::Wire;
+
+use crate::ClientError;
+
+/// A worker's residual: per value of the model, what its top-k pushes have not sent yet.
+#[derive(Debug, Default)]
+pub(crate) struct Residual {
+    /// The residual after the last push that shards took.
+    kept: Vec<f32>,
+    /// The residual after the push being sent (taken into `kept` range by range as shards
+    /// answer it).
+    next: Vec<f32>,
+    scratch: Vec<f32>,
+}
+
+/// A top-k push of the whole model: the sparse records of every key, in key order.
+#[derive(Debug)]
+pub(crate) struct Sparse {
+    bytes: Bytes,
+    /// Key `k`'s record is `bytes[at[k]..at[k + 1]]`.
+    at: Vec<usize>,
+}
+
+impl Sparse {
+    /// The records of the keys of `ranges` (in key order), as payload parts: shared, not
+    /// copied.
+    pub(crate) fn parts(&self, ranges: &[KeyRange]) -> Vec<Bytes> {
+        ranges
+            .iter()
+            .map(|r| {
+                self.bytes
+                    .slice(self.at[r.start as usize]..self.at[r.end as usize])
+            })
+            .collect()
+    }
+}
+
+impl Residual {
+    /// The sparse push of `grads` (the flat gradient of the whole model) plus the residual:
+    /// the `topk` largest values of each chunk, at `wire`. What is not sent becomes the next
+    /// residual, taken for the keys whose shards accept the push ([`Residual::taken`]). The
+    /// same gradient against the same residual gives the same push, so a push sent again
+    /// (after a connection failure) is the one a shard may already have applied.
+    pub(crate) fn encode(
+        &mut self,
+        layout: &KeyLayout,
+        grads: &[f32],
+        topk: TopK,
+        wire: Wire,
+    ) -> Result<Sparse, ClientError> {
+        if self.kept.len() != grads.len() {
+            self.kept = vec![0.0; grads.len()];
+        }
+        self.next.clear();
+        self.next
+            .extend(self.kept.iter().zip(grads).map(|(r, g)| r + g));
+        let spans = layout.spans();
+        let mut bytes =
+            BytesMut::with_capacity(topk.max_bytes(spans.iter().map(|s| s.len as usize), wire));
+        let mut at = Vec::with_capacity(spans.len() + 1);
+        at.push(0);
+        for s in spans {
+            let (off, len) = (s.offset as usize, s.len as usize);
+            let acc = &mut self.next[off..off + len];
+            // A gradient's own values are checked here too: a NaN in it poisons the sum.
+            encode_topk(&mut bytes, acc, topk.keep(len), wire, &mut self.scratch)
+                .map_err(|i| ClientError::NonFinite { index: off + i })?;
+            at.push(bytes.len());
+        }
+        Ok(Sparse {
+            bytes: bytes.freeze(),
+            at,
+        })
+    }
+
+    /// A shard took the push for the floats at `flat` (offset, length): their residual is now
+    /// what that push left.
+    pub(crate) fn taken(&mut self, flat: &[(usize, usize)]) {
+        for &(off, len) in flat {
+            self.kept[off..off + len].copy_from_slice(&self.next[off..off + len]);
+        }
+    }
+
+    /// The residual's magnitude (the sum of absolute values), for tests and reports.
+    pub(crate) fn l1(&self) -> f64 {
+        self.kept.iter().map(|v| f64::from(v.abs())).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edl_shared::proto::sparse::decode_sparse;
+    use edl_shared::proto::{Init, TensorSpec};
+
+    /// Two keys of 4 floats.
+    fn layout() -> KeyLayout {
+        let t = TensorSpec {
+            name: "w".into(),
+            shape: vec![8],
+            init: Init::Zeros,
+        };
+        KeyLayout::new(&[t], 4)
+    }
+
+    fn sent(sparse: &Sparse, ranges: &[KeyRange], lens: &[usize]) -> Vec<f32> {
+        let bytes: Vec<u8> = sparse.parts(ranges).concat();
+        let mut out = vec![0.0; lens.iter().sum()];
+        decode_sparse(&bytes, lens.iter().copied(), Wire::F32, &mut out).expect("decodes");
+        out
+    }
+
+    #[test]
+    fn what_is_held_back_is_sent_later_and_nothing_is_lost() {
+        let layout = layout();
+        let k: TopK = "topk:0.25".parse().expect("top-k");
+        let mut r = Residual::default();
+        let all = [KeyRange { start: 0, end: 2 }];
+        let g = [1.0, 2.0, 3.0, 4.0, -1.0, 0.5, 0.25, 0.0];
+        let mut total_sent = vec![0.0f32; 8];
+        for step in 0..8 {
+            let push = r.encode(&layout, &g, k, Wire::F32).expect("finite");
+            let s = sent(&push, &all, &[4, 4]);
+            // One value per key of four.
+            assert_eq!(
+                s.iter().filter(|v| **v != 0.0).count(),
+                2,
+                "step {step}: {s:?}"
+            );
+            r.taken(&[(0, 8)]);
+            total_sent.iter_mut().zip(&s).for_each(|(t, v)| *t += v);
+            // Sent plus held back is every gradient so far.
+            for i in 0..8 {
+                let due = g[i] * (step + 1) as f32;
+                assert!((total_sent[i] + r.kept[i] - due).abs() < 1e-4, "{i}");
+            }
+        }
+        // Small values are sent too once they have grown: 0.25 a step is sent by step 8.
+        assert!(total_sent[6] > 0.0, "{total_sent:?}");
+    }
+
+    #[test]
+    fn a_push_not_taken_leaves_the_residual_and_is_sent_again_the_same() {
+        let layout = layout();
+        let k: TopK = "topk:0.25".parse().expect("top-k");
+        let mut r = Residual::default();
+        let g = [1.0, 2.0, 3.0, 4.0, -1.0, 0.5, 0.25, 0.0];
+        r.encode(&layout, &g, k, Wire::F32).expect("finite");
+        r.taken(&[(0, 8)]);
+        let first = r.encode(&layout, &g, k, Wire::F32).expect("finite");
+        // Only the first key's shard took it.
+        r.taken(&[(0, 4)]);
+        let again = r.encode(&layout, &g, k, Wire::F32).expect("finite");
+        let second = [KeyRange { start: 1, end: 2 }];
+        assert_eq!(first.parts(&second), again.parts(&second));
+        // A gradient that is not finite names its position and changes nothing.
+        let before = r.l1();
+        let mut bad = g;
+        bad[5] = f32::NAN;
+        assert!(matches!(
+            r.encode(&layout, &bad, k, Wire::F32),
+            Err(ClientError::NonFinite { index: 5 })
+        ));
+        assert_eq!(r.l1(), before);
+    }
+}

@@ -142,6 +142,36 @@ impl Link {
             self.mtu, self.client_ip, self.server_ip, self.ns
         )
     }
+
+    /// Limits both directions of the link to `bits_per_s` with the kernel's token bucket
+    /// (`tc qdisc ... tbf`): a 128 KiB bucket and packets that would wait more than 20 ms
+    /// dropped, as the fault layer's rate does.
+    pub fn limit(&self, bits_per_s: u64) -> anyhow::Result<()> {
+        let rate = format!("{bits_per_s}bit");
+        let tbf = [
+            "root", "tbf", "rate", &rate, "burst", "128kb", "latency", "20ms",
+        ];
+        let peer = format!("{}n", self.host.trim_end_matches('h'));
+        for (netns, dev) in [(None, self.host.as_str()), (Some(self.ns.as_str()), &peer)] {
+            let mut args = vec![];
+            if let Some(ns) = netns {
+                args.extend(["-n", ns]);
+            }
+            args.extend(["qdisc", "add", "dev", dev]);
+            args.extend(tbf);
+            let out = Command::new("tc")
+                .args(&args)
+                .output()
+                .context("running `tc` (iproute2): install it (Debian: iproute2)")?;
+            anyhow::ensure!(
+                out.status.success(),
+                "`tc {}` failed: {} (the kernel needs sch_tbf)",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    }
 }
 
 /// A link and the runtime its servers run on. Dropped (an error, a panic), the runtime is shut

@@ -280,20 +280,30 @@ pub fn elastic_table(r: &elastic::Results) -> String {
     )
 }
 
-/// The time-to-accuracy results, one row per consistency model and worker count.
+/// The time-to-accuracy results, one row per consistency model, worker count and wire (a
+/// wire column only when there are several, or one that is not f32).
 pub fn tta_table(r: &tta::Results) -> String {
-    let mut t = table(&[
-        "consistency",
-        "workers",
+    let wires = r.summary.iter().any(|c| c.wire != "f32");
+    let mut head = vec!["consistency", "workers"];
+    if wires {
+        head.push("wire");
+    }
+    head.extend([
         "reached",
         "time to target s (median, min–max)",
         "epochs to target",
         "samples/s",
     ]);
+    if wires {
+        head.extend(["bytes pushed/sample", "bytes pulled/sample"]);
+    }
+    let mut t = table(&head);
     for x in &r.summary {
-        t.add_row(vec![
-            x.consistency.clone(),
-            x.workers.to_string(),
+        let mut row = vec![x.consistency.clone(), x.workers.to_string()];
+        if wires {
+            row.push(x.wire.clone());
+        }
+        row.extend([
             format!("{}/{}", x.reached, x.runs),
             match (x.median_tta_s, x.min_tta_s, x.max_tta_s) {
                 (Some(m), Some(lo), Some(hi)) => format!("{m:.1} ({lo:.1}–{hi:.1})"),
@@ -302,10 +312,19 @@ pub fn tta_table(r: &tta::Results) -> String {
             x.median_epochs.map_or("-".into(), |v| format!("{v:.2}")),
             format!("{:.0}", x.samples_per_s),
         ]);
+        if wires {
+            row.extend([
+                format!("{:.0}", x.pushed_per_sample),
+                format!("{:.0}", x.pulled_per_sample),
+            ]);
+        }
+        t.add_row(row);
     }
     let layers: Vec<String> = r.layers.iter().map(u32::to_string).collect();
+    let link = r.link.as_ref().map_or(String::new(), |l| format!(", {l}"));
     format!(
-        "time to {} test accuracy, MLP {}, {}, batches of {}, {} training samples, {} shards:\n{t}",
+        "time to {} test accuracy, MLP {}, {}, batches of {}, {} training samples, {} \
+         shards{link}:\n{t}",
         r.target,
         layers.join("-"),
         r.optimizer,

@@ -149,7 +149,7 @@ impl Side {
     }
 
     /// Runs `setup` where the servers run: what it binds, and the tasks it spawns, are there.
-    async fn run<T: Send + 'static>(
+    pub async fn run<T: Send + 'static>(
         &self,
         setup: impl Future<Output = anyhow::Result<T>> + Send + 'static,
     ) -> anyhow::Result<T> {

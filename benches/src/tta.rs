@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use edl_deploy::costs::median;
-use edl_shared::proto::{Clock, Consistency, OptimizerSpec};
+use edl_shared::faults::{Faults, LinkFaults};
+use edl_shared::proto::msg::EpochStats;
+use edl_shared::proto::{Clock, Consistency, OptimizerSpec, WireSpec};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_testkit::{TestCluster, mlp_job};
@@ -26,6 +28,8 @@ use edl_worker::trainer::{self, TrainOptions, TrainSummary};
 use edl_worker::workload::MlpModel;
 use edl_worker::{ClientConfig, Job};
 use serde::Serialize;
+
+use crate::transport::Side;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -57,8 +61,14 @@ pub struct Plan {
     pub check_every: Duration,
     /// Where the Fashion-MNIST idx files are.
     pub data_dir: PathBuf,
-    /// Transport settings.
+    /// How pushes and pulls travel: one series per wire.
+    pub wires: Vec<WireSpec>,
+    /// Transport settings (their fault plan, if any, is the link: see [`Plan::limit`]).
     pub settings: TransportSettings,
+    /// Where the servers (and the evaluator) run: on loopback, or behind a veth link.
+    pub side: Side,
+    /// The link, for reports, when it is not loopback's.
+    pub link: Option<String>,
 }
 
 impl Plan {
@@ -88,10 +98,29 @@ impl Plan {
             snapshot_every: Duration::from_millis(100),
             check_every: Duration::from_secs(1),
             data_dir: DEFAULT_DATA_DIR.into(),
+            wires: vec![WireSpec::default()],
             settings,
+            side: Side::default(),
+            link: None,
         }
     }
+
+    /// Puts every socket of the training (shards, workers) behind an uplink of `bits_per_s`
+    /// (the fault layer's rate, [`edl_shared::faults::Rate`]); the evaluator's snapshots
+    /// cross clean links, so that watching the run costs the link nothing.
+    pub fn limit(&mut self, bits_per_s: u64) {
+        let faults = Faults::new(0);
+        faults.set_default(LinkFaults::clean().with_rate(bits_per_s));
+        faults.set_link(EVAL, "*", LinkFaults::clean());
+        faults.set_link("*", EVAL, LinkFaults::clean());
+        let rate = faults.link_of_default().rate.map(|r| r.to_string());
+        self.settings.faults = Some(faults);
+        self.link = rate.map(|r| format!("every socket's uplink at {r} (fault layer)"));
+    }
 }
+
+/// The evaluator's name (its certificate's, and its sockets' in the fault plan).
+const EVAL: &str = "eval";
 
 /// One evaluated snapshot.
 #[derive(Clone, Debug, Serialize)]
@@ -111,6 +140,8 @@ pub struct Run {
     pub workers: usize,
     /// The consistency model.
     pub consistency: String,
+    /// How pushes and pulls travelled.
+    pub wire: String,
     /// The job's seed.
     pub seed: u64,
     /// Seconds to the target; `None` when it was not reached.
@@ -123,6 +154,10 @@ pub struct Run {
     pub wall_s: f64,
     /// Samples per second over the run, all workers.
     pub samples_per_s: f64,
+    /// Payload bytes pushed per sample (the coordinator's count).
+    pub pushed_per_sample: f64,
+    /// Payload bytes pulled per sample.
+    pub pulled_per_sample: f64,
     /// Every evaluated snapshot.
     pub curve: Vec<Point>,
 }
@@ -142,7 +177,9 @@ pub struct Results {
     pub train_samples: u32,
     /// Shards.
     pub shards: usize,
-    /// Per consistency model and worker count, over the seeds.
+    /// Every socket's uplink, when limited.
+    pub link: Option<String>,
+    /// Per consistency model, wire and worker count, over the seeds.
     pub summary: Vec<Cell>,
     /// Every run.
     pub runs: Vec<Run>,
@@ -153,6 +190,8 @@ pub struct Results {
 pub struct Cell {
     /// The consistency model.
     pub consistency: String,
+    /// The wire.
+    pub wire: String,
     /// Workers.
     pub workers: usize,
     /// Runs.
@@ -169,26 +208,32 @@ pub struct Cell {
     pub median_epochs: Option<f64>,
     /// Median training throughput, samples per second.
     pub samples_per_s: f64,
+    /// Median payload bytes pushed per sample.
+    pub pushed_per_sample: f64,
+    /// Median payload bytes pulled per sample.
+    pub pulled_per_sample: f64,
 }
 
 fn summarize(runs: &[Run]) -> Vec<Cell> {
     let mut cells: Vec<Cell> = Vec::new();
     for r in runs {
+        let same =
+            |x: &Run| x.consistency == r.consistency && x.workers == r.workers && x.wire == r.wire;
         if cells
             .iter()
-            .any(|c| c.consistency == r.consistency && c.workers == r.workers)
+            .any(|c| c.consistency == r.consistency && c.workers == r.workers && c.wire == r.wire)
         {
             continue;
         }
-        let of: Vec<&Run> = runs
-            .iter()
-            .filter(|x| x.consistency == r.consistency && x.workers == r.workers)
-            .collect();
+        let of: Vec<&Run> = runs.iter().filter(|x| same(x)).collect();
+        let mut pushed: Vec<f64> = of.iter().map(|x| x.pushed_per_sample).collect();
+        let mut pulled: Vec<f64> = of.iter().map(|x| x.pulled_per_sample).collect();
         let mut tta: Vec<f64> = of.iter().filter_map(|x| x.tta_s).collect();
         let mut epochs: Vec<f64> = of.iter().filter_map(|x| x.epochs_to_target).collect();
         let mut rate: Vec<f64> = of.iter().map(|x| x.samples_per_s).collect();
         cells.push(Cell {
             consistency: r.consistency.clone(),
+            wire: r.wire.clone(),
             workers: r.workers,
             runs: of.len(),
             reached: tta.len(),
@@ -197,6 +242,8 @@ fn summarize(runs: &[Run]) -> Vec<Cell> {
             median_tta_s: median(&mut tta),
             median_epochs: median(&mut epochs),
             samples_per_s: median(&mut rate).unwrap_or(0.0),
+            pushed_per_sample: median(&mut pushed).unwrap_or(0.0),
+            pulled_per_sample: median(&mut pulled).unwrap_or(0.0),
         });
     }
     cells
@@ -223,18 +270,24 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     let mut runs = Vec::new();
     for &consistency in &plan.modes {
         for &workers in &plan.workers {
-            for seed in (0..u64::from(plan.repeats)).map(|i| FIRST_SEED + i) {
-                let r = run_one(plan, &train, &test, workers, consistency, seed)
-                    .await
-                    .with_context(|| format!("{workers} workers, {consistency}, seed {seed}"))?;
-                eprintln!(
-                    "tta: {workers} workers, {consistency}, seed {seed}: {} (best {:.4}, {:.1} s)",
-                    r.tta_s
-                        .map_or("not reached".into(), |t| format!("{t:.1} s")),
-                    r.best_accuracy,
-                    r.wall_s
-                );
-                runs.push(r);
+            for &wire in &plan.wires {
+                for seed in (0..u64::from(plan.repeats)).map(|i| FIRST_SEED + i) {
+                    let r = run_one(plan, (&train, &test), workers, consistency, wire, seed)
+                        .await
+                        .with_context(|| {
+                            format!("{workers} workers, {consistency}, {wire}, seed {seed}")
+                        })?;
+                    eprintln!(
+                        "tta: {workers} workers, {consistency}, {wire}, seed {seed}: {} (best \
+                         {:.4}, {:.1} s, {:.0} bytes pushed per sample)",
+                        r.tta_s
+                            .map_or("not reached".into(), |t| format!("{t:.1} s")),
+                        r.best_accuracy,
+                        r.wall_s,
+                        r.pushed_per_sample
+                    );
+                    runs.push(r);
+                }
             }
         }
     }
@@ -245,6 +298,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
         batch: plan.batch,
         train_samples: plan.train_samples,
         shards: plan.shards,
+        link: plan.link.clone(),
         summary: summarize(&runs),
         runs,
     })
@@ -262,10 +316,10 @@ struct Snapshot {
 
 async fn run_one(
     plan: &Plan,
-    train: &Arc<ImageSet>,
-    test: &Arc<ImageSet>,
+    (train, test): (&Arc<ImageSet>, &Arc<ImageSet>),
     workers: usize,
     consistency: Consistency,
+    wire: WireSpec,
     seed: u64,
 ) -> anyhow::Result<Run> {
     let mut job = mlp_job(
@@ -277,13 +331,22 @@ async fn run_one(
     );
     job.batch_size = plan.batch;
     job.seed = seed;
-    let cluster = TestCluster::start_with(job, plan.shards as u32, plan.settings.clone()).await?;
+    job.wire = wire;
+    let (shards, settings, ip) = (plan.shards as u32, plan.settings.clone(), plan.side.ip);
+    let cluster = (plan.side)
+        .run(TestCluster::start_on(job, shards, settings, ip))
+        .await?;
     let config = |name: &str| -> anyhow::Result<ClientConfig> {
         let mut cfg = cluster.client_config(name)?;
         cfg.settings = plan.settings.clone();
+        cfg.settings.faults = cfg.settings.faults.map(|f| f.labelled(name));
         Ok(cfg)
     };
-    let eval = Job::connect(&config("eval")?).await?;
+    // The evaluator runs beside the servers: its snapshots do not cross the link.
+    let eval_config = config(EVAL)?;
+    let eval = (plan.side)
+        .run(async move { Ok(Job::connect(&eval_config).await?) })
+        .await?;
     let mlp = trainer::model_of(eval.config())?;
     let shutdown = CancellationToken::new();
     let started = Instant::now();
@@ -308,19 +371,33 @@ async fn run_one(
     }
     let wall = started.elapsed();
     let snaps = snaps?;
+    let status = eval.status().await?;
+    let per_sample = |bytes: fn(&EpochStats) -> u64| {
+        let done: u64 = status.epochs.iter().map(|e| e.samples).sum();
+        let sum: u64 = status.epochs.iter().map(bytes).sum();
+        sum as f64 / done.max(1) as f64
+    };
     drop(eval);
-    cluster.stop().await;
+    plan.side
+        .run(async move {
+            cluster.stop().await;
+            Ok(())
+        })
+        .await?;
     let curve = evaluate_all(snaps, &mlp, test).await?;
     let reached = curve.iter().find(|p| p.accuracy >= plan.target);
     Ok(Run {
         workers,
         consistency: consistency.to_string(),
+        wire: wire.to_string(),
         seed,
         tta_s: reached.map(|p| p.t_s),
         epochs_to_target: reached.map(|p| p.samples as f64 / f64::from(plan.train_samples)),
         best_accuracy: curve.iter().map(|p| p.accuracy).fold(0.0, f64::max),
         wall_s: wall.as_secs_f64(),
         samples_per_s: samples as f64 / wall.as_secs_f64().max(1e-9),
+        pushed_per_sample: per_sample(|e| e.bytes_pushed),
+        pulled_per_sample: per_sample(|e| e.bytes_pulled),
         curve,
     })
 }

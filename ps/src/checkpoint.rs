@@ -18,7 +18,8 @@ use rkyv::util::AlignedVec;
 use thiserror::Error;
 
 const MAGIC: &[u8; 8] = b"EDLCKPT1";
-const VERSION: u32 = 6;
+/// 7: a job's wire is a `WireSpec` (precision and top-k).
+const VERSION: u32 = 7;
 const HEADER: usize = 28;
 
 /// One chunk's state.

@@ -163,8 +163,10 @@ fn widen(chunks: &[ChunkRef], payload: Parts, wire: Wire) -> Result<Parts, Refus
 }
 
 /// A sparse push's payload ([`edl_shared::proto::sparse`]) as a dense f32 gradient (one part,
-/// zero where nothing travelled), once its chunks were found to be the job's keys at their
-/// lengths (before anything is allocated for them) and every record well formed and finite.
+/// zero where nothing travelled), once its chunks were found to be distinct keys of the job
+/// at their lengths, in ascending order, with at least a record's 4 bytes each (before
+/// anything is allocated for them: at most the whole model), and every record well formed and
+/// finite.
 fn densify(
     layout: &KeyLayout,
     chunks: &[ChunkRef],
@@ -178,6 +180,22 @@ fn densify(
         return Err(Refusal::new(
             ErrorCode::ShapeMismatch,
             format!("{} of {} floats is not one of the job's keys", c.key, c.len),
+        ));
+    }
+    if chunks.windows(2).any(|w| w[0].key >= w[1].key) {
+        return Err(Refusal::new(
+            ErrorCode::Malformed,
+            "a sparse push's chunks must be distinct keys in ascending order",
+        ));
+    }
+    if chunks.len() * 4 > payload.byte_len() {
+        return Err(Refusal::new(
+            ErrorCode::Malformed,
+            format!(
+                "{} payload bytes for the records of {} chunks",
+                payload.byte_len(),
+                chunks.len()
+            ),
         ));
     }
     // Sparse payloads are small: one contiguous copy when they come in several parts.

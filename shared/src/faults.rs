@@ -126,6 +126,44 @@ pub struct LinkFaults {
     pub reorder_delay: Duration,
     /// Probability that a datagram is sent twice (the copy with its own delay).
     pub duplicate: f64,
+    /// A bandwidth limit: the sending socket's datagrams on links with a rate leave it one
+    /// after another at that rate, each held until its last bit is out (its uplink).
+    pub rate: Option<Rate>,
+}
+
+/// A link's bandwidth and its queue: a datagram that would wait longer than `queue` behind
+/// the ones already queued is dropped (a router's drop-tail buffer), so that congestion
+/// control sees loss as on a real bottleneck.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rate {
+    /// Bits per second.
+    pub bits_per_s: u64,
+    /// The longest a datagram may wait for the link.
+    pub queue: Duration,
+}
+
+impl Rate {
+    /// The default queue: 20 ms of waiting (2.5 MB at 1 Gbit/s).
+    pub const DEFAULT_QUEUE: Duration = Duration::from_millis(20);
+
+    /// How long `bytes` take to cross the link.
+    pub fn serialize(&self, bytes: usize) -> Duration {
+        Duration::from_secs_f64(bytes as f64 * 8.0 / self.bits_per_s.max(1) as f64)
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.bits_per_s as f64;
+        let (x, unit) = if b >= 1e9 {
+            (b / 1e9, "Gbit/s")
+        } else if b >= 1e6 {
+            (b / 1e6, "Mbit/s")
+        } else {
+            (b / 1e3, "kbit/s")
+        };
+        write!(f, "{x} {unit}, a {} ms queue", self.queue.as_millis())
+    }
 }
 
 impl LinkFaults {
@@ -159,6 +197,15 @@ impl LinkFaults {
         self.duplicate = probability(p);
         self
     }
+
+    /// Limited to `bits_per_s`, with a queue of [`Rate::DEFAULT_QUEUE`].
+    pub fn with_rate(mut self, bits_per_s: u64) -> Self {
+        self.rate = Some(Rate {
+            bits_per_s,
+            queue: Rate::DEFAULT_QUEUE,
+        });
+        self
+    }
 }
 
 /// A probability from any float: NaN counts as 0.
@@ -182,6 +229,9 @@ pub enum Fate {
         copy: Option<Duration>,
         /// Whether the datagram was held back to be reordered.
         reordered: bool,
+        /// The link's bandwidth, which the sending socket adds its queueing and serialization
+        /// to the delay for.
+        rate: Option<Rate>,
     },
 }
 
@@ -202,6 +252,8 @@ pub struct FaultStats {
     pub reordered: u64,
     /// Datagrams sent twice.
     pub duplicated: u64,
+    /// Datagrams dropped at a full queue of a link with a rate (also in `dropped`).
+    pub overflowed: u64,
 }
 
 #[derive(Debug, Default)]
@@ -213,6 +265,7 @@ struct Counters {
     delayed: AtomicU64,
     reordered: AtomicU64,
     duplicated: AtomicU64,
+    overflowed: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -353,6 +406,11 @@ impl Faults {
         self.rules().names.get(name).cloned().unwrap_or_default()
     }
 
+    /// The faults of every link that no [`Faults::set_link`] rule matches.
+    pub fn link_of_default(&self) -> LinkFaults {
+        self.rules().default
+    }
+
     /// Sets the faults of every link that no [`Faults::set_link`] rule matches.
     pub fn set_default(&self, faults: LinkFaults) {
         self.rules().default = faults;
@@ -427,6 +485,7 @@ impl Faults {
             delayed: r(&c.delayed),
             reordered: r(&c.reordered),
             duplicated: r(&c.duplicated),
+            overflowed: r(&c.overflowed),
         }
     }
 
@@ -496,6 +555,7 @@ impl Dice {
             delay: delay_of(jitter),
             copy: (dup < link.duplicate).then(|| delay_of(copy_jitter)),
             reordered: reordered && !link.reorder_delay.is_zero(),
+            rate: link.rate,
         }
     }
 }

@@ -119,6 +119,30 @@ enum Cmd {
         /// The test accuracy to reach.
         #[arg(long)]
         target: Option<f64>,
+        /// One series per wire (e.g. `f32,bf16,topk:0.01`) [default: f32].
+        #[arg(long, value_delimiter = ',')]
+        wire: Vec<edl_shared::proto::WireSpec>,
+        /// Every socket's uplink limited to this rate in the fault layer (e.g. `1gbit`,
+        /// `100mbit`; a 20 ms drop-tail queue); the evaluator's snapshots cross clean links.
+        /// With --netns, the veth link is limited instead, by the kernel (tc tbf).
+        #[arg(long)]
+        rate: Option<String>,
+        /// Run the servers (and the evaluator) in a network namespace of their own behind a
+        /// veth pair of --mtu (as root); the workers cross it. Removed afterwards.
+        #[arg(long)]
+        netns: bool,
+        /// With --netns: the link's MTU.
+        #[arg(long, default_value_t = 1500, requires = "netns")]
+        mtu: u32,
+        /// The server-side optimizer, as edl-local takes it [default: adam:0.001].
+        #[arg(long)]
+        optimizer: Option<edl_shared::proto::OptimizerSpec>,
+        /// Runs per cell, each with its own seed [default: 5; 1 with --quick].
+        #[arg(long)]
+        repeats: Option<u32>,
+        /// Epochs at most [default: 6].
+        #[arg(long)]
+        max_epochs: Option<u32>,
     },
     /// Many clients (each a registered worker) against a real cluster of `edl-ps` processes
     /// for a set time, optionally beside a hostile client: pushes and pulls per second, their
@@ -467,6 +491,13 @@ async fn main() -> anyhow::Result<()> {
             workers,
             consistency,
             target,
+            wire,
+            rate,
+            netns,
+            mtu,
+            optimizer,
+            repeats,
+            max_epochs,
         } => {
             let mut plan = tta::Plan::standard(cli.quick, local);
             plan.data_dir = data_dir.clone();
@@ -479,7 +510,46 @@ async fn main() -> anyhow::Result<()> {
             if let Some(t) = target {
                 plan.target = *t;
             }
+            if !wire.is_empty() {
+                plan.wires = wire.clone();
+            }
+            let bits = match rate {
+                Some(r) => {
+                    let spec = edl_shared::faults::Faults::parse(&format!("rate={r}"))
+                        .map_err(|e| anyhow::anyhow!("--rate {r}: {e}"))?;
+                    let rate = spec.and_then(|f| f.link_of_default().rate);
+                    Some(rate.ok_or_else(|| anyhow::anyhow!("--rate {r}: no rate"))?)
+                }
+                None => None,
+            };
+            // Held until the runs are over: dropped, the link is removed.
+            let mut servers = None;
+            if *netns {
+                // A real link's datagrams: what --datagram says, or path-MTU discovery.
+                plan.settings = settings.clone();
+                let s = edl_benches::netns::Servers::start(*mtu, 2)?;
+                let mut link = s.link().describe();
+                if let Some(r) = bits {
+                    s.link().limit(r.bits_per_s)?;
+                    link = format!("{link}, each way at {r} (tc tbf)");
+                }
+                plan.side = transport::Side::behind(&s);
+                plan.link = Some(link);
+                servers = Some(s);
+            } else if let Some(r) = bits {
+                plan.limit(r.bits_per_s);
+            }
+            if let Some(o) = optimizer {
+                plan.optimizer = o.clone();
+            }
+            if let Some(n) = repeats {
+                plan.repeats = *n;
+            }
+            if let Some(n) = max_epochs {
+                plan.max_epochs = *n;
+            }
             let r = tta::run(&plan).await?;
+            drop(servers);
             println!("{}", report::tta_table(&r));
             write_json(&cli.json, &r)?;
         }

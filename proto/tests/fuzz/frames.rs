@@ -574,12 +574,13 @@ proptest! {
         cuts in vec(any::<Index>(), 0..4),
         extra in vec(any::<u8>(), 1..9),
     ) {
-        // A 16-bit push is checked as it is widened, not as f32 on receipt.
+        // A 16-bit or sparse push is checked as it is decoded, not as f32 on receipt.
         prop_assert_eq!(
             msg.finite_payload(),
             matches!(
                 msg,
-                Request::Push { wire: edl_proto::Wire::F32, .. } | Request::Replicate { .. }
+                Request::Push { wire: edl_proto::Wire::F32, sparse: false, .. }
+                    | Request::Replicate { .. }
             )
         );
         check_round_trip(msg, payload, &cuts, &extra)?;

@@ -233,6 +233,13 @@ fn bad_sparse_pushes_are_refused_before_anything_is_applied() {
         let e = refused(&[c], sparse(&[&[1.0]], 1));
         assert_eq!(e.code, ErrorCode::ShapeMismatch, "{}", e.message);
     }
+    // A key named twice (the whole model, many times over, for a few bytes each), or chunks
+    // claimed with fewer bytes than their records take.
+    let twice = [BOTH[0], BOTH[0]];
+    let e = refused(&twice, sparse(&[&[1.0; 4], &[1.0; 4]], 1));
+    assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
+    let e = refused(&BOTH, Parts(vec![Bytes::from_static(&[0, 0, 0, 0])]));
+    assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
     // A position past its chunk, and a record cut short.
     let mut b = BytesMut::new();
     for x in [1u32, 4, 1.0f32.to_bits(), 0] {

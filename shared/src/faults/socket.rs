@@ -16,7 +16,7 @@ use quinn::{AsyncUdpSocket, UdpPoller};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::{Dice, Fate, Faults, bump};
+use super::{Dice, Fate, Faults, Rate, bump};
 
 /// See [`Faults::wrap`].
 pub(super) fn wrap(
@@ -39,6 +39,7 @@ pub(super) fn wrap(
         dice: Mutex::new(faults.dice(stream)),
         later: tx,
         seq: AtomicU64::new(0),
+        uplink: Mutex::new(None),
     }))
 }
 
@@ -137,9 +138,26 @@ struct FaultySocket {
     later: mpsc::UnboundedSender<Held>,
     /// Orders held datagrams due at the same instant by the order they were sent in.
     seq: AtomicU64,
+    /// When the last datagram queued for a link with a rate will have left: the socket's
+    /// uplink, shared by its datagrams to every peer.
+    uplink: Mutex<Option<Instant>>,
 }
 
 impl FaultySocket {
+    /// Queues a datagram of `bytes` on the uplink at `rate`: how long until its last bit is
+    /// out, or `None` when the queue is full (it is dropped).
+    fn queue(&self, rate: Rate, bytes: usize) -> Option<Duration> {
+        let now = Instant::now();
+        let mut free = self.uplink.lock().unwrap_or_else(|p| p.into_inner());
+        let start = free.map_or(now, |f| f.max(now));
+        if start - now > rate.queue {
+            return None;
+        }
+        let done = start + rate.serialize(bytes);
+        *free = Some(done);
+        Some(done - now)
+    }
+
     fn hold(&self, t: &Transmit, delay: Duration) {
         let h = Held {
             due: Instant::now() + delay,
@@ -171,10 +189,20 @@ impl FaultySocket {
                 }
             }
             Fate::Deliver {
-                delay,
+                mut delay,
                 copy,
                 reordered,
+                rate,
             } => {
+                if let Some(rate) = rate {
+                    let Some(wait) = self.queue(rate, t.contents.len()) else {
+                        bump(&c.offered);
+                        bump(&c.dropped);
+                        bump(&c.overflowed);
+                        return Ok(());
+                    };
+                    delay += wait;
+                }
                 if delay.is_zero() {
                     self.inner.try_send(t)?;
                     bump(&c.sent);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::{Cut, FAULTS_ENV, Faults, LinkFaults, Peer};
+use super::{Cut, FAULTS_ENV, Faults, LinkFaults, Peer, Rate};
 
 impl Faults {
     /// Parses a fault spec: comma-separated `key=value` items.
@@ -15,6 +15,9 @@ impl Faults {
     /// - `loss=P`, `dup=P`, `reorder=P`: probabilities from 0 to 1 for every link.
     /// - `delay=D`, `jitter=D`, `reorder_delay=D` (default 10ms): durations with a unit, `us`,
     ///   `ms` or `s` (`50ms`, `1.5s`).
+    /// - `rate=R`: every socket's uplink limited to `R` bits per second (`kbit`, `mbit` or
+    ///   `gbit`: `100mbit`, `1gbit`), with `queue=D` (default 20ms) the longest a datagram
+    ///   waits for it before it is dropped.
     /// - `partition=A[/B][@FROM..TO]`, repeatable: drop everything between `A` and `B`
     ///   (everyone when `B` is left out) from `FROM` to `TO` seconds of plan time (plan time
     ///   starts when the spec is read: for `EDL_FAULTS`, as the process sets up its first
@@ -34,6 +37,7 @@ impl Faults {
             ..LinkFaults::default()
         };
         let mut cuts = Vec::new();
+        let mut queue = None;
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let bad = |why: &str| FaultSpecError::Item {
                 item: item.to_string(),
@@ -52,8 +56,23 @@ impl Faults {
                 "jitter" => link.jitter = parse_duration(value).map_err(bad)?,
                 "reorder_delay" => link.reorder_delay = parse_duration(value).map_err(bad)?,
                 "partition" => cuts.push(parse_cut(value).map_err(bad)?),
+                "rate" => {
+                    let bits_per_s = parse_rate(value).map_err(bad)?;
+                    link.rate = Some(Rate {
+                        bits_per_s,
+                        queue: Rate::DEFAULT_QUEUE,
+                    });
+                }
+                "queue" => queue = Some(parse_duration(value).map_err(bad)?),
                 _ => return Err(bad("unknown key")),
             }
+        }
+        if let Some(queue) = queue {
+            let rate = link.rate.as_mut().ok_or(FaultSpecError::Item {
+                item: format!("queue={queue:?}"),
+                why: "a queue belongs to a rate: give rate= too".into(),
+            })?;
+            rate.queue = queue;
         }
         let faults = Faults::new(seed);
         faults.set_default(link);
@@ -108,6 +127,29 @@ fn parse_probability(v: &str) -> Result<f64, &'static str> {
     match v.parse::<f64>() {
         Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
         _ => Err("not a probability from 0 to 1"),
+    }
+}
+
+fn parse_rate(v: &str) -> Result<u64, &'static str> {
+    let v = v.trim().to_ascii_lowercase();
+    let v = v.strip_suffix("/s").unwrap_or(&v);
+    // `kbps` and the like: bits per second too.
+    let v = match v.strip_suffix("bps") {
+        Some(n) => format!("{n}bit"),
+        None => v.to_string(),
+    };
+    let (num, scale) = if let Some(n) = v.strip_suffix("gbit") {
+        (n, 1e9)
+    } else if let Some(n) = v.strip_suffix("mbit") {
+        (n, 1e6)
+    } else if let Some(n) = v.strip_suffix("kbit") {
+        (n, 1e3)
+    } else {
+        return Err("a rate needs a unit: kbit, mbit or gbit (e.g. 1gbit)");
+    };
+    match num.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x * scale >= 1000.0 && x * scale < 1e13 => Ok((x * scale) as u64),
+        _ => Err("a rate is a number from 1kbit to 10000gbit"),
     }
 }
 

@@ -136,6 +136,7 @@ fn faults_spec_parses_and_refuses() -> Result<(), FaultSpecError> {
             reorder: 0.1,
             reorder_delay: Duration::from_millis(1500),
             duplicate: 0.01,
+            rate: None,
         }
     );
     assert_eq!(r.cuts.len(), 2);
@@ -159,9 +160,95 @@ fn faults_spec_parses_and_refuses() -> Result<(), FaultSpecError> {
         "partition=s0",
         "partition=127.0.0.1:1@5..2",
         "partition=127.0.0.1:1@5",
+        "rate=100",
+        "rate=0.1kbit",
+        "rate=fastgbit",
+        "queue=5ms",
     ] {
         let e = Faults::parse(bad).expect_err(bad);
         assert!(e.to_string().contains(bad.split(',').next().unwrap_or(bad)));
     }
+    Ok(())
+}
+
+#[test]
+fn rates_parse_with_their_units_and_queues() -> Result<(), FaultSpecError> {
+    for (spec, bits, queue) in [
+        ("rate=1gbit", 1_000_000_000, 20),
+        ("rate=100mbit,queue=5ms", 100_000_000, 5),
+        ("queue=50ms,rate=2.5Mbit/s", 2_500_000, 50),
+        ("rate=64kbps", 64_000, 20),
+    ] {
+        let f = Faults::parse(spec)?.expect("faults");
+        let rate = f.rules().default.rate.expect(spec);
+        assert_eq!(rate.bits_per_s, bits, "{spec}");
+        assert_eq!(rate.queue, Duration::from_millis(queue), "{spec}");
+    }
+    let r = Rate {
+        bits_per_s: 8_000_000,
+        queue: Rate::DEFAULT_QUEUE,
+    };
+    assert_eq!(r.serialize(1000), Duration::from_millis(1));
+    assert_eq!(r.to_string(), "8 Mbit/s, a 20 ms queue");
+    Ok(())
+}
+
+/// A socket's datagrams leave at the link's rate, one after another, and those that would
+/// wait longer than the queue are dropped.
+#[tokio::test]
+async fn a_rate_spaces_datagrams_and_a_full_queue_drops_them() -> std::io::Result<()> {
+    use quinn::udp::Transmit;
+    let rx = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    rx.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let to = rx.local_addr()?;
+    let f = Faults::new(1);
+    // 8 Mbit/s: 1 ms per 1,000 bytes; a queue of 30 ms holds about 30 of them.
+    f.set_default(LinkFaults {
+        rate: Some(Rate {
+            bits_per_s: 8_000_000,
+            queue: Duration::from_millis(30),
+        }),
+        ..LinkFaults::clean()
+    });
+    let std_tx = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    let tx = f.wrap(
+        quinn::default_runtime()
+            .expect("tokio")
+            .wrap_udp_socket(std_tx)?,
+    )?;
+    let data = [7u8; 1000];
+    let started = std::time::Instant::now();
+    for _ in 0..100 {
+        tx.try_send(&Transmit {
+            destination: to,
+            ecn: None,
+            contents: &data,
+            segment_size: None,
+            src_ip: None,
+        })?;
+    }
+    // The queue drains while the loop runs: a slow loop fits one more per millisecond.
+    let looped = started.elapsed().as_millis() as u64;
+    let stats = f.stats();
+    assert_eq!(stats.offered, 100);
+    assert!(
+        (30..=32 + looped).contains(&(100 - stats.overflowed)),
+        "{stats:?}: about 31 datagrams fit 30 ms ({looped} ms sending)"
+    );
+    let kept = (100 - stats.overflowed) as usize;
+    let got = tokio::task::spawn_blocking(move || {
+        let mut buf = [0u8; 2000];
+        (0..kept).try_for_each(|_| rx.recv(&mut buf).map(|_| ()))
+    })
+    .await
+    .expect("receiver");
+    got?;
+    // The last one left after all the others crossed: about 1 ms each.
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(kept as u64 - 2),
+        "{took:?} for {kept}"
+    );
+    assert_eq!(f.stats().dropped, stats.overflowed);
     Ok(())
 }

@@ -500,8 +500,8 @@ impl Job {
     /// Pushes the top-k of `grads` plus `residual` for step `clock` (the job's wire names k),
     /// to all shards in parallel; the residual becomes what the push left for the keys of each
     /// shard that takes it. As for [`Job::push_all`], only a push with a data span may be
-    /// repeated after a connection failure: the same gradient against the same residual is
-    /// the same push, and a shard that applied its span skips it.
+    /// repeated after a failure: the same step and span are sent again as first made (a
+    /// shard that applied the span skips it), whatever `grads` holds then.
     pub(super) async fn push_topk(
         &self,
         (worker, token): (WorkerId, Token),
@@ -520,7 +520,7 @@ impl Job {
         })?;
         let wire = spec.values;
         // Every value is checked as it is chosen, before anything is sent.
-        let sparse = residual.encode(&self.layout, grads, topk, wire)?;
+        let sparse = residual.push(&self.layout, grads, (topk, wire), (clock, span))?;
         self.fan_out(
             None,
             span.is_some(),
@@ -545,7 +545,9 @@ impl Job {
                 Ok(())
             },
         )
-        .await
+        .await?;
+        residual.done();
+        Ok(())
     }
 
     /// Pushes `(key, values)` pairs for step `clock`, each a whole chunk (a sparse write);

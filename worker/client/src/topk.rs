@@ -4,11 +4,13 @@
 //! a worker that leaves, or dies, takes it with it, and the samples it had not committed are
 //! issued again as for any worker.
 
+use std::sync::Arc;
+
 use bytes::{Bytes, BytesMut};
-use edl_shared::proto::KeyLayout;
-use edl_shared::proto::msg::KeyRange;
+use edl_shared::proto::msg::{DataSpan, KeyRange};
 use edl_shared::proto::sparse::{TopK, encode_topk};
 use edl_shared::proto::wire::Wire;
+use edl_shared::proto::{Clock, KeyLayout};
 
 use crate::ClientError;
 
@@ -21,6 +23,9 @@ pub(crate) struct Residual {
     /// answer it).
     next: Vec<f32>,
     scratch: Vec<f32>,
+    /// The last push with a data span, until every shard took it: the same step and span
+    /// pushed again (after a failure) is sent as it was first made.
+    pending: Option<(Clock, DataSpan, Arc<Sparse>)>,
 }
 
 /// A top-k push of the whole model: the sparse records of every key, in key order.
@@ -46,12 +51,38 @@ impl Sparse {
 }
 
 impl Residual {
+    /// The push of step `clock` with `span`: the pending one if it is that step's and span's
+    /// (pushed again after a failure: some shards may have applied it, and skip it now),
+    /// otherwise [`Residual::encode`]'s, pending until [`Residual::done`] if it has a span.
+    pub(crate) fn push(
+        &mut self,
+        layout: &KeyLayout,
+        grads: &[f32],
+        (topk, wire): (TopK, Wire),
+        (clock, span): (Clock, Option<DataSpan>),
+    ) -> Result<Arc<Sparse>, ClientError> {
+        if let (Some((c, s, sparse)), Some(span)) = (&self.pending, span)
+            && (*c, *s) == (clock, span)
+        {
+            return Ok(sparse.clone());
+        }
+        self.pending = None;
+        let sparse = Arc::new(self.encode(layout, grads, topk, wire)?);
+        if let Some(span) = span {
+            self.pending = Some((clock, span, sparse.clone()));
+        }
+        Ok(sparse)
+    }
+
+    /// Every shard took the pending push.
+    pub(crate) fn done(&mut self) {
+        self.pending = None;
+    }
+
     /// The sparse push of `grads` (the flat gradient of the whole model) plus the residual:
     /// the `topk` largest values of each chunk, at `wire`. What is not sent becomes the next
-    /// residual, taken for the keys whose shards accept the push ([`Residual::taken`]). The
-    /// same gradient against the same residual gives the same push, so a push sent again
-    /// (after a connection failure) is the one a shard may already have applied.
-    pub(crate) fn encode(
+    /// residual, taken for the keys whose shards accept the push ([`Residual::taken`]).
+    fn encode(
         &mut self,
         layout: &KeyLayout,
         grads: &[f32],
@@ -150,25 +181,58 @@ mod tests {
     }
 
     #[test]
-    fn a_push_not_taken_leaves_the_residual_and_is_sent_again_the_same() {
+    fn a_push_not_taken_is_sent_again_as_it_was_and_the_next_starts_from_what_was_taken() {
         let layout = layout();
         let k: TopK = "topk:0.25".parse().expect("top-k");
         let mut r = Residual::default();
         let g = [1.0, 2.0, 3.0, 4.0, -1.0, 0.5, 0.25, 0.0];
-        r.encode(&layout, &g, k, Wire::F32).expect("finite");
+        let span = |start| DataSpan {
+            epoch: 0,
+            partition: 0,
+            start,
+            end: start + 1,
+        };
+        let at = |clock, start| (Clock(clock), Some(span(start)));
+        let first = r
+            .push(&layout, &g, (k, Wire::F32), at(0, 0))
+            .expect("finite");
         r.taken(&[(0, 8)]);
-        let first = r.encode(&layout, &g, k, Wire::F32).expect("finite");
-        // Only the first key's shard took it.
+        r.done();
+        let second = r
+            .push(&layout, &g, (k, Wire::F32), at(1, 1))
+            .expect("finite");
+        assert_ne!(
+            first.parts(&[KeyRange { start: 0, end: 2 }])[0],
+            second.parts(&[KeyRange { start: 0, end: 2 }])[0]
+        );
+        // Only the first key's shard took it; the step is pushed again, with other values
+        // even: it goes as it was made.
         r.taken(&[(0, 4)]);
-        let again = r.encode(&layout, &g, k, Wire::F32).expect("finite");
-        let second = [KeyRange { start: 1, end: 2 }];
-        assert_eq!(first.parts(&second), again.parts(&second));
+        let again = r
+            .push(&layout, &[9.0; 8], (k, Wire::F32), at(1, 1))
+            .expect("finite");
+        assert!(Arc::ptr_eq(&second, &again));
+        let taken = r.l1();
+        r.taken(&[(4, 4)]);
+        r.done();
+        // What both keys kept is what the push left: a later step starts from it.
+        assert!(r.l1() != taken);
+        let without_span = r
+            .push(&layout, &g, (k, Wire::F32), (Clock(2), None))
+            .expect("finite");
+        let again = r
+            .push(&layout, &g, (k, Wire::F32), (Clock(2), None))
+            .expect("finite");
+        assert!(
+            !Arc::ptr_eq(&without_span, &again),
+            "a push without a span is never repeated"
+        );
         // A gradient that is not finite names its position and changes nothing.
         let before = r.l1();
         let mut bad = g;
         bad[5] = f32::NAN;
         assert!(matches!(
-            r.encode(&layout, &bad, k, Wire::F32),
+            r.push(&layout, &bad, (k, Wire::F32), at(3, 3)),
             Err(ClientError::NonFinite { index: 5 })
         ));
         assert_eq!(r.l1(), before);

@@ -1337,15 +1337,15 @@ fn optimizer_text(o: &OptimizerSpec) -> String {
 /// How a job's pushes and pulls travel, for its description.
 fn wire_text(wire: edl_proto::WireSpec) -> String {
     let values = match wire.values {
-        edl_proto::Wire::F32 => "exact".to_string(),
+        edl_proto::Wire::F32 => "at f32".to_string(),
         w => format!("at 16 bits ({w})"),
     };
     match wire.topk {
         None if wire.is_exact() => "f32 (pushes and pulls exact)".to_string(),
         None => format!("{wire} (pushes and pulls {values}; shards keep f32)"),
         Some(k) => format!(
-            "{wire} (pushes send the largest {}% of each chunk {values}, the rest kept for the \
-             next; pulls {values})",
+            "{wire} (each push sends the largest {}% of every chunk's values {values}, the \
+             rest held back by the worker for its next push; pulls {values})",
             k.fraction() * 100.0
         ),
     }
@@ -1574,6 +1574,12 @@ init = "zeros"
             assert!(back.contains(&format!("wire = \"{name}\"")), "{back}");
             assert_eq!(job(&back).wire, read.wire, "{name}");
         }
+        let topk = job(&MLP.replace("samples = 60000", "samples = 60000\nwire = \"topk:0.01\""));
+        let text = describe(&topk);
+        assert!(
+            text.contains("largest 1% of every chunk's values at f32"),
+            "{text}"
+        );
     }
 
     #[test]

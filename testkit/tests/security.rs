@@ -236,6 +236,64 @@ async fn one_shard_refuses_a_bad_shared_gradient_whole() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// At fp16, a finite gradient past 65,504 is refused as out of range (not as a NaN), with
+/// its position in the model, in whole-model pushes, row pushes and top-k pushes alike; a
+/// NaN among rows is named by its position in the model too. Nothing changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gradients_that_do_not_fit_a_16_bit_wire_are_refused_by_position() -> anyhow::Result<()> {
+    for wire in ["fp16", "topk:0.25+fp16"] {
+        let mut job = counter_job(64, 16, Consistency::Asp);
+        job.wire = wire.parse().map_err(anyhow::Error::msg)?;
+        let cluster = TestCluster::start(job, 2).await?;
+        let session = cluster.connect("w").await?.register("w").await?;
+        let mut before = vec![0f32; 64];
+        session.job().pull_all(&mut before, Clock(0)).await?;
+        let mut g = vec![-1.0f32; 64];
+        g[37] = 70_000.0;
+        let err = session.push_step(&g).await.expect_err("past fp16");
+        assert!(
+            matches!(err, ClientError::OutOfRange { index: 37, value, .. } if value == 70_000.0),
+            "{wire}: {err}"
+        );
+        assert!(err.to_string().contains("65,504"), "{err}");
+        let shared = Gradients::from(g.clone());
+        let err = session
+            .push_step_gradients(&shared)
+            .await
+            .expect_err("past fp16");
+        assert!(
+            matches!(err, ClientError::OutOfRange { index: 37, .. }),
+            "{wire}: {err}"
+        );
+        // Rows: key 2 holds floats 32..48.
+        let mut row = vec![1.0f32; 16];
+        row[5] = 1e6;
+        let err = session
+            .push_keys(&[(Key(2), &row)])
+            .await
+            .expect_err("past fp16");
+        assert!(
+            matches!(err, ClientError::OutOfRange { index: 37, .. }),
+            "{wire}: {err}"
+        );
+        row[5] = f32::NAN;
+        let err = session.push_keys(&[(Key(2), &row)]).await.expect_err("NaN");
+        assert!(
+            matches!(err, ClientError::NonFinite { index: 37 }),
+            "{wire}: {err}"
+        );
+        let mut after = vec![0f32; 64];
+        session.job().pull_all(&mut after, Clock(0)).await?;
+        assert_eq!(before, after, "{wire}: a refused push changed parameters");
+        assert_eq!(
+            session.residual_l1().await,
+            0.0,
+            "{wire}: a refused push kept a residual"
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
     let cluster = cluster().await?;

@@ -93,6 +93,20 @@ pub enum ClientError {
         /// Position of the first bad value.
         index: usize,
     },
+    /// A finite gradient value does not fit the job's 16-bit wire (binary16 ends at 65,504);
+    /// no shard applied any of it.
+    #[error(
+        "gradient value {value} at float {index} does not fit the job's {wire} wire (fp16 ends \
+         at 65,504; bf16 keeps f32's range); nothing was applied"
+    )]
+    OutOfRange {
+        /// Position of the first such value.
+        index: usize,
+        /// The value.
+        value: f32,
+        /// The job's wire precision.
+        wire: edl_shared::proto::Wire,
+    },
     /// The caller passed a buffer of the wrong size.
     #[error("buffer has {got} floats, the model has {want}")]
     BufferSize {
@@ -1015,6 +1029,21 @@ fn check_finite(values: &[f32]) -> Result<(), ClientError> {
     match edl_shared::proto::frame::first_non_finite(values) {
         Some(index) => Err(ClientError::NonFinite { index }),
         None => Ok(()),
+    }
+}
+
+/// Why `values[i]` (at float `offset + i` of the model) was refused at `wire`: not finite, or
+/// past the 16-bit range.
+pub(crate) fn refused_at(
+    values: &[f32],
+    i: usize,
+    offset: usize,
+    wire: edl_shared::proto::Wire,
+) -> ClientError {
+    let index = offset + i;
+    match values.get(i) {
+        Some(&value) if value.is_finite() => ClientError::OutOfRange { index, value, wire },
+        _ => ClientError::NonFinite { index },
     }
 }
 

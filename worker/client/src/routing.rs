@@ -20,7 +20,7 @@ use edl_shared::proto::wire::{Wire, decode, encode_finite};
 use edl_shared::proto::{ErrorCode, KeyLayout, Request, Response, ShardMap};
 use edl_shared::transport::{CallError, Collect, Conn, Release, Sink};
 
-use super::{ClientError, Gradients, Job, check_finite, connect_retry};
+use super::{ClientError, Gradients, Job, check_finite, connect_retry, refused_at};
 use crate::topk::Residual;
 
 /// How long a request keeps being re-routed while the map changes under it.
@@ -571,7 +571,13 @@ impl Job {
             {
                 return Err(self.inconsistent("client", format!("{k} does not fit the job")));
             }
-            check_finite(v)?;
+            // Positions count from the start of the model, as push_all's do.
+            check_finite(v).map_err(|e| match (e, self.layout.span(*k)) {
+                (ClientError::NonFinite { index }, Some(s)) => ClientError::NonFinite {
+                    index: s.offset as usize + index,
+                },
+                (e, _) => e,
+            })?;
         }
         let wanted = match span {
             Some(_) => None,
@@ -596,7 +602,7 @@ impl Job {
                         // Finite, but perhaps past binary16's range.
                         encode_finite(&mut payload, v, wire).map_err(|i| {
                             let at = self.layout.span(*k).map_or(0, |s| s.offset as usize);
-                            ClientError::NonFinite { index: at + i }
+                            refused_at(v, i, at, wire)
                         })?;
                     }
                 }
@@ -637,7 +643,7 @@ fn encoded(flat: &[(usize, usize)], g: &[f32], wire: Wire) -> Result<Parts, Clie
     let mut payload = BytesMut::with_capacity(floats * wire.value_bytes());
     for &(off, len) in flat {
         encode_finite(&mut payload, &g[off..off + len], wire)
-            .map_err(|i| ClientError::NonFinite { index: off + i })?;
+            .map_err(|i| refused_at(&g[off..off + len], i, off, wire))?;
     }
     Ok(Parts(vec![payload.freeze()]))
 }

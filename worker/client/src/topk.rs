@@ -105,7 +105,7 @@ impl Residual {
             let acc = &mut self.next[off..off + len];
             // A gradient's own values are checked here too: a NaN in it poisons the sum.
             encode_topk(&mut bytes, acc, topk.keep(len), wire, &mut self.scratch)
-                .map_err(|i| ClientError::NonFinite { index: off + i })?;
+                .map_err(|i| crate::refused_at(acc, i, off, wire))?;
             at.push(bytes.len());
         }
         Ok(Sparse {

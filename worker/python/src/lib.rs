@@ -66,6 +66,7 @@ fn edl_error(py: Python<'_>, e: ClientError) -> PyErr {
         ClientError::Dropped(_) => "Dropped",
         ClientError::Inconsistent { .. } => "Inconsistent",
         ClientError::NonFinite { .. } => "NonFinite",
+        ClientError::OutOfRange { .. } => "OutOfRange",
         ClientError::BufferSize { .. } => "BufferSize",
         ClientError::UnknownTensor(_) => "UnknownTensor",
         ClientError::RowOutOfRange { .. } => "RowOutOfRange",

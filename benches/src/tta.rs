@@ -63,8 +63,10 @@ pub struct Plan {
     pub data_dir: PathBuf,
     /// How pushes and pulls travel: one series per wire.
     pub wires: Vec<WireSpec>,
-    /// Transport settings (their fault plan, if any, is the link: see [`Plan::limit`]).
+    /// Transport settings.
     pub settings: TransportSettings,
+    /// Every training socket's uplink in bits per second, in the fault layer ([`Plan::limit`]).
+    pub rate: Option<u64>,
     /// Where the servers (and the evaluator) run: on loopback, or behind a veth link.
     pub side: Side,
     /// The link, for reports, when it is not loopback's.
@@ -102,6 +104,7 @@ impl Plan {
             settings,
             side: Side::default(),
             link: None,
+            rate: None,
         }
     }
 
@@ -109,13 +112,24 @@ impl Plan {
     /// (the fault layer's rate, [`edl_shared::faults::Rate`]); the evaluator's snapshots
     /// cross clean links, so that watching the run costs the link nothing.
     pub fn limit(&mut self, bits_per_s: u64) {
-        let faults = Faults::new(0);
-        faults.set_default(LinkFaults::clean().with_rate(bits_per_s));
-        faults.set_link(EVAL, "*", LinkFaults::clean());
-        faults.set_link("*", EVAL, LinkFaults::clean());
-        let rate = faults.link_of_default().rate.map(|r| r.to_string());
-        self.settings.faults = Some(faults);
+        self.rate = Some(bits_per_s);
+        let rate = LinkFaults::clean().with_rate(bits_per_s).rate;
         self.link = rate.map(|r| format!("every socket's uplink at {r} (fault layer)"));
+    }
+
+    /// The transport settings of one run: with a rate, a fault plan of its own (a plan names
+    /// the evaluator's sockets by address, and a later run's socket may get an earlier
+    /// evaluator's port).
+    fn run_settings(&self) -> TransportSettings {
+        let mut settings = self.settings.clone();
+        if let Some(bits_per_s) = self.rate {
+            let faults = Faults::new(0);
+            faults.set_default(LinkFaults::clean().with_rate(bits_per_s));
+            faults.set_link(EVAL, "*", LinkFaults::clean());
+            faults.set_link("*", EVAL, LinkFaults::clean());
+            settings.faults = Some(faults);
+        }
+        settings
     }
 }
 
@@ -158,6 +172,8 @@ pub struct Run {
     pub pushed_per_sample: f64,
     /// Payload bytes pulled per sample.
     pub pulled_per_sample: f64,
+    /// Datagrams the fault layer's rate-limited uplinks dropped at a full queue.
+    pub overflowed: u64,
     /// Every evaluated snapshot.
     pub curve: Vec<Point>,
 }
@@ -279,12 +295,14 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
                         })?;
                     eprintln!(
                         "tta: {workers} workers, {consistency}, {wire}, seed {seed}: {} (best \
-                         {:.4}, {:.1} s, {:.0} bytes pushed per sample)",
+                         {:.4}, {:.1} s, {:.0} bytes pushed per sample, {} datagrams dropped \
+                         at a full queue)",
                         r.tta_s
                             .map_or("not reached".into(), |t| format!("{t:.1} s")),
                         r.best_accuracy,
                         r.wall_s,
-                        r.pushed_per_sample
+                        r.pushed_per_sample,
+                        r.overflowed
                     );
                     runs.push(r);
                 }
@@ -332,13 +350,15 @@ async fn run_one(
     job.batch_size = plan.batch;
     job.seed = seed;
     job.wire = wire;
-    let (shards, settings, ip) = (plan.shards as u32, plan.settings.clone(), plan.side.ip);
+    let run_settings = plan.run_settings();
+    let faults = run_settings.faults.clone();
+    let (shards, settings, ip) = (plan.shards as u32, run_settings.clone(), plan.side.ip);
     let cluster = (plan.side)
         .run(TestCluster::start_on(job, shards, settings, ip))
         .await?;
     let config = |name: &str| -> anyhow::Result<ClientConfig> {
         let mut cfg = cluster.client_config(name)?;
-        cfg.settings = plan.settings.clone();
+        cfg.settings = run_settings.clone();
         cfg.settings.faults = cfg.settings.faults.map(|f| f.labelled(name));
         Ok(cfg)
     };
@@ -396,6 +416,7 @@ async fn run_one(
         best_accuracy: curve.iter().map(|p| p.accuracy).fold(0.0, f64::max),
         wall_s: wall.as_secs_f64(),
         samples_per_s: samples as f64 / wall.as_secs_f64().max(1e-9),
+        overflowed: faults.map_or(0, |f| f.stats().overflowed),
         pushed_per_sample: per_sample(|e| e.bytes_pushed),
         pulled_per_sample: per_sample(|e| e.bytes_pulled),
         curve,

@@ -240,6 +240,7 @@ fn bad_sparse_pushes_are_refused_before_anything_is_applied() {
     assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
     let e = refused(&BOTH, Parts(vec![Bytes::from_static(&[0, 0, 0, 0])]));
     assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
+    assert!(e.message.contains("records of 2 chunks"), "{}", e.message);
     // A position past its chunk, and a record cut short.
     let mut b = BytesMut::new();
     for x in [1u32, 4, 1.0f32.to_bits(), 0] {

@@ -216,7 +216,15 @@ impl FaultySocket {
                 bump(&c.offered);
                 if let Some(d) = copy {
                     bump(&c.duplicated);
-                    self.hold(t, d);
+                    // A copy crosses the uplink too, or is lost at a full queue.
+                    match rate.map(|r| self.queue(r, t.contents.len())) {
+                        Some(None) => {
+                            bump(&c.dropped);
+                            bump(&c.overflowed);
+                        }
+                        Some(Some(wait)) => self.hold(t, d + wait),
+                        None => self.hold(t, d),
+                    }
                 }
             }
         }

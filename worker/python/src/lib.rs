@@ -1037,7 +1037,8 @@ impl Session {
     }
 
     /// Pushes the gradient of `batch` from `grads` (a float32 buffer of `param_count` floats).
-    /// A NaN or infinity refuses the push (EdlError, kind "NonFinite") and sends nothing.
+    /// A NaN or infinity refuses the push (EdlError, kind "NonFinite"), as does a value past
+    /// a 16-bit wire's range (kind "OutOfRange"), and sends nothing.
     fn push(&self, py: Python<'_>, batch: &Batch, grads: &Bound<'_, PyAny>) -> PyResult<()> {
         let grads = Floats::get(grads, "grads", Some(self.job.param_count()), false)?;
         let grads = grads.as_ref();

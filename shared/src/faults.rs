@@ -409,11 +409,6 @@ impl Faults {
         self.rules().names.get(name).cloned().unwrap_or_default()
     }
 
-    /// The faults of every link that no [`Faults::set_link`] rule matches.
-    pub fn link_of_default(&self) -> LinkFaults {
-        self.rules().default
-    }
-
     /// Sets the faults of every link that no [`Faults::set_link`] rule matches.
     pub fn set_default(&self, faults: LinkFaults) {
         self.rules().default = faults;

@@ -126,7 +126,7 @@ enum Cmd {
         /// `100mbit`; a 20 ms drop-tail queue); the evaluator's snapshots cross clean links.
         /// With --netns, the veth link is limited instead, by the kernel (tc tbf).
         #[arg(long)]
-        rate: Option<String>,
+        rate: Option<edl_shared::faults::Rate>,
         /// Run the servers (and the evaluator) in a network namespace of their own behind a
         /// veth pair of --mtu (as root); the workers cross it. Removed afterwards.
         #[arg(long)]
@@ -513,15 +513,7 @@ async fn main() -> anyhow::Result<()> {
             if !wire.is_empty() {
                 plan.wires = wire.clone();
             }
-            let bits = match rate {
-                Some(r) => {
-                    let spec = edl_shared::faults::Faults::parse(&format!("rate={r}"))
-                        .map_err(|e| anyhow::anyhow!("--rate {r}: {e}"))?;
-                    let rate = spec.and_then(|f| f.link_of_default().rate);
-                    Some(rate.ok_or_else(|| anyhow::anyhow!("--rate {r}: no rate"))?)
-                }
-                None => None,
-            };
+            let bits = *rate;
             // Held until the runs are over: dropped, the link is removed.
             let mut servers = None;
             if *netns {

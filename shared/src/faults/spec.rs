@@ -56,13 +56,7 @@ impl Faults {
                 "jitter" => link.jitter = parse_duration(value).map_err(bad)?,
                 "reorder_delay" => link.reorder_delay = parse_duration(value).map_err(bad)?,
                 "partition" => cuts.push(parse_cut(value).map_err(bad)?),
-                "rate" => {
-                    let bits_per_s = parse_rate(value).map_err(bad)?;
-                    link.rate = Some(Rate {
-                        bits_per_s,
-                        queue: Rate::DEFAULT_QUEUE,
-                    });
-                }
+                "rate" => link.rate = Some(value.parse().map_err(|e: String| bad(&e))?),
                 "queue" => queue = Some(parse_duration(value).map_err(bad)?),
                 _ => return Err(bad("unknown key")),
             }
@@ -127,6 +121,19 @@ fn parse_probability(v: &str) -> Result<f64, &'static str> {
     match v.parse::<f64>() {
         Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
         _ => Err("not a probability from 0 to 1"),
+    }
+}
+
+impl std::str::FromStr for Rate {
+    type Err = String;
+
+    /// A rate in `kbit`, `mbit` or `gbit` (per second: `1gbit`, `2.5Mbit/s`, `64kbps`), with
+    /// the default queue.
+    fn from_str(s: &str) -> Result<Rate, String> {
+        Ok(Rate {
+            bits_per_s: parse_rate(s).map_err(str::to_string)?,
+            queue: Rate::DEFAULT_QUEUE,
+        })
     }
 }
 

@@ -470,17 +470,7 @@ impl Job {
                                 .collect(),
                         ),
                     };
-                    let req = Request::Push {
-                        epoch: map.epoch,
-                        worker,
-                        clock,
-                        chunks: link.chunks.clone(),
-                        wire,
-                        sparse: false,
-                        span,
-                        covers: Vec::new(),
-                        token,
-                    };
+                    let req = whole_push(link, map, (worker, token), clock, span, wire, false);
                     Ok((req, payload))
                 },
                 check,
@@ -525,17 +515,7 @@ impl Job {
             None,
             span.is_some(),
             |link, map| {
-                let req = Request::Push {
-                    epoch: map.epoch,
-                    worker,
-                    clock,
-                    chunks: link.chunks.clone(),
-                    wire,
-                    sparse: true,
-                    span,
-                    covers: Vec::new(),
-                    token,
-                };
+                let req = whole_push(link, map, (worker, token), clock, span, wire, true);
                 Ok((req, Parts(sparse.parts(&link.ranges))))
             },
             None,
@@ -633,6 +613,30 @@ impl Job {
             |_, _| Ok(()),
         )
         .await
+    }
+}
+
+/// The request of a push of every key `link` names (its chunks in order), at `wire`, sparse or
+/// dense.
+fn whole_push(
+    link: &ShardLink,
+    map: &ShardMap,
+    (worker, token): (WorkerId, Token),
+    clock: Clock,
+    span: Option<DataSpan>,
+    wire: Wire,
+    sparse: bool,
+) -> Request {
+    Request::Push {
+        epoch: map.epoch,
+        worker,
+        clock,
+        chunks: link.chunks.clone(),
+        wire,
+        sparse,
+        span,
+        covers: Vec::new(),
+        token,
     }
 }
 

@@ -244,17 +244,28 @@ async fn sixteen_bit_wires_train_as_well_on_half_the_bytes() {
     }
 }
 
-/// The same job (plain SGD) pushing every value at f32 and only the largest 1% of each chunk
-/// with error feedback: top-k trains as well (test accuracy within 0.01 of f32's) on a tenth
-/// of the bytes pushed or less, and pulls the same.
+/// The same job (plain SGD) pushing every value at f32, only the largest 1% of each chunk with
+/// error feedback, and (from a job file) that for its large first weight alone, with bf16
+/// values and pulls, the other tensors exact: top-k trains as well (test accuracy within 0.01
+/// of f32's) on a tenth of the bytes pushed or less, and pulls the same; the job file's run
+/// pulls its first weight at half the bytes and the rest at f32.
 #[tokio::test]
 async fn top_k_pushes_train_as_well_on_a_tenth_of_the_bytes() {
     if !common::have_dataset() {
         return;
     }
     let mut runs = Vec::new();
-    for wire in ["f32", "topk:0.01"] {
+    for wire in ["f32", "topk:0.01", "per tensor"] {
         let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("job.toml");
+        std::fs::write(
+            &file,
+            "[model]\nkind = \"mlp\"\nlayers = [784, 64, 10]\n\n[optimizer]\nkind = \"sgd\"\n\
+             lr = 0.1\n\n[training]\nconsistency = \"asp\"\nbatch_size = 64\nepochs = 2\n\
+             samples = 8192\nlease_ms = 3000\nseed = 7\n\n[[tensor]]\nname = \"fc0.weight\"\n\
+             wire = \"topk:0.01+bf16\"\n",
+        )
+        .expect("job file");
         let cfg = LocalConfig {
             // One worker, as above. Error feedback keeps the sum of what is applied that of
             // the gradients, which plain SGD turns into the same parameters, only later: with
@@ -264,8 +275,12 @@ async fn top_k_pushes_train_as_well_on_a_tenth_of_the_bytes() {
             epochs: 2,
             train_samples: 8192,
             optimizer: "sgd:0.1".parse().expect("optimizer"),
-            wire: Some(wire.parse().expect("wire")),
+            wire: wire.parse().ok(),
             ..small_job(dir.path())
+        };
+        let cfg = match wire {
+            "per tensor" => cfg.from_job_file(&file).expect("job file"),
+            _ => cfg,
         };
         let report = edl_deploy::run(&cfg, CancellationToken::new())
             .await
@@ -282,16 +297,34 @@ async fn top_k_pushes_train_as_well_on_a_tenth_of_the_bytes() {
         );
         runs.push(report);
     }
-    let (dense, topk) = (&runs[0], &runs[1]);
+    let dense = &runs[0];
+    for (name, topk) in [("top-k", &runs[1]), ("per tensor", &runs[2])] {
+        assert!(
+            (topk.test_accuracy - dense.test_accuracy).abs() <= 0.01,
+            "{name}: test accuracy {:.4} against f32's {:.4}",
+            topk.test_accuracy,
+            dense.test_accuracy
+        );
+        let cut = dense.traffic.pushed_per_sample / topk.traffic.pushed_per_sample;
+        assert!(
+            cut >= 10.0,
+            "{name}: bytes pushed per sample cut only {cut:.1}x"
+        );
+    }
+    // Pulls are dense at f32 with top-k alone; with the first weight's at bf16, its 50,176
+    // floats travel at half the bytes and the other 714 whole: 203,560 bytes a pull become
+    // 103,208, a cut of 1.97x (not the 2x of every tensor at bf16).
+    let pulled =
+        |r: &edl_deploy::Report| r.traffic.pulled_per_sample / dense.traffic.pulled_per_sample;
     assert!(
-        (topk.test_accuracy - dense.test_accuracy).abs() <= 0.01,
-        "top-k: test accuracy {:.4} against f32's {:.4}",
-        topk.test_accuracy,
-        dense.test_accuracy
+        (0.99..1.01).contains(&pulled(&runs[1])),
+        "pulls changed {:.3}x",
+        pulled(&runs[1])
     );
-    let cut = dense.traffic.pushed_per_sample / topk.traffic.pushed_per_sample;
-    assert!(cut >= 10.0, "bytes pushed per sample cut only {cut:.1}x");
-    // Pulls are dense at f32 either way.
-    let pulled = topk.traffic.pulled_per_sample / dense.traffic.pulled_per_sample;
-    assert!((0.99..1.01).contains(&pulled), "pulls changed {pulled:.3}x");
+    let want = 103_208.0 / 203_560.0;
+    let got = pulled(&runs[2]);
+    assert!(
+        (got - want).abs() < 0.002,
+        "pulls changed {got:.4}x, not {want:.4}x"
+    );
 }

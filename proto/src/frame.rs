@@ -151,15 +151,13 @@ macro_rules! impl_message {
 
 // A push's gradients are checked on receipt; parameters and exports are checked where they
 // are made or restored.
-// A 16-bit or sparse push is checked as it is decoded, whole, before anything is applied.
-impl_message!(Request, |m| matches!(
-    m,
-    Request::Push {
-        wire: crate::Wire::F32,
-        sparse: false,
-        ..
-    } | Request::Replicate { .. }
-));
+// A push with 16-bit or sparse chunks is checked whole by the shard before anything is
+// applied ([`crate::coded::check`]).
+impl_message!(Request, |m| match m {
+    Request::Push { chunks, .. } | Request::Replicate { chunks, .. } =>
+        chunks.iter().all(crate::msg::ChunkRef::is_plain),
+    _ => false,
+});
 impl_message!(Response, |_m| false);
 
 /// A frame's payload: one buffer ([`Bytes`], as every received frame has it), or [`Parts`]
@@ -337,7 +335,7 @@ pub fn first_non_finite(values: &[f32]) -> Option<usize> {
 }
 
 /// [`first_non_finite`] of little-endian f32 values as bytes, at any alignment.
-fn first_non_finite_le(values: &[[u8; 4]]) -> Option<usize> {
+pub(crate) fn first_non_finite_le(values: &[[u8; 4]]) -> Option<usize> {
     first_bad(values, |b| u32::from_le_bytes(*b))
 }
 
@@ -493,6 +491,66 @@ impl<'a> F32Runs<'a> {
         }
     }
 
+    /// Hands the next `n` bytes to `f` in slices whose lengths are multiples of `size`, each
+    /// inside one part where it can be, a value cut between two parts put together first;
+    /// returns the bytes handed on (fewer than `n` if the payload ends first).
+    pub fn bytes(&mut self, n: usize, size: usize, mut f: impl FnMut(&[u8])) -> usize {
+        let mut done = 0;
+        let mut value = [0u8; 8];
+        while done < n {
+            while self.part < self.parts.len() && self.at == self.parts[self.part].len() {
+                self.part += 1;
+                self.at = 0;
+            }
+            let Some(here) = self.parts.get(self.part).map(|p| &p[self.at..]) else {
+                break;
+            };
+            let whole = here.len().min(n - done) / size * size;
+            if whole > 0 {
+                f(&here[..whole]);
+                self.at += whole;
+                done += whole;
+                continue;
+            }
+            // A value cut between parts.
+            if !self.gather_into(&mut value[..size]) {
+                break;
+            }
+            f(&value[..size]);
+            done += size;
+        }
+        done
+    }
+
+    /// Appends the next `n` bytes to `out`; false (with what there was appended) if the
+    /// payload ends first.
+    pub fn gather(&mut self, n: usize, out: &mut Vec<u8>) -> bool {
+        self.bytes(n, 1, |b| out.extend_from_slice(b)) == n
+    }
+
+    /// Fills `out` with the next bytes, across parts; false if the payload ends first.
+    fn gather_into(&mut self, out: &mut [u8]) -> bool {
+        let mut filled = 0;
+        while filled < out.len() && self.part < self.parts.len() {
+            let here = &self.parts[self.part][self.at..];
+            let take = here.len().min(out.len() - filled);
+            out[filled..filled + take].copy_from_slice(&here[..take]);
+            filled += take;
+            self.at += take;
+            if self.at == self.parts[self.part].len() {
+                self.part += 1;
+                self.at = 0;
+            }
+        }
+        filled == out.len()
+    }
+
+    /// The bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        let ahead: usize = self.parts.iter().skip(self.part).map(|p| p.len()).sum();
+        ahead.saturating_sub(self.at)
+    }
+
     /// The next at most `max` values (at least one while any remain and `max > 0`); `None`
     /// once fewer than four bytes remain.
     pub fn next(&mut self, max: usize) -> Option<F32Run<'_>> {
@@ -515,19 +573,7 @@ impl<'a> F32Runs<'a> {
         }
         // A value cut between parts: put its bytes together.
         let mut value = [0u8; 4];
-        let mut filled = 0;
-        while filled < 4 && self.part < self.parts.len() {
-            let here = &self.parts[self.part][self.at..];
-            let take = here.len().min(4 - filled);
-            value[filled..filled + take].copy_from_slice(&here[..take]);
-            filled += take;
-            self.at += take;
-            if self.at == self.parts[self.part].len() {
-                self.part += 1;
-                self.at = 0;
-            }
-        }
-        if filled < 4 {
+        if !self.gather_into(&mut value) {
             return None;
         }
         self.joined[0] = f32::from_le_bytes(value);
@@ -652,12 +698,7 @@ mod tests {
                 epoch: MapEpoch(3),
                 worker: WorkerId(7),
                 clock: Clock(42),
-                chunks: vec![ChunkRef {
-                    key: Key(9),
-                    len: 4,
-                }],
-                wire: crate::Wire::F32,
-                sparse: false,
+                chunks: vec![ChunkRef::new(Key(9), 4)],
                 span: Some(crate::msg::DataSpan {
                     epoch: 1,
                     partition: 2,

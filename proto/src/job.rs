@@ -678,9 +678,21 @@ pub struct JobConfig {
     /// How pushes and pulls travel ([`crate::WireSpec`]): the precision of their values, and
     /// whether pushes are top-k sparsified. Shards keep f32 whatever it is.
     pub wire: crate::WireSpec,
+    /// Tensors that travel at a wire of their own instead of `wire` (a job file's
+    /// `[[tensor]] wire`): a tensor is named once at most.
+    pub tensor_wires: Vec<TensorWire>,
     /// Where the data lies, when the job says (a job file's `[data]`); workers may be told
     /// otherwise.
     pub data: Option<DataSpec>,
+}
+
+/// A tensor that travels at a wire of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TensorWire {
+    /// The tensor's index in the job's tensors.
+    pub tensor: u32,
+    /// How its pushes and pulls travel.
+    pub wire: crate::WireSpec,
 }
 
 /// A parameter group: tensors updated with their own optimizer settings.
@@ -711,6 +723,36 @@ impl JobConfig {
         group
             .and_then(|g| self.optimizer_groups.get(g))
             .map_or(&self.optimizer, |g| &g.optimizer)
+    }
+
+    /// How tensor `tensor`'s pushes and pulls travel: its own wire, or the job's.
+    pub fn wire_of(&self, tensor: usize) -> crate::WireSpec {
+        self.tensor_wires
+            .iter()
+            .find(|w| w.tensor as usize == tensor)
+            .map_or(self.wire, |w| w.wire)
+    }
+
+    /// Every tensor's wire ([`JobConfig::wire_of`]), in tensor order.
+    pub fn wires(&self) -> Vec<crate::WireSpec> {
+        (0..self.tensors.len()).map(|t| self.wire_of(t)).collect()
+    }
+
+    /// Checks that [`JobConfig::tensor_wires`] names tensors of the job, each once.
+    pub fn check_wires(&self) -> Result<(), String> {
+        for (i, w) in self.tensor_wires.iter().enumerate() {
+            let Some(t) = self.tensors.get(w.tensor as usize) else {
+                return Err(format!(
+                    "a tensor wire names tensor {}, but the job has {}",
+                    w.tensor,
+                    self.tensors.len()
+                ));
+            };
+            if self.tensor_wires[..i].iter().any(|o| o.tensor == w.tensor) {
+                return Err(format!("tensor {:?} is given two wires", t.name));
+            }
+        }
+        Ok(())
     }
 
     /// Checks [`JobConfig::schedule`] against the consistency model and the optimizers.

@@ -4,6 +4,7 @@
 //! decoding path can be tested (and fuzzed) on plain byte slices. Anything that comes from the
 //! network is decoded through [`frame`], which validates before it trusts.
 
+pub mod coded;
 pub mod error;
 pub mod frame;
 pub mod ids;
@@ -22,7 +23,7 @@ pub use frame::{Frame, FrameLimits, Parts, Payload};
 pub use ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 pub use job::{
     Consistency, DataFormat, DataSpec, Init, JobConfig, KeyLayout, KeySpan, ModelSection,
-    OptimizerGroup, OptimizerSpec, ShardMap, TensorSpec,
+    OptimizerGroup, OptimizerSpec, ShardMap, TensorSpec, TensorWire,
 };
 pub use msg::{Request, Response};
 pub use place::{Placement, PlacementKind, PlacementState, StragglerPolicy, StragglerSettings};
@@ -32,4 +33,4 @@ pub use wire::{Wire, WireSpec};
 
 /// The protocol version spoken by this build. A peer with a different version is refused at
 /// the handshake with [`ErrorCode::UnsupportedVersion`].
-pub const PROTOCOL_VERSION: u32 = 13;
+pub const PROTOCOL_VERSION: u32 = 14;

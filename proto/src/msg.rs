@@ -4,13 +4,44 @@
 use crate::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use crate::job::{JobConfig, ShardMap};
 
-/// One chunk in a tensor payload: `len` floats of `key`, in list order.
+/// One chunk in a tensor payload: `len` values of `key`, in list order, and how they travel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ChunkRef {
     /// The key.
     pub key: Key,
-    /// Number of f32 values.
+    /// Number of values (the chunk's floats).
     pub len: u32,
+    /// The precision its values travel at.
+    pub wire: crate::Wire,
+    /// The payload holds a sparse record for it ([`crate::sparse`]): only some of its values,
+    /// with their positions; the others are zero. Pushes only.
+    pub sparse: bool,
+}
+
+impl ChunkRef {
+    /// `len` values of `key` at f32, dense.
+    pub const fn new(key: Key, len: u32) -> ChunkRef {
+        ChunkRef {
+            key,
+            len,
+            wire: crate::Wire::F32,
+            sparse: false,
+        }
+    }
+
+    /// The chunk travelling at `wire`, sparse or dense.
+    pub const fn coded(self, wire: crate::Wire, sparse: bool) -> ChunkRef {
+        ChunkRef {
+            wire,
+            sparse,
+            ..self
+        }
+    }
+
+    /// Whether its values travel as f32, dense (as shards hold them).
+    pub fn is_plain(&self) -> bool {
+        self.wire == crate::Wire::F32 && !self.sparse
+    }
 }
 
 /// A half-open key range `[start, end)`.
@@ -575,8 +606,9 @@ pub enum Request {
         ranges: Vec<KeyRange>,
         /// BSP: apply every pending aggregated update of steps before this clock first.
         apply_through: Clock,
-        /// The precision the answer's values travel at (the chunks' `len` counts values).
-        wire: crate::Wire,
+        /// The precision the answer's values travel at: every chunk at this one, or with
+        /// `None` each at its tensor's ([`crate::JobConfig::wire_of`]).
+        wire: Option<crate::Wire>,
     },
     /// Sends gradients; the request payload holds the chunks in `chunks` order.
     Push {
@@ -586,14 +618,9 @@ pub enum Request {
         worker: WorkerId,
         /// The step these gradients belong to (the clock before the step completed).
         clock: Clock,
-        /// The chunks in the payload.
+        /// The chunks in the payload, each saying how its values travel: a shard refuses a
+        /// value that is not finite in its precision, and applies the values as f32.
         chunks: Vec<ChunkRef>,
-        /// The precision of the payload's values (the chunks' `len` counts values). A shard
-        /// refuses one that is not finite in it, and applies the values as f32.
-        wire: crate::Wire,
-        /// The payload holds a sparse record per chunk ([`crate::sparse`]): only some of its
-        /// values, with their positions; the others are zero.
-        sparse: bool,
         /// The samples the gradients came from; a span this shard already applied is skipped.
         span: Option<DataSpan>,
         /// A sparse push's further keys: their gradient is zero (nothing of them travels) but
@@ -916,11 +943,9 @@ pub enum Response {
     Ledger(Vec<EpochLedger>),
     /// Parameters; the payload holds the chunks in this order.
     Pulled {
-        /// The chunks in the payload.
+        /// The chunks in the payload, each at the precision asked for, or at f32 where one of
+        /// its parameters does not fit it (past binary16's 65,504).
         chunks: Vec<ChunkRef>,
-        /// The precision of its values: the one asked for, or f32 when a parameter does not
-        /// fit it (past binary16's 65,504).
-        wire: crate::Wire,
     },
     /// A key range moved.
     Moved(MoveReport),

@@ -168,7 +168,7 @@ impl FromStr for WireSpec {
 
 /// Values converted and checked per block: a block's 16-bit values stay in cache between the
 /// conversion and the copy out.
-const BLOCK: usize = 4096;
+pub(crate) const BLOCK: usize = 4096;
 
 /// The exponent bits of a 16-bit value in `wire` (all ones: an infinity or a NaN).
 fn exponent_mask(wire: Wire) -> u16 {
@@ -187,6 +187,25 @@ fn first_bad_half(bits: &[u16], wire: Wire) -> Option<usize> {
         return None;
     }
     bits.iter().position(|&b| bad(b) != 0)
+}
+
+/// The first value of `bytes` (whole little-endian values in `wire`, at any alignment) that
+/// is not finite in it.
+pub(crate) fn first_bad_le(bytes: &[u8], wire: Wire) -> Option<usize> {
+    if wire == Wire::F32 {
+        return crate::frame::first_non_finite_le(bytes.as_chunks::<4>().0);
+    }
+    let mut bits = [0u16; BLOCK];
+    for (i, block) in bytes.as_chunks::<2>().0.chunks(BLOCK).enumerate() {
+        let bits = &mut bits[..block.len()];
+        for (b, pair) in bits.iter_mut().zip(block) {
+            *b = u16::from_le_bytes(*pair);
+        }
+        if let Some(j) = first_bad_half(bits, wire) {
+            return Some(i * BLOCK + j);
+        }
+    }
+    None
 }
 
 /// Appends `values` to `out` in `wire`, little-endian, checking each block as it is converted.

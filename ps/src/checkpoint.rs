@@ -208,6 +208,7 @@ pub fn fingerprint(job: &edl_shared::proto::JobConfig) -> u32 {
     // The wire precision changes no state: a job restarted with another keeps its checkpoint.
     let job = edl_shared::proto::JobConfig {
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         ..job.clone()
     };
     // A job that cannot be archived gets a fingerprint no checkpoint has.

@@ -418,6 +418,7 @@ mod tests {
             lease_ms: 1000,
             replicas: 1,
             wire: Default::default(),
+            tensor_wires: Vec::new(),
             data: None,
         }
     }

@@ -14,15 +14,15 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
+use edl_shared::proto::coded::{self, Coded};
 use edl_shared::proto::frame::{
-    F32Run, F32Runs, LeF32s, Payload, bytes_to_f32s, f32s_in_place, f32s_to_bytes, first_non_finite,
+    F32Run, LeF32s, bytes_to_f32s, f32s_in_place, f32s_to_bytes, first_non_finite,
 };
 use edl_shared::proto::ids::{Clock, Key, MapEpoch, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{
     ChunkRef, DataSpan, EpochLedger, KeyLoad, KeyRange, MoveReport, ShardStats,
 };
-use edl_shared::proto::sparse::decode_sparse;
-use edl_shared::proto::wire::{Wire, decode_finite, encode_finite};
+use edl_shared::proto::wire::{Wire, encode_finite};
 use edl_shared::proto::{
     Consistency, ErrorCode, Frame, Init, JobConfig, KeyLayout, OptimizerSpec, Parts, ProtoError,
     Request, Response, ScheduleUnit, ShardMap,
@@ -90,134 +90,42 @@ fn wire_params(params: &Arc<Vec<f32>>) -> Bytes {
     }
 }
 
-/// Chunks of f32 parameters (as [`wire_params`] made them) in a 16-bit `wire`, or `None` if a
+/// A chunk of f32 parameters (as [`wire_params`] made it) in a 16-bit `wire`, or `None` if a
 /// value does not fit it. The parameters are read where they lie (a copy only on a
 /// big-endian machine).
-fn narrowed(chunks: &[Bytes], wire: Wire) -> Option<Vec<Bytes>> {
-    let mut copy = Vec::new();
-    chunks
-        .iter()
-        .map(|c| {
-            let values = match f32s_in_place(c) {
-                Some(v) => v,
-                None => {
-                    copy.resize(c.len() / 4, 0.0);
-                    bytes_to_f32s(c, &mut copy).ok()?;
-                    &copy[..]
-                }
-            };
-            let mut b = BytesMut::with_capacity(values.len() * wire.value_bytes());
-            encode_finite(&mut b, values, wire).ok()?;
-            Some(b.freeze())
-        })
-        .collect()
+fn narrowed(chunk: &Bytes, wire: Wire) -> Option<Bytes> {
+    let copy;
+    let values = match f32s_in_place(chunk) {
+        Some(v) => v,
+        None => {
+            let mut c = vec![0.0; chunk.len() / 4];
+            bytes_to_f32s(chunk, &mut c).ok()?;
+            copy = c;
+            &copy[..]
+        }
+    };
+    let mut b = BytesMut::with_capacity(values.len() * wire.value_bytes());
+    encode_finite(&mut b, values, wire).ok()?;
+    Some(b.freeze())
 }
 
-/// A push's payload of `wire` values as f32 (one part), once every value was found finite in
-/// it and the payload to hold exactly the chunks' values. The parts are decoded where they
-/// lie and dropped: at most the payload and its f32 values are held at once.
-fn widen(chunks: &[ChunkRef], payload: Parts, wire: Wire) -> Result<Parts, Refusal> {
-    let values = floats_in(chunks) as usize;
-    let bytes = payload.byte_len();
-    let size = wire.value_bytes();
-    if bytes != values * size {
-        return Err(Refusal::new(
-            ErrorCode::ShapeMismatch,
-            format!("{bytes} payload bytes for {values} {wire} values"),
-        ));
-    }
-    let refuse = |e: ProtoError, at: usize| match e {
-        ProtoError::NonFinite { index } => Refusal::new(
+/// Why a push whose payload does not hold its chunks as they say is refused.
+fn coded_refusal(e: ProtoError, bytes: u64, chunks: &[ChunkRef]) -> (ErrorCode, String) {
+    match e {
+        ProtoError::NonFinite { index } => (
             ErrorCode::NonFinite,
+            format!("gradient value at float {index} is not finite; nothing was applied"),
+        ),
+        ProtoError::Truncated { .. } | ProtoError::Trailing(_) => (
+            ErrorCode::ShapeMismatch,
             format!(
-                "gradient value at float {} is not finite; nothing was applied",
-                at as u64 + index
+                "{bytes} payload bytes for the values of {} chunks of {} floats",
+                chunks.len(),
+                floats_in(chunks)
             ),
         ),
-        other => Refusal::new(ErrorCode::Malformed, other.to_string()),
-    };
-    let mut out = vec![0f32; values];
-    let (mut at, mut carry) = (0usize, Vec::with_capacity(size));
-    for part in payload.0 {
-        let mut part = &part[..];
-        // A value cut between two parts.
-        if !carry.is_empty() {
-            let take = (size - carry.len()).min(part.len());
-            carry.extend_from_slice(&part[..take]);
-            part = &part[take..];
-            if carry.len() < size {
-                continue;
-            }
-            decode_finite(&carry, wire, &mut out[at..at + 1]).map_err(|e| refuse(e, at))?;
-            carry.clear();
-            at += 1;
-        }
-        let whole = part.len() / size;
-        decode_finite(&part[..whole * size], wire, &mut out[at..at + whole])
-            .map_err(|e| refuse(e, at))?;
-        at += whole;
-        carry.extend_from_slice(&part[whole * size..]);
+        other => (ErrorCode::Malformed, other.to_string()),
     }
-    // The length was checked: every value was decoded.
-    Ok(Parts(vec![wire_params(&Arc::new(out))]))
-}
-
-/// A sparse push's payload ([`edl_shared::proto::sparse`]) as a dense f32 gradient (one part,
-/// zero where nothing travelled), once its chunks were found to be distinct keys of the job
-/// at their lengths, in ascending order, with at least a record's 4 bytes each (before
-/// anything is allocated for them: at most the whole model), and every record well formed and
-/// finite.
-fn densify(
-    layout: &KeyLayout,
-    chunks: &[ChunkRef],
-    payload: Parts,
-    wire: Wire,
-) -> Result<Parts, Refusal> {
-    if let Some(c) = chunks
-        .iter()
-        .find(|c| layout.span(c.key).is_none_or(|s| s.len != c.len))
-    {
-        return Err(Refusal::new(
-            ErrorCode::ShapeMismatch,
-            format!("{} of {} floats is not one of the job's keys", c.key, c.len),
-        ));
-    }
-    if chunks.windows(2).any(|w| w[0].key >= w[1].key) {
-        return Err(Refusal::new(
-            ErrorCode::Malformed,
-            "a sparse push's chunks must be distinct keys in ascending order",
-        ));
-    }
-    if chunks.len() * 4 > payload.byte_len() {
-        return Err(Refusal::new(
-            ErrorCode::Malformed,
-            format!(
-                "{} payload bytes for the records of {} chunks",
-                payload.byte_len(),
-                chunks.len()
-            ),
-        ));
-    }
-    // Sparse payloads are small: one contiguous copy when they come in several parts.
-    let joined;
-    let bytes: &[u8] = match &payload.0[..] {
-        [one] => one,
-        parts => {
-            joined = parts.concat();
-            &joined
-        }
-    };
-    let mut out = vec![0f32; floats_in(chunks) as usize];
-    decode_sparse(bytes, chunks.iter().map(|c| c.len as usize), wire, &mut out).map_err(
-        |e| match e {
-            ProtoError::NonFinite { index } => Refusal::new(
-                ErrorCode::NonFinite,
-                format!("gradient value at float {index} is not finite; nothing was applied"),
-            ),
-            other => Refusal::new(ErrorCode::Malformed, format!("sparse push: {other}")),
-        },
-    )?;
-    Ok(Parts(vec![wire_params(&Arc::new(out))]))
 }
 
 /// A draw from the standard normal distribution (Box-Muller).
@@ -807,18 +715,18 @@ impl ShardState {
         ranges: &[KeyRange],
         apply_through: Clock,
     ) -> Result<Frame<Response, Parts>, Refusal> {
-        self.pull_in(epoch, ranges, apply_through, Wire::F32)
+        self.pull_in(epoch, ranges, apply_through, Some(Wire::F32))
     }
 
-    /// [`ShardState::pull`], the values in `wire`: f32 as they lie, a 16-bit precision
-    /// converted; the whole answer at f32 if a parameter does not fit it (binary16 ends at
-    /// 65,504). The answer names its precision.
+    /// [`ShardState::pull`], the values in `wire` (`None`: each chunk in its tensor's, as the
+    /// job says): f32 as they lie, a 16-bit precision converted; a chunk at f32 if one of its
+    /// parameters does not fit it (binary16 ends at 65,504). Each chunk names its precision.
     pub fn pull_in(
         &self,
         _epoch: MapEpoch,
         ranges: &[KeyRange],
         apply_through: Clock,
-        wire: Wire,
+        wire: Option<Wire>,
     ) -> Result<Frame<Response, Parts>, Refusal> {
         let mut count = 0u64;
         for r in ranges {
@@ -846,7 +754,7 @@ impl ShardState {
         }
         let mut refs = Vec::with_capacity(count as usize);
         let mut out = Vec::with_capacity(count as usize);
-        let mut floats = 0u64;
+        let mut bytes = 0u64;
         for key in ranges.iter().flat_map(|r| (r.start..r.end).map(Key)) {
             let Some(mut chunk) = self.chunks.get_mut(&key) else {
                 return Err(self.missing(key));
@@ -855,25 +763,28 @@ impl ShardState {
                 apply_due(&self.job, &mut chunk, apply_through.0);
             }
             chunk.load += chunk.params.len() as u64;
-            floats += chunk.params.len() as u64;
-            out.push(wire_params(&chunk.params));
-            refs.push(ChunkRef {
-                key,
-                len: chunk.params.len() as u32,
+            let (held, len) = (wire_params(&chunk.params), chunk.params.len() as u32);
+            drop(chunk);
+            let want = wire.unwrap_or_else(|| {
+                let tensor = self.layout.span(key).map_or(0, |s| s.tensor);
+                self.job.wire_of(tensor).values
             });
+            // At 16 bits if every value fits, else (fp16 past 65,504) at f32.
+            let (wire, values) = match want {
+                Wire::F32 => (Wire::F32, held),
+                _ => match narrowed(&held, want) {
+                    Some(narrow) => (want, narrow),
+                    None => (Wire::F32, held),
+                },
+            };
+            bytes += values.len() as u64;
+            refs.push(ChunkRef::new(key, len).coded(wire, false));
+            out.push(values);
         }
-        // At 16 bits if every value fits, else (fp16 past 65,504) the whole answer at f32.
-        let (wire, out) = match wire {
-            Wire::F32 => (Wire::F32, out),
-            _ => match narrowed(&out, wire) {
-                Some(narrow) => (wire, narrow),
-                None => (Wire::F32, out),
-            },
-        };
         self.load.pulls.fetch_add(1, Ordering::Relaxed);
-        (self.load.bytes_out).fetch_add(floats * wire.value_bytes() as u64, Ordering::Relaxed);
+        (self.load.bytes_out).fetch_add(bytes, Ordering::Relaxed);
         Ok(Frame::with_payload(
-            Response::Pulled { chunks: refs, wire },
+            Response::Pulled { chunks: refs },
             Parts(out),
         ))
     }
@@ -955,21 +866,43 @@ impl ShardState {
         };
         let total = floats_in(chunks);
         let bytes: u64 = payload.iter().map(|p| p.len() as u64).sum();
-        if total * 4 != bytes {
-            return Err(bad((
-                ErrorCode::ShapeMismatch,
-                format!("{bytes} payload bytes for {total} floats"),
-            )));
-        }
-        // Pushes arrive through `read_frame`, which refused any with a NaN or infinity.
-        debug_assert!(
+        if chunks.iter().all(ChunkRef::is_plain) {
+            if total * 4 != bytes {
+                return Err(bad((
+                    ErrorCode::ShapeMismatch,
+                    format!("{bytes} payload bytes for {total} floats"),
+                )));
+            }
+            // Plain pushes arrive through `read_frame`, which refused any with a NaN or
+            // infinity.
+            debug_assert!(
+                {
+                    let mut scan = edl_shared::proto::frame::FiniteScan::default();
+                    payload.iter().for_each(|p| scan.part(p));
+                    scan.result().is_ok()
+                },
+                "unchecked push payload"
+            );
+        } else {
+            // Each chunk must be a key of the job at its length before its record is read
+            // (a sparse record is spread over a chunk of that length).
+            if let Some(c) = chunks
+                .iter()
+                .find(|c| self.layout.span(c.key).is_none_or(|s| s.len != c.len))
             {
-                let mut scan = edl_shared::proto::frame::FiniteScan::default();
-                payload.iter().for_each(|p| scan.part(p));
-                scan.result().is_ok()
-            },
-            "unchecked push payload"
-        );
+                let code = match self.layout.span(c.key) {
+                    None => ErrorCode::UnknownKey,
+                    Some(_) => ErrorCode::ShapeMismatch,
+                };
+                return Err(bad((
+                    code,
+                    format!("{} of {} floats is not one of the job's keys", c.key, c.len),
+                )));
+            }
+            // 16-bit and sparse chunks are read whole, before anything changes; the apply
+            // converts them again where it writes (no f32 copy of the push is made).
+            coded::check(payload, chunks).map_err(|e| bad(coded_refusal(e, bytes, chunks)))?;
+        }
         // From the check of the keys to the last chunk, neither a checkpoint nor a range move
         // may cut this push in two.
         let _gate = read_lock(&self.gate);
@@ -1076,13 +1009,16 @@ impl ShardState {
                 .count()
                 .clamp(1, chunks.len() - 1);
             let (first, second) = chunks.split_at(mine);
-            let mut rest = F32Runs::new(payload);
-            // Within the payload, whose length was checked against the floats above.
-            rest.take(floats_in(first) as usize, |_, _| {});
+            let mut rest = Coded::new(payload);
+            // Within the payload, which was checked to hold the chunks above.
+            for c in first {
+                rest.skip(c)
+                    .map_err(|e| bad(coded_refusal(e, bytes, chunks)))?;
+            }
             let at = (worker, clock, epoch);
             return std::thread::scope(|scope| {
                 let other = scope.spawn(|| self.apply_chunks(held, at, second, rest, claims));
-                let here = self.apply_chunks(held, at, first, F32Runs::new(payload), claims);
+                let here = self.apply_chunks(held, at, first, Coded::new(payload), claims);
                 let there = other
                     .join()
                     .unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -1093,22 +1029,30 @@ impl ShardState {
             held,
             (worker, clock, epoch),
             chunks,
-            F32Runs::new(payload),
+            Coded::new(payload),
             claims,
         )
     }
 
-    /// Applies (ASP, SSP) or stages (BSP) the gradients of `chunks`, read from `grads`, for
-    /// the keys whose ledger segment `claims` says to apply (all without a span): a push of
-    /// `worker` at `clock` of samples of `epoch`. The push was validated.
+    /// Applies (ASP, SSP) or stages (BSP) the gradients of `chunks`, read from `grads` (each
+    /// converted to f32 block by block as it is applied), for the keys whose ledger segment
+    /// `claims` says to apply (all without a span): a push of `worker` at `clock` of samples
+    /// of `epoch`. The push was validated.
     fn apply_chunks(
         &self,
         held: &DashMap<Key, Chunk>,
         (worker, clock, epoch): (WorkerId, Clock, u32),
         chunks: &[ChunkRef],
-        mut grads: F32Runs<'_>,
+        mut grads: Coded<'_>,
         claims: Option<&BTreeMap<u32, Claim>>,
     ) -> Result<Claim, Refusal> {
+        // The push was checked whole: a payload that does not hold its chunks now is a bug.
+        let broken = |e: ProtoError| {
+            Refusal::new(
+                ErrorCode::Internal,
+                format!("push from {worker}: a checked payload did not read back: {e}"),
+            )
+        };
         for c in chunks {
             let len = c.len as usize;
             let chunk = held.get_mut(&c.key);
@@ -1119,7 +1063,7 @@ impl ShardState {
             };
             let Some(mut chunk) = chunk.filter(|_| !skip) else {
                 // Past this key's gradient.
-                grads.take(len, |_, _| {});
+                grads.skip(c).map_err(broken)?;
                 continue;
             };
             let chunk = &mut *chunk;
@@ -1143,13 +1087,15 @@ impl ShardState {
                     epoch,
                 });
                 slot.epoch = slot.epoch.max(epoch);
-                grads.take(len, |at, g| {
-                    let sums = slot.sum[at..].iter_mut();
-                    match g {
-                        F32Run::Values(v) => sums.zip(v).for_each(|(s, g)| *s += g),
-                        F32Run::Le(b) => sums.zip(LeF32s(b).iter()).for_each(|(s, g)| *s += g),
-                    }
-                });
+                grads
+                    .take(c, |at, g| {
+                        let sums = slot.sum[at..].iter_mut();
+                        match g {
+                            F32Run::Values(v) => sums.zip(v).for_each(|(s, g)| *s += g),
+                            F32Run::Le(b) => sums.zip(LeF32s(b).iter()).for_each(|(s, g)| *s += g),
+                        }
+                    })
+                    .map_err(broken)?;
                 slot.pushes += 1;
             } else {
                 let optimizer = scheduled(&self.job, chunk, epoch, 1);
@@ -1157,7 +1103,9 @@ impl ShardState {
                 let params = Arc::make_mut(&mut chunk.params).as_mut_slice();
                 chunk.opt.start(optimizer, len);
                 let opt = &mut chunk.opt;
-                grads.take(len, |at, g| opt.apply_run(optimizer, params, at, g, 1.0));
+                grads
+                    .take(c, |at, g| opt.apply_run(optimizer, params, at, g, 1.0))
+                    .map_err(broken)?;
             }
         }
         Ok(Claim::Apply)
@@ -2538,23 +2486,10 @@ impl Service for ShardService {
                 worker,
                 clock,
                 chunks,
-                wire,
-                sparse,
                 span,
                 covers,
                 token: _,
             } => {
-                // A 16-bit or sparse push becomes dense f32 here, checked whole, before
-                // anything else looks at it (backups are forwarded the f32 values).
-                let payload = match (wire, sparse) {
-                    (Wire::F32, false) => Ok(payload),
-                    (_, false) => widen(&chunks, payload, wire),
-                    (_, true) => densify(&st.layout, &chunks, payload, wire),
-                };
-                let payload = match payload {
-                    Ok(p) => p,
-                    Err(r) => return Frame::new(Response::from(r)),
-                };
                 let keys = || {
                     let covered = covers.iter().flat_map(|r| (r.start..r.end).map(Key));
                     chunks.iter().map(|c| c.key).chain(covered)

@@ -86,12 +86,7 @@ async fn half_sent(conn: Conn) -> Option<ErrorCode> {
         epoch: MapEpoch(1),
         worker: WorkerId(1),
         clock: Clock(0),
-        chunks: vec![ChunkRef {
-            key: Key(0),
-            len: (FRAME / 4) as u32,
-        }],
-        wire: Default::default(),
-        sparse: false,
+        chunks: vec![ChunkRef::new(Key(0), (FRAME / 4) as u32)],
         span: None,
         covers: Vec::new(),
         token: Token::default(),

@@ -35,7 +35,9 @@
 //! ```
 //!
 //! A `custom` model lists its tensors as `[[tensor]]` tables (`name`, `shape`, `init` and, for
-//! some inits, `scale` or `value`). A `[worker]` table says what the job's workers run (see
+//! some inits, `scale` or `value`), each with a `wire` of its own if it travels unlike the
+//! job's `[training] wire`; a built-in model's tensor takes one from a `[[tensor]]` table that
+//! holds only its `name` and `wire`. A `[worker]` table says what the job's workers run (see
 //! [`WorkerSpec`]; without one they run `edl-worker`), for the placers: [`parse`] and [`load`]
 //! give the coordinator's view and skip it, [`parse_file`] and [`load_file`] keep it. Settings left out take the defaults of
 //! `edl-ps coordinator`'s flags, so a file and the flags describe the same job. Relative data
@@ -231,11 +233,13 @@ pub fn parse_file(text: &str, path: &Path) -> Result<JobFile, JobFileError> {
         lease_ms: defaults::LEASE_MS,
         replicas: defaults::REPLICAS,
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         data,
     };
     if let Some(t) = &raw.training {
         cx.training(t.get_ref(), &mut counts, &mut job)?;
     }
+    job.tensor_wires = cx.tensor_wires(&raw, &job.tensors)?;
     if let (Some(schedule), Some(raw)) = (schedule, &raw.schedule) {
         job.schedule = schedule;
         job.check_schedule()
@@ -316,10 +320,11 @@ struct RawData {
 #[serde(deny_unknown_fields)]
 struct RawTensor {
     name: Spanned<String>,
-    shape: Spanned<Vec<Spanned<u32>>>,
-    init: Spanned<String>,
+    shape: Option<Spanned<Vec<Spanned<u32>>>>,
+    init: Option<Spanned<String>>,
     scale: Option<Spanned<f32>>,
     value: Option<Spanned<f32>>,
+    wire: Option<Spanned<String>>,
 }
 
 /// A count given as a number or as `"auto"` (taken from the training data).
@@ -609,15 +614,25 @@ impl Cx<'_> {
             let refused = models::unknown_kind(kind);
             return Err(self.at(kind_value, "model.kind", refused.message));
         }
-        if let Some(first) = raw.tensor.as_ref().and_then(|t| t.get_ref().first()) {
-            return Err(self.at(
-                first,
-                "tensor",
-                format!(
-                    "[[tensor]] tables are only for kind = \"custom\"; kind = {kind:?} \
-                     builds its own tensors"
-                ),
-            ));
+        // A built-in model's tensors may only be given a wire.
+        let tables = raw.tensor.as_ref().map_or(&[][..], |t| t.get_ref());
+        for (i, t) in tables.iter().enumerate() {
+            let r = t.get_ref();
+            let builds = (r.shape.as_ref().map(Spanned::span))
+                .or(r.init.as_ref().map(Spanned::span))
+                .or(r.scale.as_ref().map(Spanned::span))
+                .or(r.value.as_ref().map(Spanned::span));
+            if let Some(span) = builds.or_else(|| r.wire.is_none().then(|| t.span())) {
+                return Err(self.err(
+                    span,
+                    &format!("tensor[{i}]"),
+                    format!(
+                        "kind = {kind:?} builds its own tensors: a [[tensor]] table may only \
+                         give one a wire (name and wire); shape and init are for kind = \
+                         \"custom\""
+                    ),
+                ));
+            }
         }
         let settings: toml::Table = table
             .iter()
@@ -713,6 +728,50 @@ impl Cx<'_> {
         Ok(())
     }
 
+    /// The wires `[[tensor]]` tables give their tensors (a built-in model's named by their
+    /// names).
+    fn tensor_wires(
+        &self,
+        raw: &RawJob,
+        tensors: &[TensorSpec],
+    ) -> Result<Vec<edl_proto::TensorWire>, JobFileError> {
+        let tables = raw.tensor.as_ref().map_or(&[][..], |t| t.get_ref());
+        let mut wires = Vec::new();
+        for (i, t) in tables.iter().enumerate() {
+            let t = t.get_ref();
+            let Some(w) = &t.wire else { continue };
+            let field = format!("tensor[{i}].wire");
+            let wire = (w.get_ref().parse()).map_err(|e| self.at(w, &field, e))?;
+            let name = t.name.get_ref();
+            let Some(tensor) = tensors.iter().position(|s| &s.name == name) else {
+                let names: Vec<&str> = tensors.iter().map(|s| s.name.as_str()).collect();
+                return Err(self.at(
+                    &t.name,
+                    &format!("tensor[{i}].name"),
+                    format!(
+                        "the model has no tensor {name:?}: it has {}",
+                        names.join(", ")
+                    ),
+                ));
+            };
+            if wires
+                .iter()
+                .any(|w: &edl_proto::TensorWire| w.tensor as usize == tensor)
+            {
+                return Err(self.at(
+                    &t.name,
+                    &format!("tensor[{i}].name"),
+                    format!("tensor {name:?} is given a wire twice"),
+                ));
+            }
+            wires.push(edl_proto::TensorWire {
+                tensor: tensor as u32,
+                wire,
+            });
+        }
+        Ok(wires)
+    }
+
     fn check_total(
         &self,
         tensors: &[TensorSpec],
@@ -760,21 +819,29 @@ impl Cx<'_> {
                     format!("{name:?} is already the name of tensor[{j}]"),
                 ));
             }
-            let dims = t.shape.get_ref();
+            let (Some(shape), Some(init)) = (&t.shape, &t.init) else {
+                let key = if t.shape.is_none() { "shape" } else { "init" };
+                return Err(self.at(&t.name, &field(key), "missing: a custom tensor needs one"));
+            };
+            let dims = shape.get_ref();
             if dims.is_empty() {
-                return Err(self.at(&t.shape, &field("shape"), "must have at least one dim"));
+                return Err(self.at(shape, &field("shape"), "must have at least one dim"));
             }
             if let Some((d, dim)) = dims.iter().enumerate().find(|(_, d)| *d.get_ref() == 0) {
                 return Err(self.at(dim, &field("shape"), format!("dim {d} is 0; must be > 0")));
             }
             let shape: Vec<u32> = dims.iter().map(|d| *d.get_ref()).collect();
-            let init = self.init(t, &shape, &field)?;
+            let init = self.init(t, init, &shape, &field)?;
             tensors.push(TensorSpec {
                 name: name.clone(),
                 shape,
                 init,
             });
-            self.check_total(&tensors, t.shape.span(), &field("shape"))?;
+            self.check_total(
+                &tensors,
+                t.shape.as_ref().map_or(0..0, Spanned::span),
+                &field("shape"),
+            )?;
         }
         Ok((ModelSection::custom(), tensors))
     }
@@ -782,17 +849,18 @@ impl Cx<'_> {
     fn init(
         &self,
         t: &RawTensor,
+        init: &Spanned<String>,
         shape: &[u32],
         field: &dyn Fn(&str) -> String,
     ) -> Result<Init, JobFileError> {
-        let kind = t.init.get_ref().as_str();
+        let kind = init.get_ref().as_str();
         let forbid = |v: &Option<Spanned<f32>>, key: &str| match v {
             Some(v) => Err(self.at(v, &field(key), format!("not used by init = {kind:?}"))),
             None => Ok(()),
         };
         let required = |v: &Option<Spanned<f32>>, key: &str, positive: bool| match v {
             None => Err(self.at(
-                &t.init,
+                init,
                 &field(key),
                 format!("missing: init = {kind:?} needs {key}"),
             )),
@@ -836,7 +904,7 @@ impl Cx<'_> {
                 }
                 None => {
                     return Err(self.at(
-                        &t.init,
+                        init,
                         &field("init"),
                         format!(
                             "unknown init {kind:?}: use zeros, constant, uniform, normal, \
@@ -1274,10 +1342,14 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
             writeln!(out, "test = {}", toml_string(&data.test))?;
         }
     }
+    let own_wire = |t: usize| job.tensor_wires.iter().find(|w| w.tensor as usize == t);
     if job.model.is_custom() {
-        for t in &job.tensors {
+        for (i, t) in job.tensors.iter().enumerate() {
             writeln!(out, "\n[[tensor]]")?;
             writeln!(out, "name = {}", toml_string(&t.name))?;
+            if let Some(w) = own_wire(i) {
+                writeln!(out, "wire = \"{}\"", w.wire)?;
+            }
             writeln!(out, "shape = [{}]", join(&t.shape))?;
             match t.init {
                 Init::Zeros => writeln!(out, "init = \"zeros\"")?,
@@ -1290,6 +1362,14 @@ fn write_toml(out: &mut String, job: &JobConfig) -> fmt::Result {
                 Init::Constant { value } => {
                     writeln!(out, "init = \"constant\"\nvalue = {}", toml_float(value))?;
                 }
+            }
+        }
+    } else {
+        for w in &job.tensor_wires {
+            if let Some(t) = job.tensors.get(w.tensor as usize) {
+                writeln!(out, "\n[[tensor]]")?;
+                writeln!(out, "name = {}", toml_string(&t.name))?;
+                writeln!(out, "wire = \"{}\"", w.wire)?;
             }
         }
     }
@@ -1351,6 +1431,15 @@ fn wire_text(wire: edl_proto::WireSpec) -> String {
     }
 }
 
+/// The tensors that travel at a wire of their own, for a job's description.
+fn tensor_wires_text(job: &JobConfig) -> String {
+    let named = job.tensor_wires.iter().map(|w| {
+        let name = job.tensors.get(w.tensor as usize).map_or("?", |t| &t.name);
+        format!("{name} {}", wire_text(w.wire))
+    });
+    named.collect::<Vec<_>>().join("; ")
+}
+
 fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
     let partitions = job.train_samples.div_ceil(job.partition_size.max(1));
     let settings = [
@@ -1378,6 +1467,7 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
             },
         ),
         ("wire", wire_text(job.wire)),
+        ("tensor wires", tensor_wires_text(job)),
         ("seed", job.seed.to_string()),
         ("chunk size", format!("{} floats per key", job.chunk_size)),
         (
@@ -1392,6 +1482,9 @@ fn write_description(out: &mut String, job: &JobConfig) -> fmt::Result {
     for (name, value) in settings {
         // Most jobs have no parameter groups: no line for them.
         if name == "groups" && job.optimizer_groups.is_empty() {
+            continue;
+        }
+        if name == "tensor wires" && job.tensor_wires.is_empty() {
             continue;
         }
         if name == "schedule" && job.schedule == LrSchedule::default() {
@@ -1580,6 +1673,67 @@ init = "zeros"
             text.contains("largest 1% of every chunk's values at f32"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn tensors_take_wires_of_their_own_in_custom_and_built_in_models() {
+        let custom = CUSTOM.replace(
+            "name = \"fc1.bias\"\n",
+            "name = \"fc1.bias\"\nwire = \"bf16\"\n",
+        );
+        let custom = custom.replace("samples = 1000", "samples = 1000\nwire = \"topk:0.01\"");
+        let read = job(&custom);
+        let bf16: edl_proto::WireSpec = "bf16".parse().expect("bf16");
+        assert_eq!(read.wire_of(0), read.wire);
+        assert_eq!(read.wire_of(1), bf16);
+        assert_eq!(job(&to_toml(&read)), read);
+        let text = describe(&read);
+        assert!(
+            text.contains("fc1.bias bf16 (pushes and pulls at 16 bits"),
+            "{text}"
+        );
+        // A built-in model's tensor, by name; written back and read again.
+        let mlp = format!("{MLP}\n[[tensor]]\nname = \"fc2.bias\"\nwire = \"fp16\"\n");
+        let read = job(&mlp);
+        let t = read.tensor_index("fc2.bias").expect("fc2.bias");
+        assert_eq!(read.wire_of(t), "fp16".parse().expect("fp16"));
+        assert_eq!(
+            read.wires().iter().filter(|w| w.is_exact()).count(),
+            read.tensors.len() - 1
+        );
+        assert_eq!(job(&to_toml(&read)), read);
+        // Refused: a name the model does not have, a tensor named twice, a bad wire, and a
+        // built-in model's table with nothing to give.
+        let cases = [
+            (
+                mlp.replace("fc2.bias", "fc9.bias"),
+                "tensor[0].name",
+                "has no tensor \"fc9.bias\"",
+            ),
+            (
+                format!("{mlp}\n[[tensor]]\nname = \"fc2.bias\"\nwire = \"bf16\"\n"),
+                "tensor[1].name",
+                "given a wire twice",
+            ),
+            (
+                mlp.replace("\"fp16\"", "\"int8\""),
+                "tensor[0].wire",
+                "unknown wire",
+            ),
+            (
+                mlp.replace("wire = \"fp16\"\n", ""),
+                "tensor[0]",
+                "builds its own tensors",
+            ),
+        ];
+        for (text, field, message) in cases {
+            let e = parse(&text, Path::new("job.toml")).expect_err(field);
+            let shown = e.to_string();
+            assert!(
+                shown.contains(field) && shown.contains(message),
+                "{field}: {shown}"
+            );
+        }
     }
 
     #[test]
@@ -1919,7 +2073,7 @@ init = "zeros"
             (MLP, &[("[784, 256, 128, 10]", "[784, 0, 10]")], "model.layers", 3),
             (MLP, &[("[784, 256, 128, 10]", "[784]")], "model.layers", 3),
             (MLP, &[("10]\n", "10]\nfeatures = 3\n")], "model.features", 4),
-            (MLP, &[("samples = 60000", TENSOR_FOR_MLP)], "tensor", 15),
+            (MLP, &[("samples = 60000", TENSOR_FOR_MLP)], "tensor[0]", 17),
             (MLP, &[("kind = \"mlp\"\nlayers = [784, 256, 128, 10]", "kind = \"custom\"")], "tensor", 2),
             (LOGREG, &[("features = 126", "features = 0")], "model.features", 3),
             (LOGREG, &[("features = 126", "features = \"auto\""), ("\"libsvm\"", "\"idx\"")], "model.features", 3),

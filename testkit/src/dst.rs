@@ -1219,10 +1219,7 @@ impl Sim {
             .spans()
             .iter()
             .enumerate()
-            .map(|(k, span)| ChunkRef {
-                key: Key(k as u64),
-                len: span.len,
-            })
+            .map(|(k, span)| ChunkRef::new(Key(k as u64), span.len))
             .collect();
         // As its persister would within half a second.
         coordinator.save_changes().await;
@@ -2725,8 +2722,6 @@ impl Sim {
             worker: id,
             clock,
             chunks,
-            wire: Default::default(),
-            sparse: false,
             span: Some(span),
             covers: Vec::new(),
             token,

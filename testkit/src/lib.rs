@@ -278,6 +278,7 @@ pub fn mlp_job(
         lease_ms: 2000,
         replicas: 1,
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         data: None,
     }
 }
@@ -305,6 +306,7 @@ pub fn counter_job(len: u32, chunk: u32, consistency: Consistency) -> JobConfig 
         lease_ms: 2000,
         replicas: 1,
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         data: None,
     }
 }

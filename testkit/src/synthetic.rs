@@ -44,6 +44,7 @@ pub fn synthetic_job(samples: u32, epochs: u32, consistency: Consistency) -> Job
         lease_ms: 3000,
         replicas: 1,
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         data: None,
     }
 }

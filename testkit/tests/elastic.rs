@@ -62,10 +62,7 @@ async fn a_push_that_reached_some_shards_before_death_is_applied_once() -> anyho
     let ep = transport::client_endpoint(&id, &settings, false)?;
     let conn = Conn::connect(&ep, map.addr_of(owner).expect("addr"), "a-raw", &settings).await?;
     let chunks: Vec<ChunkRef> = (range.start..range.end)
-        .map(|k| ChunkRef {
-            key: Key(k),
-            len: 16,
-        })
+        .map(|k| ChunkRef::new(Key(k), 16))
         .collect();
     let floats = vec![-1.0f32; chunks.len() * 16];
     conn.call(
@@ -74,8 +71,6 @@ async fn a_push_that_reached_some_shards_before_death_is_applied_once() -> anyho
             worker: a.worker(),
             clock: a.clock(),
             chunks,
-            wire: Default::default(),
-            sparse: false,
             span: Some(second),
             covers: Vec::new(),
             token: a.token(),

@@ -122,19 +122,12 @@ async fn pushes_need_the_token_of_their_worker_and_certificate() -> anyhow::Resu
     let map = reader.map();
     let owner = map.owner(Key(0)).expect("placed");
     let addr = map.addr_of(owner).expect("address").to_string();
-    let one = || {
-        vec![ChunkRef {
-            key: Key(0),
-            len: 16,
-        }]
-    };
+    let one = || vec![ChunkRef::new(Key(0), 16)];
     let push = |worker: WorkerId, token: Token| Request::Push {
         epoch: map.epoch,
         worker,
         clock: Clock(0),
         chunks: one(),
-        wire: Default::default(),
-        sparse: false,
         span: None,
         covers: Vec::new(),
         token,

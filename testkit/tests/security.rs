@@ -344,8 +344,6 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
                     worker,
                     clock: Clock(0),
                     chunks,
-                    wire: Default::default(),
-                    sparse: false,
                     span: None,
                     covers: Vec::new(),
                     token,
@@ -355,19 +353,13 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
             .await
         }
     };
-    let one = vec![ChunkRef {
-        key: Key(0),
-        len: 16,
-    }];
+    let one = vec![ChunkRef::new(Key(0), 16)];
     // A key the shard does not hold (routed with a wrong or old map) is refused with the map.
     let elsewhere = (0..4)
         .map(Key)
         .find(|k| job.map().owner(*k) != Some(owner))
         .expect("the other shard holds a key");
-    let misrouted = vec![ChunkRef {
-        key: elsewhere,
-        len: 16,
-    }];
+    let misrouted = vec![ChunkRef::new(elsewhere, 16)];
     let stale = push(MapEpoch(0), misrouted, vec![-1.0; 16])
         .await
         .expect_err("stale epoch");
@@ -381,16 +373,9 @@ async fn bad_pushes_over_the_wire_change_nothing() -> anyhow::Result<()> {
         .await
         .expect_err("short payload");
     assert_eq!(short.code(), Some(ErrorCode::ShapeMismatch));
-    let unknown = push(
-        epoch,
-        vec![ChunkRef {
-            key: Key(999),
-            len: 16,
-        }],
-        vec![-1.0; 16],
-    )
-    .await
-    .expect_err("unknown key");
+    let unknown = push(epoch, vec![ChunkRef::new(Key(999), 16)], vec![-1.0; 16])
+        .await
+        .expect_err("unknown key");
     assert_eq!(unknown.code(), Some(ErrorCode::UnknownKey));
     let inf = push(epoch, one.clone(), vec![f32::INFINITY; 16])
         .await

@@ -627,6 +627,7 @@ mod tests {
             lease_ms: 2000,
             replicas: 1,
             wire: Default::default(),
+            tensor_wires: Vec::new(),
             data: None,
         }
     }

@@ -213,8 +213,6 @@ fn stalled_push() -> anyhow::Result<BytesMut> {
         worker: WorkerId(0),
         clock: Clock(0),
         chunks: Vec::new(),
-        wire: Default::default(),
-        sparse: false,
         span: None,
         covers: Vec::new(),
         token: Token([0; 32]),

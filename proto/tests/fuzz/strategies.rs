@@ -73,8 +73,8 @@ pub fn token() -> BoxedStrategy<Token> {
 }
 
 pub fn chunk_ref() -> BoxedStrategy<ChunkRef> {
-    (edgy_u64(), any::<u32>())
-        .prop_map(|(key, len)| ChunkRef { key: Key(key), len })
+    (edgy_u64(), any::<u32>(), wire(), any::<bool>())
+        .prop_map(|(key, len, wire, sparse)| ChunkRef::new(Key(key), len).coded(wire, sparse))
         .boxed()
 }
 
@@ -270,6 +270,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
             optimizer(),
             vec((vec(any::<u32>(), 0..3), optimizer()), 0..3),
             schedule(),
+            vec((any::<u32>(), wire()), 0..3),
         ),
         consistency(),
         any::<(u32, u32, u32, u32)>(),
@@ -281,7 +282,7 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                 model,
                 tensors,
                 chunk_size,
-                (optimizer, groups, schedule),
+                (optimizer, groups, schedule, wires),
                 consistency,
                 (batch_size, epochs, partition_size, train_samples),
                 seed,
@@ -305,6 +306,13 @@ pub fn job_config() -> BoxedStrategy<JobConfig> {
                 lease_ms,
                 replicas: 1,
                 wire: Default::default(),
+                tensor_wires: wires
+                    .into_iter()
+                    .map(|(tensor, w)| edl_proto::TensorWire {
+                        tensor,
+                        wire: w.into(),
+                    })
+                    .collect(),
                 data: None,
             },
         )
@@ -694,14 +702,18 @@ pub fn request() -> BoxedStrategy<Request> {
         Just(Request::Placements),
         (edgy_u64(), text()).prop_map(|(id, reason)| Request::PlacementFailed { id, reason }),
         proptest::option::of(straggler_settings()).prop_map(|set| Request::Stragglers { set }),
-        (map_epoch(), vec(key_range(), 0..8), clock(), wire()).prop_map(
-            |(epoch, ranges, apply_through, wire)| Request::Pull {
+        (
+            map_epoch(),
+            vec(key_range(), 0..8),
+            clock(),
+            proptest::option::of(wire())
+        )
+            .prop_map(|(epoch, ranges, apply_through, wire)| Request::Pull {
                 epoch,
                 ranges,
                 apply_through,
                 wire,
-            }
-        ),
+            }),
         (
             map_epoch(),
             worker_id(),
@@ -709,17 +721,13 @@ pub fn request() -> BoxedStrategy<Request> {
             chunks(),
             proptest::option::of(data_span()),
             token(),
-            wire(),
-            any::<bool>(),
         )
             .prop_map(
-                |(epoch, worker, clock, chunks, span, token, wire, sparse)| Request::Push {
+                |(epoch, worker, clock, chunks, span, token)| Request::Push {
                     epoch,
                     worker,
                     clock,
                     chunks,
-                    wire,
-                    sparse,
                     span,
                     covers: Vec::new(),
                     token,
@@ -856,7 +864,7 @@ pub fn response() -> BoxedStrategy<Response> {
         any_shard_map().prop_map(Response::Map),
         job_config().prop_map(Response::Job),
         vec(ledger, 0..4).prop_map(Response::Ledger),
-        (chunks(), wire()).prop_map(|(chunks, wire)| Response::Pulled { chunks, wire }),
+        chunks().prop_map(|chunks| Response::Pulled { chunks }),
         move_report().prop_map(Response::Moved),
         (vec(move_report(), 0..3), any_shard_map())
             .prop_map(|(moves, map)| Response::Resharded { moves, map }),

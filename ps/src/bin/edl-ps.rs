@@ -370,6 +370,7 @@ async fn main() -> anyhow::Result<()> {
                     lease_ms: a.lease_ms,
                     replicas: 1,
                     wire: Default::default(),
+                    tensor_wires: Vec::new(),
                     data: None,
                 },
             };
@@ -390,6 +391,7 @@ async fn main() -> anyhow::Result<()> {
                 );
             }
             job.check_schedule().map_err(anyhow::Error::msg)?;
+            job.check_wires().map_err(anyhow::Error::msg)?;
             let state_file =
                 (!a.no_persist).then(|| a.identity.state_dir.join("coordinator").join("state.bin"));
             let cfg = CoordinatorConfig {

@@ -47,6 +47,7 @@ fn job(consistency: Consistency) -> JobConfig {
         lease_ms: 2000,
         replicas: 1,
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         data: None,
     }
 }
@@ -515,10 +516,7 @@ impl Harness {
                             Len::Right => right,
                             Len::Off(d) => right.saturating_add_signed(i32::from(*d)),
                         };
-                        ChunkRef {
-                            key: Key(*key),
-                            len,
-                        }
+                        ChunkRef::new(Key(*key), len)
                     })
                     .collect();
                 let base = chunks
@@ -800,10 +798,7 @@ fn counter_grads(n: usize) -> Vec<u8> {
     (0..n).flat_map(|_| (-1f32).to_le_bytes()).collect()
 }
 
-const KEY1: [ChunkRef; 1] = [ChunkRef {
-    key: Key(1),
-    len: 4,
-}];
+const KEY1: [ChunkRef; 1] = [ChunkRef::new(Key(1), 4)];
 
 /// Found by `random_pushes_and_pulls_keep_the_shard_invariants` (with
 /// `MIXED_REFUSED_PULLS`): a pull refused at a key it does not hold has already applied the
@@ -940,10 +935,7 @@ fn a_large_push_applied_on_two_cores_equals_the_update_key_by_key() {
         // Parts of about 64 KiB, as QUIC delivers large datagrams.
         let parts = skewed_parts(&payload, 65_001);
         let chunks: Vec<ChunkRef> = (0..keys)
-            .map(|k| ChunkRef {
-                key: Key(k),
-                len: layout.span(Key(k)).expect("a key").len,
-            })
+            .map(|k| ChunkRef::new(Key(k), layout.span(Key(k)).expect("a key").len))
             .collect();
         for clock in 0..2 {
             st.push_covering(

@@ -1,7 +1,7 @@
 //! Unit tests of the shard module.
 
 use super::*;
-use edl_shared::proto::frame::bytes_to_f32s;
+use edl_shared::proto::frame::{Payload, bytes_to_f32s};
 use edl_shared::proto::job::{RangeOwner, ShardInfo};
 use edl_shared::proto::{LrSchedule, ModelSection, OptimizerSpec, TensorSpec};
 
@@ -31,6 +31,7 @@ fn job_with(consistency: Consistency, schedule: LrSchedule) -> JobConfig {
         lease_ms: 1000,
         replicas: 1,
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         data: None,
     }
 }
@@ -71,16 +72,7 @@ fn read(st: &ShardState, through: u64) -> Vec<f32> {
     out
 }
 
-const BOTH: [ChunkRef; 2] = [
-    ChunkRef {
-        key: Key(0),
-        len: 4,
-    },
-    ChunkRef {
-        key: Key(1),
-        len: 2,
-    },
-];
+const BOTH: [ChunkRef; 2] = [ChunkRef::new(Key(0), 4), ChunkRef::new(Key(1), 2)];
 
 /// The values `v` as a 16-bit push's payload, in parts cut at odd offsets (as QUIC may cut
 /// a stream).
@@ -91,23 +83,40 @@ fn narrow(v: &[f32], wire: Wire) -> Parts {
     Parts(vec![b.slice(..3), b.slice(3..7), b.slice(7..)])
 }
 
+/// A push of `parts` (`chunks` coded as they say) from worker 1 at step 0.
+fn push_coded(st: &ShardState, chunks: &[ChunkRef], parts: Parts) -> Result<Claim, Refusal> {
+    let push = (
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        chunks,
+        &parts.0[..],
+        None,
+        &[][..],
+    );
+    st.push_in(Side::Primary, push, 0, &mut || {})
+}
+
+/// `BOTH` coded at `wire`, sparse or dense.
+fn both_at(wire: Wire, sparse: bool) -> [ChunkRef; 2] {
+    BOTH.map(|c| c.coded(wire, sparse))
+}
+
 #[test]
 fn sixteen_bit_pushes_apply_their_values_and_pulls_answer_at_sixteen_bits() {
     let st = state(Consistency::Asp);
-    let w = WorkerId(1);
     // 1/3 is not a bfloat16: the shard applies the value the worker's encoding rounded to.
     let g = [1.0 / 3.0, -2.0, 0.5, 1e-8, 7.0, -0.25];
     for wire in [Wire::Bf16, Wire::F16] {
-        let wide = widen(&BOTH, narrow(&g, wire), wire).expect("valid");
-        let push = wide.concat();
-        st.push(MapEpoch(1), w, Clock(0), &BOTH, &push, None)
-            .expect("push");
+        push_coded(&st, &both_at(wire, false), narrow(&g, wire)).expect("push");
     }
     let rounded = |wire| edl_shared::proto::wire::round_trip(&g, wire).expect("finite");
     let (b, h) = (rounded(Wire::Bf16), rounded(Wire::F16));
     assert_ne!(b[0], g[0]);
     let want: Vec<f32> = (0..6).map(|i| -b[i] - h[i]).collect();
     assert_eq!(read(&st, 0), want);
+    // Bytes in count what travelled: 12 of each 16-bit push.
+    assert_eq!(st.stats().bytes_in, 24);
     // A pull at 16 bits: half the bytes, the parameters rounded once.
     for wire in [Wire::Bf16, Wire::F16] {
         let f = st
@@ -115,7 +124,7 @@ fn sixteen_bit_pushes_apply_their_values_and_pulls_answer_at_sixteen_bits() {
                 MapEpoch(1),
                 &[KeyRange { start: 0, end: 2 }],
                 Clock(0),
-                wire,
+                Some(wire),
             )
             .expect("pull");
         let payload = f.payload.concat();
@@ -128,6 +137,27 @@ fn sixteen_bit_pushes_apply_their_values_and_pulls_answer_at_sixteen_bits() {
 }
 
 #[test]
+fn chunks_of_one_push_at_different_codings_each_apply_their_values() {
+    let st = state(Consistency::Asp);
+    // The first key at bf16, the second sparse at f32 (its first value did not travel).
+    let chunks = [
+        BOTH[0].coded(Wire::Bf16, false),
+        BOTH[1].coded(Wire::F32, true),
+    ];
+    let mut b = BytesMut::new();
+    encode_finite(&mut b, &[1.0 / 3.0, 2.0, -3.0, 0.5], Wire::Bf16).expect("finite");
+    let mut acc = [0.125f32, -6.0];
+    edl_shared::proto::sparse::encode_topk(&mut b, &mut acc, 1, Wire::F32, &mut Vec::new())
+        .expect("finite");
+    let b = b.freeze();
+    // Cut inside the second bf16 value and inside the sparse record.
+    let parts = Parts(vec![b.slice(..3), b.slice(3..11), b.slice(11..)]);
+    push_coded(&st, &chunks, parts).expect("push");
+    let third = edl_shared::proto::wire::round_trip(&[1.0 / 3.0], Wire::Bf16).expect("finite");
+    assert_eq!(read(&st, 0), [-third[0], -2.0, 3.0, -0.5, 0.0, 6.0]);
+}
+
+#[test]
 fn bad_sixteen_bit_pushes_and_pulls_are_refused() {
     let st = state(Consistency::Asp);
     // A bfloat16 infinity at value 4 (bytes 8 and 9), and a NaN at value 1 in binary16.
@@ -135,7 +165,8 @@ fn bad_sixteen_bit_pushes_and_pulls_are_refused() {
         let mut b = BytesMut::new();
         encode_finite(&mut b, &[1.0; 6], wire).expect("finite");
         b[at * 2..at * 2 + 2].copy_from_slice(&bits.to_le_bytes());
-        let err = widen(&BOTH, Parts(vec![b.freeze()]), wire).expect_err("refused");
+        let err =
+            push_coded(&st, &both_at(wire, false), Parts(vec![b.freeze()])).expect_err("refused");
         assert_eq!(err.code, ErrorCode::NonFinite, "{}", err.message);
         assert!(
             err.message.contains(&format!("float {at}")),
@@ -143,34 +174,48 @@ fn bad_sixteen_bit_pushes_and_pulls_are_refused() {
             err.message
         );
     }
-    // Bytes for five values where the chunks hold six.
-    let short = widen(&BOTH, narrow(&[1.0; 5], Wire::Bf16), Wire::Bf16).expect_err("short");
-    assert_eq!(short.code, ErrorCode::ShapeMismatch, "{}", short.message);
-    // A parameter past binary16's range: a pull at fp16 is answered at f32, exact.
+    // Bytes for five values where the chunks hold six, and for seven.
+    for n in [5, 7] {
+        let e = push_coded(
+            &st,
+            &both_at(Wire::Bf16, false),
+            narrow(&vec![1.0; n], Wire::Bf16),
+        )
+        .expect_err("wrong length");
+        assert_eq!(e.code, ErrorCode::ShapeMismatch, "{}", e.message);
+    }
+    assert_eq!(read(&st, 0), vec![0.0; 6], "nothing was applied");
+    // A parameter past binary16's range: its chunk is answered at f32, exact, the other at
+    // the precision asked for.
     st.push(
         MapEpoch(1),
         WorkerId(1),
         Clock(0),
         &BOTH,
-        &floats(&[-1e5; 6]),
+        &floats(&[-1e5, 0.0, 0.0, 0.0, 0.5, 0.5]),
         None,
     )
     .expect("push");
     let range = [KeyRange { start: 0, end: 2 }];
     for (asked, answered, bytes) in [
-        (Wire::F16, Wire::F32, 24),
-        (Wire::Bf16, Wire::Bf16, 12),
-        (Wire::F32, Wire::F32, 24),
+        (Wire::F16, [Wire::F32, Wire::F16], 20),
+        (Wire::Bf16, [Wire::Bf16, Wire::Bf16], 12),
+        (Wire::F32, [Wire::F32, Wire::F32], 24),
     ] {
         let f = st
-            .pull_in(MapEpoch(1), &range, Clock(0), asked)
+            .pull_in(MapEpoch(1), &range, Clock(0), Some(asked))
             .expect("pull");
-        let Response::Pulled { wire, .. } = f.msg else {
+        let Response::Pulled { chunks } = f.msg else {
             panic!("{:?}", f.msg)
         };
-        assert_eq!((wire, f.payload.byte_len()), (answered, bytes), "{asked}");
+        let wires: Vec<Wire> = chunks.iter().map(|c| c.wire).collect();
+        assert_eq!(
+            (&wires[..], f.payload.byte_len()),
+            (&answered[..], bytes),
+            "{asked}"
+        );
     }
-    assert_eq!(read(&st, 0), vec![1e5; 6]);
+    assert_eq!(read(&st, 0), vec![1e5, 0.0, 0.0, 0.0, -0.5, -0.5]);
 }
 
 /// `chunks` (each a chunk's values) as a sparse push keeping `k` of each, in two parts cut
@@ -189,23 +234,8 @@ fn sparse(chunks: &[&[f32]], k: usize) -> Parts {
 #[test]
 fn sparse_pushes_apply_what_travelled_and_nothing_else() {
     let st = state(Consistency::Asp);
-    let layout = st.layout.clone();
-    let dense = densify(
-        &layout,
-        &BOTH,
-        sparse(&[&[0.5, -4.0, 1.0, 3.0], &[0.25, 2.0]], 2),
-        Wire::F32,
-    )
-    .expect("valid");
-    st.push(
-        MapEpoch(1),
-        WorkerId(1),
-        Clock(0),
-        &BOTH,
-        &dense.concat(),
-        None,
-    )
-    .expect("push");
+    let parts = sparse(&[&[0.5, -4.0, 1.0, 3.0], &[0.25, 2.0]], 2);
+    push_coded(&st, &both_at(Wire::F32, true), parts).expect("push");
     // SGD at rate 1 from zeros: minus what travelled (-4 and 3 of the first key, both of the
     // second), zero elsewhere.
     assert_eq!(read(&st, 0), [0.0, 4.0, 0.0, -3.0, -0.25, -2.0]);
@@ -214,53 +244,45 @@ fn sparse_pushes_apply_what_travelled_and_nothing_else() {
 #[test]
 fn bad_sparse_pushes_are_refused_before_anything_is_applied() {
     let st = state(Consistency::Asp);
-    let layout = st.layout.clone();
     let refused = |chunks: &[ChunkRef], payload: Parts| {
-        densify(&layout, chunks, payload, Wire::F32).expect_err("refused")
+        push_coded(&st, chunks, payload).expect_err("refused")
     };
-    // A chunk that is not one of the job's keys, or not at its length: refused before its
-    // floats are allocated (a claim of 4 billion floats costs nothing).
-    for c in [
-        ChunkRef {
-            key: Key(2),
-            len: 4,
-        },
-        ChunkRef {
-            key: Key(0),
-            len: u32::MAX,
-        },
+    let sparse_at = |c: ChunkRef| c.coded(Wire::F32, true);
+    // A chunk that is not one of the job's keys, or not at its length: refused before
+    // anything is read for it (a claim of 4 billion floats costs nothing).
+    for (c, code) in [
+        (ChunkRef::new(Key(2), 4), ErrorCode::UnknownKey),
+        (ChunkRef::new(Key(0), u32::MAX), ErrorCode::ShapeMismatch),
     ] {
-        let e = refused(&[c], sparse(&[&[1.0]], 1));
-        assert_eq!(e.code, ErrorCode::ShapeMismatch, "{}", e.message);
+        let e = refused(&[sparse_at(c)], sparse(&[&[1.0]], 1));
+        assert_eq!(e.code, code, "{}", e.message);
     }
-    // A key named twice (the whole model, many times over, for a few bytes each), or chunks
-    // claimed with fewer bytes than their records take.
-    let twice = [BOTH[0], BOTH[0]];
-    let e = refused(&twice, sparse(&[&[1.0; 4], &[1.0; 4]], 1));
-    assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
-    let e = refused(&BOTH, Parts(vec![Bytes::from_static(&[0, 0, 0, 0])]));
-    assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
-    assert!(e.message.contains("records of 2 chunks"), "{}", e.message);
+    // Chunks claimed with fewer bytes than their records take.
+    let both = both_at(Wire::F32, true);
+    let e = refused(&both, Parts(vec![Bytes::from_static(&[0, 0, 0, 0])]));
+    assert_eq!(e.code, ErrorCode::ShapeMismatch, "{}", e.message);
+    assert!(e.message.contains("2 chunks of 6 floats"), "{}", e.message);
     // A position past its chunk, and a record cut short.
     let mut b = BytesMut::new();
     for x in [1u32, 4, 1.0f32.to_bits(), 0] {
         b.extend_from_slice(&x.to_le_bytes());
     }
-    let e = refused(&BOTH, Parts(vec![b.freeze()]));
+    let e = refused(&both, Parts(vec![b.freeze()]));
     assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
     let whole = sparse(&[&[1.0; 4], &[1.0; 2]], 1).concat();
     let e = refused(
-        &BOTH,
+        &both,
         Parts(vec![Bytes::copy_from_slice(&whole[..whole.len() - 1])]),
     );
-    assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
+    assert_eq!(e.code, ErrorCode::ShapeMismatch, "{}", e.message);
     // A NaN, named by its float in the push: the second key's first value is float 4.
     let mut b = BytesMut::from(&whole[..]);
     let at = b.len() - 4;
     b[at..].copy_from_slice(&f32::NAN.to_le_bytes());
-    let e = refused(&BOTH, Parts(vec![b.freeze()]));
+    let e = refused(&both, Parts(vec![b.freeze()]));
     assert_eq!(e.code, ErrorCode::NonFinite, "{}", e.message);
     assert!(e.message.contains("float 4"), "{}", e.message);
+    assert_eq!(read(&st, 0), vec![0.0; 6], "nothing was applied");
 }
 
 #[test]
@@ -278,28 +300,13 @@ fn bad_pushes_change_nothing() {
         ),
         (
             MapEpoch(1),
-            vec![
-                BOTH[0],
-                ChunkRef {
-                    key: Key(7),
-                    len: 2,
-                },
-            ],
+            vec![BOTH[0], ChunkRef::new(Key(7), 2)],
             good.clone(),
             ErrorCode::UnknownKey,
         ),
         (
             MapEpoch(1),
-            vec![
-                ChunkRef {
-                    key: Key(0),
-                    len: 3,
-                },
-                ChunkRef {
-                    key: Key(1),
-                    len: 3,
-                },
-            ],
+            vec![ChunkRef::new(Key(0), 3), ChunkRef::new(Key(1), 3)],
             good.clone(),
             ErrorCode::ShapeMismatch,
         ),
@@ -492,6 +499,7 @@ fn two_shards_with(
         lease_ms: 1000,
         replicas: 1,
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         data: None,
     };
     let info = |i: u32| ShardInfo {
@@ -515,11 +523,7 @@ fn two_shards_with(
 }
 
 fn chunks(keys: std::ops::Range<u64>) -> Vec<ChunkRef> {
-    keys.map(|k| ChunkRef {
-        key: Key(k),
-        len: 4,
-    })
-    .collect()
+    keys.map(|k| ChunkRef::new(Key(k), 4)).collect()
 }
 
 fn pull_range(st: &ShardState, start: u64, end: u64) -> Result<Vec<f32>, Refusal> {
@@ -872,10 +876,7 @@ fn a_covering_push_records_its_span_for_keys_it_does_not_carry() {
         start: 0,
         end: 1,
     };
-    let key1 = [ChunkRef {
-        key: Key(1),
-        len: 2,
-    }];
+    let key1 = [ChunkRef::new(Key(1), 2)];
     let g = floats(&[-1.0; 2]);
     let all = [KeyRange { start: 0, end: 2 }];
     let push = |chunks: &[ChunkRef], payload: &[u8], covers: &[KeyRange], span| {
@@ -965,10 +966,7 @@ fn a_backup_applies_forwarded_pushes_once_and_its_promoted_copy_holds_them() {
     let mine: Vec<ChunkRef> = map
         .ranges_of(s0)
         .flat_map(|r| r.start..r.end)
-        .map(|k| ChunkRef {
-            key: Key(k),
-            len: 2,
-        })
+        .map(|k| ChunkRef::new(Key(k), 2))
         .collect();
     assert!(!mine.is_empty());
     let grads: Vec<f32> = (0..mine.len() * 2).map(|i| -(i as f32) - 1.0).collect();
@@ -1023,10 +1021,7 @@ fn a_backup_applies_forwarded_pushes_once_and_its_promoted_copy_holds_them() {
     let theirs: Vec<ChunkRef> = map
         .ranges_of(s1)
         .flat_map(|r| r.start..r.end)
-        .map(|k| ChunkRef {
-            key: Key(k),
-            len: 2,
-        })
+        .map(|k| ChunkRef::new(Key(k), 2))
         .collect();
     let g = floats(&vec![-1.0; theirs.len() * 2]);
     let own = backup.push(MapEpoch(1), WorkerId(1), Clock(0), &theirs, &g, Some(&span));
@@ -1059,12 +1054,7 @@ fn a_new_backup_keeps_the_pushes_sent_before_its_copy_and_applies_them_after_it(
     let primary = ShardState::new(s0, job.clone(), map.clone());
     let standby = ShardState::new(s2.id, job, map.clone());
     let r = map.ranges_of(s0).next().copied().expect("a range");
-    let chunks: Vec<ChunkRef> = (r.start..r.end)
-        .map(|k| ChunkRef {
-            key: Key(k),
-            len: 2,
-        })
-        .collect();
+    let chunks: Vec<ChunkRef> = (r.start..r.end).map(|k| ChunkRef::new(Key(k), 2)).collect();
     let grads = floats(&vec![-1.0; chunks.len() * 2]);
     let span = |start| DataSpan {
         epoch: 0,

@@ -266,6 +266,8 @@ pub struct Job {
     conns: Arc<tokio::sync::Mutex<HashMap<ShardId, Arc<Mutex<Conn>>>>>,
     job: JobConfig,
     layout: KeyLayout,
+    /// How each tensor travels ([`JobConfig::wires`]).
+    wires: Arc<[edl_shared::proto::WireSpec]>,
     spec: Arc<JobSpec>,
     traffic: Arc<Traffic>,
     /// The placement this worker was started for, named when it registers.
@@ -724,6 +726,7 @@ impl Job {
             routing: Arc::new(std::sync::RwLock::new(Arc::new(empty))),
             conns: Arc::new(tokio::sync::Mutex::new(HashMap::new())),
             spec: Arc::new(JobSpec::of(&job)),
+            wires: job.wires().into(),
             job,
             layout,
             traffic: Arc::new(Traffic::default()),

@@ -17,7 +17,7 @@ use edl_shared::proto::frame::{Parts, Payload, extend_f32s, first_non_finite};
 use edl_shared::proto::ids::{Clock, Key, ShardId, Token, WorkerId};
 use edl_shared::proto::msg::{ChunkRef, DataSpan, KeyRange};
 use edl_shared::proto::wire::{Wire, decode, encode_finite};
-use edl_shared::proto::{ErrorCode, KeyLayout, Request, Response, ShardMap};
+use edl_shared::proto::{ErrorCode, KeyLayout, Request, Response, ShardMap, WireSpec};
 use edl_shared::transport::{CallError, Collect, Conn, Release, Sink};
 
 use super::{ClientError, Gradients, Job, check_finite, connect_retry, refused_at};
@@ -73,10 +73,7 @@ impl ShardLink {
             .iter()
             .flat_map(|r| r.start..r.end)
             .filter_map(|k| layout.span(Key(k)))
-            .map(|span| ChunkRef {
-                key: span.key,
-                len: span.len,
-            })
+            .map(|span| ChunkRef::new(span.key, span.len))
             .collect();
         Ok(ShardLink {
             id,
@@ -124,11 +121,58 @@ impl Routing {
     }
 }
 
+/// How key `key`'s values travel, `wires` giving each tensor's.
+fn wire_of(layout: &KeyLayout, wires: &[WireSpec], key: Key) -> WireSpec {
+    (layout.span(key))
+        .and_then(|s| wires.get(s.tensor))
+        .copied()
+        .unwrap_or_default()
+}
+
 fn in_ranges(ranges: &[KeyRange], key: Key) -> bool {
     ranges.iter().any(|r| r.start <= key.0 && key.0 < r.end)
 }
 
 impl Job {
+    /// How key `key`'s values travel: its tensor's wire.
+    pub(crate) fn wire_of(&self, key: Key) -> WireSpec {
+        wire_of(&self.layout, &self.wires, key)
+    }
+
+    /// Whether some tensor's pushes are top-k sparsified.
+    pub(crate) fn sparsifies(&self) -> bool {
+        self.wires.iter().any(|w| w.topk.is_some())
+    }
+
+    /// `link`'s chunks as a push sends them: each at its tensor's precision, sparse where the
+    /// tensor is top-k sparsified and `sparse` says so.
+    fn coded(&self, link: &ShardLink, sparse: bool) -> Vec<ChunkRef> {
+        (link.chunks.iter())
+            .map(|c| {
+                let w = self.wire_of(c.key);
+                c.coded(w.values, sparse && w.topk.is_some())
+            })
+            .collect()
+    }
+
+    /// `link`'s floats as runs of one precision each: (offset, length, precision).
+    fn runs(&self, link: &ShardLink) -> Vec<(usize, usize, Wire)> {
+        let mut runs: Vec<(usize, usize, Wire)> = Vec::new();
+        for span in link.chunks.iter().filter_map(|c| self.layout.span(c.key)) {
+            let (off, len) = (span.offset as usize, span.len as usize);
+            let wire = self
+                .wires
+                .get(span.tensor)
+                .map_or(self.job.wire, |w| *w)
+                .values;
+            match runs.last_mut() {
+                Some((o, l, w)) if *w == wire && *o + *l == off => *l += len,
+                _ => runs.push((off, len, wire)),
+            }
+        }
+        runs
+    }
+
     pub(super) fn routing(&self) -> Arc<Routing> {
         self.routing
             .read()
@@ -317,8 +361,7 @@ impl Job {
     /// `apply_through` closes BSP steps before that clock first. The values travel at the
     /// job's wire precision.
     pub async fn pull_all(&self, out: &mut [f32], apply_through: Clock) -> Result<(), ClientError> {
-        self.pull_all_in(out, apply_through, self.job.wire.values)
-            .await
+        self.pull_into(out, apply_through, None).await
     }
 
     /// [`Job::pull_all`] at the precision `wire` (an evaluation or a checkpoint pulls the
@@ -328,6 +371,16 @@ impl Job {
         out: &mut [f32],
         apply_through: Clock,
         wire: Wire,
+    ) -> Result<(), ClientError> {
+        self.pull_into(out, apply_through, Some(wire)).await
+    }
+
+    /// [`Job::pull_all`] with every value at `wire`, or each tensor's at its own (`None`).
+    async fn pull_into(
+        &self,
+        out: &mut [f32],
+        apply_through: Clock,
+        wire: Option<Wire>,
     ) -> Result<(), ClientError> {
         self.check_len(out.len())?;
         let layout = &self.layout;
@@ -344,12 +397,13 @@ impl Job {
     /// Pulls the keys in `wanted` (`None`: all), one request per shard in parallel. Once an
     /// answer's chunks are checked against what was asked (the layout and the keys asked of
     /// that shard), its payload is handed to `each` as it arrives: `each(key, at, bytes)`
-    /// says that `bytes` are the chunk's little-endian float bytes from byte `at` on.
+    /// says that `bytes` are the chunk's little-endian float bytes from byte `at` on. The
+    /// values travel at `wire`, or each tensor's at its own (`None`).
     pub(crate) async fn pull(
         &self,
         wanted: Option<Vec<KeyRange>>,
         apply_through: Clock,
-        wire: Wire,
+        wire: Option<Wire>,
         each: impl FnMut(Key, usize, &[u8]) + Send,
     ) -> Result<(), ClientError> {
         let each = Mutex::new(each);
@@ -368,12 +422,12 @@ impl Job {
             None,
             |link| PullSink {
                 layout: &self.layout,
+                wires: &self.wires,
                 ranges: link.ranges.clone(),
                 each: &each,
                 chunks: Vec::new(),
                 at: (0, 0),
                 wire,
-                answer: wire,
                 narrow: Vec::new(),
                 wide: Vec::new(),
             },
@@ -398,17 +452,12 @@ impl Job {
         let mut got: HashMap<Key, Vec<f32>> = HashMap::with_capacity(keys.len());
         let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
         let layout = &self.layout;
-        self.pull(
-            Some(wanted),
-            apply_through,
-            self.job.wire.values,
-            |key, at, part| {
-                let v = got
-                    .entry(key)
-                    .or_insert_with(|| vec![0.0; layout.span(key).map_or(0, |s| s.len as usize)]);
-                bytemuck::cast_slice_mut::<f32, u8>(v)[at..at + part.len()].copy_from_slice(part);
-            },
-        )
+        self.pull(Some(wanted), apply_through, None, |key, at, part| {
+            let v = got
+                .entry(key)
+                .or_insert_with(|| vec![0.0; layout.span(key).map_or(0, |s| s.len as usize)]);
+            bytemuck::cast_slice_mut::<f32, u8>(v)[at..at + part.len()].copy_from_slice(part);
+        })
         .await?;
         got.values_mut().for_each(|v| from_le_in_place(v));
         keys.iter()
@@ -438,10 +487,12 @@ impl Job {
         // before anything is sent; shared ones while QUIC sends them, each request completed
         // only once every part passed (`Gate`), and not at all here when one shard is asked
         // (it refuses a bad gradient whole; the index is then found here).
-        let wire = self.job.wire.values;
+        // Shared gradients are sent as they lie where every tensor travels at f32.
+        let as_they_lie =
+            matches!(grads, Grads::Shared(_)) && self.wires.iter().all(|w| w.values == Wire::F32);
         let shared_check = match &grads {
-            // Sent as they lie (f32 only): checked while QUIC sends them.
-            Grads::Shared(g) if wire == Wire::F32 => Some(|link: &ShardLink| {
+            // Sent as they lie: checked while QUIC sends them.
+            Grads::Shared(g) if as_they_lie => Some(|link: &ShardLink| {
                 link.flat.iter().try_for_each(|&(off, len)| {
                     match first_non_finite(&g[off..off + len]) {
                         Some(i) => Err(ClientError::NonFinite { index: off + i }),
@@ -460,17 +511,18 @@ impl Job {
                 |link, map| {
                     // A shard's ranges are contiguous runs of keys, hence contiguous runs of floats.
                     let payload = match &grads {
-                        // Copied (converted) and checked in one pass.
-                        Grads::Shared(g) if wire != Wire::F32 => encoded(&link.flat, g, wire)?,
-                        Grads::Borrowed(g) => encoded(&link.flat, g, wire)?,
-                        Grads::Shared(g) => Parts(
+                        Grads::Shared(g) if as_they_lie => Parts(
                             link.flat
                                 .iter()
                                 .map(|&(off, len)| g.wire(off, len))
                                 .collect(),
                         ),
+                        // Copied (converted) and checked in one pass.
+                        Grads::Shared(g) => encoded(&self.runs(link), g)?,
+                        Grads::Borrowed(g) => encoded(&self.runs(link), g)?,
                     };
-                    let req = whole_push(link, map, (worker, token), clock, span, wire, false);
+                    let chunks = self.coded(link, false);
+                    let req = whole_push(chunks, map, (worker, token), clock, span);
                     Ok((req, payload))
                 },
                 check,
@@ -487,9 +539,9 @@ impl Job {
         }
     }
 
-    /// Pushes the top-k of `grads` plus `residual` for step `clock` (the job's wire names k),
-    /// to all shards in parallel; the residual becomes what the push left for the keys of each
-    /// shard that takes it. As for [`Job::push_all`], only a push with a data span may be
+    /// Pushes the top-k of `grads` plus `residual` for step `clock` (each tensor's wire names
+    /// its k; a tensor without one is pushed whole), to all shards in parallel; the residual
+    /// becomes what the push left for the keys of each shard that takes it. As for [`Job::push_all`], only a push with a data span may be
     /// repeated after a failure: the same step and span are sent again as first made (a
     /// shard that applied the span skips it), whatever `grads` holds then.
     pub(super) async fn push_topk(
@@ -501,22 +553,22 @@ impl Job {
         span: Option<DataSpan>,
     ) -> Result<(), ClientError> {
         self.check_len(grads.len())?;
-        let spec = self.job.wire;
-        let topk = spec.topk.ok_or_else(|| {
-            self.inconsistent(
+        if !self.sparsifies() {
+            let spec = self.job.wire;
+            return Err(self.inconsistent(
                 "client",
                 format!("a top-k push in a job whose wire is {spec}"),
-            )
-        })?;
-        let wire = spec.values;
+            ));
+        }
         // Every value is checked as it is chosen, before anything is sent.
-        let sparse = residual.push(&self.layout, grads, (topk, wire), (clock, span))?;
+        let records = residual.push(&self.layout, grads, &self.wires, (clock, span))?;
         self.fan_out(
             None,
             span.is_some(),
             |link, map| {
-                let req = whole_push(link, map, (worker, token), clock, span, wire, true);
-                Ok((req, Parts(sparse.parts(&link.ranges))))
+                let chunks = self.coded(link, true);
+                let req = whole_push(chunks, map, (worker, token), clock, span);
+                Ok((req, Parts(records.parts(&link.ranges))))
             },
             None,
             |_| Collect::default(),
@@ -571,10 +623,12 @@ impl Job {
                     .iter()
                     .filter(|(k, _)| in_ranges(&link.ranges, *k))
                     .collect();
-                let floats = mine.iter().map(|(_, v)| v.len()).sum::<usize>();
-                let wire = self.job.wire.values;
-                let mut payload = BytesMut::with_capacity(floats * wire.value_bytes());
+                let bytes = (mine.iter())
+                    .map(|(k, v)| v.len() * self.wire_of(*k).values.value_bytes())
+                    .sum::<usize>();
+                let mut payload = BytesMut::with_capacity(bytes);
                 for (k, v) in &mine {
+                    let wire = self.wire_of(*k).values;
                     if wire == Wire::F32 {
                         // Checked above.
                         extend_f32s(&mut payload, v);
@@ -590,13 +644,9 @@ impl Job {
                     epoch: map.epoch,
                     worker,
                     clock,
-                    wire,
-                    sparse: false,
-                    chunks: mine
-                        .iter()
-                        .map(|(k, v)| ChunkRef {
-                            key: *k,
-                            len: v.len() as u32,
+                    chunks: (mine.iter())
+                        .map(|(k, v)| {
+                            ChunkRef::new(*k, v.len() as u32).coded(self.wire_of(*k).values, false)
                         })
                         .collect(),
                     span,
@@ -616,36 +666,33 @@ impl Job {
     }
 }
 
-/// The request of a push of every key `link` names (its chunks in order), at `wire`, sparse or
-/// dense.
+/// The request of a push of every key a link names: its `chunks`, in order, coded.
 fn whole_push(
-    link: &ShardLink,
+    chunks: Vec<ChunkRef>,
     map: &ShardMap,
     (worker, token): (WorkerId, Token),
     clock: Clock,
     span: Option<DataSpan>,
-    wire: Wire,
-    sparse: bool,
 ) -> Request {
     Request::Push {
         epoch: map.epoch,
         worker,
         clock,
-        chunks: link.chunks.clone(),
-        wire,
-        sparse,
+        chunks,
         span,
         covers: Vec::new(),
         token,
     }
 }
 
-/// The values at `flat` (offset, length) of `g`, in `wire`, as one payload, each checked as
-/// it is copied; an error names the first value that is not finite in `wire`.
-fn encoded(flat: &[(usize, usize)], g: &[f32], wire: Wire) -> Result<Parts, ClientError> {
-    let floats = flat.iter().map(|&(_, len)| len).sum::<usize>();
-    let mut payload = BytesMut::with_capacity(floats * wire.value_bytes());
-    for &(off, len) in flat {
+/// The values at `runs` (offset, length, precision) of `g`, as one payload, each checked as
+/// it is copied; an error names the first value that is not finite in its run's precision.
+fn encoded(runs: &[(usize, usize, Wire)], g: &[f32]) -> Result<Parts, ClientError> {
+    let bytes = (runs.iter())
+        .map(|&(_, len, wire)| len * wire.value_bytes())
+        .sum::<usize>();
+    let mut payload = BytesMut::with_capacity(bytes);
+    for &(off, len, wire) in runs {
         encode_finite(&mut payload, &g[off..off + len], wire)
             .map_err(|i| refused_at(&g[off..off + len], i, off, wire))?;
     }
@@ -654,20 +701,20 @@ fn encoded(flat: &[(usize, usize)], g: &[f32], wire: Wire) -> Result<Parts, Clie
 
 /// A pull answer's payload on its way into the caller's buffers: its chunks are checked
 /// against what was asked once the header arrives, then every part is handed on as it
-/// arrives, cut at chunk boundaries. Values of a 16-bit `wire` are gathered a chunk at a
-/// time and handed on as f32 once the chunk is whole.
+/// arrives, cut at chunk boundaries. A 16-bit chunk's values are gathered and handed on as
+/// f32 once the chunk is whole.
 struct PullSink<'a, F> {
     layout: &'a KeyLayout,
+    /// Each tensor's wire.
+    wires: &'a [WireSpec],
     /// The keys asked of this shard.
     ranges: Vec<KeyRange>,
     each: &'a Mutex<F>,
     /// The answer's chunks, and the chunk and byte in it the next part starts at.
     chunks: Vec<ChunkRef>,
     at: (usize, usize),
-    /// The precision asked for, and the one the answer came at (f32 where a value did not
-    /// fit the one asked for).
-    wire: Wire,
-    answer: Wire,
+    /// The precision asked for (`None`: each tensor's own).
+    wire: Option<Wire>,
     /// A 16-bit chunk's bytes so far, and its values decoded.
     narrow: Vec<u8>,
     wide: Vec<f32>,
@@ -679,17 +726,12 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
         self.at = (0, 0);
         // A repeated call starts again: nothing of an earlier answer is kept.
         self.narrow.clear();
-        let Response::Pulled { chunks, wire } = msg else {
+        let Response::Pulled { chunks } = msg else {
             return match len {
                 0 => Ok(()),
                 n => Err(format!("an answer of {n} payload bytes to a pull")),
             };
         };
-        // The precision asked for, or f32 where a value did not fit it.
-        if *wire != self.wire && *wire != Wire::F32 {
-            return Err(format!("an answer at {wire} to a pull at {}", self.wire));
-        }
-        self.answer = *wire;
         let mut bytes = 0u64;
         for c in chunks {
             let fits = self.layout.span(c.key).is_some_and(|s| s.len == c.len);
@@ -699,7 +741,17 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
                     c.key, c.len
                 ));
             }
-            bytes += u64::from(c.len) * self.answer.value_bytes() as u64;
+            // The precision asked for, or f32 where a value did not fit it.
+            let asked =
+                (self.wire).unwrap_or_else(|| wire_of(self.layout, self.wires, c.key).values);
+            if c.sparse || (c.wire != asked && c.wire != Wire::F32) {
+                let sparse = if c.sparse { "sparse " } else { "" };
+                return Err(format!(
+                    "{} came {sparse}at {}, asked at {asked}",
+                    c.key, c.wire
+                ));
+            }
+            bytes += u64::from(c.len) * c.wire.value_bytes() as u64;
         }
         if bytes != len {
             return Err(format!(
@@ -717,9 +769,10 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
                 // The parts add up to the length `header` checked: nothing is left over.
                 return;
             };
-            let (key, size) = (c.key, c.len as usize * self.answer.value_bytes());
+            let (key, wire) = (c.key, c.wire);
+            let size = c.len as usize * wire.value_bytes();
             let n = part.len().min(size - self.at.1);
-            if self.answer == Wire::F32 {
+            if wire == Wire::F32 {
                 each(key, self.at.1, &part[..n]);
             } else {
                 self.narrow.extend_from_slice(&part[..n]);
@@ -727,12 +780,12 @@ impl<F: FnMut(Key, usize, &[u8])> Sink<Response> for PullSink<'_, F> {
             let _ = part.split_to(n);
             self.at.1 += n;
             if self.at.1 == size {
-                if self.answer != Wire::F32 {
+                if wire != Wire::F32 {
                     self.wide.clear();
-                    self.wide.resize(c.len as usize, 0.0);
+                    self.wide.resize(size / wire.value_bytes(), 0.0);
                     // Whole values, as many as the chunk holds: it cannot fail. Parameters
                     // are not checked here, as f32 ones are not (shards check what they hold).
-                    let decoded = decode(&self.narrow, self.answer, &mut self.wide);
+                    let decoded = decode(&self.narrow, wire, &mut self.wide);
                     debug_assert!(decoded.is_ok(), "{decoded:?}");
                     self.narrow.clear();
                     // The values as little-endian f32 bytes, as an f32 answer has them.
@@ -887,27 +940,20 @@ mod tests {
 
     fn pulled(keys: &[u64]) -> Response {
         Response::Pulled {
-            chunks: keys
-                .iter()
-                .map(|&k| ChunkRef {
-                    key: Key(k),
-                    len: 4,
-                })
-                .collect(),
-            wire: Wire::F32,
+            chunks: keys.iter().map(|&k| ChunkRef::new(Key(k), 4)).collect(),
         }
     }
 
-    /// A sink for a pull of keys 1 and 2 of [`layout`].
+    /// A sink for a pull of keys 1 and 2 of [`layout`], at f32.
     fn sink<'a, F>(layout: &'a KeyLayout, each: &'a Mutex<F>) -> PullSink<'a, F> {
         PullSink {
             layout,
+            wires: &[],
             ranges: vec![KeyRange { start: 1, end: 3 }],
             each,
             chunks: Vec::new(),
             at: (0, 0),
-            wire: Wire::F32,
-            answer: Wire::F32,
+            wire: Some(Wire::F32),
             narrow: Vec::new(),
             wide: Vec::new(),
         }
@@ -942,6 +988,50 @@ mod tests {
     }
 
     #[test]
+    fn each_chunk_of_a_pull_answer_comes_at_its_tensors_wire_or_at_f32() {
+        // Keys 0-1 of tensor "a" at bf16, key 2 of tensor "b" at f32 (the job's).
+        let t = |name: &str, len| TensorSpec {
+            name: name.into(),
+            shape: vec![len],
+            init: Init::Zeros,
+        };
+        let layout = KeyLayout::new(&[t("a", 8), t("b", 4)], 4);
+        let wires = ["bf16".parse().expect("bf16"), WireSpec::default()];
+        let mut out = [0f32; 12];
+        {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out[..]);
+            let each = Mutex::new(|key: Key, at: usize, part: &[u8]| {
+                let off = layout.span(key).map_or(0, |s| s.offset as usize) * 4 + at;
+                bytes[off..off + part.len()].copy_from_slice(part);
+            });
+            let mut sink = PullSink {
+                wires: &wires,
+                ranges: vec![KeyRange { start: 0, end: 3 }],
+                wire: None,
+                ..sink(&layout, &each)
+            };
+            // Key 2 at bf16 was not asked for; key 1 at f32 (a value past fp16, say) may be.
+            let chunks = |w: [Wire; 3]| Response::Pulled {
+                chunks: (0..3)
+                    .map(|k| ChunkRef::new(Key(k), 4).coded(w[k as usize], false))
+                    .collect(),
+            };
+            let e = (sink.header(&chunks([Wire::Bf16; 3]), 24)).expect_err("key 2 at f32");
+            assert!(e.contains("at bf16, asked at f32"), "{e}");
+            let answer = chunks([Wire::Bf16, Wire::F32, Wire::F32]);
+            sink.header(&answer, 8 + 16 + 16).expect("asked for");
+            let mut payload = BytesMut::new();
+            encode_finite(&mut payload, &[1.5, -2.0, 0.25, 8.0], Wire::Bf16).expect("finite");
+            extend_f32s(&mut payload, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+            for part in payload.chunks(3) {
+                sink.part(Bytes::copy_from_slice(part));
+            }
+        }
+        let want = [1.5, -2.0, 0.25, 8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+        assert_eq!(out, want);
+    }
+
+    #[test]
     fn a_pull_answer_that_does_not_fit_the_request_is_refused_before_its_payload() {
         let layout = layout();
         let each = Mutex::new(|_: Key, _: usize, _: &[u8]| panic!("nothing may be written"));
@@ -949,11 +1039,7 @@ mod tests {
         let not_asked = sink.header(&pulled(&[0]), 16).expect_err("key 0 not asked");
         assert!(not_asked.contains("not asked for"), "{not_asked}");
         let wrong_len = Response::Pulled {
-            chunks: vec![ChunkRef {
-                key: Key(1),
-                len: 3,
-            }],
-            wire: Wire::F32,
+            chunks: vec![ChunkRef::new(Key(1), 3)],
         };
         assert!(sink.header(&wrong_len, 12).is_err());
         // An f32 pull answered at 16 bits.
@@ -961,11 +1047,15 @@ mod tests {
             unreachable!("pulled answers Pulled")
         };
         let narrow = Response::Pulled {
-            chunks,
-            wire: Wire::Bf16,
+            chunks: chunks.iter().map(|c| c.coded(Wire::Bf16, false)).collect(),
         };
         let e = sink.header(&narrow, 16).expect_err("not asked at bf16");
         assert!(e.contains("bf16"), "{e}");
+        let sparse = Response::Pulled {
+            chunks: chunks.iter().map(|c| c.coded(Wire::F32, true)).collect(),
+        };
+        let e = sink.header(&sparse, 32).expect_err("pulls are dense");
+        assert!(e.contains("sparse"), "{e}");
         let short = sink.header(&pulled(&[1, 2]), 31).expect_err("length");
         assert!(short.contains("31"), "{short}");
         let other = sink

@@ -396,7 +396,7 @@ impl Session {
     ) -> Result<(), ClientError> {
         self.check_lost()?;
         let me = (self.worker, self.token);
-        if self.job.job.wire.topk.is_some() {
+        if self.job.sparsifies() {
             let values: &[f32] = match grads {
                 Grads::Borrowed(g) => g,
                 Grads::Shared(g) => g,
@@ -494,9 +494,8 @@ impl Session {
         let mut seen = vec![false; keys.len()];
         let wanted = KeyRange::runs(keys.iter().map(|k| k.0));
         let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut *out);
-        let wire = self.job.job.wire.values;
         self.job
-            .pull(Some(wanted), self.granted, wire, |key, at, part| {
+            .pull(Some(wanted), self.granted, None, |key, at, part| {
                 // `part` holds the chunk's bytes from `at` on: copy what falls in each piece.
                 let from = pieces.partition_point(|p| p.key < key);
                 for p in pieces[from..].iter().take_while(|p| p.key == key) {

@@ -2,15 +2,16 @@
 //! largest values of each chunk of its gradient plus what it held back before, and keeps the
 //! rest (its residual) for its next push. The residual lives as long as the worker's session:
 //! a worker that leaves, or dies, takes it with it, and the samples it had not committed are
-//! issued again as for any worker.
+//! issued again as for any worker. In a job whose tensors travel differently, a tensor
+//! without top-k is sent whole in the same push and keeps no residual.
 
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use edl_shared::proto::msg::{DataSpan, KeyRange};
-use edl_shared::proto::sparse::{TopK, encode_topk};
-use edl_shared::proto::wire::Wire;
-use edl_shared::proto::{Clock, KeyLayout};
+use edl_shared::proto::sparse::encode_topk;
+use edl_shared::proto::wire::encode_finite;
+use edl_shared::proto::{Clock, KeyLayout, WireSpec};
 
 use crate::ClientError;
 
@@ -28,7 +29,8 @@ pub(crate) struct Residual {
     pending: Option<(Clock, DataSpan, Arc<Sparse>)>,
 }
 
-/// A top-k push of the whole model: the sparse records of every key, in key order.
+/// A top-k push of the whole model: every key's values as they travel (a sparse record, or
+/// dense where its tensor is not top-k sparsified), in key order.
 #[derive(Debug)]
 pub(crate) struct Sparse {
     bytes: Bytes,
@@ -58,7 +60,7 @@ impl Residual {
         &mut self,
         layout: &KeyLayout,
         grads: &[f32],
-        (topk, wire): (TopK, Wire),
+        wires: &[WireSpec],
         (clock, span): (Clock, Option<DataSpan>),
     ) -> Result<Arc<Sparse>, ClientError> {
         if let (Some((c, s, sparse)), Some(span)) = (&self.pending, span)
@@ -67,7 +69,7 @@ impl Residual {
             return Ok(sparse.clone());
         }
         self.pending = None;
-        let sparse = Arc::new(self.encode(layout, grads, topk, wire)?);
+        let sparse = Arc::new(self.encode(layout, grads, wires)?);
         if let Some(span) = span {
             self.pending = Some((clock, span, sparse.clone()));
         }
@@ -80,14 +82,14 @@ impl Residual {
     }
 
     /// The sparse push of `grads` (the flat gradient of the whole model) plus the residual:
-    /// the `topk` largest values of each chunk, at `wire`. What is not sent becomes the next
+    /// of each chunk, the largest values its tensor's wire says (`wires`, per tensor), at its
+    /// precision; all of them where its tensor has no top-k. What is not sent becomes the next
     /// residual, taken for the keys whose shards accept the push ([`Residual::taken`]).
     fn encode(
         &mut self,
         layout: &KeyLayout,
         grads: &[f32],
-        topk: TopK,
-        wire: Wire,
+        wires: &[WireSpec],
     ) -> Result<Sparse, ClientError> {
         if self.kept.len() != grads.len() {
             self.kept = vec![0.0; grads.len()];
@@ -96,16 +98,29 @@ impl Residual {
         self.next
             .extend(self.kept.iter().zip(grads).map(|(r, g)| r + g));
         let spans = layout.spans();
-        let mut bytes =
-            BytesMut::with_capacity(topk.max_bytes(spans.iter().map(|s| s.len as usize), wire));
+        let wire_of = |tensor: usize| wires.get(tensor).copied().unwrap_or_default();
+        let most = (spans.iter())
+            .map(|s| {
+                let w = wire_of(s.tensor);
+                match w.topk {
+                    Some(k) => k.max_bytes([s.len as usize], w.values),
+                    None => s.len as usize * w.values.value_bytes(),
+                }
+            })
+            .sum();
+        let mut bytes = BytesMut::with_capacity(most);
         let mut at = Vec::with_capacity(spans.len() + 1);
         at.push(0);
         for s in spans {
             let (off, len) = (s.offset as usize, s.len as usize);
             let acc = &mut self.next[off..off + len];
+            let w = wire_of(s.tensor);
             // A gradient's own values are checked here too: a NaN in it poisons the sum.
-            encode_topk(&mut bytes, acc, topk.keep(len), wire, &mut self.scratch)
-                .map_err(|i| crate::refused_at(acc, i, off, wire))?;
+            match w.topk {
+                Some(k) => encode_topk(&mut bytes, acc, k.keep(len), w.values, &mut self.scratch),
+                None => encode_finite(&mut bytes, acc, w.values).map(|()| acc.fill(0.0)),
+            }
+            .map_err(|i| crate::refused_at(acc, i, off, w.values))?;
             at.push(bytes.len());
         }
         Ok(Sparse {
@@ -132,6 +147,7 @@ impl Residual {
 mod tests {
     use super::*;
     use edl_shared::proto::sparse::decode_sparse;
+    use edl_shared::proto::wire::Wire;
     use edl_shared::proto::{Init, TensorSpec};
 
     /// Two keys of 4 floats.
@@ -154,13 +170,13 @@ mod tests {
     #[test]
     fn what_is_held_back_is_sent_later_and_nothing_is_lost() {
         let layout = layout();
-        let k: TopK = "topk:0.25".parse().expect("top-k");
+        let k = ["topk:0.25".parse::<WireSpec>().expect("top-k")];
         let mut r = Residual::default();
         let all = [KeyRange { start: 0, end: 2 }];
         let g = [1.0, 2.0, 3.0, 4.0, -1.0, 0.5, 0.25, 0.0];
         let mut total_sent = vec![0.0f32; 8];
         for step in 0..8 {
-            let push = r.encode(&layout, &g, k, Wire::F32).expect("finite");
+            let push = r.encode(&layout, &g, &k).expect("finite");
             let s = sent(&push, &all, &[4, 4]);
             // One value per key of four.
             assert_eq!(
@@ -183,7 +199,7 @@ mod tests {
     #[test]
     fn a_push_not_taken_is_sent_again_as_it_was_and_the_next_starts_from_what_was_taken() {
         let layout = layout();
-        let k: TopK = "topk:0.25".parse().expect("top-k");
+        let k = ["topk:0.25".parse::<WireSpec>().expect("top-k")];
         let mut r = Residual::default();
         let g = [1.0, 2.0, 3.0, 4.0, -1.0, 0.5, 0.25, 0.0];
         let span = |start| DataSpan {
@@ -193,14 +209,10 @@ mod tests {
             end: start + 1,
         };
         let at = |clock, start| (Clock(clock), Some(span(start)));
-        let first = r
-            .push(&layout, &g, (k, Wire::F32), at(0, 0))
-            .expect("finite");
+        let first = r.push(&layout, &g, &k, at(0, 0)).expect("finite");
         r.taken(&[(0, 8)]);
         r.done();
-        let second = r
-            .push(&layout, &g, (k, Wire::F32), at(1, 1))
-            .expect("finite");
+        let second = r.push(&layout, &g, &k, at(1, 1)).expect("finite");
         assert_ne!(
             first.parts(&[KeyRange { start: 0, end: 2 }])[0],
             second.parts(&[KeyRange { start: 0, end: 2 }])[0]
@@ -208,21 +220,15 @@ mod tests {
         // Only the first key's shard took it; the step is pushed again, with other values
         // even: it goes as it was made.
         r.taken(&[(0, 4)]);
-        let again = r
-            .push(&layout, &[9.0; 8], (k, Wire::F32), at(1, 1))
-            .expect("finite");
+        let again = r.push(&layout, &[9.0; 8], &k, at(1, 1)).expect("finite");
         assert!(Arc::ptr_eq(&second, &again));
         let taken = r.l1();
         r.taken(&[(4, 4)]);
         r.done();
         // What both keys kept is what the push left: a later step starts from it.
         assert!(r.l1() != taken);
-        let without_span = r
-            .push(&layout, &g, (k, Wire::F32), (Clock(2), None))
-            .expect("finite");
-        let again = r
-            .push(&layout, &g, (k, Wire::F32), (Clock(2), None))
-            .expect("finite");
+        let without_span = r.push(&layout, &g, &k, (Clock(2), None)).expect("finite");
+        let again = r.push(&layout, &g, &k, (Clock(2), None)).expect("finite");
         assert!(
             !Arc::ptr_eq(&without_span, &again),
             "a push without a span is never repeated"
@@ -232,9 +238,50 @@ mod tests {
         let mut bad = g;
         bad[5] = f32::NAN;
         assert!(matches!(
-            r.push(&layout, &bad, (k, Wire::F32), at(3, 3)),
+            r.push(&layout, &bad, &k, at(3, 3)),
             Err(ClientError::NonFinite { index: 5 })
         ));
         assert_eq!(r.l1(), before);
+    }
+
+    #[test]
+    fn a_tensor_without_top_k_goes_whole_in_the_same_push_and_keeps_no_residual() {
+        let t = |name: &str| TensorSpec {
+            name: name.into(),
+            shape: vec![4],
+            init: Init::Zeros,
+        };
+        let layout = KeyLayout::new(&[t("sparse"), t("whole")], 4);
+        let wires = [
+            "topk:0.25".parse::<WireSpec>().expect("top-k"),
+            "bf16".parse().expect("bf16"),
+        ];
+        let mut r = Residual::default();
+        let g = [1.0, 2.0, 3.0, 4.0, -1.0, 0.5, 0.25, 3.0];
+        let push = r.encode(&layout, &g, &wires).expect("finite");
+        let top = push.parts(&[KeyRange { start: 0, end: 1 }]).concat();
+        let mut first = vec![0.0; 4];
+        decode_sparse(&top, [4], Wire::F32, &mut first).expect("decodes");
+        assert_eq!(first, [0.0, 0.0, 0.0, 4.0]);
+        let whole = push.parts(&[KeyRange { start: 1, end: 2 }]).concat();
+        assert_eq!(whole.len(), 4 * 2, "four bf16 values");
+        let mut second = vec![0.0; 4];
+        edl_shared::proto::wire::decode(&whole, Wire::Bf16, &mut second).expect("decodes");
+        assert_eq!(second, g[4..]);
+        r.taken(&[(0, 8)]);
+        assert_eq!(
+            r.kept[4..],
+            [0.0; 4],
+            "nothing held back of the whole tensor"
+        );
+        assert_eq!(r.l1(), 6.0);
+        // A value past fp16's range in the whole tensor is refused by its position.
+        let wires = [wires[0], "fp16".parse().expect("fp16")];
+        let mut big = g;
+        big[6] = 1e6;
+        assert!(matches!(
+            r.encode(&layout, &big, &wires),
+            Err(ClientError::OutOfRange { index: 6, .. })
+        ));
     }
 }

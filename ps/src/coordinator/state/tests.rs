@@ -23,6 +23,7 @@ pub(crate) fn job(consistency: Consistency) -> JobConfig {
         lease_ms: 1000,
         replicas: 1,
         wire: Default::default(),
+        tensor_wires: Vec::new(),
         data: None,
     }
 }

@@ -49,15 +49,31 @@ pub fn check(parts: &[Bytes], chunks: &[ChunkRef]) -> Result<(), ProtoError> {
     }
 }
 
-/// The payload bytes `chunks` take when dense (sparse ones: their records' smallest, 4 bytes).
-pub fn least_bytes(chunks: &[ChunkRef]) -> u64 {
-    chunks
-        .iter()
-        .map(|c| match c.sparse {
-            true => 4,
-            false => u64::from(c.len) * c.wire.value_bytes() as u64,
-        })
-        .sum()
+/// The payload bytes each of `chunks` takes in `parts`, in order: a dense chunk's values, a
+/// sparse record as long as its count says; as many as `parts` hold (a checked payload holds
+/// all of them).
+pub fn sizes(parts: &[Bytes], chunks: &[ChunkRef]) -> Vec<usize> {
+    let mut runs = F32Runs::new(parts);
+    let mut count = Vec::with_capacity(4);
+    let mut out = Vec::with_capacity(chunks.len());
+    for c in chunks {
+        let size = if c.sparse {
+            count.clear();
+            if !runs.gather(4, &mut count) {
+                break;
+            }
+            let n = u32::from_le_bytes([count[0], count[1], count[2], count[3]]) as usize;
+            4 + n * (4 + c.wire.value_bytes())
+        } else {
+            c.len as usize * c.wire.value_bytes()
+        };
+        let skipped = if c.sparse { size - 4 } else { size };
+        if runs.bytes(skipped, 1, |_| {}) < skipped {
+            break;
+        }
+        out.push(size);
+    }
+    out
 }
 
 /// Buffers a walk reuses: a block of converted values, a sparse record and its chunk.
@@ -160,6 +176,9 @@ impl<'a> Coded<'a> {
         block.resize(BLOCK, 0.0);
         let (mut at, mut bad) = (0usize, None);
         let got = self.runs.bytes(len * size, size, |b| {
+            if bad.is_some() {
+                return;
+            }
             for piece in b.chunks(BLOCK * size) {
                 let out = &mut block[..piece.len() / size];
                 if let Err(e) = decode(piece, c.wire, out) {

@@ -495,9 +495,14 @@ impl<'a> F32Runs<'a> {
     /// inside one part where it can be, a value cut between two parts put together first;
     /// returns the bytes handed on (fewer than `n` if the payload ends first).
     pub fn bytes(&mut self, n: usize, size: usize, mut f: impl FnMut(&[u8])) -> usize {
+        debug_assert!(
+            (1..=8).contains(&size) && n.is_multiple_of(size),
+            "{n} bytes of {size}"
+        );
+        let size = size.clamp(1, 8);
         let mut done = 0;
         let mut value = [0u8; 8];
-        while done < n {
+        while n - done >= size {
             while self.part < self.parts.len() && self.at == self.parts[self.part].len() {
                 self.part += 1;
                 self.at = 0;

@@ -866,43 +866,7 @@ impl ShardState {
         };
         let total = floats_in(chunks);
         let bytes: u64 = payload.iter().map(|p| p.len() as u64).sum();
-        if chunks.iter().all(ChunkRef::is_plain) {
-            if total * 4 != bytes {
-                return Err(bad((
-                    ErrorCode::ShapeMismatch,
-                    format!("{bytes} payload bytes for {total} floats"),
-                )));
-            }
-            // Plain pushes arrive through `read_frame`, which refused any with a NaN or
-            // infinity.
-            debug_assert!(
-                {
-                    let mut scan = edl_shared::proto::frame::FiniteScan::default();
-                    payload.iter().for_each(|p| scan.part(p));
-                    scan.result().is_ok()
-                },
-                "unchecked push payload"
-            );
-        } else {
-            // Each chunk must be a key of the job at its length before its record is read
-            // (a sparse record is spread over a chunk of that length).
-            if let Some(c) = chunks
-                .iter()
-                .find(|c| self.layout.span(c.key).is_none_or(|s| s.len != c.len))
-            {
-                let code = match self.layout.span(c.key) {
-                    None => ErrorCode::UnknownKey,
-                    Some(_) => ErrorCode::ShapeMismatch,
-                };
-                return Err(bad((
-                    code,
-                    format!("{} of {} floats is not one of the job's keys", c.key, c.len),
-                )));
-            }
-            // 16-bit and sparse chunks are read whole, before anything changes; the apply
-            // converts them again where it writes (no f32 copy of the push is made).
-            coded::check(payload, chunks).map_err(|e| bad(coded_refusal(e, bytes, chunks)))?;
-        }
+        self.check_payload(chunks, payload).map_err(bad)?;
         // From the check of the keys to the last chunk, neither a checkpoint nor a range move
         // may cut this push in two.
         let _gate = read_lock(&self.gate);
@@ -1032,6 +996,57 @@ impl ShardState {
             Coded::new(payload),
             claims,
         )
+    }
+
+    /// Checks that `payload` holds the values of `chunks` as they say they travel. A plain f32
+    /// push was checked for NaN and infinity on receipt (`read_frame`): only its length is
+    /// checked here. One with 16-bit or sparse chunks is read whole (`coded::check`), once its
+    /// chunks were found to be keys of the job at their lengths (a sparse record is spread
+    /// over a chunk of that length) and, where any is sparse, distinct and in ascending
+    /// order (a sparse chunk costs 4 bytes: named over and over, it would have the shard
+    /// apply the whole model many times for a few bytes each).
+    fn check_payload(
+        &self,
+        chunks: &[ChunkRef],
+        payload: &[Bytes],
+    ) -> Result<(), (ErrorCode, String)> {
+        let total = floats_in(chunks);
+        let bytes: u64 = payload.iter().map(|p| p.len() as u64).sum();
+        if chunks.iter().all(ChunkRef::is_plain) {
+            if total * 4 != bytes {
+                return Err((
+                    ErrorCode::ShapeMismatch,
+                    format!("{bytes} payload bytes for {total} floats"),
+                ));
+            }
+            debug_assert!(
+                {
+                    let mut scan = edl_shared::proto::frame::FiniteScan::default();
+                    payload.iter().for_each(|p| scan.part(p));
+                    scan.result().is_ok()
+                },
+                "unchecked push payload"
+            );
+            return Ok(());
+        }
+        if let Some(c) = chunks
+            .iter()
+            .find(|c| self.layout.span(c.key).is_none_or(|s| s.len != c.len))
+        {
+            let code = match self.layout.span(c.key) {
+                None => ErrorCode::UnknownKey,
+                Some(_) => ErrorCode::ShapeMismatch,
+            };
+            let message = format!("{} of {} floats is not one of the job's keys", c.key, c.len);
+            return Err((code, message));
+        }
+        if chunks.iter().any(|c| c.sparse) && chunks.windows(2).any(|w| w[0].key >= w[1].key) {
+            return Err((
+                ErrorCode::Malformed,
+                "a sparse push's chunks must be distinct keys in ascending order".into(),
+            ));
+        }
+        coded::check(payload, chunks).map_err(|e| coded_refusal(e, bytes, chunks))
     }
 
     /// Applies (ASP, SSP) or stages (BSP) the gradients of `chunks`, read from `grads` (each
@@ -1339,6 +1354,10 @@ impl ShardState {
             drop(kept);
             return Some(self.replicate(push.as_ref()));
         }
+        // Kept only once found whole: it is acknowledged now, and applied when the copy comes.
+        if let Err((code, message)) = self.check_payload(&push.chunks, &push.payload) {
+            return Some(Err(Refusal::new(code, message)));
+        }
         if kept.iter().map(Kept::bytes).sum::<u64>() + push.bytes() > KEPT_BYTES {
             return None;
         }
@@ -1455,8 +1474,11 @@ impl ShardState {
         type Part = (Vec<ChunkRef>, Vec<(usize, usize)>, Vec<u64>);
         let mut by: BTreeMap<(ShardId, bool), Part> = BTreeMap::new();
         let mut at = 0usize;
-        for c in chunks {
-            let len = c.len as usize * 4;
+        // The push was checked: its chunks' bytes are there (a 16-bit chunk's are half an f32
+        // one's, a sparse record's as long as its count says).
+        let sizes = coded::sizes(payload, chunks);
+        for (i, c) in chunks.iter().enumerate() {
+            let len = sizes.get(i).copied().unwrap_or(0);
             for b in map.backups_of(c.key) {
                 let (refs, bytes, _) = by.entry((b, seeded(b, c.key.0))).or_default();
                 refs.push(*c);

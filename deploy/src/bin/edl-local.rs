@@ -71,7 +71,8 @@ struct Cli {
     /// How pushes and pulls travel: f32 (exact), bf16 or fp16 (half the bytes; the shards
     /// keep f32), or topk:FRACTION (each push sends the largest FRACTION of every chunk, e.g.
     /// topk:0.01, and each worker adds what it held back to its next push; +bf16 or +fp16
-    /// sends those at 16 bits). Over a job file's `[training] wire`. [default: f32]
+    /// sends those at 16 bits). Over a job file's `[training] wire` (tensors its
+    /// `[[tensor]]` tables give a wire of their own keep theirs). [default: f32]
     #[arg(long)]
     wire: Option<edl_shared::proto::WireSpec>,
     /// MLP layer widths, input to classes.

@@ -136,7 +136,8 @@ struct CoordinatorArgs {
     /// fp16 ends at 65,504), or topk:FRACTION (pushes send only the largest FRACTION of each
     /// chunk's values, e.g. topk:0.01, and each worker adds what it held back to its next
     /// push; topk:FRACTION+bf16 sends them at 16 bits). Overrides a job file's
-    /// `[training] wire`. [default: f32]
+    /// `[training] wire`; tensors its `[[tensor]]` tables give a wire of their own keep
+    /// theirs. [default: f32]
     #[arg(long)]
     wire: Option<edl_shared::proto::WireSpec>,
     /// Keep no durable state. By default the coordinator keeps membership, the shard map, the

@@ -1048,6 +1048,99 @@ fn a_backup_applies_forwarded_pushes_once_and_its_promoted_copy_holds_them() {
 }
 
 #[test]
+fn a_backup_is_forwarded_a_coded_push_as_it_came_and_applies_the_same_values() {
+    let (job, map, _) = replicated();
+    let (s0, s1) = (ShardId(0), ShardId(1));
+    let primary = ShardState::new(s0, job.clone(), map.clone());
+    let backup = ShardState::new(s1, job, map.clone());
+    let keys: Vec<Key> = (map.ranges_of(s0))
+        .flat_map(|r| r.start..r.end)
+        .map(Key)
+        .collect();
+    assert!(keys.len() >= 2, "{keys:?}");
+    // The first key at bf16, every other sparse (one value of its two travels).
+    let mut b = BytesMut::new();
+    let mut mine = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        let g = [1.0 / 3.0 + i as f32, -2.0 - i as f32];
+        if i == 0 {
+            encode_finite(&mut b, &g, Wire::Bf16).expect("finite");
+            mine.push(ChunkRef::new(*k, 2).coded(Wire::Bf16, false));
+        } else {
+            let mut acc = g;
+            edl_shared::proto::sparse::encode_topk(&mut b, &mut acc, 1, Wire::F32, &mut Vec::new())
+                .expect("finite");
+            mine.push(ChunkRef::new(*k, 2).coded(Wire::F32, true));
+        }
+    }
+    let bytes = b.freeze();
+    let parts = [bytes.slice(..5), bytes.slice(5..)];
+    let push = (
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        &mine[..],
+        &parts[..],
+        None,
+        &[][..],
+    );
+    let plan = primary.forwards(push);
+    assert_eq!(plan.len(), 1, "one backup");
+    let Request::Replicate { chunks, .. } = &plan[0].req else {
+        panic!("not a Replicate: {:?}", plan[0].req);
+    };
+    assert_eq!(&chunks[..], &mine[..]);
+    assert_eq!(plan[0].payload.to_bytes(), bytes, "the push as it came");
+    assert_eq!(
+        primary.push_forwarding(push, 0, &mut || {}),
+        Ok(Claim::Apply)
+    );
+    let forwarded = (
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(0),
+        &chunks[..],
+        &plan[0].payload.0[..],
+        None,
+        &[][..],
+    );
+    assert_eq!(backup.replicate(forwarded), Ok(Claim::Apply));
+    assert!(backup.adopt_map(&map.without(s0, &[]).expect("s0 held keys")));
+    for k in &keys {
+        for i in 0..2 {
+            assert_eq!(backup.param(*k, i), primary.param(*k, i), "{k}");
+        }
+    }
+    assert_ne!(primary.param(keys[0], 0), Some(0.0));
+    // A sparse push whose chunks name a key twice is refused, by a primary and a backup alike.
+    let twice = [mine[1], mine[1]];
+    let mut b = BytesMut::new();
+    for _ in 0..2 {
+        let mut acc = [1.0f32, 2.0];
+        edl_shared::proto::sparse::encode_topk(&mut b, &mut acc, 1, Wire::F32, &mut Vec::new())
+            .expect("finite");
+    }
+    let parts = [b.freeze()];
+    let push = (
+        MapEpoch(1),
+        WorkerId(1),
+        Clock(1),
+        &twice[..],
+        &parts[..],
+        None,
+        &[][..],
+    );
+    let e = (primary.push_forwarding(push, 0, &mut || {})).expect_err("a key twice");
+    assert_eq!(e.code, ErrorCode::Malformed, "{}", e.message);
+    let e = backup.replicate(push).expect_err("a key twice");
+    assert!(
+        matches!(e.code, ErrorCode::Malformed | ErrorCode::UnknownKey),
+        "{}",
+        e.message
+    );
+}
+
+#[test]
 fn a_new_backup_keeps_the_pushes_sent_before_its_copy_and_applies_them_after_it() {
     let (job, map, [_, _, s2]) = replicated();
     let s0 = ShardId(0);
@@ -1114,6 +1207,22 @@ fn a_new_backup_keeps_the_pushes_sent_before_its_copy_and_applies_them_after_it(
         to_s2.payload.0.clone(),
         Some(span(1)),
         Vec::new(),
+    );
+    // A push that does not hold its chunks as they say (bf16 values, one cut off) is refused
+    // before it is kept, not acknowledged and found bad when the copy comes.
+    let bad = Kept::new(
+        MapEpoch(2),
+        WorkerId(1),
+        Clock(1),
+        chunks.iter().map(|c| c.coded(Wire::Bf16, false)).collect(),
+        vec![Bytes::from(vec![0u8; floats_in(&chunks) as usize * 2 - 2])],
+        Some(span(1)),
+        Vec::new(),
+    );
+    let refused = standby.keep_or_replicate(bad);
+    assert!(
+        matches!(&refused, Some(Err(r)) if r.code == ErrorCode::ShapeMismatch),
+        "{refused:?}"
     );
     assert_eq!(standby.keep_or_replicate(kept), Some(Ok(Claim::Apply)));
     assert_eq!(standby.stats().backups, Vec::new(), "nothing held yet");

@@ -160,11 +160,7 @@ impl Job {
         let mut runs: Vec<(usize, usize, Wire)> = Vec::new();
         for span in link.chunks.iter().filter_map(|c| self.layout.span(c.key)) {
             let (off, len) = (span.offset as usize, span.len as usize);
-            let wire = self
-                .wires
-                .get(span.tensor)
-                .map_or(self.job.wire, |w| *w)
-                .values;
+            let wire = self.wire_of(span.key).values;
             match runs.last_mut() {
                 Some((o, l, w)) if *w == wire && *o + *l == off => *l += len,
                 _ => runs.push((off, len, wire)),

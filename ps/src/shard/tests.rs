@@ -957,17 +957,57 @@ fn replicated() -> (JobConfig, ShardMap, [ShardInfo; 3]) {
     (job, map, [info(0), info(1), info(2)])
 }
 
+/// `push` forwarded by `primary` to its one backup, `to`, as a `Replicate` of the push's
+/// chunks and its bytes as they came (`bytes`, whatever its parts), not as seeding; the primary
+/// then applies it. The forward's chunks and payload.
+fn forwarded_once(
+    primary: &ShardState,
+    push: PushRef<'_>,
+    to: ShardId,
+    bytes: &Bytes,
+) -> (Vec<ChunkRef>, Parts) {
+    let plan = primary.forwards(push);
+    assert_eq!(plan.len(), 1, "one backup");
+    let fwd = &plan[0];
+    assert_eq!(fwd.shard, to);
+    let Request::Replicate {
+        chunks, seeding, ..
+    } = &fwd.req
+    else {
+        panic!("not a Replicate: {:?}", fwd.req);
+    };
+    assert_eq!((&chunks[..], *seeding), (push.3, false));
+    assert_eq!(&fwd.payload.to_bytes(), bytes, "the push as it came");
+    assert_eq!(
+        primary.push_forwarding(push, 0, &mut || {}),
+        Ok(Claim::Apply)
+    );
+    (chunks.clone(), Parts(fwd.payload.0.clone()))
+}
+
+/// The map of [`replicated`], s0 and its backup s1 in it, and s0's keys.
+fn primary_and_backup() -> (ShardMap, ShardState, ShardState, Vec<Key>) {
+    let (job, map, _) = replicated();
+    let primary = ShardState::new(ShardId(0), job.clone(), map.clone());
+    let backup = ShardState::new(ShardId(1), job, map.clone());
+    let keys = (map.ranges_of(ShardId(0)))
+        .flat_map(|r| r.start..r.end)
+        .map(Key)
+        .collect();
+    (map, primary, backup, keys)
+}
+
+/// `push` with `chunks` and `payload` instead of its own.
+fn carrying<'a>(push: PushRef<'a>, chunks: &'a [ChunkRef], payload: &'a [Bytes]) -> PushRef<'a> {
+    let (epoch, worker, clock, _, _, samples, covers) = push;
+    (epoch, worker, clock, chunks, payload, samples, covers)
+}
+
 #[test]
 fn a_backup_applies_forwarded_pushes_once_and_its_promoted_copy_holds_them() {
-    let (job, map, _) = replicated();
+    let (map, primary, backup, keys) = primary_and_backup();
     let (s0, s1) = (ShardId(0), ShardId(1));
-    let primary = ShardState::new(s0, job.clone(), map.clone());
-    let backup = ShardState::new(s1, job, map.clone());
-    let mine: Vec<ChunkRef> = map
-        .ranges_of(s0)
-        .flat_map(|r| r.start..r.end)
-        .map(|k| ChunkRef::new(Key(k), 2))
-        .collect();
+    let mine: Vec<ChunkRef> = keys.iter().map(|k| ChunkRef::new(*k, 2)).collect();
     assert!(!mine.is_empty());
     let grads: Vec<f32> = (0..mine.len() * 2).map(|i| -(i as f32) - 1.0).collect();
     // The payload in two parts, cut inside a chunk.
@@ -988,32 +1028,9 @@ fn a_backup_applies_forwarded_pushes_once_and_its_promoted_copy_holds_them() {
         Some(&span),
         &[][..],
     );
-    let plan = primary.forwards(push);
-    assert_eq!(plan.len(), 1, "one backup");
-    let fwd = &plan[0];
-    assert_eq!(fwd.shard, s1);
-    let Request::Replicate {
-        chunks, seeding, ..
-    } = &fwd.req
-    else {
-        panic!("not a Replicate: {:?}", fwd.req);
-    };
-    assert_eq!((&chunks[..], *seeding), (&mine[..], false));
     // The forwarded payload is the push's, whatever its parts.
-    assert_eq!(fwd.payload.to_bytes(), bytes);
-    assert_eq!(
-        primary.push_forwarding(push, 0, &mut || {}),
-        Ok(Claim::Apply)
-    );
-    let forwarded = (
-        MapEpoch(1),
-        WorkerId(1),
-        Clock(0),
-        &chunks[..],
-        &fwd.payload.0[..],
-        Some(&span),
-        &[][..],
-    );
+    let (chunks, payload) = forwarded_once(&primary, push, s1, &bytes);
+    let forwarded = carrying(push, &chunks, &payload.0);
     assert_eq!(backup.replicate(forwarded), Ok(Claim::Apply));
     // Forwarded again (the worker repeated its push after a failure): applied once.
     assert_eq!(backup.replicate(forwarded), Ok(Claim::AlreadyApplied));
@@ -1049,14 +1066,8 @@ fn a_backup_applies_forwarded_pushes_once_and_its_promoted_copy_holds_them() {
 
 #[test]
 fn a_backup_is_forwarded_a_coded_push_as_it_came_and_applies_the_same_values() {
-    let (job, map, _) = replicated();
+    let (map, primary, backup, keys) = primary_and_backup();
     let (s0, s1) = (ShardId(0), ShardId(1));
-    let primary = ShardState::new(s0, job.clone(), map.clone());
-    let backup = ShardState::new(s1, job, map.clone());
-    let keys: Vec<Key> = (map.ranges_of(s0))
-        .flat_map(|r| r.start..r.end)
-        .map(Key)
-        .collect();
     assert!(keys.len() >= 2, "{keys:?}");
     // The first key at bf16, every other sparse (one value of its two travels).
     let mut b = BytesMut::new();
@@ -1084,26 +1095,8 @@ fn a_backup_is_forwarded_a_coded_push_as_it_came_and_applies_the_same_values() {
         None,
         &[][..],
     );
-    let plan = primary.forwards(push);
-    assert_eq!(plan.len(), 1, "one backup");
-    let Request::Replicate { chunks, .. } = &plan[0].req else {
-        panic!("not a Replicate: {:?}", plan[0].req);
-    };
-    assert_eq!(&chunks[..], &mine[..]);
-    assert_eq!(plan[0].payload.to_bytes(), bytes, "the push as it came");
-    assert_eq!(
-        primary.push_forwarding(push, 0, &mut || {}),
-        Ok(Claim::Apply)
-    );
-    let forwarded = (
-        MapEpoch(1),
-        WorkerId(1),
-        Clock(0),
-        &chunks[..],
-        &plan[0].payload.0[..],
-        None,
-        &[][..],
-    );
+    let (chunks, payload) = forwarded_once(&primary, push, s1, &bytes);
+    let forwarded = carrying(push, &chunks, &payload.0);
     assert_eq!(backup.replicate(forwarded), Ok(Claim::Apply));
     assert!(backup.adopt_map(&map.without(s0, &[]).expect("s0 held keys")));
     for k in &keys {

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use crate::error::ProtoError;
 use crate::frame::{F32Run, F32Runs};
 use crate::msg::ChunkRef;
-use crate::sparse::decode_sparse;
+use crate::sparse::each_sparse;
 use crate::wire::{BLOCK, Wire, decode, first_bad_le};
 
 /// Checks that `parts` hold exactly the values of `chunks`, each well formed and finite in
@@ -19,12 +19,13 @@ use crate::wire::{BLOCK, Wire, decode, first_bad_le};
 /// values; too few bytes: `Truncated`; more: `Trailing`; a bad sparse record: `Payload`.
 pub fn check(parts: &[Bytes], chunks: &[ChunkRef]) -> Result<(), ProtoError> {
     let mut runs = F32Runs::new(parts);
-    let mut scratch = Scratch::default();
+    let mut record = Vec::new();
     let mut at = 0u64;
     for c in chunks {
         let len = c.len as usize;
         if c.sparse {
-            record(&mut runs, c, &mut scratch).map_err(|e| offset(e, at))?;
+            gather_record(&mut runs, c, &mut record)?;
+            each_sparse(&record, [len], c.wire, |_, _| {}).map_err(|e| offset(e, at))?;
         } else {
             let size = c.wire.value_bytes();
             let (mut seen, mut bad) = (0usize, None);
@@ -84,36 +85,33 @@ struct Scratch {
     dense: Vec<f32>,
 }
 
-/// Reads chunk `c`'s sparse record into `scratch.dense` (its values, zero where nothing
-/// travelled), checked.
-fn record(runs: &mut F32Runs<'_>, c: &ChunkRef, scratch: &mut Scratch) -> Result<(), ProtoError> {
+/// Gathers chunk `c`'s sparse record into `record` (its count no more than the chunk's
+/// values; the rest read by [`each_sparse`]).
+fn gather_record(
+    runs: &mut F32Runs<'_>,
+    c: &ChunkRef,
+    record: &mut Vec<u8>,
+) -> Result<(), ProtoError> {
     let len = c.len as usize;
-    scratch.record.clear();
+    record.clear();
     let truncated = |got: usize, needed: usize| ProtoError::Truncated {
         needed: needed as u64,
         got: got as u64,
     };
-    if !runs.gather(4, &mut scratch.record) {
-        return Err(truncated(scratch.record.len(), 4));
+    if !runs.gather(4, record) {
+        return Err(truncated(record.len(), 4));
     }
-    let count = u32::from_le_bytes([
-        scratch.record[0],
-        scratch.record[1],
-        scratch.record[2],
-        scratch.record[3],
-    ]) as usize;
+    let count = u32::from_le_bytes([record[0], record[1], record[2], record[3]]) as usize;
     if count > len {
         return Err(ProtoError::Payload(format!(
             "a sparse record sends {count} values of {len}"
         )));
     }
     let body = count * (4 + c.wire.value_bytes());
-    if !runs.gather(body, &mut scratch.record) {
-        return Err(truncated(scratch.record.len() - 4, body));
+    if !runs.gather(body, record) {
+        return Err(truncated(record.len() - 4, body));
     }
-    scratch.dense.clear();
-    scratch.dense.resize(len, 0.0);
-    decode_sparse(&scratch.record, [len], c.wire, &mut scratch.dense)
+    Ok(())
 }
 
 /// `e` with a value's position moved on by `at` values.
@@ -159,8 +157,12 @@ impl<'a> Coded<'a> {
     ) -> Result<(), ProtoError> {
         let len = c.len as usize;
         if c.sparse {
-            record(&mut self.runs, c, &mut self.scratch)?;
-            f(0, F32Run::Values(&self.scratch.dense));
+            let Scratch { record, dense, .. } = &mut self.scratch;
+            gather_record(&mut self.runs, c, record)?;
+            dense.clear();
+            dense.resize(len, 0.0);
+            each_sparse(record, [len], c.wire, |p, v| dense[p] = v)?;
+            f(0, F32Run::Values(dense));
             return Ok(());
         }
         if c.wire == Wire::F32 {
@@ -198,7 +200,7 @@ impl<'a> Coded<'a> {
     /// Steps past chunk `c`'s values without converting them.
     pub fn skip(&mut self, c: &ChunkRef) -> Result<(), ProtoError> {
         if c.sparse {
-            return record(&mut self.runs, c, &mut self.scratch);
+            return gather_record(&mut self.runs, c, &mut self.scratch.record);
         }
         let bytes = c.len as usize * c.wire.value_bytes();
         short(self.runs.bytes(bytes, 1, |_| {}), bytes)

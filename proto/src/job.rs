@@ -738,23 +738,6 @@ impl JobConfig {
         (0..self.tensors.len()).map(|t| self.wire_of(t)).collect()
     }
 
-    /// Checks that [`JobConfig::tensor_wires`] names tensors of the job, each once.
-    pub fn check_wires(&self) -> Result<(), String> {
-        for (i, w) in self.tensor_wires.iter().enumerate() {
-            let Some(t) = self.tensors.get(w.tensor as usize) else {
-                return Err(format!(
-                    "a tensor wire names tensor {}, but the job has {}",
-                    w.tensor,
-                    self.tensors.len()
-                ));
-            };
-            if self.tensor_wires[..i].iter().any(|o| o.tensor == w.tensor) {
-                return Err(format!("tensor {:?} is given two wires", t.name));
-            }
-        }
-        Ok(())
-    }
-
     /// Checks [`JobConfig::schedule`] against the consistency model and the optimizers.
     pub fn check_schedule(&self) -> Result<(), String> {
         let groups = self.optimizer_groups.iter().map(|g| &g.optimizer);

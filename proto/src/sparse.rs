@@ -157,10 +157,37 @@ pub fn encode_topk(
 /// `Trailing`), a count past its chunk's length or positions out of order or out of range
 /// (`Header`), a value not finite in `wire` (`NonFinite` with its position in `out`).
 pub fn decode_sparse(
-    mut bytes: &[u8],
+    bytes: &[u8],
     lens: impl IntoIterator<Item = usize>,
     wire: Wire,
     out: &mut [f32],
+) -> Result<(), ProtoError> {
+    let (room, mut end, mut past) = (out.len(), 0usize, false);
+    let lens = lens.into_iter().inspect(|len| {
+        end += len;
+        past |= end > room;
+    });
+    each_sparse(bytes, lens, wire, |i, v| {
+        if let Some(o) = out.get_mut(i) {
+            *o = v;
+        }
+    })?;
+    match past {
+        true => Err(ProtoError::Payload(
+            "sparse chunks past the payload's end".into(),
+        )),
+        false => Ok(()),
+    }
+}
+
+/// Reads a sparse payload as [`decode_sparse`] does, refusing what it refuses, and hands each
+/// value that travelled to `put` with its position counted from the first chunk's first value
+/// (a check needs no buffer to spread them over).
+pub fn each_sparse(
+    mut bytes: &[u8],
+    lens: impl IntoIterator<Item = usize>,
+    wire: Wire,
+    mut put: impl FnMut(usize, f32),
 ) -> Result<(), ProtoError> {
     let size = wire.value_bytes();
     let mut values = Vec::new();
@@ -186,9 +213,6 @@ pub fn decode_sparse(
             }
             other => other,
         })?;
-        let chunk = out
-            .get_mut(at..at + len)
-            .ok_or_else(|| ProtoError::Payload("sparse chunks past the payload's end".into()))?;
         let mut next = 0usize;
         for (p, v) in positions.as_chunks::<4>().0.iter().zip(&values) {
             let p = u32::from_le_bytes(*p) as usize;
@@ -197,7 +221,7 @@ pub fn decode_sparse(
                     "sparse chunk {c}: position {p} out of order or past its {len} values"
                 )));
             }
-            chunk[p] = *v;
+            put(at + p, *v);
             next = p + 1;
         }
         at += len;

@@ -123,6 +123,15 @@ impl WireSpec {
         WireSpec { values, topk: None }
     }
 
+    /// The most payload bytes a push of a chunk of `len` values takes (a sparse one may take
+    /// fewer: zeros never travel).
+    pub fn max_bytes(self, len: usize) -> usize {
+        match self.topk {
+            Some(k) => k.max_bytes([len], self.values),
+            None => len * self.values.value_bytes(),
+        }
+    }
+
     /// Whether values travel exact and whole (the default).
     pub fn is_exact(self) -> bool {
         self == WireSpec::default()

@@ -819,29 +819,29 @@ impl Cx<'_> {
                     format!("{name:?} is already the name of tensor[{j}]"),
                 ));
             }
-            let (Some(shape), Some(init)) = (&t.shape, &t.init) else {
+            let (Some(dims), Some(init)) = (&t.shape, &t.init) else {
                 let key = if t.shape.is_none() { "shape" } else { "init" };
                 return Err(self.at(&t.name, &field(key), "missing: a custom tensor needs one"));
             };
-            let dims = shape.get_ref();
-            if dims.is_empty() {
-                return Err(self.at(shape, &field("shape"), "must have at least one dim"));
+            if dims.get_ref().is_empty() {
+                return Err(self.at(dims, &field("shape"), "must have at least one dim"));
             }
-            if let Some((d, dim)) = dims.iter().enumerate().find(|(_, d)| *d.get_ref() == 0) {
+            if let Some((d, dim)) = dims
+                .get_ref()
+                .iter()
+                .enumerate()
+                .find(|(_, d)| *d.get_ref() == 0)
+            {
                 return Err(self.at(dim, &field("shape"), format!("dim {d} is 0; must be > 0")));
             }
-            let shape: Vec<u32> = dims.iter().map(|d| *d.get_ref()).collect();
+            let shape: Vec<u32> = dims.get_ref().iter().map(|d| *d.get_ref()).collect();
             let init = self.init(t, init, &shape, &field)?;
             tensors.push(TensorSpec {
                 name: name.clone(),
                 shape,
                 init,
             });
-            self.check_total(
-                &tensors,
-                t.shape.as_ref().map_or(0..0, Spanned::span),
-                &field("shape"),
-            )?;
+            self.check_total(&tensors, dims.span(), &field("shape"))?;
         }
         Ok((ModelSection::custom(), tensors))
     }

@@ -392,7 +392,6 @@ async fn main() -> anyhow::Result<()> {
                 );
             }
             job.check_schedule().map_err(anyhow::Error::msg)?;
-            job.check_wires().map_err(anyhow::Error::msg)?;
             let state_file =
                 (!a.no_persist).then(|| a.identity.state_dir.join("coordinator").join("state.bin"));
             let cfg = CoordinatorConfig {

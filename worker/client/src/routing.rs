@@ -160,7 +160,12 @@ impl Job {
         let mut runs: Vec<(usize, usize, Wire)> = Vec::new();
         for span in link.chunks.iter().filter_map(|c| self.layout.span(c.key)) {
             let (off, len) = (span.offset as usize, span.len as usize);
-            let wire = self.wire_of(span.key).values;
+            let wire = self
+                .wires
+                .get(span.tensor)
+                .copied()
+                .unwrap_or_default()
+                .values;
             match runs.last_mut() {
                 Some((o, l, w)) if *w == wire && *o + *l == off => *l += len,
                 _ => runs.push((off, len, wire)),
@@ -518,7 +523,7 @@ impl Job {
                         Grads::Borrowed(g) => encoded(&self.runs(link), g)?,
                     };
                     let chunks = self.coded(link, false);
-                    let req = whole_push(chunks, map, (worker, token), clock, span);
+                    let req = push_request(chunks, map, (worker, token), clock, (span, vec![]));
                     Ok((req, payload))
                 },
                 check,
@@ -563,7 +568,7 @@ impl Job {
             span.is_some(),
             |link, map| {
                 let chunks = self.coded(link, true);
-                let req = whole_push(chunks, map, (worker, token), clock, span);
+                let req = push_request(chunks, map, (worker, token), clock, (span, vec![]));
                 Ok((req, Parts(records.parts(&link.ranges))))
             },
             None,
@@ -615,43 +620,35 @@ impl Job {
             wanted,
             span.is_some(),
             |link, map| {
-                let mine: Vec<&(Key, &[f32])> = chunks
-                    .iter()
+                // Each chunk at its tensor's precision.
+                let (refs, values): (Vec<ChunkRef>, Vec<&[f32]>) = (chunks.iter())
                     .filter(|(k, _)| in_ranges(&link.ranges, *k))
-                    .collect();
-                let bytes = (mine.iter())
-                    .map(|(k, v)| v.len() * self.wire_of(*k).values.value_bytes())
+                    .map(|(k, v)| {
+                        let wire = self.wire_of(*k).values;
+                        (ChunkRef::new(*k, v.len() as u32).coded(wire, false), *v)
+                    })
+                    .unzip();
+                let bytes = (refs.iter())
+                    .map(|c| c.len as usize * c.wire.value_bytes())
                     .sum::<usize>();
                 let mut payload = BytesMut::with_capacity(bytes);
-                for (k, v) in &mine {
-                    let wire = self.wire_of(*k).values;
-                    if wire == Wire::F32 {
+                for (c, v) in refs.iter().zip(&values) {
+                    if c.wire == Wire::F32 {
                         // Checked above.
                         extend_f32s(&mut payload, v);
                     } else {
                         // Finite, but perhaps past binary16's range.
-                        encode_finite(&mut payload, v, wire).map_err(|i| {
-                            let at = self.layout.span(*k).map_or(0, |s| s.offset as usize);
-                            refused_at(v, i, at, wire)
+                        encode_finite(&mut payload, v, c.wire).map_err(|i| {
+                            let at = self.layout.span(c.key).map_or(0, |s| s.offset as usize);
+                            refused_at(v, i, at, c.wire)
                         })?;
                     }
                 }
-                let req = Request::Push {
-                    epoch: map.epoch,
-                    worker,
-                    clock,
-                    chunks: (mine.iter())
-                        .map(|(k, v)| {
-                            ChunkRef::new(*k, v.len() as u32).coded(self.wire_of(*k).values, false)
-                        })
-                        .collect(),
-                    span,
-                    covers: match span {
-                        Some(_) => link.ranges.clone(),
-                        None => Vec::new(),
-                    },
-                    token,
+                let covers = match span {
+                    Some(_) => link.ranges.clone(),
+                    None => Vec::new(),
                 };
+                let req = push_request(refs, map, (worker, token), clock, (span, covers));
                 Ok((req, Parts(vec![payload.freeze()])))
             },
             None,
@@ -662,13 +659,14 @@ impl Job {
     }
 }
 
-/// The request of a push of every key a link names: its `chunks`, in order, coded.
-fn whole_push(
+/// The request of a push of `chunks` (in payload order, coded) under `map`, of `span`'s
+/// samples, covering `covers` too.
+fn push_request(
     chunks: Vec<ChunkRef>,
     map: &ShardMap,
     (worker, token): (WorkerId, Token),
     clock: Clock,
-    span: Option<DataSpan>,
+    (span, covers): (Option<DataSpan>, Vec<KeyRange>),
 ) -> Request {
     Request::Push {
         epoch: map.epoch,
@@ -676,7 +674,7 @@ fn whole_push(
         clock,
         chunks,
         span,
-        covers: Vec::new(),
+        covers,
         token,
     }
 }

@@ -100,13 +100,7 @@ impl Residual {
         let spans = layout.spans();
         let wire_of = |tensor: usize| wires.get(tensor).copied().unwrap_or_default();
         let most = (spans.iter())
-            .map(|s| {
-                let w = wire_of(s.tensor);
-                match w.topk {
-                    Some(k) => k.max_bytes([s.len as usize], w.values),
-                    None => s.len as usize * w.values.value_bytes(),
-                }
-            })
+            .map(|s| wire_of(s.tensor).max_bytes(s.len as usize))
             .sum();
         let mut bytes = BytesMut::with_capacity(most);
         let mut at = Vec::with_capacity(spans.len() + 1);

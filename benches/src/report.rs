@@ -306,6 +306,10 @@ pub fn tta_table(r: &tta::Results) -> String {
         row.extend([
             format!("{}/{}", x.reached, x.runs),
             match (x.median_tta_s, x.min_tta_s, x.max_tta_s) {
+                // Tenths of a second, or hundredths for runs under a second.
+                (Some(m), Some(lo), Some(hi)) if hi < 1.0 => {
+                    format!("{m:.2} ({lo:.2}–{hi:.2})")
+                }
                 (Some(m), Some(lo), Some(hi)) => format!("{m:.1} ({lo:.1}–{hi:.1})"),
                 _ => "not reached".into(),
             },
@@ -320,17 +324,11 @@ pub fn tta_table(r: &tta::Results) -> String {
         }
         t.add_row(row);
     }
-    let layers: Vec<String> = r.layers.iter().map(u32::to_string).collect();
     let link = r.link.as_ref().map_or(String::new(), |l| format!(", {l}"));
     format!(
-        "time to {} test accuracy, MLP {}, {}, batches of {}, {} training samples, {} \
+        "time to {} test accuracy, {}, {}, batches of {}, {} training samples, {} \
          shards{link}:\n{t}",
-        r.target,
-        layers.join("-"),
-        r.optimizer,
-        r.batch,
-        r.train_samples,
-        r.shards
+        r.target, r.model, r.optimizer, r.batch, r.train_samples, r.shards
     )
 }
 

@@ -1,11 +1,12 @@
 //! `edl-bench tta`: time to a test accuracy (0.85) on Fashion-MNIST, for 1, 2 and 4 workers
-//! under each consistency model, with real training (`edl_worker::trainer`, CPU backend).
+//! under each consistency model, with real training (`edl_worker::trainer`, CPU backend); or
+//! of a job file's model (an MLP or the sparse logistic regression, on the file's data).
 //!
 //! Each run is a fresh in-process cluster; every worker runs on its own OS thread with its own
 //! runtime, as a worker process would. While they train, a snapshot task pulls the parameters
 //! every [`Plan::snapshot_every`] (a pull costs about a millisecond) and, every
-//! [`Plan::check_every`], evaluates the latest snapshot on the 10,000 test images to decide
-//! whether to stop. After the run every snapshot is evaluated: the time to accuracy is the
+//! [`Plan::check_every`], evaluates the latest snapshot on the test set (Fashion-MNIST's
+//! 10,000 images) to decide whether to stop. After the run every snapshot is evaluated: the time to accuracy is the
 //! time of the first snapshot at or above the target, counted from the moment the workers
 //! were started (cluster up, data in memory).
 
@@ -16,16 +17,18 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use edl_deploy::costs::median;
 use edl_shared::faults::{Faults, LinkFaults};
+use edl_shared::models::{self, Builtin};
 use edl_shared::proto::msg::EpochStats;
-use edl_shared::proto::{Clock, Consistency, OptimizerSpec, WireSpec};
+use edl_shared::proto::{Clock, Consistency, DataFormat, JobConfig, OptimizerSpec, WireSpec};
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::TransportSettings;
 use edl_testkit::{TestCluster, mlp_job};
 use edl_worker::backend::{Backend, CpuBackend};
 use edl_worker::data::{DEFAULT_DATA_DIR, ImageSet, Split};
+use edl_worker::logreg::LogReg;
 use edl_worker::model::Mlp;
 use edl_worker::trainer::{self, TrainOptions, TrainSummary};
-use edl_worker::workload::MlpModel;
+use edl_worker::workload::{MlpModel, Model, SparseSet};
 use edl_worker::{ClientConfig, Job};
 use serde::Serialize;
 
@@ -71,6 +74,11 @@ pub struct Plan {
     pub side: Side,
     /// The link, for reports, when it is not loopback's.
     pub link: Option<String>,
+    /// A job file's job, trained instead of the MLP of `layers` on Fashion-MNIST in
+    /// `data_dir` ([`Plan::with_job`]): its model (`mlp` or `logreg`), data, chunks and
+    /// partitions. The plan sets its consistency, seed, wire, epochs, optimizer, batch size
+    /// and samples.
+    pub job: Option<JobConfig>,
 }
 
 impl Plan {
@@ -105,7 +113,36 @@ impl Plan {
             side: Side::default(),
             link: None,
             rate: None,
+            job: None,
         }
+    }
+
+    /// Trains `job` (a job file's) instead of the MLP: its optimizer, batch size and samples
+    /// become the plan's (a later change to the plan's wins).
+    pub fn with_job(&mut self, job: JobConfig) {
+        self.optimizer = job.optimizer.clone();
+        self.batch = job.batch_size;
+        self.train_samples = job.train_samples;
+        self.job = Some(job);
+    }
+
+    /// The job of one run, before its consistency, seed and wire are set.
+    fn base_job(&self) -> JobConfig {
+        let mut job = match &self.job {
+            Some(job) => job.clone(),
+            None => mlp_job(
+                &self.layers,
+                Consistency::Asp,
+                self.optimizer.clone(),
+                self.train_samples,
+                self.max_epochs,
+            ),
+        };
+        job.optimizer = self.optimizer.clone();
+        job.batch_size = self.batch;
+        job.train_samples = self.train_samples;
+        job.epochs = self.max_epochs;
+        job
     }
 
     /// Puts every socket of the training (shards, workers) behind an uplink of `bits_per_s`
@@ -183,8 +220,8 @@ pub struct Run {
 pub struct Results {
     /// The target accuracy.
     pub target: f64,
-    /// MLP layer widths.
-    pub layers: Vec<u32>,
+    /// The model and its data (e.g. `MLP 784-256-128-10`).
+    pub model: String,
     /// The optimizer, as `edl-local` writes it.
     pub optimizer: String,
     /// Samples per mini-batch.
@@ -265,30 +302,142 @@ fn summarize(runs: &[Run]) -> Vec<Cell> {
     cells
 }
 
+/// The model a run trains, with its training and test data, loaded once for every run.
+#[derive(Clone)]
+enum Workload {
+    /// An MLP on images (Fashion-MNIST's, or a job file's idx data).
+    Mlp {
+        mlp: Mlp,
+        train: Arc<ImageSet>,
+        test: Arc<ImageSet>,
+    },
+    /// The sparse logistic regression on a job file's LIBSVM data.
+    LogReg {
+        features: u32,
+        train: Arc<SparseSet>,
+        test: Arc<SparseSet>,
+    },
+}
+
+impl Workload {
+    /// The plan's model and data: a job file's, or the MLP of `layers` on Fashion-MNIST.
+    fn load(plan: &Plan, job: &JobConfig) -> anyhow::Result<Workload> {
+        let data = job.data.as_ref();
+        match job.model.kind.as_str() {
+            models::Mlp::KIND => {
+                let (mut train, test) = match data {
+                    Some(d) if d.format == DataFormat::Idx && !d.test.is_empty() => (
+                        ImageSet::load_prefix(d.train.as_ref())?,
+                        ImageSet::load_prefix(d.test.as_ref())?,
+                    ),
+                    Some(d) => anyhow::bail!(
+                        "the job's {:?} data {:?} (test {:?}) is not an idx training and test set",
+                        d.format,
+                        d.train,
+                        d.test
+                    ),
+                    None => {
+                        let dir = &plan.data_dir;
+                        let load = |split| {
+                            ImageSet::load(dir, split).with_context(|| {
+                                format!(
+                                    "loading Fashion-MNIST from {} (apt-get install \
+                                     dataset-fashion-mnist)",
+                                    dir.display()
+                                )
+                            })
+                        };
+                        (load(Split::Train)?, load(Split::Test)?)
+                    }
+                };
+                train.truncate(plan.train_samples as usize);
+                Ok(Workload::Mlp {
+                    mlp: trainer::model_of(job)?,
+                    train: Arc::new(train),
+                    test: Arc::new(test),
+                })
+            }
+            models::LogReg::KIND => {
+                let m = models::LogReg::from_section(&job.model).map_err(anyhow::Error::msg)?;
+                let Some(d) = data.filter(|d| d.format == DataFormat::LibSvm && !d.test.is_empty())
+                else {
+                    anyhow::bail!("a logreg job needs LIBSVM training and test data ([data])");
+                };
+                let load = |path: &str| {
+                    SparseSet::load(path.as_ref()).with_context(|| format!("loading {path}"))
+                };
+                Ok(Workload::LogReg {
+                    features: m.features,
+                    train: Arc::new(load(&d.train)?),
+                    test: Arc::new(load(&d.test)?),
+                })
+            }
+            other => anyhow::bail!("edl-bench tta trains an mlp or a logreg job, not {other:?}"),
+        }
+    }
+
+    /// The model and its data, for reports.
+    fn describe(&self, job: &JobConfig) -> String {
+        let file = |path: Option<&str>| {
+            path.and_then(|p| std::path::Path::new(p).file_name())
+                .map_or(String::new(), |f| format!(" ({})", f.to_string_lossy()))
+        };
+        let train = job.data.as_ref().map(|d| d.train.as_str());
+        match self {
+            Workload::Mlp { mlp, .. } => {
+                let layers: Vec<String> = mlp.layers().iter().map(usize::to_string).collect();
+                format!("MLP {}{}", layers.join("-"), file(train))
+            }
+            Workload::LogReg { features, .. } => {
+                format!(
+                    "logistic regression over {features} features{}",
+                    file(train)
+                )
+            }
+        }
+    }
+
+    /// Test accuracy of `params`.
+    fn accuracy(&self, params: &[f32]) -> anyhow::Result<f64> {
+        Ok(match self {
+            Workload::Mlp { mlp, test, .. } => {
+                let mut b = CpuBackend::new();
+                b.evaluate(mlp, params, test.images(), test.labels())?
+                    .accuracy()
+            }
+            Workload::LogReg { features, test, .. } => {
+                LogReg::new(*features).evaluate(params, test)?.accuracy()
+            }
+        })
+    }
+
+    /// Trains on the training data as one worker until it runs out or `stop` fires.
+    async fn train(&self, job: Job, stop: CancellationToken) -> anyhow::Result<TrainSummary> {
+        let opts = TrainOptions::default();
+        Ok(match self {
+            Workload::Mlp { mlp, train, .. } => {
+                let mut backend = CpuBackend::new();
+                let mut model = MlpModel::new(mlp.clone(), &mut backend);
+                trainer::train(job, &mut model, train, opts, stop).await?
+            }
+            Workload::LogReg {
+                features, train, ..
+            } => trainer::train(job, &mut LogReg::new(*features), train, opts, stop).await?,
+        })
+    }
+}
+
 /// Loads the data and runs every worker count under every consistency model.
 pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
-    let dir = plan.data_dir.clone();
-    let (mut train, test) = tokio::task::spawn_blocking(move || {
-        anyhow::Ok((
-            ImageSet::load(&dir, Split::Train)?,
-            ImageSet::load(&dir, Split::Test)?,
-        ))
-    })
-    .await?
-    .with_context(|| {
-        format!(
-            "loading Fashion-MNIST from {} (apt-get install dataset-fashion-mnist)",
-            plan.data_dir.display()
-        )
-    })?;
-    train.truncate(plan.train_samples as usize);
-    let (train, test) = (Arc::new(train), Arc::new(test));
+    let job = plan.base_job();
+    let (p, j) = (plan.clone(), job.clone());
+    let work = tokio::task::spawn_blocking(move || Workload::load(&p, &j)).await??;
     let mut runs = Vec::new();
     for &consistency in &plan.modes {
         for &workers in &plan.workers {
             for &wire in &plan.wires {
                 for seed in (0..u64::from(plan.repeats)).map(|i| FIRST_SEED + i) {
-                    let r = run_one(plan, (&train, &test), workers, consistency, wire, seed)
+                    let r = run_one(plan, &work, workers, consistency, wire, seed)
                         .await
                         .with_context(|| {
                             format!("{workers} workers, {consistency}, {wire}, seed {seed}")
@@ -311,7 +460,7 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Results> {
     }
     Ok(Results {
         target: plan.target,
-        layers: plan.layers.clone(),
+        model: work.describe(&job),
         optimizer: plan.optimizer.to_string(),
         batch: plan.batch,
         train_samples: plan.train_samples,
@@ -334,20 +483,14 @@ struct Snapshot {
 
 async fn run_one(
     plan: &Plan,
-    (train, test): (&Arc<ImageSet>, &Arc<ImageSet>),
+    work: &Workload,
     workers: usize,
     consistency: Consistency,
     wire: WireSpec,
     seed: u64,
 ) -> anyhow::Result<Run> {
-    let mut job = mlp_job(
-        &plan.layers,
-        consistency,
-        plan.optimizer.clone(),
-        plan.train_samples,
-        plan.max_epochs,
-    );
-    job.batch_size = plan.batch;
+    let mut job = plan.base_job();
+    job.consistency = consistency;
     job.seed = seed;
     job.wire = wire;
     let run_settings = plan.run_settings();
@@ -367,20 +510,19 @@ async fn run_one(
     let eval = (plan.side)
         .run(async move { Ok(Job::connect(&eval_config).await?) })
         .await?;
-    let mlp = trainer::model_of(eval.config())?;
     let shutdown = CancellationToken::new();
     let started = Instant::now();
     let mut threads = Vec::new();
     for i in 0..workers {
         let name = format!("w{i}");
-        let (cfg, train, stop) = (config(&name)?, train.clone(), shutdown.clone());
+        let (cfg, work, stop) = (config(&name)?, work.clone(), shutdown.clone());
         threads.push(
             std::thread::Builder::new()
                 .name(name.clone())
-                .spawn(move || worker(cfg, &name, &train, stop))?,
+                .spawn(move || worker(cfg, &name, &work, stop))?,
         );
     }
-    let snaps = snapshots(plan, &eval, &mlp, test, started, &shutdown).await;
+    let snaps = snapshots(plan, &eval, work, started, &shutdown).await;
     shutdown.cancel();
     let mut samples = 0;
     for t in threads {
@@ -404,7 +546,7 @@ async fn run_one(
             Ok(())
         })
         .await?;
-    let curve = evaluate_all(snaps, &mlp, test).await?;
+    let curve = evaluate_all(snaps, work).await?;
     let reached = curve.iter().find(|p| p.accuracy >= plan.target);
     Ok(Run {
         workers,
@@ -428,7 +570,7 @@ async fn run_one(
 fn worker(
     cfg: ClientConfig,
     name: &str,
-    train: &ImageSet,
+    work: &Workload,
     stop: CancellationToken,
 ) -> anyhow::Result<TrainSummary> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -436,11 +578,9 @@ fn worker(
         .build()?;
     rt.block_on(async {
         let job = Job::connect(&cfg).await?;
-        let mut backend = CpuBackend::new();
         // The worker registers under its certificate's name, `name`.
         debug_assert_eq!(cfg.identity.name, name);
-        let mut model = MlpModel::new(trainer::model_of(job.config())?, &mut backend);
-        Ok(trainer::train(job, &mut model, train, TrainOptions::default(), stop).await?)
+        work.train(job, stop).await
     })
 }
 
@@ -448,8 +588,7 @@ fn worker(
 async fn snapshots(
     plan: &Plan,
     eval: &Job,
-    mlp: &Mlp,
-    test: &Arc<ImageSet>,
+    work: &Workload,
     started: Instant,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Vec<Snapshot>> {
@@ -479,7 +618,7 @@ async fn snapshots(
         if checked.elapsed() >= plan.check_every {
             checked = Instant::now();
             let params = out.last().map(|s| s.params.clone()).unwrap_or_default();
-            let acc = accuracy(mlp.clone(), params, test.clone()).await?;
+            let acc = accuracy(work, params).await?;
             if acc >= plan.target {
                 return Ok(out);
             }
@@ -488,27 +627,19 @@ async fn snapshots(
 }
 
 /// Test accuracy of `params`, on a blocking thread.
-async fn accuracy(mlp: Mlp, params: Vec<f32>, test: Arc<ImageSet>) -> anyhow::Result<f64> {
-    tokio::task::spawn_blocking(move || {
-        let mut b = CpuBackend::new();
-        Ok(b.evaluate(&mlp, &params, test.images(), test.labels())?
-            .accuracy())
-    })
-    .await?
+async fn accuracy(work: &Workload, params: Vec<f32>) -> anyhow::Result<f64> {
+    let work = work.clone();
+    tokio::task::spawn_blocking(move || work.accuracy(&params)).await?
 }
 
 /// Evaluates every snapshot, in order.
-async fn evaluate_all(
-    snaps: Vec<Snapshot>,
-    mlp: &Mlp,
-    test: &Arc<ImageSet>,
-) -> anyhow::Result<Vec<Point>> {
+async fn evaluate_all(snaps: Vec<Snapshot>, work: &Workload) -> anyhow::Result<Vec<Point>> {
     let mut curve = Vec::with_capacity(snaps.len());
     for s in snaps {
         curve.push(Point {
             t_s: s.t.as_secs_f64(),
             samples: s.samples,
-            accuracy: accuracy(mlp.clone(), s.params, test.clone()).await?,
+            accuracy: accuracy(work, s.params).await?,
         });
     }
     Ok(curve)

@@ -150,6 +150,7 @@ fn check_elastic(v: &Value) {
 
 fn check_tta(v: &Value) {
     assert_eq!(num(v, "target"), 0.85);
+    assert_eq!(v["model"], "MLP 784-256-128-10", "{}", v["model"]);
     let runs = v["runs"].as_array().expect("runs");
     assert!(!runs.is_empty());
     for r in runs {
@@ -181,6 +182,47 @@ fn tta_runs() -> anyhow::Result<()> {
     if edl_testkit::have_fashion_mnist() {
         check_tta(&bench(&["tta"])?);
     }
+    Ok(())
+}
+
+/// `tta --job` trains a job file's model on its data: the sparse LR on agaricus (in the
+/// repository) reaches its target, and bf16 halves what it pushes.
+#[test]
+fn tta_runs_a_job_file() -> anyhow::Result<()> {
+    let job = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/jobs/agaricus-logreg.toml");
+    let job = job.to_str().context("a UTF-8 path")?;
+    let v = bench(&[
+        "tta",
+        "--job",
+        job,
+        "--target",
+        "0.99",
+        "--wire",
+        "f32,bf16",
+        "--snapshot-ms",
+        "10",
+    ])?;
+    assert_eq!(
+        v["model"], "logistic regression over 126 features (agaricus.txt.train)",
+        "{v}"
+    );
+    assert_eq!(num(&v, "train_samples"), 6513.0, "the file's samples: {v}");
+    let cells = v["summary"].as_array().context("summary")?;
+    let pushed = |wire: &str| {
+        let c = cells.iter().find(|c| c["wire"] == wire);
+        num(c.expect("a cell per wire"), "pushed_per_sample")
+    };
+    for c in cells {
+        assert_eq!(
+            num(c, "reached"),
+            1.0,
+            "an epoch of agaricus reaches 0.99: {c}"
+        );
+    }
+    assert!(
+        pushed("bf16") > 0.0 && pushed("f32") >= 1.9 * pushed("bf16"),
+        "{v}"
+    );
     Ok(())
 }
 

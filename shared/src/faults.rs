@@ -2,7 +2,8 @@
 //! duplicates and partitions datagrams according to a shared, seeded fault plan ([`Faults`]),
 //! and limits bandwidth ([`Rate`]: a socket's datagrams leave its uplink one after another at
 //! the link's rate, behind a drop-tail queue; held datagrams are released on tokio's
-//! millisecond timer, so each may leave up to a millisecond late).
+//! millisecond timer, so one may leave up to a millisecond early (one due within a
+//! millisecond is sent at once) or late (one held is released on the timer's tick)).
 //!
 //! The kernels we test on have no `sch_netem`, so faults cannot come from the kernel; wrapping
 //! the socket under quinn works anywhere, in CI too, and is deterministic in its decisions.

@@ -105,11 +105,16 @@ enum Cmd {
         replicas: u32,
     },
     /// Time to 0.85 test accuracy on Fashion-MNIST for 1, 2 and 4 workers under ASP, SSP(2)
-    /// and BSP (real training on the CPU).
+    /// and BSP (real training on the CPU), or of a job file's model (--job).
     Tta {
         /// Directory with the Fashion-MNIST idx files.
         #[arg(long, default_value = DEFAULT_DATA_DIR)]
         data_dir: PathBuf,
+        /// Train this job file's model (mlp or logreg, e.g. deploy/jobs/agaricus-logreg.toml)
+        /// on its data, with its optimizer, batch size and samples, instead of the MLP on
+        /// Fashion-MNIST; the flags still choose workers, consistency, wires and epochs.
+        #[arg(long, value_name = "FILE", conflicts_with = "data_dir")]
+        job: Option<PathBuf>,
         /// Only these worker counts (e.g. `1,4`).
         #[arg(long, value_delimiter = ',')]
         workers: Vec<usize>,
@@ -143,6 +148,10 @@ enum Cmd {
         /// Epochs at most [default: 6].
         #[arg(long)]
         max_epochs: Option<u32>,
+        /// Milliseconds between snapshots of the parameters, the resolution of the times to
+        /// target [default: 100]; a small model's runs are short enough to want less.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        snapshot_ms: Option<u64>,
     },
     /// Many clients (each a registered worker) against a real cluster of `edl-ps` processes
     /// for a set time, optionally beside a hostile client: pushes and pulls per second, their
@@ -488,6 +497,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Cmd::Tta {
             data_dir,
+            job,
             workers,
             consistency,
             target,
@@ -498,9 +508,13 @@ async fn main() -> anyhow::Result<()> {
             optimizer,
             repeats,
             max_epochs,
+            snapshot_ms,
         } => {
             let mut plan = tta::Plan::standard(cli.quick, local);
             plan.data_dir = data_dir.clone();
+            if let Some(file) = job {
+                plan.with_job(edl_shared::jobfile::load(file)?);
+            }
             if !workers.is_empty() {
                 plan.workers = workers.clone();
             }
@@ -539,6 +553,9 @@ async fn main() -> anyhow::Result<()> {
             }
             if let Some(n) = max_epochs {
                 plan.max_epochs = *n;
+            }
+            if let Some(ms) = snapshot_ms {
+                plan.snapshot_every = std::time::Duration::from_millis(*ms);
             }
             let r = tta::run(&plan).await?;
             drop(servers);

@@ -128,6 +128,9 @@ async fn send_held(
     }
 }
 
+/// The resolution of tokio's timer, which releases held datagrams.
+const TIMER_TICK: Duration = Duration::from_millis(1);
+
 /// A UDP socket whose outgoing datagrams meet a fault plan.
 #[derive(Debug)]
 struct FaultySocket {
@@ -144,8 +147,12 @@ struct FaultySocket {
 }
 
 impl FaultySocket {
-    /// Queues a datagram of `bytes` on the uplink at `rate`: how long until its last bit is
-    /// out, or `None` when the queue is full (it is dropped).
+    /// Queues a datagram of `bytes` on the uplink at `rate`: how long to hold it, until its
+    /// last bit is out, or `None` when the queue is full (it is dropped). One whose last bit
+    /// is out within [`TIMER_TICK`] leaves at once, up to a tick early, instead of on the
+    /// timer's next tick, up to a tick late: on an idle fast link a small datagram crosses in
+    /// microseconds, not a millisecond, and the datagrams after it still wait their turn (a
+    /// token bucket a tick of the rate deep).
     fn queue(&self, rate: Rate, bytes: usize) -> Option<Duration> {
         let now = Instant::now();
         let mut free = self.uplink.lock().unwrap_or_else(|p| p.into_inner());
@@ -155,7 +162,12 @@ impl FaultySocket {
         }
         let done = start + rate.serialize(bytes);
         *free = Some(done);
-        Some(done - now)
+        let wait = done - now;
+        Some(if wait < TIMER_TICK {
+            Duration::ZERO
+        } else {
+            wait
+        })
     }
 
     fn hold(&self, t: &Transmit, delay: Duration) {

@@ -193,6 +193,48 @@ fn rates_parse_with_their_units_and_queues() -> Result<(), FaultSpecError> {
     Ok(())
 }
 
+/// On a fast link, datagrams whose last bit is out within a tick of the timer leave at once
+/// (not on its next tick, a millisecond on); those queued further behind them are held.
+#[tokio::test]
+async fn a_fast_idle_link_sends_at_once_and_holds_a_backlog() -> std::io::Result<()> {
+    use quinn::udp::Transmit;
+    let rx = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    let to = rx.local_addr()?;
+    let f = Faults::new(1);
+    // 1 Gbit/s: 8 µs per 1,000 bytes, 125 of them to a millisecond.
+    f.set_default(LinkFaults::clean().with_rate(1_000_000_000));
+    let tx = f.wrap(
+        quinn::default_runtime()
+            .expect("tokio")
+            .wrap_udp_socket(std::net::UdpSocket::bind("127.0.0.1:0")?)?,
+    )?;
+    // The reactor learns that the socket is writable (a send before it would block).
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let data = [7u8; 1000];
+    let send = || {
+        tx.try_send(&Transmit {
+            destination: to,
+            ecn: None,
+            contents: &data,
+            segment_size: None,
+            src_ip: None,
+        })
+    };
+    for _ in 0..10 {
+        send()?;
+    }
+    let stats = f.stats();
+    assert_eq!((stats.sent, stats.delayed), (10, 0), "{stats:?}");
+    // 1,000 more are 8 ms of the link: most of them wait.
+    for _ in 0..1000 {
+        send()?;
+    }
+    let stats = f.stats();
+    assert_eq!(stats.overflowed, 0, "{stats:?}");
+    assert!(stats.delayed > 500, "{stats:?}");
+    Ok(())
+}
+
 /// A socket's datagrams leave at the link's rate, one after another, and those that would
 /// wait longer than the queue are dropped.
 #[tokio::test]

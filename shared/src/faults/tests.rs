@@ -193,33 +193,39 @@ fn rates_parse_with_their_units_and_queues() -> Result<(), FaultSpecError> {
     Ok(())
 }
 
-/// On a fast link, datagrams whose last bit is out within a tick of the timer leave at once
-/// (not on its next tick, a millisecond on); those queued further behind them are held.
-#[tokio::test]
-async fn a_fast_idle_link_sends_at_once_and_holds_a_backlog() -> std::io::Result<()> {
-    use quinn::udp::Transmit;
-    let rx = std::net::UdpSocket::bind("127.0.0.1:0")?;
-    let to = rx.local_addr()?;
-    let f = Faults::new(1);
-    // 1 Gbit/s: 8 µs per 1,000 bytes, 125 of them to a millisecond.
-    f.set_default(LinkFaults::clean().with_rate(1_000_000_000));
+/// A socket under `f`'s faults that sends a datagram of 1,000 bytes to `to` on each call.
+fn kilobyte_sender(
+    f: &Faults,
+    to: std::net::SocketAddr,
+) -> std::io::Result<impl Fn() -> std::io::Result<()>> {
     let tx = f.wrap(
         quinn::default_runtime()
             .expect("tokio")
             .wrap_udp_socket(std::net::UdpSocket::bind("127.0.0.1:0")?)?,
     )?;
-    // The reactor learns that the socket is writable (a send before it would block).
-    tokio::time::sleep(Duration::from_millis(10)).await;
     let data = [7u8; 1000];
-    let send = || {
-        tx.try_send(&Transmit {
+    Ok(move || {
+        tx.try_send(&quinn::udp::Transmit {
             destination: to,
             ecn: None,
             contents: &data,
             segment_size: None,
             src_ip: None,
         })
-    };
+    })
+}
+
+/// On a fast link, datagrams whose last bit is out within a tick of the timer leave at once
+/// (not on its next tick, a millisecond on); those queued further behind them are held.
+#[tokio::test]
+async fn a_fast_idle_link_sends_at_once_and_holds_a_backlog() -> std::io::Result<()> {
+    let rx = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    let f = Faults::new(1);
+    // 1 Gbit/s: 8 µs per 1,000 bytes, 125 of them to a millisecond.
+    f.set_default(LinkFaults::clean().with_rate(1_000_000_000));
+    let send = kilobyte_sender(&f, rx.local_addr()?)?;
+    // The reactor learns that the socket is writable (a send before it would block).
+    tokio::time::sleep(Duration::from_millis(10)).await;
     for _ in 0..10 {
         send()?;
     }
@@ -239,10 +245,8 @@ async fn a_fast_idle_link_sends_at_once_and_holds_a_backlog() -> std::io::Result
 /// wait longer than the queue are dropped.
 #[tokio::test]
 async fn a_rate_spaces_datagrams_and_a_full_queue_drops_them() -> std::io::Result<()> {
-    use quinn::udp::Transmit;
     let rx = std::net::UdpSocket::bind("127.0.0.1:0")?;
     rx.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let to = rx.local_addr()?;
     let f = Faults::new(1);
     // 8 Mbit/s: 1 ms per 1,000 bytes; a queue of 30 ms holds about 30 of them.
     f.set_default(LinkFaults {
@@ -252,22 +256,10 @@ async fn a_rate_spaces_datagrams_and_a_full_queue_drops_them() -> std::io::Resul
         }),
         ..LinkFaults::clean()
     });
-    let std_tx = std::net::UdpSocket::bind("127.0.0.1:0")?;
-    let tx = f.wrap(
-        quinn::default_runtime()
-            .expect("tokio")
-            .wrap_udp_socket(std_tx)?,
-    )?;
-    let data = [7u8; 1000];
+    let send = kilobyte_sender(&f, rx.local_addr()?)?;
     let started = std::time::Instant::now();
     for _ in 0..100 {
-        tx.try_send(&Transmit {
-            destination: to,
-            ecn: None,
-            contents: &data,
-            segment_size: None,
-            src_ip: None,
-        })?;
+        send()?;
     }
     // The queue drains while the loop runs: a slow loop fits one more per millisecond.
     let looped = started.elapsed().as_millis() as u64;

@@ -270,6 +270,9 @@ def test_the_ported_mnist_script_reaches_the_single_process_accuracy():
     # schedule on the shard) against the script itself in one process, twice (seeds 1 and 2).
     # The runs differ in initialization, data order, dropout and augmentation draws: seeds
     # alone spread the plain script's accuracy by about 0.015 here (0.794-0.810 over three).
+    # EDL's workers draw dropout and augmentation unseeded and train asynchronously, so its
+    # runs spread too (0.797-0.804 over eleven here, and one of 0.787 under CI): the mean of
+    # two runs is compared, and every run's log printed.
     require_data(edl.data.FASHION_MNIST / "train-images-idx3-ubyte")
     common = ["--samples", "12000", "--epochs", "3", "--num-workers", "0",
               "--log-interval", "100000"]
@@ -283,10 +286,14 @@ def test_the_ported_mnist_script_reaches_the_single_process_accuracy():
         return float(found[-1]), out.stdout
 
     plain = [accuracy("--plain", "--seed", seed)[0] for seed in ("1", "2")]
-    ours, log = accuracy("--local", "--workers", "2", "--no-test")
-    assert "ledger: 3 shard-epochs, exact" in log, log
-    print(f"ported script: EDL {ours:.4f}, plain PyTorch {plain}")
-    assert ours >= min(plain) - 0.02, (ours, plain, log)
+    ours = []
+    for _ in range(2):
+        acc, log = accuracy("--local", "--workers", "2", "--no-test")
+        print(log)
+        assert "ledger: 3 shard-epochs, exact" in log, log
+        ours.append(acc)
+    print(f"ported script: EDL {ours}, plain PyTorch {plain}")
+    assert sum(ours) / len(ours) >= min(plain) - 0.02, (ours, plain)
 
 
 def example_module(path):

@@ -121,12 +121,17 @@ impl Routing {
     }
 }
 
-/// How key `key`'s values travel, `wires` giving each tensor's.
+/// How tensor `tensor`'s values travel, `wires` giving each tensor's (exact where it gives
+/// none).
+pub(crate) fn tensor_wire(wires: &[WireSpec], tensor: usize) -> WireSpec {
+    wires.get(tensor).copied().unwrap_or_default()
+}
+
+/// How key `key`'s values travel: its tensor's wire.
 fn wire_of(layout: &KeyLayout, wires: &[WireSpec], key: Key) -> WireSpec {
-    (layout.span(key))
-        .and_then(|s| wires.get(s.tensor))
-        .copied()
-        .unwrap_or_default()
+    layout
+        .span(key)
+        .map_or_else(WireSpec::default, |s| tensor_wire(wires, s.tensor))
 }
 
 fn in_ranges(ranges: &[KeyRange], key: Key) -> bool {
@@ -160,12 +165,7 @@ impl Job {
         let mut runs: Vec<(usize, usize, Wire)> = Vec::new();
         for span in link.chunks.iter().filter_map(|c| self.layout.span(c.key)) {
             let (off, len) = (span.offset as usize, span.len as usize);
-            let wire = self
-                .wires
-                .get(span.tensor)
-                .copied()
-                .unwrap_or_default()
-                .values;
+            let wire = tensor_wire(&self.wires, span.tensor).values;
             match runs.last_mut() {
                 Some((o, l, w)) if *w == wire && *o + *l == off => *l += len,
                 _ => runs.push((off, len, wire)),

@@ -14,6 +14,7 @@ use edl_shared::proto::wire::encode_finite;
 use edl_shared::proto::{Clock, KeyLayout, WireSpec};
 
 use crate::ClientError;
+use crate::routing::tensor_wire;
 
 /// A worker's residual: per value of the model, what its top-k pushes have not sent yet.
 #[derive(Debug, Default)]
@@ -98,9 +99,8 @@ impl Residual {
         self.next
             .extend(self.kept.iter().zip(grads).map(|(r, g)| r + g));
         let spans = layout.spans();
-        let wire_of = |tensor: usize| wires.get(tensor).copied().unwrap_or_default();
         let most = (spans.iter())
-            .map(|s| wire_of(s.tensor).max_bytes(s.len as usize))
+            .map(|s| tensor_wire(wires, s.tensor).max_bytes(s.len as usize))
             .sum();
         let mut bytes = BytesMut::with_capacity(most);
         let mut at = Vec::with_capacity(spans.len() + 1);
@@ -108,7 +108,7 @@ impl Residual {
         for s in spans {
             let (off, len) = (s.offset as usize, s.len as usize);
             let acc = &mut self.next[off..off + len];
-            let w = wire_of(s.tensor);
+            let w = tensor_wire(wires, s.tensor);
             // A gradient's own values are checked here too: a NaN in it poisons the sum.
             match w.topk {
                 Some(k) => encode_topk(&mut bytes, acc, k.keep(len), w.values, &mut self.scratch),

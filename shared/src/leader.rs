@@ -80,6 +80,60 @@ impl Coordinators {
     }
 }
 
+/// One round of attempts to find the leader among a job's coordinators, during an outage: the
+/// addresses tried since the round began. Within a round every address is tried once, a leader
+/// a standby names first; a round that found no leader ends, and the caller pauses before the
+/// next one. So a client that follows a standby's answer never loops on it: a standby that
+/// still names a dead leader (its etcd lease has not run out) costs one attempt a round.
+#[derive(Clone, Debug, Default)]
+pub struct Round {
+    tried: Vec<String>,
+}
+
+impl Round {
+    /// True once `addr` was tried in this round.
+    pub fn tried(&self, addr: &str) -> bool {
+        self.tried.iter().any(|a| a == addr)
+    }
+}
+
+impl Coordinators {
+    /// After an attempt at `at` failed (`named`: the leader its answer named, if another),
+    /// moves to the address to try next in this `round` and returns it: the leader named if
+    /// it was not tried in this round, else the next address after `at` not tried in it.
+    /// `None` once every address was tried: the round starts again (the caller pauses
+    /// first), from the leader named if any, else from the address after `at`.
+    pub fn next_in(&mut self, round: &mut Round, at: &str, named: Option<&str>) -> Option<&str> {
+        if !round.tried(at) {
+            round.tried.push(at.to_string());
+        }
+        if let Some(l) = named.filter(|l| !round.tried(l)) {
+            return Some(self.follow(Some(l)));
+        }
+        let n = self.addrs.len();
+        let from = self.addrs.iter().position(|a| a == at).unwrap_or(self.at);
+        let untried = (1..=n)
+            .map(|k| (from + k) % n)
+            .find(|&i| !round.tried(&self.addrs[i]));
+        match untried {
+            Some(i) => {
+                self.at = i;
+                Some(self.current())
+            }
+            None => {
+                round.tried.clear();
+                match named {
+                    Some(l) => {
+                        self.follow(Some(l));
+                    }
+                    None => self.at = (from + 1) % n,
+                }
+                None
+            }
+        }
+    }
+}
+
 impl fmt::Display for Coordinators {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.addrs.join(","))
@@ -110,6 +164,38 @@ mod tests {
             c.to_string(),
             "10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000,10.0.0.9:7000"
         );
+    }
+
+    /// A standby that names a dead leader costs one attempt a round: every address is tried
+    /// in each round (the hang this prevents: a client that asked the standby, was sent to
+    /// the dead leader, failed to reach it, and asked the standby again forever).
+    #[test]
+    fn a_round_tries_every_address_once_the_leader_named_first() {
+        let (a, b, c) = ("a:1", "b:1", "c:1");
+        let mut list = Coordinators::parse("a:1,b:1,c:1").expect("list");
+        let mut round = Round::default();
+        // A fails; B stands by and names A, which was tried: C is next, then the round ends.
+        assert_eq!(list.next_in(&mut round, a, None), Some(b));
+        assert_eq!(list.next_in(&mut round, b, Some(a)), Some(c));
+        assert_eq!(list.next_in(&mut round, c, Some(a)), None);
+        // The next round starts at the leader named.
+        assert_eq!(list.current(), a);
+        assert!(!round.tried(a));
+        // A standby naming an untried leader is followed first.
+        let mut round = Round::default();
+        assert_eq!(list.next_in(&mut round, a, None), Some(b));
+        assert_eq!(list.next_in(&mut round, b, Some(c)), Some(c));
+        assert_eq!(list.next_in(&mut round, c, None), None);
+        assert_eq!(list.current(), a);
+        // One address: every failure ends the round.
+        let mut one = Coordinators::parse("a:1").expect("list");
+        let mut round = Round::default();
+        assert_eq!(one.next_in(&mut round, a, None), None);
+        assert_eq!(one.current(), a);
+        // A leader named that is not in the list is added and tried.
+        let mut round = Round::default();
+        assert_eq!(one.next_in(&mut round, a, Some("d:1")), Some("d:1"));
+        assert_eq!(one.next_in(&mut round, "d:1", Some("d:1")), None);
     }
 
     #[test]

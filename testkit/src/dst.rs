@@ -112,6 +112,11 @@ pub struct Scenario {
     /// Copies of every key range (the job's `replicas`; 1 in the seeds' scenarios, more with
     /// `Options::replicas`).
     pub replicas: u32,
+    /// The job has two coordinators, one leading and one standing by, and the real clients
+    /// are given both addresses (`--failover --clients`): a call to the standby is answered
+    /// with the leader it names (the one it saw last: a lost leader until the next is
+    /// elected), and the leader may be lost in the ways [`Loss`] lists.
+    pub standby: bool,
 }
 
 /// A scripted membership change or fault.
@@ -127,6 +132,10 @@ pub enum Scripted {
     /// The coordinator crashes (its connections fail) and comes back this many milliseconds
     /// later from the state it saved last.
     CoordinatorCrash(u64),
+    /// With a standby and real clients (`--failover --clients`), the leader is lost for this
+    /// many milliseconds, as [`Loss`] says; meanwhile the standby names it as the leader
+    /// still (its etcd lease has not run out).
+    LeaderLost(u64, Loss),
     /// A resharding move: keys drawn from `n` go from their shard to another (`m`), their
     /// state streamed while workers keep pushing.
     Move(usize, usize),
@@ -155,6 +164,18 @@ pub enum Scripted {
     /// standby, once the coordinator replaced it). A crash that would take the last live copy
     /// of a key range waits for the next time.
     CrashAt(Point, u32, u64),
+}
+
+/// How a leading coordinator is lost ([`Scripted::LeaderLost`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loss {
+    /// Cut off from the store, not from the workers: it serves on until the standby leads
+    /// (its writes then refused), as in `--failover`'s crashes.
+    CutOff,
+    /// Killed: calls to its address fail and new connections to it time out until it is
+    /// started again, when it wins the election (`true`: back at the same address while the
+    /// standby named it all along) or the standby does (`false`).
+    Killed(bool),
 }
 
 /// A step of a push's replication, or of a new backup's seeding, at which a shard crashes
@@ -277,6 +298,7 @@ impl Scenario {
             stragglers: StragglerSettings::default(),
             clients: false,
             replicas: 1,
+            standby: false,
         };
         // Drawn after the rest, so that adding them left each seed's other choices alone.
         let script = &mut scenario.script;
@@ -367,6 +389,9 @@ pub struct Report {
     /// themselves deposed (a write refused after the new leader's election); and their orders
     /// the shards refused for their term.
     pub failovers: (u32, u32, u32),
+    /// With a standby (`Scenario::standby`): leaders killed, and of them those that came back
+    /// at their own address and won the next election while the standby named them.
+    pub leaders_killed: (u32, u32),
     /// Workers that left once the coordinator acknowledged it (the others crashed or were
     /// dropped).
     pub left: u32,
@@ -483,6 +508,22 @@ pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
     // joined pushed a step already applied, was refused with `StaleClock` and exited).
     if scenario.clients && scenario.consistency == (Consistency::Ssp { staleness: 0 }) {
         scenario.consistency = Consistency::Bsp;
+    }
+    if options.failover && options.clients {
+        scenario.standby = true;
+        // Drawn apart, so that a seed's other choices are those it makes without a standby:
+        // a third of the leaders lost are cut off from the store (and serve on), the others
+        // killed (for up to 8 s, longer than a worker's lease), half of those coming back at
+        // their own address to win the next election while the standby named them.
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x57a0_db1e_1ead_e400);
+        for (_, what) in scenario.script.iter_mut() {
+            if let Scripted::CoordinatorCrash(down) = *what {
+                *what = match rng.random_range(0..3) {
+                    0 => Scripted::LeaderLost(down, Loss::CutOff),
+                    k => Scripted::LeaderLost(rng.random_range(50..8000), Loss::Killed(k == 1)),
+                };
+            }
+        }
     }
     if options.replicas > 1 {
         scenario.replicas = options.replicas.min(scenario.shards);
@@ -828,6 +869,8 @@ async fn call(
 struct SimNet {
     from: Node,
     calls: tokio::sync::mpsc::UnboundedSender<Outgoing>,
+    /// Addresses whose process is down ([`Standby::down`]).
+    down: Option<Arc<std::sync::Mutex<BTreeSet<String>>>>,
 }
 
 /// A connection of [`SimNet`].
@@ -849,7 +892,16 @@ impl LocalNet for SimNet {
             addr: addr.to_string(),
             calls: self.calls.clone(),
         };
-        Box::pin(async move { Ok(Arc::new(conn) as Arc<dyn LocalConn>) })
+        let down = (self.down.as_ref())
+            .is_some_and(|d| d.lock().unwrap_or_else(|p| p.into_inner()).contains(addr));
+        Box::pin(async move {
+            // A handshake with an address no process listens at times out.
+            if down {
+                tokio::time::sleep(Duration::from_millis(CONNECTION_TIMEOUT_MS)).await;
+                return Err(CallError::Connection(quinn::ConnectionError::TimedOut));
+            }
+            Ok(Arc::new(conn) as Arc<dyn LocalConn>)
+        })
     }
 }
 
@@ -906,6 +958,19 @@ async fn client_loop(
 
 /// The coordinator's address in the simulation.
 const COORDINATOR: &str = "sim:coordinator";
+
+/// The addresses of a job with a standby coordinator (`Scenario::standby`); either may lead.
+const COORDINATORS: [&str; 2] = [COORDINATOR, "sim:standby"];
+
+/// A job's two coordinators as its real clients reach them: one leads, the other stands by
+/// and names the leader it saw last. (Servers reach the leader whatever address they use.)
+struct Standby {
+    /// The address that leads ([`COORDINATORS`]), or led until it was lost: the one the
+    /// standby names.
+    leads: usize,
+    /// Addresses whose process is down: a new connection to one times out.
+    down: Arc<std::sync::Mutex<BTreeSet<String>>>,
+}
 
 /// A shard server: the real service, over its state.
 struct SimShard {
@@ -1117,6 +1182,12 @@ struct Sim {
     orphans: BTreeSet<u64>,
     /// Coordinators cut off by a failover, their tasks still running.
     old_leaders: Vec<Arc<Coordinator>>,
+    /// The job's two coordinators as real clients reach them (`Scenario::standby`).
+    standby: Option<Standby>,
+    /// While a leader killed by [`Loss::Killed`] is down: whether it wins the next election.
+    killed: Option<bool>,
+    /// Leaders killed, and of them those that won the next election at their own address.
+    leaders_killed: (u32, u32),
     /// Orders of a deposed leader the shards refused for their term.
     orders_refused: u32,
     /// Nodes partitioned from the others until a time; filters `(kind, answers, until)`.
@@ -1229,6 +1300,12 @@ impl Sim {
             failover: false,
             orphans: BTreeSet::new(),
             old_leaders: Vec::new(),
+            standby: scenario.standby.then(|| Standby {
+                leads: 0,
+                down: Default::default(),
+            }),
+            killed: None,
+            leaders_killed: (0, 0),
             orders_refused: 0,
             link,
             shard_answers,
@@ -1484,13 +1561,17 @@ impl Sim {
     fn start_client(&mut self, slot: usize, placement: Option<u64>) {
         let name = format!("w{slot}");
         let cfg = edl_worker::ClientConfig {
-            coordinator: COORDINATOR.to_string(),
+            coordinator: match &self.standby {
+                Some(_) => COORDINATORS.join(","),
+                None => COORDINATOR.to_string(),
+            },
             identity: edl_shared::Identity::unsigned(Role::Worker, &name, JOB),
             settings: edl_shared::transport::TransportSettings::default(),
         };
         let net = SimNet {
             from: Node::Worker(slot),
             calls: self.link.clone(),
+            down: self.standby.as_ref().map(|s| s.down.clone()),
         };
         let step = Duration::from_millis(self.scenario.step_ms);
         let outcome = Arc::new(std::sync::Mutex::new(None));
@@ -1844,8 +1925,15 @@ impl Sim {
     ) -> Result<(), String> {
         self.seq += 1;
         let id = self.seq;
+        // A client's call to the address that does not lead is the standby's to answer.
+        let standby = match (&self.standby, from) {
+            (Some(sb), Node::Worker(_)) => (COORDINATORS.iter().position(|a| *a == addr))
+                .filter(|&i| i != sb.leads)
+                .map(|_| COORDINATORS[sb.leads].to_string()),
+            _ => None,
+        };
         let to = match addr.strip_prefix("sim:") {
-            Some("coordinator") => Some(Node::Coordinator),
+            Some("coordinator" | "standby") => Some(Node::Coordinator),
             Some(n) => (n.parse::<usize>().ok())
                 .filter(|&n| n < self.shards.len())
                 .map(Node::Shard),
@@ -1900,6 +1988,11 @@ impl Sim {
         );
         if lost || self.cut(from) || self.cut(to) {
             self.link_failed(id);
+        } else if let Some(leader) = standby {
+            let answer = Response::NotLeader {
+                leader: Some(leader),
+            };
+            self.answer_link(id, Ok(Frame::new(answer)));
         } else {
             let delay = self.delay();
             self.at(self.now + delay, to, 0, id, Body::Call(id));
@@ -2233,7 +2326,7 @@ impl Sim {
             _ => {}
         }
         // A leader cut off from the store serves on until the standby leads.
-        let serving = self.failover && !matches!(env.body, Body::Restart);
+        let serving = self.failover && self.killed.is_none() && !matches!(env.body, Body::Restart);
         if self.down_until.is_some() && !serving {
             match env.body {
                 Body::Restart => {
@@ -2251,6 +2344,17 @@ impl Sim {
                     // leader cut off reaches the store again now, to be refused.)
                     self.lead.reconnect();
                     self.lead = self.store.elect();
+                    // With a standby: a killed leader back at its address wins, or the
+                    // standby does (always, for a leader cut off: it still runs where it led).
+                    let killed = self.killed.take();
+                    if let Some(sb) = &mut self.standby {
+                        sb.down.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                        if killed != Some(true) {
+                            sb.leads = 1 - sb.leads;
+                        }
+                        let at = COORDINATORS[sb.leads];
+                        self.note(format!("the coordinator at {at} is elected"));
+                    }
                     let restored = restored.with_store(Arc::new(self.lead.clone()));
                     restored.set_shard_link(Arc::new(SimLink {
                         from: Node::Coordinator,
@@ -2295,6 +2399,41 @@ impl Sim {
             Body::Script(Scripted::CoordinatorCrash(_)) if !self.mid_move && self.moving() => {}
             // A leader already cut off is not cut off again.
             Body::Script(Scripted::CoordinatorCrash(_)) if self.down_until.is_some() => {}
+            Body::Script(Scripted::LeaderLost(..))
+                if self.down_until.is_some() || (!self.mid_move && self.moving()) => {}
+            Body::Script(Scripted::LeaderLost(down, Loss::CutOff)) => {
+                self.at(
+                    self.now,
+                    Node::Coordinator,
+                    0,
+                    0,
+                    Body::Script(Scripted::CoordinatorCrash(down)),
+                );
+            }
+            Body::Script(Scripted::LeaderLost(down, Loss::Killed(wins))) => {
+                self.down_until = Some(self.now + down);
+                self.at(self.now + down, Node::Coordinator, 0, 0, Body::Restart);
+                self.killed = Some(wins);
+                self.leaders_killed.0 += 1;
+                self.leaders_killed.1 += u32::from(wins);
+                if let Some(sb) = &self.standby {
+                    let at = COORDINATORS[sb.leads];
+                    sb.down
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(at.to_string());
+                    let next = if wins { at } else { COORDINATORS[1 - sb.leads] };
+                    self.note(format!(
+                        "the leading coordinator at {at} is killed for {down} ms (the standby \
+                         names it still); {next} leads next"
+                    ));
+                }
+                self.lead.cut_off();
+                self.end_calls(false);
+                if let Some(watch) = self.watches.last() {
+                    watch.cancel();
+                }
+            }
             Body::Script(Scripted::CoordinatorCrash(down)) => {
                 self.down_until = Some(self.now + down);
                 self.at(self.now + down, Node::Coordinator, 0, 0, Body::Restart);
@@ -3454,6 +3593,7 @@ impl Sim {
                     .count() as u32,
                 self.orders_refused,
             ),
+            leaders_killed: self.leaders_killed,
             left: self.left,
             cuts: (self.cuts.len() + self.filters.len()) as u32,
             moves: (self.moved, self.rerouted),
@@ -3489,6 +3629,13 @@ impl fmt::Display for Report {
             self.taken_back,
             self.moves.1
         );
+        let (killed, back) = self.leaders_killed;
+        if killed > 0 {
+            let _ = write!(
+                s,
+                "; {killed} leaders killed, {back} of them elected again at their own address"
+            );
+        }
         let (promoted, seeded, hits) = self.replication;
         if promoted + seeded + hits.iter().sum::<u32>() > 0 {
             let _ = write!(

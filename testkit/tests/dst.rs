@@ -323,6 +323,7 @@ fn quiet(script: Vec<(u64, Scripted)>) -> Scenario {
         stragglers: StragglerSettings::default(),
         clients: false,
         replicas: 1,
+        standby: false,
     }
 }
 

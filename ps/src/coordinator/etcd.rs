@@ -6,10 +6,13 @@
 //!   is created only where absent (a transaction comparing its create revision with 0), so
 //!   one coordinator holds it at a time; it vanishes when its holder's lease expires (the
 //!   holder died or lost etcd for a whole TTL) and the standbys, which poll it, campaign.
+//! - `term`: the number of elections won, raised by one in the transaction that takes
+//!   `leader` (conditional on it being unchanged since it was read), so terms count elections
+//!   and nothing else: a campaign that loses, a revoked lease or a state write moves no term.
 //! - `state`: the durable state, one record (see [`super::meta`]). Every write is a
-//!   transaction conditional on `leader`'s create revision being the writer's *term* (the
-//!   revision at which it took the key): a deposed leader's write fails, and it exits
-//!   without answering the request that depended on it ([`StoreError::Fenced`]).
+//!   transaction conditional on `leader`'s create revision being the one at which the writer
+//!   took the key (its *fence*): a deposed leader's write fails, and it exits without
+//!   answering the request that depended on it ([`StoreError::Fenced`]).
 //!
 //! A new leader reads `state` after it holds `leader`; etcd is linearizable, so it sees every
 //! write its predecessor made while it led, which are the only ones that were acknowledged.
@@ -116,8 +119,11 @@ pub struct EtcdMeta {
 
 /// A won election: the lease that keeps the leader's key, and the term it was won at.
 pub struct Leadership {
-    /// The revision at which this coordinator took the leader key: its term.
-    pub term: i64,
+    /// The election's number: one more than the last term won (`term` key).
+    pub term: u64,
+    /// The revision at which this coordinator took the leader key: its writes are
+    /// conditional on the key's create revision being this one.
+    fence: i64,
     /// Cancelled once the lease may have expired (etcd said so, or no keep-alive got through
     /// for a whole TTL): another coordinator may lead by now.
     pub lost: CancellationToken,
@@ -160,6 +166,22 @@ impl EtcdMeta {
         format!("{}/state", self.prefix)
     }
 
+    fn term_key(&self) -> String {
+        format!("{}/term", self.prefix)
+    }
+
+    /// The last term won (0 if none was), and the term key's mod revision (0 if absent).
+    async fn last_term(&self) -> Result<(u64, i64), etcd_client::Error> {
+        let resp = self.client.clone().get(self.term_key(), None).await?;
+        Ok(match resp.kvs().first() {
+            Some(kv) => (
+                String::from_utf8_lossy(kv.value()).parse().unwrap_or(0),
+                kv.mod_revision(),
+            ),
+            None => (0, 0),
+        })
+    }
+
     /// Who leads now (the leader key's value), if anyone.
     pub async fn leader(&self) -> Result<Option<String>, etcd_client::Error> {
         Ok(self.holder().await?.map(|(leader, _)| leader))
@@ -194,6 +216,8 @@ impl EtcdMeta {
         loop {
             match self.try_lead(me, ttl).await {
                 Ok(Ok(won)) => return Some(won),
+                // Lost a race to a term that is over already: campaign again at once.
+                Ok(Err((leader, _))) if leader.is_empty() => {}
                 // The key names this address: a process here before this one (killed, its
                 // lease not run out yet). No one leads until it expires, or is revoked.
                 Ok(Err((leader, lease))) if leader == me => {
@@ -310,18 +334,24 @@ impl EtcdMeta {
                 )));
             }
         }
+        let (last, term_rev) = self.last_term().await?;
         let mut client = self.client.clone();
         let ttl_s = ttl.as_secs().max(1) as i64;
         let granted = tokio::time::Instant::now();
         let lease = client.lease_grant(ttl_s, None).await?.id();
         let key = self.leader_key();
+        let term = last + 1;
+        // The key is taken and the term raised together, only if no one took the key and no
+        // one won a term since the term was read.
         let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key.clone(),
-                me,
-                Some(PutOptions::new().with_lease(lease)),
-            )])
+            .when([
+                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+                Compare::mod_revision(self.term_key(), CompareOp::Equal, term_rev),
+            ])
+            .and_then([
+                TxnOp::put(key.clone(), me, Some(PutOptions::new().with_lease(lease))),
+                TxnOp::put(self.term_key(), term.to_string(), None),
+            ])
             .or_else([TxnOp::get(key, None)]);
         let resp = client.txn(txn).await?;
         if !resp.succeeded() {
@@ -336,7 +366,7 @@ impl EtcdMeta {
             });
             return Ok(Err(holder.unwrap_or_default()));
         }
-        let term = resp.header().map_or(0, |h| h.revision());
+        let fence = resp.header().map_or(0, |h| h.revision());
         let (lost, resigned) = (CancellationToken::new(), CancellationToken::new());
         // The lease was granted before the key was taken: it holds a TTL from then at least.
         let held = Arc::new(std::sync::Mutex::new(granted + ttl));
@@ -350,6 +380,7 @@ impl EtcdMeta {
         ));
         Ok(Ok(Leadership {
             term,
+            fence,
             lost,
             held,
             lease,
@@ -368,6 +399,7 @@ impl EtcdMeta {
         EtcdStore {
             meta: self.clone(),
             term: leadership.term,
+            fence: leadership.fence,
             held: leadership.held.clone(),
         }
     }
@@ -515,7 +547,9 @@ impl Prober {
 /// The state of a job's coordinator in etcd, written by the leader of one term.
 pub struct EtcdStore {
     meta: EtcdMeta,
-    term: i64,
+    term: u64,
+    /// The leader key's create revision while this term leads.
+    fence: i64,
     held: Arc<std::sync::Mutex<tokio::time::Instant>>,
 }
 
@@ -531,7 +565,7 @@ impl EtcdStore {
             .when([Compare::create_revision(
                 leader.clone(),
                 CompareOp::Equal,
-                self.term,
+                self.fence,
             )])
             .and_then(ops)
             .or_else([TxnOp::get(leader, None)]);
@@ -558,8 +592,9 @@ impl EtcdStore {
             _ => None,
         });
         Err(StoreError::Fenced(format!(
-            "the lead won at revision {} is lost ({})",
+            "the lead of term {} (won at revision {}) is lost ({})",
             self.term,
+            self.fence,
             holder.unwrap_or_else(|| "no one leads".into())
         )))
     }
@@ -578,7 +613,7 @@ impl MetaStore for EtcdStore {
     }
 
     fn term(&self) -> u64 {
-        u64::try_from(self.term).unwrap_or(0)
+        self.term
     }
 
     fn lease_until(&self) -> Option<tokio::time::Instant> {

@@ -549,6 +549,20 @@ impl Coordinator {
         dead.len() + dropped.len()
     }
 
+    /// Gives every active worker a fresh lease from `now`: this coordinator did not run for
+    /// `gap` (it was stopped or starved), so it could not hear them; a worker is dropped only
+    /// for its own silence, measured while the coordinator runs.
+    pub fn renew_leases(&self, now: Instant, gap: Duration) {
+        let n = self.lock().renew_leases(now);
+        if n > 0 {
+            warn!(
+                workers = n,
+                "the coordinator did not run for {:.1} s: every worker's lease starts again",
+                gap.as_secs_f64()
+            );
+        }
+    }
+
     /// Declares dead the workers whose sockets `probe` found gone; returns how many.
     fn sweep_gone(&self, probe: &mut probe::Prober, now: Instant) -> usize {
         let silent = self.lock().silent(now, probe::SILENT);
@@ -1065,11 +1079,19 @@ impl Background {
                 tokio::time::interval((lease / 8).clamp(Duration::from_millis(20), probe::TICK));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut prober = probe::Prober::default();
+            let mut last = edl_shared::clock::now();
             loop {
                 tokio::select! {
                     _ = sweep_stop.cancelled() => break,
                     _ = tick.tick() => {
                         let now = edl_shared::clock::now();
+                        // A coordinator that did not run for half a lease (stopped, starved)
+                        // heard no one meanwhile: silence is measured only while it runs.
+                        let gap = now.saturating_duration_since(last);
+                        last = now;
+                        if gap > lease / 2 {
+                            c.renew_leases(now, gap);
+                        }
                         c.sweep(now);
                         if probing {
                             c.sweep_gone(&mut prober, now);

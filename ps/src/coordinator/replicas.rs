@@ -62,6 +62,7 @@ impl Coordinator {
         let mut prober = probe::Prober::<ShardId>::default();
         let mut tick = tokio::time::interval(EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_tick = Instant::now();
         loop {
             tokio::select! {
                 biased;
@@ -72,6 +73,19 @@ impl Coordinator {
                 continue;
             };
             let now = Instant::now();
+            // A coordinator that did not run for half of DEAD_AFTER (stopped, starved) heard
+            // no shard meanwhile: a shard's silence is measured only while it runs.
+            let gap = now.saturating_duration_since(last_tick);
+            last_tick = now;
+            if gap > DEAD_AFTER / 2 {
+                warn!(
+                    "the coordinator did not run for {:.1} s: the shards' silence counts again                      from now",
+                    gap.as_secs_f64()
+                );
+                for t in heard.values_mut() {
+                    *t = (*t).max(now);
+                }
+            }
             let mut stale = Vec::new();
             while let Some(Ok((id, at, answer))) = answers.try_join_next() {
                 if let Some(n) = asking.get_mut(&id) {

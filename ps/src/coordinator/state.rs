@@ -638,6 +638,19 @@ impl CoordinatorState {
         Ok(())
     }
 
+    /// Starts every active worker's lease again from `now` (where it runs out sooner);
+    /// returns how many workers that is.
+    pub fn renew_leases(&mut self, now: Instant) -> usize {
+        let mut n = 0;
+        for w in self.workers.values_mut() {
+            if w.state == WorkerState::Active && w.last_seen < now {
+                w.last_seen = now;
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Declares dead every active worker silent for longer than the lease.
     pub fn expire_leases(&mut self, now: Instant) -> Vec<WorkerId> {
         let lease = Duration::from_millis(u64::from(self.job.lease_ms));

@@ -57,6 +57,7 @@ use thiserror::Error;
 
 pub mod blocking;
 mod contract;
+mod coord;
 mod grads;
 mod notice;
 mod routing;
@@ -64,6 +65,7 @@ mod session;
 mod spec;
 mod topk;
 
+use coord::{CoordLink, FAILOVER_IDLE, Net, connect_any};
 pub use grads::Gradients;
 pub use notice::Notices;
 use routing::Routing;
@@ -290,169 +292,10 @@ impl Drop for MapWatch {
     }
 }
 
-/// The connection to the coordinator, replaced when the coordinator restarts or another one
-/// of the job's coordinators takes the lead.
-#[derive(Clone, Debug)]
-struct CoordLink {
-    /// The job's coordinators (`--coordinator A,B,C`), the one in use among them.
-    addrs: Arc<Mutex<Coordinators>>,
-    conn: Arc<Mutex<Conn>>,
-    net: Arc<Net>,
-}
-
-impl CoordLink {
-    /// The addresses, as log lines name them.
-    fn addrs(&self) -> String {
-        self.addrs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .to_string()
-    }
-
-    /// Calls the coordinator; a failed connection is replaced and the call repeated, with
-    /// capped backoff, for as long as the transport settings' `reconnect` allows (by default
-    /// until the coordinator answers). With several coordinators, a failed connection moves
-    /// on to the next address, and a standby's answer to the leader it names (one log line).
-    /// Every coordinator request can be repeated: a repeated clock report or leave is
-    /// recognized, a partition leased twice returns to the pool when the worker leaves, and
-    /// a standby does nothing with a request.
-    async fn call(&self, req: Request, payload: Bytes) -> Result<Frame<Response>, CallError> {
-        let addrs = self.addrs();
-        let what = Server::Coordinator(&addrs);
-        let mut outage = Outage::new(what, self.net.settings.reconnect);
-        let mut busy = Busy::default();
-        // The address whose connection failed last in this call, and when: a standby may still
-        // name it as the leader until the dead leader's lease runs out.
-        let mut failed: Option<(String, tokio::time::Instant)> = None;
-        loop {
-            let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let err = match conn.call(req.clone(), payload.clone()).await {
-                Err(e) if is_connection_failure(&e) => {
-                    failed = Some((self.current(), tokio::time::Instant::now()));
-                    e
-                }
-                Err(e) if e.code() == Some(ErrorCode::Busy) => {
-                    busy.pause(what, &e).await;
-                    continue;
-                }
-                // The leader named is the one asked: ask again once the election had time
-                // to settle.
-                Err(e @ CallError::NotLeader { leader: Some(_) }) if matches!(&e, CallError::NotLeader { leader: Some(at) } if self.current() == *at) =>
-                {
-                    outage.failed_every(e, ELECTION_POLL).await?;
-                    continue;
-                }
-                // The leader named is the one this call just saw fail: its lease may not have
-                // run out yet, or it came back at the same address and won. Followed only if
-                // something answers there at once, rather than waiting out a dead address;
-                // else asked again once the election had time to settle.
-                Err(CallError::NotLeader { leader: Some(at) })
-                    if failed
-                        .as_ref()
-                        .is_some_and(|(f, t)| *f == at && t.elapsed() < FOLLOW_FAILED_AFTER) =>
-                {
-                    if self.redial_quickly(&at).await {
-                        self.move_to(Some(&at), None);
-                        tracing::info!(leader = %at, "the coordinator asked stands by: following the leader, back at its address");
-                        continue;
-                    }
-                    let e = CallError::NotLeader { leader: Some(at) };
-                    outage.failed_every(e, ELECTION_POLL).await?;
-                    continue;
-                }
-                Err(CallError::NotLeader { leader: Some(at) }) => {
-                    let to = self.move_to(Some(&at), None);
-                    tracing::info!(leader = %to, "the coordinator asked stands by: following the leader");
-                    self.redial(&to).await;
-                    continue;
-                }
-                // An election is under way: ask the others, as often as a standby looks.
-                Err(e @ CallError::NotLeader { leader: None }) => {
-                    outage.failed_every(e, ELECTION_POLL).await?;
-                    let to = self.move_to(None, None);
-                    self.redial(&to).await;
-                    continue;
-                }
-                other => {
-                    outage.over();
-                    return other;
-                }
-            };
-            outage.failed(err).await?;
-            let to = self.move_to(None, failed.as_ref().map(|(f, _)| f.as_str()));
-            self.redial(&to).await;
-        }
-    }
-
-    /// The address in use.
-    fn current(&self) -> String {
-        let addrs = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
-        addrs.current().to_string()
-    }
-
-    /// Moves to the leader named, or (none named) on from the address that failed, if no
-    /// other call moved on already; returns the address now in use.
-    fn move_to(&self, leader: Option<&str>, failed: Option<&str>) -> String {
-        let mut addrs = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
-        match (leader, failed) {
-            (Some(_), _) => addrs.follow(leader).to_string(),
-            (None, Some(f)) => addrs.move_past(f).to_string(),
-            (None, None) => addrs.advance().to_string(),
-        }
-    }
-
-    /// Replaces the connection with one to `addr` if a server answers there within
-    /// [`QUICK_DIAL`] (a live process on a network answers in milliseconds; a dead address
-    /// would keep a dial waiting for the whole handshake timeout); true if it did.
-    async fn redial_quickly(&self, addr: &str) -> bool {
-        let net = &self.net;
-        let dial = Conn::dial(&net.dialer, addr, &net.name, &net.settings);
-        match tokio::time::timeout(QUICK_DIAL, dial).await {
-            Ok(Ok(c)) => {
-                *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// Replaces the connection with one to `addr`, if it answers.
-    async fn redial(&self, addr: &str) {
-        let net = &self.net;
-        if let Ok(c) = Conn::dial(&net.dialer, addr, &net.name, &net.settings).await {
-            *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = c;
-        }
-    }
-}
-
-/// How often a client asks again while the job's coordinators elect a leader (a standby polls
-/// the leader key four times a second).
-const ELECTION_POLL: Duration = Duration::from_millis(200);
-
-/// The idle timeout of a client's connections when it has several coordinators: how long a
-/// dead leader's connection keeps a call waiting before the client moves on.
-const FAILOVER_IDLE: Duration = Duration::from_secs(2);
-
-/// How long a client gives a coordinator that just failed to answer a new connection, when a
-/// standby names it the leader again.
-const QUICK_DIAL: Duration = Duration::from_millis(500);
-
-/// How long after a coordinator's connection failed a client declines to follow a standby
-/// that names it as the leader (its lease may not have run out): longer than a leader's lease.
-const FOLLOW_FAILED_AFTER: Duration = Duration::from_secs(5);
-
-/// What a client needs to reconnect.
-#[derive(Debug)]
-struct Net {
-    dialer: Dialer,
-    settings: TransportSettings,
-    name: String,
-}
-
 /// The server a call goes to, as its log lines name it (formatted only when one is logged,
 /// not on every call).
 #[derive(Clone, Copy)]
-enum Server<'a> {
+pub(crate) enum Server<'a> {
     Coordinator(&'a str),
     Shard(ShardId),
     At(&'a str),
@@ -469,23 +312,28 @@ impl std::fmt::Display for Server<'_> {
 }
 
 /// One outage of a server as a client sees it: its start and its end are logged once each,
-/// not once per attempt, and the attempts back off up to [`MAX_BACKOFF`].
-struct Outage<'a> {
+/// not once per attempt (once for every call sharing one, see [`Outage::shared`]), and the
+/// attempts back off up to [`MAX_BACKOFF`].
+pub(crate) struct Outage<'a> {
     what: Server<'a>,
     limit: Option<Duration>,
     since: Option<tokio::time::Instant>,
     delay: Duration,
+    /// The outage the calls of one link share: its start, set by the first call that saw it.
+    shared: Option<&'a Mutex<Option<tokio::time::Instant>>>,
+    /// Said that the outage outlasted something (the lease): said once.
+    past: bool,
 }
 
 /// Pauses between attempts of a request a server refused as over its budget (`Busy`), which
 /// is never applied, so it is always safe to repeat; the first refusal is logged.
 #[derive(Default)]
-struct Busy {
+pub(crate) struct Busy {
     delay: Duration,
 }
 
 impl Busy {
-    async fn pause(&mut self, what: Server<'_>, err: &CallError) {
+    pub(crate) async fn pause(&mut self, what: Server<'_>, err: &CallError) {
         if self.delay.is_zero() {
             tracing::info!(error = %err, "{what} is busy; retrying");
             self.delay = Duration::from_millis(20);
@@ -499,23 +347,57 @@ impl Busy {
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 impl<'a> Outage<'a> {
-    fn new(what: Server<'a>, limit: Option<Duration>) -> Self {
+    pub(crate) fn new(what: Server<'a>, limit: Option<Duration>) -> Self {
         Outage {
             what,
             limit,
             since: None,
             delay: Duration::from_millis(100),
+            shared: None,
+            past: false,
+        }
+    }
+
+    /// This outage is one that every call sharing `start` is in: logged by the first call
+    /// that meets it and ended by the first that gets an answer.
+    pub(crate) fn shared(self, start: &'a Mutex<Option<tokio::time::Instant>>) -> Self {
+        Outage {
+            shared: Some(start),
+            ..self
         }
     }
 
     /// Records a failed attempt: gives the error back once the outage has lasted past the
-    /// limit, else waits before the next attempt.
-    async fn failed(&mut self, err: CallError) -> Result<(), CallError> {
+    /// limit (measured from this call's first failure), else waits before the next attempt.
+    pub(crate) async fn failed(&mut self, err: CallError) -> Result<(), CallError> {
+        self.record(err)?;
+        self.pause(None).await;
+        Ok(())
+    }
+
+    /// Records a failed attempt, without waiting: logs the outage's start if no call sharing
+    /// it did, and gives the error back once it has lasted past the limit.
+    pub(crate) fn record(&mut self, err: CallError) -> Result<(), CallError> {
         let now = tokio::time::Instant::now();
-        let since = *self.since.get_or_insert_with(|| {
-            tracing::warn!(error = %err, "{} is unreachable; retrying until it answers", self.what);
-            now
-        });
+        let since = *self.since.get_or_insert(now);
+        let first = match self.shared {
+            Some(start) => {
+                let mut start = start.lock().unwrap_or_else(|p| p.into_inner());
+                start.get_or_insert(now);
+                since == now && *start == Some(now)
+            }
+            None => since == now,
+        };
+        if first {
+            match self.limit {
+                Some(l) => {
+                    tracing::warn!(error = %err, "{} is unreachable; retrying for up to {:?}", self.what, l)
+                }
+                None => {
+                    tracing::warn!(error = %err, "{} is unreachable; retrying until it answers", self.what)
+                }
+            }
+        }
         if self.limit.is_some_and(|l| now.duration_since(since) >= l) {
             tracing::error!(
                 "giving up on {} after {:?}",
@@ -525,24 +407,52 @@ impl<'a> Outage<'a> {
             return Err(err);
         }
         tracing::debug!(error = %err, "{}: retrying", self.what);
-        tokio::time::sleep(self.delay).await;
-        self.delay = (self.delay * 2).min(MAX_BACKOFF);
         Ok(())
     }
 
-    /// [`Outage::failed`], waiting `every` instead of backing off: while coordinators elect a
-    /// leader, which a standby finds within a fraction of a second of the old lease's end.
-    async fn failed_every(&mut self, err: CallError, every: Duration) -> Result<(), CallError> {
-        let delay = self.delay;
-        self.delay = every;
-        let r = self.failed(err).await;
-        self.delay = delay;
-        r
+    /// Waits before the next attempt: `every` if given (while coordinators elect a leader,
+    /// which a standby finds within a fraction of a second of the old lease's end), else a
+    /// delay that doubles up to [`MAX_BACKOFF`].
+    pub(crate) async fn pause(&mut self, every: Option<Duration>) {
+        match every {
+            Some(every) => tokio::time::sleep(every).await,
+            None => {
+                tokio::time::sleep(self.delay).await;
+                self.delay = (self.delay * 2).min(MAX_BACKOFF);
+            }
+        }
     }
 
-    /// The server answered: logs the end of the outage, if there was one.
-    fn over(&mut self) {
-        if let Some(since) = self.since.take() {
+    /// Logs once, as `why`, that the outage has lasted longer than `bound`.
+    pub(crate) fn warn_past(&mut self, bound: Duration, why: &str) {
+        let since = match self.shared {
+            Some(start) => *start.lock().unwrap_or_else(|p| p.into_inner()),
+            None => self.since,
+        };
+        let Some(since) = since else { return };
+        let lasted = since.elapsed();
+        if !self.past && lasted > bound {
+            self.past = true;
+            tracing::warn!(
+                "{} has not answered for {:.1} s, {why} ({:.1} s)",
+                self.what,
+                lasted.as_secs_f64(),
+                bound.as_secs_f64()
+            );
+        }
+    }
+
+    /// The server answered: logs the end of the outage, if there was one (and no other call
+    /// sharing it logged it already).
+    pub(crate) fn over(&mut self) {
+        let mine = self.since.take();
+        // Any answer ends an outage the calls share, whichever call met it (one that met it
+        // may have been dropped since).
+        let since = match self.shared {
+            Some(start) => start.lock().unwrap_or_else(|p| p.into_inner()).take(),
+            None => mine,
+        };
+        if let Some(since) = since {
             tracing::warn!(
                 "{} answers again after {:.1} s",
                 self.what,
@@ -692,17 +602,15 @@ impl Job {
         let name = &cfg.identity.name;
         let mut addrs = Coordinators::parse(&cfg.coordinator).map_err(ClientError::Setup)?;
         let conn = connect_any(&dialer, &mut addrs, name, &cfg.settings).await?;
-        let coordinator = CoordLink {
-            addrs: Arc::new(Mutex::new(addrs)),
-            conn: Arc::new(Mutex::new(conn)),
-            net: Arc::new(Net {
-                dialer,
-                settings: cfg.settings.clone(),
-                name: name.to_string(),
-            }),
+        let net = Net {
+            dialer,
+            settings: cfg.settings.clone(),
+            name: name.to_string(),
         };
+        let coordinator = CoordLink::new(addrs, conn, net);
         let map = wait_for_map(&coordinator).await?;
         let job = fetch_job(&coordinator).await?;
+        coordinator.set_lease(Duration::from_millis(u64::from(job.lease_ms)));
         Job::with_map(coordinator, job, map).await
     }
 
@@ -1093,44 +1001,7 @@ async fn fetch_job(coordinator: &CoordLink) -> Result<JobConfig, ClientError> {
     }
 }
 
-/// Connects to one of the job's coordinators, trying each address in turn while none
-/// answers (which leads is settled by the first call: a standby names the leader).
-async fn connect_any(
-    dialer: &Dialer,
-    addrs: &mut Coordinators,
-    name: &str,
-    settings: &TransportSettings,
-) -> Result<Conn, ClientError> {
-    let list = addrs.to_string();
-    let mut outage = Outage::new(Server::Coordinator(&list), settings.reconnect);
-    loop {
-        let mut last = None;
-        for _ in 0..addrs.all().len() {
-            match Conn::dial(dialer, addrs.current(), name, settings).await {
-                Ok(c) => {
-                    outage.over();
-                    return Ok(c);
-                }
-                // A coordinator that does not answer may be starting up, or down: try the
-                // others, then again. Anything else (a refused certificate, a wrong version)
-                // is final.
-                Err(e @ CallError::Connection(quinn::ConnectionError::TimedOut)) => {
-                    last = Some(e);
-                    addrs.advance();
-                }
-                Err(e) => return Err(unreachable(vec![addrs.current().to_string()], e).into()),
-            }
-        }
-        if let Some(e) = last {
-            outage
-                .failed(e)
-                .await
-                .map_err(|e| unreachable(addrs.all().to_vec(), e))?;
-        }
-    }
-}
-
-fn unreachable(tried: Vec<String>, cause: CallError) -> CallError {
+pub(crate) fn unreachable(tried: Vec<String>, cause: CallError) -> CallError {
     CallError::Unreachable {
         tried,
         cause: Box::new(cause),
@@ -1177,7 +1048,21 @@ async fn heartbeat(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        match conn.call(Request::Heartbeat { worker }, Bytes::new()).await {
+        // A heartbeat has its own bound, below the lease: a connection that died silently
+        // would keep it waiting for the transport's idle timeout (6 s, longer than the
+        // lease), and the worker would lose its lease with no outage at all. Past the bound
+        // the connection is dropped (if still in use) and the next beat dials anew.
+        let used = conn.link_id();
+        let beat = tokio::time::timeout(
+            period * 2,
+            conn.call(Request::Heartbeat { worker }, Bytes::new()),
+        );
+        let Ok(answer) = beat.await else {
+            tracing::debug!(%worker, "no answer to a heartbeat within {:?}: dialling again", period * 2);
+            conn.reset(used);
+            continue;
+        };
+        match answer {
             Ok(Frame {
                 msg: Response::Beat { drain, notice_ms },
                 ..

@@ -62,6 +62,31 @@ fn ssp_bound_holds_and_dead_workers_stop_counting() {
     assert_eq!(c, Clock(2));
 }
 
+/// A coordinator that did not run (stopped, starved) renews every lease on waking: a worker
+/// it could not hear meanwhile is not dropped for the coordinator's own absence, and one that
+/// stays silent afterwards is dropped a whole lease later.
+#[test]
+fn leases_start_again_after_the_coordinator_did_not_run() {
+    let mut st = CoordinatorState::new(job(Consistency::Asp), 1, Instant::now());
+    let t0 = Instant::now();
+    st.shard_join("s0", "x").expect("join");
+    let (a, ..) = ready(st.register("a", "x", t0, t0));
+    let (b, ..) = ready(st.register("b", "x", t0, t0));
+    st.leave(b, t0).expect("leave");
+    // Stopped for 5 s (the lease is 1 s): on waking, before the sweep, leases start again.
+    let woke = t0 + Duration::from_secs(5);
+    assert_eq!(st.renew_leases(woke), 1, "only the active worker");
+    assert!(st.expire_leases(woke).is_empty());
+    assert!(
+        st.expire_leases(woke + Duration::from_millis(900))
+            .is_empty()
+    );
+    assert_eq!(
+        st.expire_leases(woke + Duration::from_millis(1100)),
+        vec![a]
+    );
+}
+
 #[test]
 fn partitions_of_a_dead_worker_are_reissued_from_the_committed_position() {
     let mut st = CoordinatorState::new(job(Consistency::Asp), 1, Instant::now());

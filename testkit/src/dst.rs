@@ -392,6 +392,8 @@ pub struct Report {
     /// With a standby (`Scenario::standby`): leaders killed, and of them those that came back
     /// at their own address and won the next election while the standby named them.
     pub leaders_killed: (u32, u32),
+    /// Real clients that ended because the coordinator dropped them (declared them dead).
+    pub dropped: u32,
     /// Workers that left once the coordinator acknowledged it (the others crashed or were
     /// dropped).
     pub left: u32,
@@ -1188,6 +1190,8 @@ struct Sim {
     killed: Option<bool>,
     /// Leaders killed, and of them those that won the next election at their own address.
     leaders_killed: (u32, u32),
+    /// Real clients the coordinator dropped.
+    dropped: u32,
     /// Orders of a deposed leader the shards refused for their term.
     orders_refused: u32,
     /// Nodes partitioned from the others until a time; filters `(kind, answers, until)`.
@@ -1306,6 +1310,7 @@ impl Sim {
             }),
             killed: None,
             leaders_killed: (0, 0),
+            dropped: 0,
             orders_refused: 0,
             link,
             shard_answers,
@@ -1600,6 +1605,12 @@ impl Sim {
                 let line = outcome.lock().unwrap_or_else(|p| p.into_inner()).take();
                 if line.as_deref().is_some_and(|l| l.starts_with("left")) {
                     self.left += 1;
+                }
+                if line
+                    .as_deref()
+                    .is_some_and(|l| l.contains("dropped by the coordinator"))
+                {
+                    self.dropped += 1;
                 }
                 self.note(format!("w{slot} {}", line.unwrap_or_default()));
             }
@@ -3594,6 +3605,7 @@ impl Sim {
                 self.orders_refused,
             ),
             leaders_killed: self.leaders_killed,
+            dropped: self.dropped,
             left: self.left,
             cuts: (self.cuts.len() + self.filters.len()) as u32,
             moves: (self.moved, self.rerouted),

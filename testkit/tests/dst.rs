@@ -265,26 +265,53 @@ fn nothing_the_coordinator_acknowledged_is_lost_in_its_crash() {
 /// shards, and a standby restored from the store leads at the next term. Every invariant
 /// holds (exactly-once ledgers, one map per epoch, nothing acknowledged lost), with the
 /// model of the client and with real clients; and the fencing is exercised: old leaders
-/// found themselves deposed when they next wrote.
+/// found themselves deposed when they next wrote. With real clients the job has a standby at
+/// a second address that names the leader it saw last, and two thirds of the leaders lost are
+/// killed instead (for up to 8 s), half of those elected again at their own address: 1,000
+/// seeds.
 #[test]
 fn failovers_to_a_standby_keep_the_invariants() {
-    for (clients, seeds) in [(false, 1..=500), (true, 1..=150)] {
+    for (clients, seeds) in [(false, 1..=500), (true, 1..=1000)] {
         let options = Options {
             failover: true,
             clients,
             ..Options::default()
         };
-        let (mut failovers, mut fenced) = (0, 0);
+        let (mut failovers, mut fenced, mut killed, mut back) = (0, 0, 0, 0);
         for seed in seeds {
             let r = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
             failovers += r.failovers.0;
             fenced += r.failovers.1;
+            killed += r.leaders_killed.0;
+            back += r.leaders_killed.1;
         }
-        eprintln!("clients {clients}: {failovers} failovers, {fenced} deposed leaders fenced off");
-        assert!(
-            failovers > 100 && fenced > 20,
-            "clients {clients}: {failovers} failovers, {fenced} deposed leaders fenced off"
+        let counts = format!(
+            "clients {clients}: {failovers} failovers, {fenced} deposed leaders fenced off, \
+             {killed} leaders killed, {back} of them elected again at their own address"
         );
+        eprintln!("{counts}");
+        assert!(failovers > 100 && fenced > 20, "{counts}");
+        if clients {
+            assert!(killed > 200 && back > 80, "{counts}");
+        }
+    }
+}
+
+/// Seeds whose leader is killed while the standby names it (`--failover --clients`). With the
+/// client as it was, a worker sent by the standby to the dead leader, failing to reach it, went
+/// on asking the standby while it believed it asked the leader, forever: these seeds never
+/// finished (22 of seeds 1..400 did not). Now each finishes with no worker dropped.
+#[test]
+fn a_client_never_waits_on_a_standby() {
+    let options = Options {
+        failover: true,
+        clients: true,
+        ..Options::default()
+    };
+    for seed in [29, 34, 37, 71] {
+        let r = dst::run(seed, options).unwrap_or_else(|f| panic!("{f}"));
+        assert!(r.leaders_killed.0 > 0, "seed {seed}: no leader killed: {r}");
+        assert_eq!(r.dropped, 0, "seed {seed}: a worker was dropped: {r}");
     }
 }
 

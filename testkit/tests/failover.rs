@@ -43,6 +43,9 @@ struct Outcome {
     stranded: usize,
     /// The longest outage of the coordinator a worker logged, in seconds.
     worst_stall: f64,
+    /// The longest time, from the first fault on, that the job's samples done did not grow
+    /// (sampled every 100 ms through the admin client), in seconds.
+    job_stall: f64,
     /// The terms elected, in order.
     terms: Vec<u64>,
     /// Seconds from the first fault until every worker exited.
@@ -196,15 +199,36 @@ async fn drill(state: &Path, kind: Drill) -> anyhow::Result<Outcome> {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // The job's progress, sampled from the first fault until it finishes.
+    let admin = std::sync::Arc::new(admin);
+    let progress = {
+        let admin = admin.clone();
+        tokio::spawn(async move {
+            let (mut last, mut since, mut worst) = (0, Instant::now(), Duration::ZERO);
+            loop {
+                if let Ok(s) = admin.status().await {
+                    let now = Instant::now();
+                    if s.samples_done > last || s.finished {
+                        worst = worst.max(now - since);
+                        (last, since) = (s.samples_done, now);
+                    }
+                    if s.finished {
+                        return worst;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
     // The faults, each coordinator that exits restarted at once at its address.
     let first = Instant::now();
     let supervise = |coords: &mut [Option<Proc>; 2], starts: &mut usize| {
-        for i in 0..2 {
-            let exited = coords[i]
+        for (i, slot) in coords.iter_mut().enumerate() {
+            let exited = slot
                 .as_mut()
                 .is_some_and(|p| matches!(p.0.try_wait(), Ok(Some(_))));
             if exited {
-                coords[i] = Some(start(i, starts));
+                *slot = Some(start(i, starts));
             }
         }
     };
@@ -250,11 +274,15 @@ async fn drill(state: &Path, kind: Drill) -> anyhow::Result<Outcome> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let took = first.elapsed().as_secs_f64();
+    let job_stall = tokio::time::timeout(Duration::from_secs(30), progress)
+        .await
+        .map_err(|_| anyhow::anyhow!("the job did not finish within 30 s of its workers' exit"))??
+        .as_secs_f64();
     let mut stranded = codes.iter().filter(|c| **c != Some(Some(0))).count();
     let mut worst_stall = 0f64;
-    for i in 0..workers.len() {
+    for (i, code) in codes.iter().enumerate() {
         let log = std::fs::read_to_string(state.join(format!("w{i}.log")))?;
-        if log.contains("dropped by the coordinator") && codes[i] == Some(Some(0)) {
+        if log.contains("dropped by the coordinator") && *code == Some(Some(0)) {
             stranded += 1;
         }
         for s in numbers_after(&log, "answers again after", "after ") {
@@ -302,6 +330,7 @@ async fn drill(state: &Path, kind: Drill) -> anyhow::Result<Outcome> {
     Ok(Outcome {
         stranded,
         worst_stall,
+        job_stall,
         terms,
         took,
     })
@@ -317,9 +346,10 @@ async fn drills(kind: Drill) -> anyhow::Result<()> {
         let outcome = drill(dir.path(), kind).await;
         match &outcome {
             Ok(o) => eprintln!(
-                "drill {kind:?} {k}: {} stranded or dropped, worst stall {:.1} s, terms {:?}, \
-                 {:.1} s from the first fault to the last exit",
-                o.stranded, o.worst_stall, o.terms, o.took
+                "drill {kind:?} {k}: {} stranded or dropped, worst outage a worker logged {:.1} \
+                 s, longest the job made no progress {:.1} s, terms {:?}, {:.1} s from the \
+                 first fault to the last exit",
+                o.stranded, o.worst_stall, o.job_stall, o.terms, o.took
             ),
             Err(_) => eprintln!("{}", edl_testkit::procs::log_tails(dir.path(), 60)),
         }
@@ -352,4 +382,134 @@ async fn failovers_strand_no_worker() -> anyhow::Result<()> {
     edl_shared::telemetry::init("info");
     drills(Drill::Kills).await?;
     drills(Drill::Stop).await
+}
+
+/// A worker and an evaluator (`--evaluate --every 1s`) whose only coordinator is killed for
+/// good: each waits it out, logging the outage, until SIGTERM, and then ends within its
+/// bound: the evaluator at once (it holds nothing), the worker within its grace period (the
+/// default, the job's lease) with status 3, saying what it could not hand back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_coordinator_is_gone_exits_within_its_bound() -> anyhow::Result<()> {
+    if !have_fashion_mnist() {
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let state = dir.path();
+    let run = bounded_exits(state).await;
+    if run.is_err() {
+        eprintln!("{}", edl_testkit::procs::log_tails(state, 40));
+    }
+    run
+}
+
+async fn bounded_exits(state: &Path) -> anyhow::Result<()> {
+    let pki = PkiDir::new(state);
+    pki.init_ca()?;
+    pki.ensure(Role::Coordinator, "coordinator")?;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut coordinator = spawn(
+        &[
+            "coordinator",
+            "--listen",
+            &addr,
+            "--shards",
+            "1",
+            "--layers",
+            "784,16,10",
+            "--train-samples",
+            "60000",
+            "--batch-size",
+            "16",
+            "--epochs",
+            "1",
+        ],
+        state,
+        "coordinator.log",
+    );
+    let _shard = spawn(
+        &[
+            "shard",
+            "--coordinator",
+            &addr,
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            "s0",
+        ],
+        state,
+        "s0.log",
+    );
+    let admin = edl_testkit::until(Duration::from_secs(30), || async {
+        let op = pki.ensure(Role::Admin, "op")?;
+        Ok(Admin::connect(&addr, &op, TransportSettings::default())
+            .await
+            .ok())
+    })
+    .await?;
+    for name in ["w0", "eval"] {
+        pki.ensure(Role::Worker, name)?;
+    }
+    let mut trainer = worker(&addr, "w0", state)?;
+    let log = std::fs::File::create(state.join("eval.log"))?;
+    let mut evaluator = Command::new(bin("edl-worker"))
+        .args([
+            "--coordinator",
+            &addr,
+            "--name",
+            "eval",
+            "--evaluate",
+            "--every",
+            "1s",
+        ])
+        .arg("--state-dir")
+        .arg(state)
+        .env("NO_COLOR", "1")
+        .stdout(std::fs::File::create(state.join("eval.out"))?)
+        .stderr(log)
+        .spawn()?;
+    // Training and evaluating are under way (an evaluation printed); then the coordinator is
+    // gone for good.
+    edl_testkit::until(Duration::from_secs(60), || async {
+        let done = admin.status().await?.samples_done;
+        let evaluated = std::fs::read_to_string(state.join("eval.out"))?;
+        Ok((done > 0 && evaluated.contains("test_accuracy")).then_some(()))
+    })
+    .await?;
+    coordinator.0.kill()?;
+    coordinator.0.wait()?;
+    // Both wait it out (no --give-up-after): still running 4 s later.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    anyhow::ensure!(
+        evaluator.try_wait()?.is_none(),
+        "the evaluator ended on its own"
+    );
+    anyhow::ensure!(trainer.try_wait()?.is_none(), "the worker ended on its own");
+    let exit_within = |child: &mut Child, limit: Duration| -> anyhow::Result<(i32, f64)> {
+        let sent = Instant::now();
+        signal(child.id(), nix::sys::signal::Signal::SIGTERM)?;
+        loop {
+            if let Some(s) = child.try_wait()? {
+                return Ok((s.code().unwrap_or(-1), sent.elapsed().as_secs_f64()));
+            }
+            anyhow::ensure!(
+                sent.elapsed() < limit,
+                "still running {limit:?} after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let (code, took) = exit_within(&mut evaluator, Duration::from_secs(2))?;
+    anyhow::ensure!(code == 0, "the evaluator exited with {code}");
+    eprintln!("the evaluator ended {took:.2} s after SIGTERM");
+    // The worker's grace is the job's lease (3 s); a second of slack.
+    let (code, took) = exit_within(&mut trainer, Duration::from_secs(4))?;
+    let log = std::fs::read_to_string(state.join("w0.log"))?;
+    anyhow::ensure!(code == 3, "the worker exited with {code}: {log}");
+    anyhow::ensure!(log.contains("not handed back"), "{log}");
+    anyhow::ensure!(
+        log.contains("did not answer a heartbeat") || log.contains("is unreachable"),
+        "no outage logged: {log}"
+    );
+    eprintln!("the worker ended {took:.2} s after SIGTERM, with status 3");
+    Ok(())
 }

@@ -61,15 +61,31 @@ pub enum TrainError {
         /// The grace period.
         grace: Duration,
     },
+    /// The worker was done (its data ran out, it reached `max_steps`, it was drained) but no
+    /// coordinator answered its leave within [`LEAVE_LEASES`] leases: it ends without one.
+    #[error(
+        "no coordinator answered this worker's leave within {waited:?} (longer than a \
+         failover takes); not handed back: {held}; the coordinator drops the worker and \
+         returns its data to the pool when its lease expires"
+    )]
+    LeaveUnanswered {
+        /// How long the leave waited.
+        waited: Duration,
+        /// What the worker still holds, as its session saw it before the leave was sent.
+        held: Holdings,
+    },
 }
 
 impl TrainError {
-    /// True when the shutdown's grace period ran out before the worker was out of the job
-    /// ([`TrainError::Unreturned`], [`TrainError::JoinUnfinished`]).
+    /// True when the worker ends without being out of the job: the shutdown's grace period
+    /// ran out ([`TrainError::Unreturned`], [`TrainError::JoinUnfinished`]) or no coordinator
+    /// answered its leave ([`TrainError::LeaveUnanswered`]).
     pub fn grace_ran_out(&self) -> bool {
         matches!(
             self,
-            TrainError::Unreturned { .. } | TrainError::JoinUnfinished { .. }
+            TrainError::Unreturned { .. }
+                | TrainError::JoinUnfinished { .. }
+                | TrainError::LeaveUnanswered { .. }
         )
     }
 }
@@ -199,6 +215,11 @@ fn pass_on(notices: &Notices, notice: Duration) {
 /// Time kept in hand before a preemption deadline, or the end of a shutdown's grace period,
 /// for leaving.
 const LEAVE_MARGIN: Duration = Duration::from_millis(500);
+
+/// A leave that is not part of a shutdown (the data ran out, `max_steps`, a drain) waits at
+/// most this many leases for a coordinator to answer: longer than a failover takes, and the
+/// coordinator drops a worker that did not leave when its lease expires anyway.
+pub const LEAVE_LEASES: u32 = 10;
 
 /// The bound on a shutdown: once the token fires, the worker has `grace` to finish its step,
 /// commit and leave. The step and its commit get all of it but the time kept for leaving.
@@ -462,10 +483,14 @@ pub async fn train<M: Model>(
     }
     // Taken before the leave is sent: a leave abandoned midway leaves its outcome unknown.
     let held = session.holdings();
+    let waited = lease * LEAVE_LEASES;
     tokio::select! {
         r = session.leave() => r?,
         _ = grace.over() => {
             return Err(TrainError::Unreturned { grace: grace.grace, held });
+        }
+        _ = tokio::time::sleep(waited), if !shutdown.is_cancelled() => {
+            return Err(TrainError::LeaveUnanswered { waited, held });
         }
     }
     Ok(summary)

@@ -185,6 +185,21 @@ impl CoordLink {
         }
     }
 
+    /// A heartbeat got no answer within `bound`: starts the outage every call sharing the
+    /// link is in, logging it, if none is logged yet (a call waiting on a connection that died
+    /// silently learns it only at the transport's idle timeout).
+    pub(crate) fn missed(&self, bound: Duration) {
+        let mut start = self.outage.lock().unwrap_or_else(|p| p.into_inner());
+        if start.is_none() {
+            *start = Some(tokio::time::Instant::now());
+            tracing::warn!(
+                "the coordinator at {} did not answer a heartbeat within {bound:?}; dialling \
+                 again until it answers",
+                self.addrs()
+            );
+        }
+    }
+
     /// Which connection is in use (a number), if any.
     pub(crate) fn link_id(&self) -> Option<u64> {
         let link = self.link.lock().unwrap_or_else(|p| p.into_inner());
@@ -237,8 +252,17 @@ impl CoordLink {
         named: Option<&str>,
     ) -> Result<Option<String>, CallError> {
         let election = matches!(err, CallError::NotLeader { .. });
-        outage.record(err)?;
-        self.outlasts_lease(outage);
+        // A standby that names a leader not yet tried is a redirect, not an outage (every
+        // round ends, so redirects alone cannot loop).
+        match named.filter(|l| *l != at && !round.tried(l)) {
+            Some(leader) => {
+                tracing::info!(%leader, "the coordinator at {at} stands by: following the leader")
+            }
+            None => {
+                outage.record(err)?;
+                self.outlasts_lease(outage);
+            }
+        }
         let next = {
             let mut addrs = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
             addrs.next_in(round, at, named).map(str::to_string)

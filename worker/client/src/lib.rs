@@ -1058,7 +1058,7 @@ async fn heartbeat(
             conn.call(Request::Heartbeat { worker }, Bytes::new()),
         );
         let Ok(answer) = beat.await else {
-            tracing::debug!(%worker, "no answer to a heartbeat within {:?}: dialling again", period * 2);
+            conn.missed(period * 2);
             conn.reset(used);
             continue;
         };

@@ -255,7 +255,12 @@ impl Run {
     /// reporting each result to the coordinator and printing it as a JSON line.
     async fn evaluations<M: Model>(&self, model: &mut M, data: &M::Data) -> anyhow::Result<()> {
         loop {
-            let (stats, status) = trainer::evaluate(&self.job, model, data).await?;
+            // An evaluator holds nothing of the job: a signal ends it at once, whatever it
+            // waits for (a coordinator or shard that is gone, say).
+            let (stats, status) = tokio::select! {
+                r = trainer::evaluate(&self.job, model, data) => r?,
+                _ = self.shutdown.cancelled() => return Ok(()),
+            };
             let (accuracy, loss) = (stats.accuracy(), stats.mean_loss());
             let line = serde_json::json!({
                 "test_accuracy": accuracy,
@@ -267,11 +272,12 @@ impl Run {
             println!("{line}");
             let clock = status.min_clock;
             let samples = stats.samples as u64;
-            if let Err(e) = self
-                .job
-                .report_evaluation(clock, accuracy, loss, samples)
-                .await
-            {
+            let report = self.job.report_evaluation(clock, accuracy, loss, samples);
+            let reported = tokio::select! {
+                r = report => r,
+                _ = self.shutdown.cancelled() => return Ok(()),
+            };
+            if let Err(e) = reported {
                 tracing::warn!(error = %e, "could not report the evaluation to the coordinator");
             }
             let Some(every) = self.every.filter(|_| !status.finished) else {

@@ -172,6 +172,10 @@ pub enum Loss {
     /// Cut off from the store, not from the workers: it serves on until the standby leads
     /// (its writes then refused), as in `--failover`'s crashes.
     CutOff,
+    /// Paused (SIGSTOP, a long stall): cut off from the store as [`Loss::CutOff`], and its
+    /// clients' calls and new connections to it time out, until the standby leads; its tasks
+    /// then run on, to be refused.
+    Paused,
     /// Killed: calls to its address fail and new connections to it time out until it is
     /// started again, when it wins the election (`true`: back at the same address while the
     /// standby named it all along) or the standby does (`false`).
@@ -392,6 +396,8 @@ pub struct Report {
     /// With a standby (`Scenario::standby`): leaders killed, and of them those that came back
     /// at their own address and won the next election while the standby named them.
     pub leaders_killed: (u32, u32),
+    /// With a standby: leaders paused ([`Loss::Paused`]).
+    pub leaders_paused: u32,
     /// Real clients that ended because the coordinator dropped them (declared them dead).
     pub dropped: u32,
     /// Workers that left once the coordinator acknowledged it (the others crashed or were
@@ -518,9 +524,12 @@ pub fn run(seed: u64, options: Options) -> Result<Report, Box<Failure>> {
         // killed (for up to 8 s, longer than a worker's lease), half of those coming back at
         // their own address to win the next election while the standby named them.
         let mut rng = StdRng::seed_from_u64(seed ^ 0x57a0_db1e_1ead_e400);
+        // Half the leaders cut off are paused instead (drawn apart again).
+        let mut pauses = StdRng::seed_from_u64(seed ^ 0x9a05_ed1e_ade7_0001);
         for (_, what) in scenario.script.iter_mut() {
             if let Scripted::CoordinatorCrash(down) = *what {
                 *what = match rng.random_range(0..3) {
+                    0 if pauses.random_bool(0.5) => Scripted::LeaderLost(down, Loss::Paused),
                     0 => Scripted::LeaderLost(down, Loss::CutOff),
                     k => Scripted::LeaderLost(rng.random_range(50..8000), Loss::Killed(k == 1)),
                 };
@@ -1188,6 +1197,10 @@ struct Sim {
     standby: Option<Standby>,
     /// While a leader killed by [`Loss::Killed`] is down: whether it wins the next election.
     killed: Option<bool>,
+    /// While a leader is paused ([`Loss::Paused`]): its clients' calls to it time out.
+    paused: bool,
+    /// Leaders paused.
+    leaders_paused: u32,
     /// Leaders killed, and of them those that won the next election at their own address.
     leaders_killed: (u32, u32),
     /// Real clients the coordinator dropped.
@@ -1309,6 +1322,8 @@ impl Sim {
                 down: Default::default(),
             }),
             killed: None,
+            paused: false,
+            leaders_paused: 0,
             leaders_killed: (0, 0),
             dropped: 0,
             orders_refused: 0,
@@ -1997,7 +2012,8 @@ impl Sim {
                 answer: None,
             },
         );
-        if lost || self.cut(from) || self.cut(to) {
+        let paused = self.paused && matches!(from, Node::Worker(_)) && standby.is_none();
+        if lost || paused || self.cut(from) || self.cut(to) {
             self.link_failed(id);
         } else if let Some(leader) = standby {
             let answer = Response::NotLeader {
@@ -2358,6 +2374,7 @@ impl Sim {
                     // With a standby: a killed leader back at its address wins, or the
                     // standby does (always, for a leader cut off: it still runs where it led).
                     let killed = self.killed.take();
+                    self.paused = false;
                     if let Some(sb) = &mut self.standby {
                         sb.down.lock().unwrap_or_else(|p| p.into_inner()).clear();
                         if killed != Some(true) {
@@ -2412,7 +2429,21 @@ impl Sim {
             Body::Script(Scripted::CoordinatorCrash(_)) if self.down_until.is_some() => {}
             Body::Script(Scripted::LeaderLost(..))
                 if self.down_until.is_some() || (!self.mid_move && self.moving()) => {}
-            Body::Script(Scripted::LeaderLost(down, Loss::CutOff)) => {
+            Body::Script(Scripted::LeaderLost(down, loss @ (Loss::CutOff | Loss::Paused))) => {
+                if loss == Loss::Paused
+                    && let Some(sb) = &self.standby
+                {
+                    let at = COORDINATORS[sb.leads];
+                    sb.down
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(at.to_string());
+                    self.paused = true;
+                    self.leaders_paused += 1;
+                    self.note(format!(
+                        "the leading coordinator at {at} is paused for {down} ms"
+                    ));
+                }
                 self.at(
                     self.now,
                     Node::Coordinator,
@@ -3605,6 +3636,7 @@ impl Sim {
                 self.orders_refused,
             ),
             leaders_killed: self.leaders_killed,
+            leaders_paused: self.leaders_paused,
             dropped: self.dropped,
             left: self.left,
             cuts: (self.cuts.len() + self.filters.len()) as u32,
@@ -3642,10 +3674,12 @@ impl fmt::Display for Report {
             self.moves.1
         );
         let (killed, back) = self.leaders_killed;
-        if killed > 0 {
+        if killed + self.leaders_paused > 0 {
             let _ = write!(
                 s,
-                "; {killed} leaders killed, {back} of them elected again at their own address"
+                "; {killed} leaders killed, {back} of them elected again at their own address; \
+                 {} leaders paused",
+                self.leaders_paused
             );
         }
         let (promoted, seeded, hits) = self.replication;

@@ -2,12 +2,14 @@
 //! coordinators of one job (A and B, `--meta`), 2 shards and 3 `edl-worker` processes given
 //! both addresses, training with the default 3 s lease. The coordinator at A is killed with
 //! SIGKILL and restarted at once at its address (as a supervisor would), then B, then A again,
-//! 6 s apart; or the leader is stopped (SIGSTOP) for 5 s and let go on. Every worker must
+//! 6 s apart; or the leader is stopped (SIGSTOP) for 5 s and let go on; or both are killed
+//! and started again 5 s later (no coordinator leads for longer than the lease). Every worker must
 //! finish the job (exit 0, never dropped), the ledgers must be exact, each term one more than
 //! the last (terms count elections), and each drill ends within its bound.
 //!
-//! `EDL_FAILOVER_DRILLS=N` runs N drills of each kind (default 2); each prints one line: the
-//! workers stranded or dropped, the worst stall a worker logged, and the terms elected.
+//! `EDL_FAILOVER_DRILLS=N` runs N drills of each kind (default 1); each prints one line: the
+//! workers stranded or dropped, the longest outage a worker logged, the longest the job made
+//! no progress, and the terms elected.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -34,6 +36,9 @@ enum Drill {
     Kills,
     /// SIGSTOP the leader for 5 s, then SIGCONT.
     Stop,
+    /// SIGKILL both coordinators, and start them again 5 s later: no coordinator leads for
+    /// longer than the lease, which must cost no worker.
+    Outage,
 }
 
 /// What one drill saw.
@@ -44,7 +49,7 @@ struct Outcome {
     /// The longest outage of the coordinator a worker logged, in seconds.
     worst_stall: f64,
     /// The longest time, from the first fault on, that the job's samples done did not grow
-    /// (sampled every 100 ms through the admin client), in seconds.
+    /// (sampled every 100 ms from the state in etcd), in seconds.
     job_stall: f64,
     /// The terms elected, in order.
     terms: Vec<u64>,
@@ -105,6 +110,10 @@ fn worker(list: &str, name: &str, state: &Path) -> anyhow::Result<Child> {
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()?)
+}
+
+fn pid_of(p: &Option<Proc>) -> u32 {
+    p.as_ref().map_or(0, |p| p.0.id())
 }
 
 fn signal(pid: u32, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
@@ -200,26 +209,33 @@ async fn drill(state: &Path, kind: Drill) -> anyhow::Result<Outcome> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     // The job's progress, sampled from the first fault until it finishes.
-    let admin = std::sync::Arc::new(admin);
-    let progress = {
-        let admin = admin.clone();
-        tokio::spawn(async move {
-            let (mut last, mut since, mut worst) = (0, Instant::now(), Duration::ZERO);
-            loop {
-                if let Ok(s) = admin.status().await {
-                    let now = Instant::now();
-                    if s.samples_done > last || s.finished {
-                        worst = worst.max(now - since);
-                        (last, since) = (s.samples_done, now);
-                    }
-                    if s.finished {
-                        return worst;
-                    }
+    // The job's progress as etcd holds it (every acknowledged commit is written there first,
+    // whichever coordinator leads), sampled every 100 ms from the first fault until the job
+    // has every sample.
+    let store = edl_ps::coordinator::etcd::EtcdMeta::connect(
+        edl_ps::coordinator::etcd::parse_url(&meta).map_err(anyhow::Error::msg)?,
+        edl_shared::pki::DEFAULT_JOB,
+        "coordinator",
+    )
+    .await?;
+    let progress = tokio::spawn(async move {
+        let (mut last, mut since, mut worst) = (0, Instant::now(), Duration::ZERO);
+        loop {
+            if let Ok(Some(record)) = store.load().await
+                && let Ok(snap) = edl_ps::coordinator::meta::decode(&record)
+            {
+                let (done, now) = (snap.samples_done(), Instant::now());
+                if done > last {
+                    worst = worst.max(now - since);
+                    (last, since) = (done, now);
                 }
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                if done >= u64::from(SAMPLES) {
+                    return worst;
+                }
             }
-        })
-    };
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
     // The faults, each coordinator that exits restarted at once at its address.
     let first = Instant::now();
     let supervise = |coords: &mut [Option<Proc>; 2], starts: &mut usize| {
@@ -232,7 +248,7 @@ async fn drill(state: &Path, kind: Drill) -> anyhow::Result<Outcome> {
             }
         }
     };
-    let pid = |coords: &[Option<Proc>; 2], i: usize| coords[i].as_ref().map_or(0, |p| p.0.id());
+    let pid = |coords: &[Option<Proc>; 2], i: usize| pid_of(&coords[i]);
     match kind {
         Drill::Kills => {
             for (n, i) in [0usize, 1, 0].into_iter().enumerate() {
@@ -255,6 +271,18 @@ async fn drill(state: &Path, kind: Drill) -> anyhow::Result<Outcome> {
             signal(pid(&coords, i), nix::sys::signal::Signal::SIGSTOP)?;
             tokio::time::sleep(Duration::from_secs(5)).await;
             signal(pid(&coords, i), nix::sys::signal::Signal::SIGCONT)?;
+        }
+        Drill::Outage => {
+            for slot in coords.iter_mut() {
+                signal(pid_of(slot), nix::sys::signal::Signal::SIGKILL)?;
+                if let Some(mut p) = slot.take() {
+                    let _ = p.0.wait();
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            for (i, slot) in coords.iter_mut().enumerate() {
+                *slot = Some(start(i, &mut starts));
+            }
         }
     }
     // Every worker exits, within the bound.
@@ -340,7 +368,7 @@ async fn drills(kind: Drill) -> anyhow::Result<()> {
     let n: usize = std::env::var("EDL_FAILOVER_DRILLS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(2);
+        .unwrap_or(1);
     for k in 0..n {
         let dir = tempfile::tempdir()?;
         let outcome = drill(dir.path(), kind).await;
@@ -381,7 +409,8 @@ async fn failovers_strand_no_worker() -> anyhow::Result<()> {
     }
     edl_shared::telemetry::init("info");
     drills(Drill::Kills).await?;
-    drills(Drill::Stop).await
+    drills(Drill::Stop).await?;
+    drills(Drill::Outage).await
 }
 
 /// A worker and an evaluator (`--evaluate --every 1s`) whose only coordinator is killed for

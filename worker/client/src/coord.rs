@@ -200,20 +200,10 @@ impl CoordLink {
         }
     }
 
-    /// Which connection is in use (a number), if any.
-    pub(crate) fn link_id(&self) -> Option<u64> {
-        let link = self.link.lock().unwrap_or_else(|p| p.into_inner());
-        link.as_ref().map(|l| l.id)
-    }
-
-    /// Drops the connection `id` if it is still in use: the next call dials again (a
-    /// heartbeat that got no answer in time: its connection may be dead, though not yet
-    /// timed out).
-    pub(crate) fn reset(&self, id: Option<u64>) {
-        let mut link = self.link.lock().unwrap_or_else(|p| p.into_inner());
-        if id.is_some() && link.as_ref().map(|l| l.id) == id {
-            *link = None;
-        }
+    /// Drops the connection in use: the next call dials again (a heartbeat that got no answer
+    /// in time: the connection may be dead, though not yet timed out).
+    pub(crate) fn reset(&self) {
+        *self.link.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// Dials `at` (within [`DIAL_BOUND`] where there are other addresses to try) and makes it

@@ -530,6 +530,11 @@ impl Job {
             } else {
                 outage.failed(err).await?;
             }
+            outage.warn_past(
+                Duration::from_millis(u64::from(self.job.lease_ms)),
+                "longer than the job's lease: this worker makes no progress meanwhile; still \
+                 trying",
+            );
             let map = match self.coordinator.call(Request::GetMap, Bytes::new()).await {
                 Ok(Frame {
                     msg: Response::Map(m),
@@ -1051,15 +1056,16 @@ async fn heartbeat(
         // A heartbeat has its own bound, below the lease: a connection that died silently
         // would keep it waiting for the transport's idle timeout (6 s, longer than the
         // lease), and the worker would lose its lease with no outage at all. Past the bound
-        // the connection is dropped (if still in use) and the next beat dials anew.
-        let used = conn.link_id();
+        // the connection is dropped and the next beat dials anew.
         let beat = tokio::time::timeout(
             period * 2,
             conn.call(Request::Heartbeat { worker }, Bytes::new()),
         );
         let Ok(answer) = beat.await else {
             conn.missed(period * 2);
-            conn.reset(used);
+            // Whichever connection is in use now (the beat may have dialled one itself):
+            // a live one costs a redial of milliseconds, a dead one would cost the lease.
+            conn.reset();
             continue;
         };
         match answer {

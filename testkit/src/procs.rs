@@ -68,6 +68,25 @@ pub fn spawn_shard(
     spawn_from(ps, &args, state, log)
 }
 
+/// Starts `n` shard servers `s0`, `s1`, ... of the `edl-ps` beside the test, joining the
+/// coordinators at `coordinator` (one address, or several separated by commas), each listening
+/// on a free loopback port, their logs in `STATE/sN.log`.
+pub fn shards(coordinator: &str, n: usize, state: &Path) -> Vec<Proc> {
+    (0..n)
+        .map(|i| {
+            let name = format!("s{i}");
+            let log = format!("{name}.log");
+            spawn_shard(
+                &bin("edl-ps"),
+                (coordinator, "127.0.0.1:0", &name),
+                state,
+                &log,
+            )
+            .expect("edl-ps shard starts")
+        })
+        .collect()
+}
+
 /// The last `lines` lines of every `*.log` file in `dir`, each under its name: what a test
 /// prints when it fails, since its processes' logs go with its temporary directory.
 pub fn log_tails(dir: &Path, lines: usize) -> String {

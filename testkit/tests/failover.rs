@@ -21,7 +21,7 @@ use edl_shared::pki::PkiDir;
 use edl_shared::transport::TransportSettings;
 use edl_testkit::etcd::{EtcdCluster, have_etcd};
 use edl_testkit::have_fashion_mnist;
-use edl_testkit::procs::{Proc, bin, free_port, spawn};
+use edl_testkit::procs::{Proc, bin, free_port, shards, spawn};
 use edl_worker::{ClientConfig, Job};
 
 /// Samples of the job: at 3 workers x 16 samples per 50 ms step, about 25 s of training.
@@ -164,24 +164,7 @@ async fn drill(state: &Path, kind: Drill) -> anyhow::Result<Outcome> {
         coordinator(&addrs[i], &meta, state, &format!("c{i}-{starts}.log"))
     };
     let mut coords = [Some(start(0, &mut starts)), Some(start(1, &mut starts))];
-    let _shards: Vec<Proc> = (0..2)
-        .map(|i| {
-            let name = format!("s{i}");
-            spawn(
-                &[
-                    "shard",
-                    "--coordinator",
-                    &list,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--name",
-                    &name,
-                ],
-                state,
-                &format!("{name}.log"),
-            )
-        })
-        .collect();
+    let _shards = shards(&list, 2, state);
     let mut workers = (0..3)
         .map(|i| {
             let name = format!("w{i}");
@@ -455,19 +438,7 @@ async fn bounded_exits(state: &Path) -> anyhow::Result<()> {
         state,
         "coordinator.log",
     );
-    let _shard = spawn(
-        &[
-            "shard",
-            "--coordinator",
-            &addr,
-            "--listen",
-            "127.0.0.1:0",
-            "--name",
-            "s0",
-        ],
-        state,
-        "s0.log",
-    );
+    let _shard = shards(&addr, 1, state);
     let admin = edl_testkit::until(Duration::from_secs(30), || async {
         let op = pki.ensure(Role::Admin, "op")?;
         Ok(Admin::connect(&addr, &op, TransportSettings::default())

@@ -17,7 +17,7 @@ use edl_shared::proto::msg::DataSpan;
 use edl_shared::proto::{Key, ShardId};
 use edl_shared::transport::TransportSettings;
 use edl_testkit::etcd::{EtcdCluster, have_etcd};
-use edl_testkit::procs::{Proc, bin, free_port, spawn};
+use edl_testkit::procs::{Proc, bin, free_port, shards, spawn};
 use edl_worker::{ClientConfig, Job};
 
 /// Samples of the job: a 4-4 MLP (20 floats) under SGD at rate 1, batches of 4.
@@ -240,24 +240,7 @@ async fn failures(state: PathBuf) -> anyhow::Result<()> {
         });
         (task, stop)
     };
-    let _shards: Vec<Proc> = (0..2)
-        .map(|i| {
-            let name = format!("s{i}");
-            spawn(
-                &[
-                    "shard",
-                    "--coordinator",
-                    &list,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--name",
-                    &name,
-                ],
-                state,
-                &format!("{name}.log"),
-            )
-        })
-        .collect();
+    let _shards = shards(&list, 2, state);
     let admin = Admin::connect(
         &list,
         &pki.ensure(Role::Admin, "op")?,

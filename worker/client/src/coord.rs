@@ -200,10 +200,15 @@ impl CoordLink {
         }
     }
 
-    /// Drops the connection in use: the next call dials again (a heartbeat that got no answer
-    /// in time: the connection may be dead, though not yet timed out).
+    /// Closes the connection in use: the calls waiting on it fail at once and are repeated on
+    /// a new one (every coordinator request can be), and the next call dials again (a
+    /// heartbeat that got no answer in time: the connection may be dead, though its idle
+    /// timeout has not run out).
     pub(crate) fn reset(&self) {
-        *self.link.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let dropped = self.link.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(linked) = dropped {
+            linked.conn.close();
+        }
     }
 
     /// Dials `at` (within [`DIAL_BOUND`] where there are other addresses to try) and makes it

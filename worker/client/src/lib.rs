@@ -1056,15 +1056,17 @@ async fn heartbeat(
         // A heartbeat has its own bound, below the lease: a connection that died silently
         // would keep it waiting for the transport's idle timeout (6 s, longer than the
         // lease), and the worker would lose its lease with no outage at all. Past the bound
-        // the connection is dropped and the next beat dials anew.
+        // the connection is closed (the calls on it are repeated on a new one) and the next
+        // beat dials anew.
         let beat = tokio::time::timeout(
             period * 2,
             conn.call(Request::Heartbeat { worker }, Bytes::new()),
         );
         let Ok(answer) = beat.await else {
             conn.missed(period * 2);
-            // Whichever connection is in use now (the beat may have dialled one itself):
-            // a live one costs a redial of milliseconds, a dead one would cost the lease.
+            // Whichever connection is in use now (the beat may have dialled one itself): a
+            // live one costs a redial of milliseconds and the repeat of the calls it carried,
+            // a dead one would cost the lease.
             conn.reset();
             continue;
         };

@@ -32,7 +32,7 @@ pub(crate) const FAILOVER_IDLE: Duration = Duration::from_secs(2);
 /// How long a client with several coordinators gives one to answer a new connection: a live
 /// process answers a handshake within milliseconds, and a dead address would otherwise keep
 /// the round waiting for the whole handshake timeout.
-pub(crate) const DIAL_BOUND: Duration = Duration::from_secs(1);
+pub(crate) const DIAL_BOUND: Duration = Duration::from_millis(500);
 
 /// What a client needs to reconnect.
 #[derive(Debug)]

@@ -983,6 +983,24 @@ struct Standby {
     down: Arc<std::sync::Mutex<BTreeSet<String>>>,
 }
 
+impl Standby {
+    fn down(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        self.down.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The leader's process stops answering (killed or paused); returns its address.
+    fn leader_down(&self) -> &'static str {
+        let at = COORDINATORS[self.leads];
+        self.down().insert(at.to_string());
+        at
+    }
+
+    /// Whether the leader's process does not answer now.
+    fn leader_is_down(&self) -> bool {
+        self.down().contains(COORDINATORS[self.leads])
+    }
+}
+
 /// A shard server: the real service, over its state.
 struct SimShard {
     service: Arc<ShardService>,
@@ -1197,8 +1215,6 @@ struct Sim {
     standby: Option<Standby>,
     /// While a leader killed by [`Loss::Killed`] is down: whether it wins the next election.
     killed: Option<bool>,
-    /// While a leader is paused ([`Loss::Paused`]): its clients' calls to it time out.
-    paused: bool,
     /// Leaders paused.
     leaders_paused: u32,
     /// Leaders killed, and of them those that won the next election at their own address.
@@ -1322,7 +1338,6 @@ impl Sim {
                 down: Default::default(),
             }),
             killed: None,
-            paused: false,
             leaders_paused: 0,
             leaders_killed: (0, 0),
             dropped: 0,
@@ -2012,7 +2027,11 @@ impl Sim {
                 answer: None,
             },
         );
-        let paused = self.paused && matches!(from, Node::Worker(_)) && standby.is_none();
+        // A paused leader answers no client (a killed one's calls fail where it is served).
+        let paused = standby.is_none()
+            && self.killed.is_none()
+            && matches!(from, Node::Worker(_))
+            && self.standby.as_ref().is_some_and(Standby::leader_is_down);
         if lost || paused || self.cut(from) || self.cut(to) {
             self.link_failed(id);
         } else if let Some(leader) = standby {
@@ -2374,9 +2393,8 @@ impl Sim {
                     // With a standby: a killed leader back at its address wins, or the
                     // standby does (always, for a leader cut off: it still runs where it led).
                     let killed = self.killed.take();
-                    self.paused = false;
                     if let Some(sb) = &mut self.standby {
-                        sb.down.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                        sb.down().clear();
                         if killed != Some(true) {
                             sb.leads = 1 - sb.leads;
                         }
@@ -2433,12 +2451,7 @@ impl Sim {
                 if loss == Loss::Paused
                     && let Some(sb) = &self.standby
                 {
-                    let at = COORDINATORS[sb.leads];
-                    sb.down
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(at.to_string());
-                    self.paused = true;
+                    let at = sb.leader_down();
                     self.leaders_paused += 1;
                     self.note(format!(
                         "the leading coordinator at {at} is paused for {down} ms"
@@ -2459,11 +2472,7 @@ impl Sim {
                 self.leaders_killed.0 += 1;
                 self.leaders_killed.1 += u32::from(wins);
                 if let Some(sb) = &self.standby {
-                    let at = COORDINATORS[sb.leads];
-                    sb.down
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(at.to_string());
+                    let at = sb.leader_down();
                     let next = if wins { at } else { COORDINATORS[1 - sb.leads] };
                     self.note(format!(
                         "the leading coordinator at {at} is killed for {down} ms (the standby \

@@ -170,16 +170,22 @@ impl EtcdMeta {
         format!("{}/term", self.prefix)
     }
 
-    /// The last term won (0 if none was), and the term key's mod revision (0 if absent).
+    /// The last term won (0 if none was), and the term key's mod revision (0 if absent). A
+    /// value that is not a number is an error, not term 0: terms must never go back (shards
+    /// refuse the orders of a term lower than one they saw).
     async fn last_term(&self) -> Result<(u64, i64), etcd_client::Error> {
         let resp = self.client.clone().get(self.term_key(), None).await?;
-        Ok(match resp.kvs().first() {
-            Some(kv) => (
-                String::from_utf8_lossy(kv.value()).parse().unwrap_or(0),
-                kv.mod_revision(),
-            ),
-            None => (0, 0),
-        })
+        let Some(kv) = resp.kvs().first() else {
+            return Ok((0, 0));
+        };
+        let value = String::from_utf8_lossy(kv.value());
+        let term = value.parse().map_err(|_| {
+            etcd_client::Error::InvalidArgs(format!(
+                "{} holds {value:?}, not a term number",
+                self.term_key()
+            ))
+        })?;
+        Ok((term, kv.mod_revision()))
     }
 
     /// Who leads now (the leader key's value), if anyone.

@@ -79,7 +79,8 @@ impl Coordinator {
             last_tick = now;
             if gap > DEAD_AFTER / 2 {
                 warn!(
-                    "the coordinator did not run for {:.1} s: the shards' silence counts again                      from now",
+                    "the coordinator did not run for {:.1} s: the shards' silence counts again \
+                     from now",
                     gap.as_secs_f64()
                 );
                 for t in heard.values_mut() {

@@ -146,7 +146,7 @@ impl CoordLink {
                 Err(e) if e.connection_failed() => e,
                 Err(e @ CallError::NotLeader { .. }) => e,
                 other => {
-                    self.over(&mut outage);
+                    outage.over();
                     return other;
                 }
             };
@@ -185,26 +185,23 @@ impl CoordLink {
         }
     }
 
-    /// A heartbeat got no answer within `bound`: starts the outage every call sharing the
-    /// link is in, logging it, if none is logged yet (a call waiting on a connection that died
-    /// silently learns it only at the transport's idle timeout).
+    /// A heartbeat got no answer within `bound`: the connection in use may be dead, though
+    /// its idle timeout has not run out. Starts the outage every call sharing the link is in
+    /// (logged, if no call logged it yet) and closes the connection: the calls waiting on it
+    /// fail at once and are repeated on a new one (every coordinator request can be), and the
+    /// next call dials again.
     pub(crate) fn missed(&self, bound: Duration) {
-        let mut start = self.outage.lock().unwrap_or_else(|p| p.into_inner());
-        if start.is_none() {
-            *start = Some(tokio::time::Instant::now());
-            tracing::warn!(
-                "the coordinator at {} did not answer a heartbeat within {bound:?}; dialling \
-                 again until it answers",
-                self.addrs()
-            );
+        {
+            let mut start = self.outage.lock().unwrap_or_else(|p| p.into_inner());
+            if start.is_none() {
+                *start = Some(tokio::time::Instant::now());
+                tracing::warn!(
+                    "the coordinator at {} did not answer a heartbeat within {bound:?}; \
+                     dialling again until it answers",
+                    self.addrs()
+                );
+            }
         }
-    }
-
-    /// Closes the connection in use: the calls waiting on it fail at once and are repeated on
-    /// a new one (every coordinator request can be), and the next call dials again (a
-    /// heartbeat that got no answer in time: the connection may be dead, though its idle
-    /// timeout has not run out).
-    pub(crate) fn reset(&self) {
         let dropped = self.link.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(linked) = dropped {
             linked.conn.close();
@@ -215,17 +212,7 @@ impl CoordLink {
     /// the connection in use.
     async fn dial(&self, at: &str) -> Result<Linked, CallError> {
         let net = &self.net;
-        let dial = Conn::dial(&net.dialer, at, &net.name, &net.settings);
-        let conn = if self.several() {
-            match tokio::time::timeout(DIAL_BOUND, dial).await {
-                Ok(r) => r?,
-                Err(_) => {
-                    return Err(CallError::Connection(quinn::ConnectionError::TimedOut));
-                }
-            }
-        } else {
-            dial.await?
-        };
+        let conn = dial_within(&net.dialer, at, &net.name, &net.settings, self.several()).await?;
         let linked = Linked {
             at: at.to_string(),
             conn,
@@ -292,11 +279,24 @@ impl CoordLink {
             );
         }
     }
+}
 
-    /// The call was answered: ends the outage, logging its end.
-    fn over(&self, outage: &mut Outage<'_>) {
-        outage.over();
+/// Dials `at`; with `several` coordinators to try, within [`DIAL_BOUND`] (a timeout then, as
+/// the handshake's own would be).
+async fn dial_within(
+    dialer: &Dialer,
+    at: &str,
+    name: &str,
+    settings: &TransportSettings,
+    several: bool,
+) -> Result<Conn, CallError> {
+    let dial = Conn::dial(dialer, at, name, settings);
+    if !several {
+        return dial.await;
     }
+    tokio::time::timeout(DIAL_BOUND, dial)
+        .await
+        .unwrap_or(Err(CallError::Connection(quinn::ConnectionError::TimedOut)))
 }
 
 /// Connects to one of the job's coordinators, trying each address in turn while none
@@ -313,15 +313,7 @@ pub(crate) async fn connect_any(
     loop {
         let mut last = None;
         for _ in 0..addrs.all().len() {
-            let dial = Conn::dial(dialer, addrs.current(), name, settings);
-            let dialled = if several {
-                tokio::time::timeout(DIAL_BOUND, dial)
-                    .await
-                    .unwrap_or(Err(CallError::Connection(quinn::ConnectionError::TimedOut)))
-            } else {
-                dial.await
-            };
-            match dialled {
+            match dial_within(dialer, addrs.current(), name, settings, several).await {
                 Ok(c) => {
                     outage.over();
                     return Ok(c);

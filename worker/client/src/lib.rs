@@ -379,15 +379,17 @@ impl<'a> Outage<'a> {
     /// it did, and gives the error back once it has lasted past the limit.
     pub(crate) fn record(&mut self, err: CallError) -> Result<(), CallError> {
         let now = tokio::time::Instant::now();
+        // A shared outage starts now unless a call sharing it met it already; this call's
+        // first failure logs it unless so.
+        let met_first = self.shared.is_none_or(|start| {
+            *start
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(now)
+                == now
+        });
+        let first = self.since.is_none() && met_first;
         let since = *self.since.get_or_insert(now);
-        let first = match self.shared {
-            Some(start) => {
-                let mut start = start.lock().unwrap_or_else(|p| p.into_inner());
-                start.get_or_insert(now);
-                since == now && *start == Some(now)
-            }
-            None => since == now,
-        };
         if first {
             match self.limit {
                 Some(l) => {
@@ -1063,11 +1065,10 @@ async fn heartbeat(
             conn.call(Request::Heartbeat { worker }, Bytes::new()),
         );
         let Ok(answer) = beat.await else {
+            // Whichever connection is in use now (the beat may have dialled one itself) is
+            // closed: a live one costs a redial of milliseconds and the repeat of the calls it
+            // carried, a dead one would cost the lease.
             conn.missed(period * 2);
-            // Whichever connection is in use now (the beat may have dialled one itself): a
-            // live one costs a redial of milliseconds and the repeat of the calls it carried,
-            // a dead one would cost the lease.
-            conn.reset();
             continue;
         };
         match answer {

@@ -20,14 +20,5 @@ if [ ! -d /usr/share/datasets/fashion-mnist ] && ! printf '%s\n' "$@" | grep -q 
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq dataset-fashion-mnist
 fi
 
-# The etcd client (the coordinators' --meta etcd://) generates its gRPC code with protoc.
-if ! command -v protoc >/dev/null; then
-  echo "protoc is missing (the build needs it): installing protobuf-compiler" >&2
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq protobuf-compiler
-fi
-
 cargo build --locked --workspace --bins
 exec target/debug/edl-local "$@"

@@ -15,9 +15,10 @@ failed=()
 mkdir -p target
 export EDL_SKIP_LOG="$PWD/target/skipped-tests.log"
 : > "$EDL_SKIP_LOG"
-# The build needs protoc (the etcd client's gRPC code); the failover tests run Debian's etcd.
+# The failover tests run Debian's etcd; the etcd client's generated code is checked against
+# ps/proto/etcd.proto with protoc (the build itself needs neither).
 if ! command -v protoc >/dev/null || ! command -v etcd >/dev/null; then
-  echo "the build needs protoc and the failover tests etcd: installing protobuf-compiler and etcd-server" >&2
+  echo "the failover tests need etcd and the etcd code check protoc: installing etcd-server and protobuf-compiler" >&2
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq

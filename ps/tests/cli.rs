@@ -100,8 +100,9 @@ fn bad_consistency_is_refused_before_starting() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("ssp:N"));
 }
 
-/// A client (`edlctl`) never creates a CA or replaces one, and a client that cannot connect
-/// names the address it tried and what to check: a wrong CA, nothing listening.
+/// A client (`edlctl`) finds the coordinator's address in the state directory it is given,
+/// never creates a CA or replaces one, and a client that cannot connect names the address it
+/// tried and what to check: a wrong CA, nothing listening.
 #[test]
 fn a_client_makes_no_ca_and_says_what_to_check_when_it_cannot_connect() {
     let edlctl = |state: &std::path::Path, coordinator: &str| {
@@ -116,7 +117,9 @@ fn a_client_makes_no_ca_and_says_what_to_check_when_it_cannot_connect() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     let cluster = tempfile::tempdir().expect("tempdir");
-    let addr_file = cluster.path().join("addr");
+    // Where a local run's coordinator writes its address: clients given the state directory
+    // read it there.
+    let addr_file = cluster.path().join(edl_shared::cli::COORDINATOR_ADDR_FILE);
     let mut coordinator = edl_ps()
         .args(["coordinator", "--listen", "127.0.0.1:0", "--state-dir"])
         .arg(cluster.path())
@@ -138,6 +141,20 @@ fn a_client_makes_no_ca_and_says_what_to_check_when_it_cannot_connect() {
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
+
+    // The cluster's state directory and no --coordinator: the address written there is used.
+    let out = Command::new(env!("CARGO_BIN_EXE_edlctl"))
+        .arg("--state-dir")
+        .arg(cluster.path())
+        .args(["--json", "status"])
+        .env_remove("EDL_COORDINATOR")
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "edlctl did not find the coordinator through the state directory: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // An empty state directory: no CA is made, and the error says what to give.
     let empty = tempfile::tempdir().expect("tempdir");

@@ -73,10 +73,11 @@ fn job_check_names_the_idx_files_that_are_missing() {
         "{}",
         text(&out.stdout)
     );
-    for (field, prefix) in [("data.train", "train"), ("data.test", "t10k")] {
+    // Each named with its line, as every other job-file error is.
+    for (field, line, prefix) in [("data.train", 11, "train"), ("data.test", 12, "t10k")] {
         let line = err
             .lines()
-            .find(|l| l.contains(&format!("job.toml: {field}: ")))
+            .find(|l| l.contains(&format!("job.toml:{line}: {field}: ")))
             .unwrap_or_else(|| panic!("no line for {field}: {err}"));
         for kind in ["images-idx3-ubyte", "labels-idx1-ubyte"] {
             let missing = d.join(format!("{prefix}-{kind}"));
@@ -96,7 +97,7 @@ fn job_check_names_the_idx_files_that_are_missing() {
     let labels = d.join("t10k-labels-idx1-ubyte").display().to_string();
     let images = d.join("t10k-images-idx3-ubyte").display().to_string();
     assert!(
-        err.contains(&format!("job.toml: data.test: {labels} not found")),
+        err.contains(&format!("job.toml:12: data.test: {labels} not found")),
         "{err}"
     );
     assert!(!err.contains(&images), "{err}");
@@ -144,7 +145,7 @@ fn job_check_finds_a_missing_libsvm_file() {
     let test = d.join("a.test").display().to_string();
     assert!(
         err.contains(&format!(
-            "job.toml: data.test: LIBSVM file {test} not found"
+            "job.toml:12: data.test: LIBSVM file {test} not found"
         )),
         "{err}"
     );

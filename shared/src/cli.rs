@@ -53,6 +53,30 @@ impl IdentityArgs {
     }
 }
 
+/// The file of a state directory where a coordinator started with it (by `edl-local`, or
+/// `edl-ps coordinator --addr-file STATE/coordinator.addr`) writes the address it listens on.
+pub const COORDINATOR_ADDR_FILE: &str = "coordinator.addr";
+
+/// Where a client finds the coordinator when not told: 127.0.0.1:7070, `edl-ps
+/// coordinator`'s default.
+pub const DEFAULT_COORDINATOR: &str = "127.0.0.1:7070";
+
+impl IdentityArgs {
+    /// The coordinator a client asks: `given` (a flag or variable) if any, else the address a
+    /// coordinator wrote in this state directory ([`COORDINATOR_ADDR_FILE`]: a local run's),
+    /// else [`DEFAULT_COORDINATOR`].
+    pub fn coordinator(&self, given: Option<&str>) -> String {
+        if let Some(addr) = given {
+            return addr.to_string();
+        }
+        std::fs::read_to_string(self.state_dir.join(COORDINATOR_ADDR_FILE))
+            .ok()
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .unwrap_or_else(|| DEFAULT_COORDINATOR.to_string())
+    }
+}
+
 /// A server's budgets (see [`Budgets`]): what any one peer, and all of them together, may make
 /// it hold. Each flag also reads an environment variable; the defaults are
 /// `Budgets::default()`'s.

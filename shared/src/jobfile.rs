@@ -1185,6 +1185,25 @@ fn fan_init(kind: &str, shape: &[u32]) -> Option<Init> {
 
 /// The dotted path of the innermost key or value whose span holds byte `offset`, found in the
 /// spanned document (as much of it as parses).
+/// The 1-based line of `field` (dotted: `data.train`) in a job file's `text`, if it is there.
+pub fn line_of(text: &str, field: &str) -> Option<usize> {
+    let (root, _) = DeTable::parse_recoverable(text);
+    let mut parts = field.split('.');
+    let first = parts.next()?;
+    let (mut key, mut value) = root.get_ref().get_key_value(first)?;
+    for part in parts {
+        let DeValue::Table(t) = value.get_ref() else {
+            return None;
+        };
+        (key, value) = t.get_key_value(part)?;
+    }
+    let cx = Cx {
+        text,
+        path: Path::new(""),
+    };
+    Some(cx.line(key.span().start))
+}
+
 fn field_at(text: &str, offset: usize) -> Option<String> {
     let (root, _) = DeTable::parse_recoverable(text);
     let mut best: Option<(usize, String)> = None;

@@ -314,9 +314,16 @@ async fn main() -> anyhow::Result<()> {
             let whole = edl_shared::jobfile::load_file(&file)?;
             let job = &whole.job;
             if let Some(data) = job.data.as_ref().filter(|_| !no_data_check) {
+                let text = std::fs::read_to_string(&file).unwrap_or_default();
                 let missing: Vec<String> = missing_data(data)
                     .iter()
-                    .map(|(field, why)| format!("{}: {field}: {why}", file.display()))
+                    .map(|(field, why)| {
+                        let at = match edl_shared::jobfile::line_of(&text, field) {
+                            Some(line) => format!("{}:{line}", file.display()),
+                            None => file.display().to_string(),
+                        };
+                        format!("{at}: {field}: {why}")
+                    })
                     .collect();
                 anyhow::ensure!(missing.is_empty(), "{}", missing.join("\n"));
             }

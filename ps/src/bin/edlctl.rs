@@ -18,9 +18,10 @@ use serde::Serialize;
 struct Cli {
     /// The coordinator's address; with several coordinators of a job (`edl-ps coordinator
     /// --meta`), all of them separated by commas: requests go to whichever leads, and
-    /// `status` shows which leads and which stand by.
-    #[arg(long, env = "EDL_COORDINATOR", default_value = "127.0.0.1:7070")]
-    coordinator: String,
+    /// `status` shows which leads and which stand by. [default: the address in
+    /// STATE_DIR/coordinator.addr (a local run's), else 127.0.0.1:7070]
+    #[arg(long, env = "EDL_COORDINATOR")]
+    coordinator: Option<String>,
     /// The cluster scheduler's address (`edl-sched`), for `job` and `slots`.
     #[arg(long, env = "EDL_SCHEDULER", default_value = "127.0.0.1:7080")]
     scheduler: String,
@@ -297,9 +298,10 @@ async fn main() -> anyhow::Result<()> {
     if matches!(cli.cmd, Cmd::Slots) {
         return slots_cmd(&cli.scheduler, &identity, cli.json).await;
     }
-    let admin = Admin::connect(&cli.coordinator, &identity, TransportSettings::default())
+    let coordinator = cli.identity.coordinator(cli.coordinator.as_deref());
+    let admin = Admin::connect(&coordinator, &identity, TransportSettings::default())
         .await
-        .with_context(|| format!("connecting to the coordinator at {}", cli.coordinator))?;
+        .with_context(|| format!("connecting to the coordinator at {coordinator}"))?;
     match cli.cmd {
         Cmd::Status => {
             let (job, st, members, shards) = (
@@ -310,7 +312,7 @@ async fn main() -> anyhow::Result<()> {
             );
             let v = StatusView::new(&job, &st, &members, &shards);
             // With several coordinators (a leader and standbys), what each one is.
-            let several = cli.coordinator.contains(',');
+            let several = coordinator.contains(',');
             let roles = if several {
                 admin.coordinators().await
             } else {
@@ -340,7 +342,7 @@ async fn main() -> anyhow::Result<()> {
             print!("\x1b[2J\x1b[H");
             println!(
                 "{}  (every {}; Ctrl-C ends)",
-                cli.coordinator,
+                coordinator,
                 humantime::format_duration(every)
             );
             println!("{}", status_table(&v));

@@ -33,8 +33,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 struct Cli {
     /// The coordinator's address; with several coordinators of a job (`edl-ps coordinator
     /// --meta`), all of them separated by commas: the worker follows whichever leads.
-    #[arg(long, default_value = "127.0.0.1:7070")]
-    coordinator: String,
+    /// [default: the address in STATE_DIR/coordinator.addr (a local run's), else
+    /// 127.0.0.1:7070]
+    #[arg(long)]
+    coordinator: Option<String>,
     /// This worker's name (its certificate name).
     #[arg(long, default_value = "worker")]
     name: String,
@@ -148,7 +150,7 @@ async fn main() -> anyhow::Result<()> {
     // says first what it can tell without one.
     let identity = cli.identity.identity(Role::Worker, &cli.name)?;
     let cfg = ClientConfig {
-        coordinator: cli.coordinator.clone(),
+        coordinator: cli.identity.coordinator(cli.coordinator.as_deref()),
         identity,
         settings: TransportSettings {
             reconnect: cli.give_up_after.map(std::time::Duration::from_secs),

@@ -25,13 +25,17 @@ use edl_shared::Identity;
 use edl_shared::proto::Request;
 use edl_shared::shutdown::CancellationToken;
 use edl_shared::transport::{BoxFuture, CallError, Conn, TransportSettings, client_endpoint};
-use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
-};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::meta::{MetaStore, StoreError};
+
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+mod etcdserverpb;
+mod rpc;
+
+pub use rpc::Error;
+use rpc::{Etcd, RequestOp};
 
 /// How long one etcd request may take before it counts as failed.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
@@ -112,7 +116,7 @@ pub fn parse_url(url: &str) -> Result<Vec<String>, String> {
 /// A connection to the etcd cluster that keeps one component's state (`/edl/JOB/NAME/`).
 #[derive(Clone)]
 pub struct EtcdMeta {
-    client: Client,
+    client: Etcd,
     prefix: String,
     endpoints: Vec<String>,
 }
@@ -143,13 +147,7 @@ impl EtcdMeta {
         job: &str,
         component: &str,
     ) -> anyhow::Result<Self> {
-        let options = ConnectOptions::new()
-            .with_connect_timeout(REQUEST_TIMEOUT)
-            .with_timeout(REQUEST_TIMEOUT)
-            .with_keep_alive(Duration::from_secs(1), REQUEST_TIMEOUT)
-            .with_require_leader(true);
-        let client = Client::connect(endpoints.clone(), Some(options))
-            .await
+        let client = Etcd::connect(&endpoints, REQUEST_TIMEOUT)
             .map_err(|e| anyhow::anyhow!("etcd at {}: {e}", endpoints.join(",")))?;
         Ok(EtcdMeta {
             client,
@@ -173,33 +171,29 @@ impl EtcdMeta {
     /// The last term won (0 if none was), and the term key's mod revision (0 if absent). A
     /// value that is not a number is an error, not term 0: terms must never go back (shards
     /// refuse the orders of a term lower than one they saw).
-    async fn last_term(&self) -> Result<(u64, i64), etcd_client::Error> {
-        let resp = self.client.clone().get(self.term_key(), None).await?;
-        let Some(kv) = resp.kvs().first() else {
+    async fn last_term(&self) -> Result<(u64, i64), Error> {
+        let Some(kv) = self.client.get(self.term_key()).await? else {
             return Ok((0, 0));
         };
-        let value = String::from_utf8_lossy(kv.value());
+        let value = String::from_utf8_lossy(&kv.value);
         let term = value.parse().map_err(|_| {
-            etcd_client::Error::InvalidArgs(format!(
+            Error::Invalid(format!(
                 "{} holds {value:?}, not a term number",
                 self.term_key()
             ))
         })?;
-        Ok((term, kv.mod_revision()))
+        Ok((term, kv.mod_revision))
     }
 
     /// Who leads now (the leader key's value), if anyone.
-    pub async fn leader(&self) -> Result<Option<String>, etcd_client::Error> {
+    pub async fn leader(&self) -> Result<Option<String>, Error> {
         Ok(self.holder().await?.map(|(leader, _)| leader))
     }
 
     /// Who leads now, and the lease that keeps the key.
-    async fn holder(&self) -> Result<Option<(String, i64)>, etcd_client::Error> {
-        let resp = self.client.clone().get(self.leader_key(), None).await?;
-        Ok(resp
-            .kvs()
-            .first()
-            .map(|kv| (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease())))
+    async fn holder(&self) -> Result<Option<(String, i64)>, Error> {
+        let kv = self.client.get(self.leader_key()).await?;
+        Ok(kv.map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease)))
     }
 
     /// Campaigns until this component (advertised as `me`) leads, with a lease of `ttl`;
@@ -314,7 +308,7 @@ impl EtcdMeta {
 
     /// Revokes the lease of a leader found dead: its key goes at once.
     async fn revoke_dead(&self, leader: &str, lease: i64, why: &str) {
-        match self.client.clone().lease_revoke(lease).await {
+        match self.client.lease_revoke(lease).await {
             Ok(_) => warn!(%leader, "the leader {why}: revoked its lease; campaigning"),
             Err(e) => warn!(%leader, "the leader {why}, and revoking its lease failed: {e}"),
         }
@@ -325,7 +319,7 @@ impl EtcdMeta {
         &self,
         me: &str,
         ttl: Duration,
-    ) -> Result<Result<Leadership, (String, i64)>, etcd_client::Error> {
+    ) -> Result<Result<Leadership, (String, i64)>, Error> {
         // Who holds the key is read within a poll's time: a standby whose etcd does not answer
         // goes on probing the leader, which needs to hear from it (see `Prober`). (Taking the
         // key, below, is never cut short: a key taken unawares would stand for a whole TTL.)
@@ -334,50 +328,44 @@ impl EtcdMeta {
             Ok(Ok(None)) => {}
             Ok(Err(e)) => return Err(e),
             Err(_) => {
-                return Err(etcd_client::Error::IoError(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no answer within {} ms", POLL.as_millis()),
-                )));
+                return Err(Error::TimedOut(POLL));
             }
         }
         let (last, term_rev) = self.last_term().await?;
-        let mut client = self.client.clone();
+        let client = &self.client;
         let ttl_s = ttl.as_secs().max(1) as i64;
         let granted = tokio::time::Instant::now();
-        let lease = client.lease_grant(ttl_s, None).await?.id();
+        let lease = client.lease_grant(ttl_s).await?;
         let key = self.leader_key();
         let term = last + 1;
         // The key is taken and the term raised together, only if no one took the key and no
         // one won a term since the term was read.
-        let txn = Txn::new()
-            .when([
-                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-                Compare::mod_revision(self.term_key(), CompareOp::Equal, term_rev),
-            ])
-            .and_then([
-                TxnOp::put(key.clone(), me, Some(PutOptions::new().with_lease(lease))),
-                TxnOp::put(self.term_key(), term.to_string(), None),
-            ])
-            .or_else([TxnOp::get(key, None)]);
-        let resp = client.txn(txn).await?;
-        if !resp.succeeded() {
+        let resp = client
+            .txn(
+                vec![
+                    rpc::created_at(key.clone(), 0),
+                    rpc::modified_at(self.term_key(), term_rev),
+                ],
+                vec![
+                    rpc::put(key.clone(), me, lease),
+                    rpc::put(self.term_key(), term.to_string(), 0),
+                ],
+                vec![rpc::get(key)],
+            )
+            .await?;
+        if !resp.succeeded {
             // Lost the race; the lease is no use.
             let _ = client.lease_revoke(lease).await;
-            let holder = resp.op_responses().into_iter().find_map(|r| match r {
-                TxnOpResponse::Get(g) => g
-                    .kvs()
-                    .first()
-                    .map(|kv| (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease())),
-                _ => None,
-            });
+            let holder = rpc::first_read(&resp)
+                .map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease));
             return Ok(Err(holder.unwrap_or_default()));
         }
-        let fence = resp.header().map_or(0, |h| h.revision());
+        let fence = resp.header.map_or(0, |h| h.revision);
         let (lost, resigned) = (CancellationToken::new(), CancellationToken::new());
         // The lease was granted before the key was taken: it holds a TTL from then at least.
         let held = Arc::new(std::sync::Mutex::new(granted + ttl));
         tokio::spawn(keep_alive(
-            client,
+            client.clone(),
             lease,
             ttl,
             held.clone(),
@@ -395,9 +383,8 @@ impl EtcdMeta {
     }
 
     /// The state record, if one was written.
-    pub async fn load(&self) -> Result<Option<Vec<u8>>, etcd_client::Error> {
-        let resp = self.client.clone().get(self.state_key(), None).await?;
-        Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
+    pub async fn load(&self) -> Result<Option<Vec<u8>>, Error> {
+        Ok(self.client.get(self.state_key()).await?.map(|kv| kv.value))
     }
 
     /// The store a leader of `term` writes the state to.
@@ -413,7 +400,7 @@ impl EtcdMeta {
     /// Gives the lead up (at shutdown): the leader key goes at once, not after a TTL.
     pub async fn resign(&self, leadership: &Leadership) {
         leadership.resigned.cancel();
-        let _ = self.client.clone().lease_revoke(leadership.lease).await;
+        let _ = self.client.lease_revoke(leadership.lease).await;
     }
 }
 
@@ -421,7 +408,7 @@ impl EtcdMeta {
 /// `held` up to date; cancels `lost` once the lease may have expired: etcd answered that it
 /// has, or nothing got through for a whole TTL.
 async fn keep_alive(
-    mut client: Client,
+    client: Etcd,
     lease: i64,
     ttl: Duration,
     held: Arc<std::sync::Mutex<tokio::time::Instant>>,
@@ -448,14 +435,9 @@ async fn keep_alive(
                 .ok()
                 .and_then(Result::ok);
         }
-        if let Some((keeper, answers)) = stream.as_mut() {
-            let sent = tokio::time::Instant::now();
-            let beat = async {
-                keeper.keep_alive().await?;
-                answers.message().await
-            };
-            match tokio::time::timeout(REQUEST_TIMEOUT, beat).await {
-                Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
+        if let Some(keeper) = stream.as_mut() {
+            match tokio::time::timeout(REQUEST_TIMEOUT, keeper.beat()).await {
+                Ok(Ok(Some((sent, left)))) if left > 0 => {
                     let mut h = held.lock().unwrap_or_else(|p| p.into_inner());
                     *h = (*h).max(sent + ttl);
                 }
@@ -565,17 +547,14 @@ impl EtcdStore {
     /// The client's own timeout covers a request once a member's connection has it, not the
     /// wait for one: bounded here too, so that a request that hangs counts as failing (and
     /// training reports go on from memory) instead of holding every answer.
-    async fn as_leader(&self, ops: Vec<TxnOp>) -> Result<(), StoreError> {
+    async fn as_leader(&self, ops: Vec<RequestOp>) -> Result<(), StoreError> {
         let leader = self.meta.leader_key();
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                leader.clone(),
-                CompareOp::Equal,
-                self.fence,
-            )])
-            .and_then(ops)
-            .or_else([TxnOp::get(leader, None)]);
-        let resp = tokio::time::timeout(2 * REQUEST_TIMEOUT, self.meta.client.clone().txn(txn))
+        let txn = self.meta.client.txn(
+            vec![rpc::created_at(leader.clone(), self.fence)],
+            ops,
+            vec![rpc::get(leader)],
+        );
+        let resp = tokio::time::timeout(2 * REQUEST_TIMEOUT, txn)
             .await
             .map_err(|_| {
                 StoreError::Unavailable(format!(
@@ -584,18 +563,15 @@ impl EtcdStore {
                 ))
             })?
             .map_err(|e| StoreError::Unavailable(format!("etcd: {e}")))?;
-        if resp.succeeded() {
+        if resp.succeeded {
             return Ok(());
         }
-        let holder = resp.op_responses().into_iter().find_map(|r| match r {
-            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| {
-                format!(
-                    "{} leads since revision {}",
-                    String::from_utf8_lossy(kv.value()),
-                    kv.create_revision()
-                )
-            }),
-            _ => None,
+        let holder = rpc::first_read(&resp).map(|kv| {
+            format!(
+                "{} leads since revision {}",
+                String::from_utf8_lossy(&kv.value),
+                kv.create_revision
+            )
         });
         Err(StoreError::Fenced(format!(
             "the lead of term {} (won at revision {}) is lost ({})",
@@ -609,7 +585,7 @@ impl EtcdStore {
 impl MetaStore for EtcdStore {
     fn write(&self, record: Arc<[u8]>) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            let put = TxnOp::put(self.meta.state_key(), record.to_vec(), None);
+            let put = rpc::put(self.meta.state_key(), record.to_vec(), 0);
             self.as_leader(vec![put]).await
         })
     }

@@ -15,6 +15,10 @@ failed=()
 mkdir -p target
 export EDL_SKIP_LOG="$PWD/target/skipped-tests.log"
 : > "$EDL_SKIP_LOG"
+# Temporary files of the tests (and of the processes they start) go under target/, emptied at
+# each run: a run the tests keep on purpose (a failed run's logs) does not pile up in /tmp.
+export TMPDIR="$PWD/target/test-tmp"
+rm -rf "$TMPDIR" && mkdir -p "$TMPDIR"
 # The failover tests run Debian's etcd; the etcd client's generated code is checked against
 # ps/proto/etcd.proto with protoc (the build itself needs neither).
 if ! command -v protoc >/dev/null || ! command -v etcd >/dev/null; then
@@ -50,6 +54,8 @@ PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" 
 EDL_BIN_DIR="$PWD/target/debug" "$venv/bin/python" -m pytest -q -rs worker/python/tests \
   || failed+=("pytest worker/python/tests")
 
+left=$(find "$TMPDIR" -mindepth 1 -maxdepth 1 | wc -l)
+[ "$left" -eq 0 ] || echo "the tests left $left entries in $TMPDIR (removed at the next run)"
 if [ -s "$EDL_SKIP_LOG" ]; then
   echo "Rust tests skipped on this machine ($(wc -l < "$EDL_SKIP_LOG")):"
   sed 's/^/  /' "$EDL_SKIP_LOG"

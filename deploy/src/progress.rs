@@ -1,8 +1,9 @@
 //! Training progress for the person at the terminal: a live progress bar, or one plain line per
 //! finished epoch when the output is not a terminal (logs, CI) or the bar is turned off.
 //!
-//! Epochs count from 0, as `edlctl status`, the dashboard, the coordinator's API and the
-//! report do; the launcher says so by naming the range (`epoch 1 (of 0-2)`).
+//! Epochs are shown counted from 1 with the number of epochs (`epoch 2/3`), as `edlctl
+//! status` shows them; the coordinator's API, the JSON report and the dashboard's data number
+//! them from 0.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -174,9 +175,9 @@ enum Display {
     Lines { printed: usize },
 }
 
-/// How the launcher names epoch `e` of a job of `epochs`: counted from 0, with the range.
+/// How people are shown epoch `e` (numbered from 0) of a job of `epochs`: `epoch E+1/EPOCHS`.
 pub fn epoch_label(e: u32, epochs: u32) -> String {
-    format!("epoch {e} (of 0-{})", epochs.saturating_sub(1))
+    format!("epoch {}/{epochs}", e.saturating_add(1))
 }
 
 /// The progress display of one run.
@@ -188,6 +189,9 @@ pub struct Progress {
     began: Option<Instant>,
     /// When the latest epoch shown was seen complete.
     last_epoch: Option<Instant>,
+    /// The most workers seen active since the latest epoch shown (the workers of a finished
+    /// job have left by its last status).
+    peak_active: usize,
 }
 
 impl Progress {
@@ -212,6 +216,7 @@ impl Progress {
             rate: Rate::default(),
             began: None,
             last_epoch: None,
+            peak_active: 0,
         })
     }
 
@@ -233,6 +238,7 @@ impl Progress {
         if self.began.is_none() && (snap.active > 0 || snap.done > 0) {
             self.began = Some(at);
         }
+        self.peak_active = self.peak_active.max(snap.active);
         let printed = match &mut self.display {
             Display::Bar(pb) => {
                 pb.set_length(snap.total);
@@ -249,8 +255,9 @@ impl Progress {
                 took: at.saturating_duration_since(self.last_epoch.unwrap_or(began)),
                 training: at.saturating_duration_since(began),
             };
-            lines.push(epoch_line(e, snap.epochs, snap.active, rate, times));
+            lines.push(epoch_line(e, snap.epochs, self.peak_active, rate, times));
             self.last_epoch = Some(at);
+            self.peak_active = snap.active;
             *printed += 1;
         }
         lines
@@ -284,12 +291,16 @@ impl Progress {
 fn bar_message(s: &Snapshot, rate: Option<f64>) -> String {
     let mut msg = match s.epoch {
         Some(e) => epoch_label(e, s.epochs),
-        None => format!("epoch - (of 0-{})", s.epochs.saturating_sub(1)),
+        None => format!("epoch -/{}", s.epochs),
     };
     if let Some(loss) = s.loss {
         msg.push_str(&format!("  loss {loss:.4}"));
     }
-    msg.push_str(&format!("  {} workers", s.active));
+    msg.push_str(&format!(
+        "  {} {}",
+        s.active,
+        if s.active == 1 { "worker" } else { "workers" }
+    ));
     if let Some(r) = rate {
         msg.push_str(&format!("  {r:.0} samples/s"));
     }
@@ -305,10 +316,11 @@ struct EpochTimes {
     training: Duration,
 }
 
+/// An epoch's line; `workers`: the most seen active while it ran.
 fn epoch_line(
     e: &EpochStats,
     epochs: u32,
-    active: usize,
+    workers: usize,
     rate: Option<f64>,
     times: EpochTimes,
 ) -> String {
@@ -316,11 +328,12 @@ fn epoch_line(
     let rate = rate.map_or_else(|| "-".to_string(), |r| format!("{r:.0}"));
     format!(
         "{} done in {:.1} s ({:.1} s of training so far): {} samples, mean train loss {loss}, \
-         {active} workers active, {rate} samples/s",
+         {workers} {}, {rate} samples/s",
         epoch_label(e.epoch, epochs),
         times.took.as_secs_f64(),
         times.training.as_secs_f64(),
         e.samples,
+        if workers == 1 { "worker" } else { "workers" },
     )
 }
 
@@ -425,23 +438,23 @@ mod tests {
     }
 
     #[test]
-    fn epochs_count_from_0_and_lines_give_each_epoch_its_own_time() {
+    fn epochs_show_from_1_and_lines_give_each_epoch_its_own_time_and_workers() {
         let st = status(&[(100, 50.0), (40, 8.0), (0, 0.0)], 100, false);
         let s = Snapshot::of(&st);
         assert_eq!(
             bar_message(&s, Some(1234.4)),
-            "epoch 1 (of 0-2)  loss 0.2000  1 workers  1234 samples/s"
+            "epoch 2/3  loss 0.2000  1 worker  1234 samples/s"
         );
         let fresh = Snapshot::of(&status(&[(0, 0.0), (0, 0.0)], 100, false));
-        assert!(bar_message(&fresh, None).starts_with("epoch - (of 0-1)"));
+        assert!(bar_message(&fresh, None).starts_with("epoch -/2"));
         let times = EpochTimes {
             took: Duration::from_millis(4_140),
             training: Duration::from_millis(8_420),
         };
         assert_eq!(
             epoch_line(&st.epochs[1], 3, 2, Some(980.0), times),
-            "epoch 1 (of 0-2) done in 4.1 s (8.4 s of training so far): 40 samples, mean train \
-             loss 0.2000, 2 workers active, 980 samples/s"
+            "epoch 2/3 done in 4.1 s (8.4 s of training so far): 40 samples, mean train \
+             loss 0.2000, 2 workers, 980 samples/s"
         );
 
         // Each epoch's time runs from the previous one's end; the first's from the first
@@ -456,17 +469,20 @@ mod tests {
         );
         assert_eq!(one.len(), 1);
         assert!(
-            one[0].starts_with("epoch 0 (of 0-1) done in 3.0 s (3.0 s "),
+            one[0].starts_with("epoch 1/2 done in 3.0 s (3.0 s "),
             "{one:?}"
         );
-        let two = lines_at(
-            status(&[(100, 1.0), (100, 1.0)], 100, true),
-            t0 + Duration::from_secs(8),
-        );
+        // The job's end: its worker has left.
+        let mut end = status(&[(100, 1.0), (100, 1.0)], 100, true);
+        end.workers[0].state = WorkerState::Left;
+        let two = lines_at(end, t0 + Duration::from_secs(8));
         assert!(
-            two[0].starts_with("epoch 1 (of 0-1) done in 5.0 s (8.0 s "),
+            two[0].starts_with("epoch 2/2 done in 5.0 s (8.0 s "),
             "{two:?}"
         );
+        // The job is over and no worker is active any more: the line names the worker that
+        // trained the epoch, not the 0 active at the end.
+        assert!(two[0].contains(", 1 worker, "), "{two:?}");
     }
 
     #[test]

@@ -826,7 +826,7 @@ mod tests {
         let summary = report.to_string();
         assert!(summary.contains("test accuracy 0.8600"), "{summary}");
         assert!(
-            summary.contains("  epoch 0 (of 0-0): 60000 samples applied (0 duplicates, 0 missing"),
+            summary.contains("  epoch 1/1: 60000 samples applied (0 duplicates, 0 missing"),
             "{summary}"
         );
         assert!(

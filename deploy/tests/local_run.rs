@@ -157,24 +157,18 @@ fn edl_local_prints_each_epoch_with_its_own_time() {
 
     let lines: Vec<&str> = stderr.lines().filter(|l| l.contains(" done in ")).collect();
     assert_eq!(lines.len(), 2, "{stderr}");
-    assert!(
-        lines[0].starts_with("epoch 0 (of 0-1) done in "),
-        "{stderr}"
-    );
-    assert!(
-        lines[1].starts_with("epoch 1 (of 0-1) done in "),
-        "{stderr}"
-    );
+    assert!(lines[0].starts_with("epoch 1/2 done in "), "{stderr}");
+    assert!(lines[1].starts_with("epoch 2/2 done in "), "{stderr}");
     let (first, so_far) = epoch_times(lines[0]);
     assert_eq!(first, so_far, "{stderr}");
     let (second, total) = epoch_times(lines[1]);
     // Each time is rounded to a tenth of a second.
     assert!((first + second - total).abs() < 0.16, "{stderr}");
 
-    for e in 0..2 {
+    for e in 1..=2 {
         assert!(
             stdout.contains(&format!(
-                "  epoch {e} (of 0-1): 2048 samples applied (0 duplicates, 0 missing"
+                "  epoch {e}/2: 2048 samples applied (0 duplicates, 0 missing"
             )),
             "{stdout}"
         );

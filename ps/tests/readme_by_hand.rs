@@ -1,12 +1,12 @@
-//! The README's "Running the pieces by hand", run as written on loopback: every command of
-//! the section's shell blocks, in order, with the real `edl-ps` and `edlctl` binaries. Each
-//! `10.0.0.N:PORT` becomes a loopback port of its own, a server's `--listen 0.0.0.0:PORT` the
-//! address the others are told, and `/etc/edl` a temporary directory. A training
-//! `edl-worker` is this package's client library under the command's certificate (this
-//! package's tests do not build `edl-worker`, nor does every machine hold the data set); the
-//! evaluator is left out. The checks are what the section's comments promise: the job forms
-//! with the coordinator's `--shards`, the worker is admitted, and the shards end as the
-//! growing block says.
+//! The book's "Running the pieces by hand" (the section under that heading in
+//! `docs/src/running-by-hand.md`), run as written on loopback: every command of the section's
+//! shell blocks, in order, with the real `edl-ps` and `edlctl` binaries. Each `10.0.0.N:PORT`
+//! becomes a loopback port of its own, a server's `--listen 0.0.0.0:PORT` the address the
+//! others are told, and `/etc/edl` a temporary directory. A training `edl-worker` is this
+//! package's client library under the command's certificate (this package's tests do not build
+//! `edl-worker`, nor does every machine hold the data set); the evaluator is left out. The
+//! checks are what the section's comments promise: the job forms with the coordinator's
+//! `--shards`, the worker is admitted, and the shards end as the growing block says.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -34,14 +34,19 @@ impl Drop for Proc {
     }
 }
 
+/// The book's chapter that holds the section.
+const CHAPTER: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../docs/src/running-by-hand.md"
+);
+
 /// The section's text, up to the next section.
 fn section() -> String {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("reads README.md");
-    let start = readme
+    let chapter = std::fs::read_to_string(CHAPTER).expect("reads docs/src/running-by-hand.md");
+    let start = chapter
         .find("## Running the pieces by hand\n")
-        .expect("the section is in README.md");
-    let rest = &readme[start..];
+        .expect("the section is in docs/src/running-by-hand.md");
+    let rest = &chapter[start..];
     let end = rest[3..].find("\n## ").map_or(rest.len(), |i| i + 3);
     rest[..end].to_string()
 }

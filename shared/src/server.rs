@@ -74,8 +74,8 @@ pub trait Service: Send + Sync + 'static {
 }
 
 /// Limits a server enforces on its peers, so that no peer, authenticated or not, can make it
-/// hold unbounded memory or connections. Every limit is a named setting; see the README's
-/// "Limits" section.
+/// hold unbounded memory or connections. Every limit is a named setting; see docs/src/limits.md
+/// (the budgets' table: docs/src/reference.md).
 #[derive(Clone, Debug)]
 pub struct Budgets {
     /// Bytes of request frames (as their prefixes announce them) being received or handled

@@ -481,7 +481,7 @@ pub struct Options {
     /// Let crashes of the coordinator and of shards fall in the middle of a move, and
     /// partitions lose a shard's answer to the coordinator (so a move's outcome may be unknown
     /// to it). Off by default: a shard crashing during its own hand-off is known to break
-    /// (see the README's "Simulation").
+    /// (see docs/src/simulation.md).
     pub mid_move: bool,
     /// Return the coordinator's trace (steps and events, in its clock) in the report.
     pub trace: bool,

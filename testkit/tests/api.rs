@@ -37,7 +37,7 @@ fn fashion() -> anyhow::Result<Option<(ImageSet, ImageSet)>> {
     )))
 }
 
-/// The README's example: the two-layer model defined in worker/examples/two_layer.rs, on the
+/// The example of docs/src/bring-your-own-model.md: the two-layer model defined in worker/examples/two_layer.rs, on the
 /// job of deploy/jobs/two-layer.toml (one epoch of 12,000 samples, to keep CI quick), trained by
 /// two workers of the example's own loop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

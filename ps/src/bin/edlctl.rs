@@ -1080,8 +1080,10 @@ fn status_table(v: &StatusView) -> Table {
     row(
         "training loss",
         match (v.loss, v.epoch_loss) {
-            (Some(l), Some((e, el))) => format!("{l:.4} (last 10 s); epoch {e}: {el:.4}"),
-            (None, Some((e, el))) => format!("epoch {e}: {el:.4}"),
+            (Some(l), Some((e, el))) => {
+                format!("{l:.4} (last 10 s); epoch {}/{}: {el:.4}", e + 1, v.epochs)
+            }
+            (None, Some((e, el))) => format!("epoch {}/{}: {el:.4}", e + 1, v.epochs),
             (Some(l), None) => format!("{l:.4} (last 10 s)"),
             (None, None) => dash(),
         },

@@ -37,7 +37,7 @@ struct Cli {
     give_up: bool,
     /// Let coordinator and shard crashes fall in the middle of a range move, and partitions
     /// lose a shard's answer to the coordinator (a shard crashing during its own hand-off is
-    /// known to fail: see the README's "Simulation").
+    /// known to fail: see docs/src/simulation.md).
     #[arg(long)]
     mid_move: bool,
     /// The workers are the real client library (its Session in the trainer's loop) over

@@ -71,6 +71,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Loopback: large UDP datagrams, as edl-local sets them (README, Speed).
+    # Loopback: large UDP datagrams, as edl-local sets them (docs/src/benchmarks.md).
     os.environ.setdefault("EDL_DATAGRAM", "65000")
     main()

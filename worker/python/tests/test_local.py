@@ -5,6 +5,7 @@ a stop, the loopback datagram size, and what a failed run leaves behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,10 @@ def test_the_edl_command_checks_job_files_and_finds_the_binaries(tmp_path):
     out = subprocess.run([edl_command(), "check", bad], capture_output=True, text=True)
     assert out.returncode == 1, out
     assert 'unknown optimizer "lamb"' in out.stderr and "backtrace" not in out.stderr, out
+    # `python -m edl` is the same command, from any folder.
+    out = subprocess.run([sys.executable, "-m", "edl", "check", good], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert out.returncode == 0 and "[256, 4]" in out.stdout, out
 
 
 def test_a_refused_job_file_raises_the_checkers_own_message(make_cluster, tmp_path):
@@ -86,6 +91,7 @@ def test_a_server_that_exits_early_shows_its_log_which_is_kept(tmp_path):
     # A failed run keeps its logs (and only them).
     assert c.log("coordinator") and "--no-such-flag" in c.log("coordinator")
     assert [p.name for p in c.state_dir.iterdir()] == ["logs"]
+    shutil.rmtree(c.state_dir)  # kept for the user; the test leaves nothing behind
 
 
 def test_a_launcher_whose_workers_all_died_is_told_and_cleans_up(tmp_path):
@@ -102,6 +108,7 @@ def test_a_launcher_whose_workers_all_died_is_told_and_cleans_up(tmp_path):
     assert "w0 exited with 3" in msg and "no data here" in msg, msg
     assert [p.name for p in c.state_dir.iterdir()] == ["logs"]
     assert all(p.poll() is not None for p in c.procs.values())
+    shutil.rmtree(c.state_dir)
 
 
 def test_a_successful_run_removes_its_state_directory(tmp_path):

@@ -25,7 +25,7 @@ use edl_shared::{Role, telemetry};
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Cli {
-    /// The cluster file (TOML): slots, policy, shards per job; see the README.
+    /// The cluster file (TOML): slots, policy, shards per job; see docs/src/scheduler.md.
     #[arg(long)]
     cluster: PathBuf,
     /// Address to listen on (UDP, QUIC) for edlctl.

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The tests: the Rust workspace (`cargo test`), then the Python package's (worker/python/tests,
-# pytest), which drive the binaries that build just made. Installs what the Python tests need if
-# it is missing: Debian's python3-venv, NumPy, pytest and PyTorch (CPU); the package itself is
-# built from this checkout into a venv under target/ (reusing the test build: no second build
-# of the client crate). Every test binary and the Python tests run even where some fail; the
-# failures, and the tests that were skipped here (no dataset, GPU, browser...), are listed at
-# the end, and the exit status is 1 if anything failed.
+# The tests: the Rust workspace (`cargo nextest run`, or `cargo test` without nextest), then
+# the Python package's (worker/python/tests, pytest), which drive the binaries that build just
+# made. Installs what the Python tests need if it is missing: Debian's python3-venv, NumPy,
+# pytest and PyTorch (CPU); the package itself is built from this checkout into a venv under
+# target/ (reusing the test build: no second build of the client crate). Every test binary and
+# the Python tests run even where some fail; the failures, and the tests that were skipped here
+# (no dataset, GPU, browser...), are listed at the end, and the exit status is 1 if anything
+# failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +29,17 @@ if ! command -v protoc >/dev/null || ! command -v etcd >/dev/null; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq protobuf-compiler etcd-server
 fi
-cargo test --locked --workspace --no-fail-fast || failed+=("cargo test (the failing binaries are named above)")
+# With cargo-nextest installed, every test runs in a process of its own and tests of different
+# binaries side by side (.config/nextest.toml keeps the suites of whole real jobs one at a
+# time, and kills a test still running after 10 minutes); doc tests run apart (nextest does not
+# run them). Without it, `cargo test`.
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --locked --workspace --no-fail-fast \
+    || failed+=("cargo nextest run (the failing tests are named above)")
+  cargo test --locked --workspace --doc || failed+=("cargo test --doc")
+else
+  cargo test --locked --workspace --no-fail-fast || failed+=("cargo test (the failing binaries are named above)")
+fi
 
 py=/usr/bin/python3
 need=()

@@ -245,8 +245,16 @@ pub async fn run(plan: &Plan) -> anyhow::Result<Report> {
             let next: Option<Vec<Instant>> = commits
                 .iter()
                 .map(|c| {
-                    let t = c.lock().map(|t| t.last().map(|s| s.1)).ok().flatten()?;
-                    (t > killed).then_some(t)
+                    // The first step begun after the kill: one begun before may have been
+                    // answered by the killed coordinator (its answer in flight at the kill),
+                    // which measures no failover (it made this 0 ms under load).
+                    let steps = c.lock().ok()?;
+                    steps
+                        .iter()
+                        .rev()
+                        .take_while(|s| s.0 > killed)
+                        .last()
+                        .map(|s| s.1)
                 })
                 .collect();
             if let Some(next) = next {

@@ -322,3 +322,151 @@ async fn top_k_pushes_train_as_well_on_a_tenth_of_the_bytes() {
         "pulls changed {got:.4}x, not {want:.4}x"
     );
 }
+
+/// The book's reference page of `edl-local` is its `--help` (`EDL_BLESS=1` rewrites it).
+#[test]
+fn the_reference_page_of_edl_local_is_current() {
+    use edl_shared::docgen;
+    let page = docgen::cli_page(
+        std::path::Path::new(env!("CARGO_BIN_EXE_edl-local")),
+        "edl-local",
+        "Runs a whole job on this machine: a coordinator, shards and workers as processes, with \
+         a scenario of elastic events if given, and a report.",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let path = docgen::reference_dir(env!("CARGO_MANIFEST_DIR")).join("edl-local.md");
+    docgen::check(&path, &page).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The README's five-minute tour as written: every `$` command of its console blocks, run from
+/// the repository's root with `STATE` the state directory of a live local job, succeeds; so
+/// does the job, stopped afterwards with SIGTERM.
+#[test]
+fn the_readme_tour_runs_as_written() {
+    if !common::have_dataset() {
+        return;
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let start = readme
+        .find("## A five-minute tour\n")
+        .expect("the tour is in README.md");
+    let tour = &readme[start..];
+    let tour = &tour[..tour[3..].find("\n## ").map_or(tour.len(), |i| i + 3)];
+    let mut commands = Vec::new();
+    let mut console = false;
+    for line in tour.lines() {
+        match line.trim() {
+            "```console" => console = true,
+            "```" => console = false,
+            l if console => {
+                if let Some(c) = l.strip_prefix("$ ") {
+                    commands.push(c.to_string());
+                }
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        commands.len() >= 4,
+        "too few commands in the tour: {commands:?}"
+    );
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state");
+    let log = std::fs::File::create(dir.path().join("edl-local.log")).expect("log");
+    // A long job (the README's, with more epochs), stopped once the tour is done.
+    let mut job = std::process::Command::new(env!("CARGO_BIN_EXE_edl-local"))
+        .args(["--shards", "2", "--workers", "3", "--epochs", "20"])
+        .args(["--consistency", "ssp:2", "--no-http", "--no-progress"])
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--bin-dir")
+        .arg(common::bin_dir())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("starts edl-local");
+    let log_text = || std::fs::read_to_string(dir.path().join("edl-local.log")).unwrap_or_default();
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(state.join(edl_shared::cli::COORDINATOR_ADDR_FILE))
+        .map_or(true, |a| a.trim().is_empty())
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no coordinator address within 60 s:\n{}",
+            log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The tour runs while the job trains: its three workers are in.
+    loop {
+        let out = std::process::Command::new(common::bin_dir().join("edlctl"))
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--json", "workers"])
+            .env_remove("EDL_COORDINATOR")
+            .output()
+            .expect("runs edlctl");
+        let active = serde_json::from_slice::<Vec<serde_json::Value>>(&out.stdout)
+            .map_or(0, |ws| ws.iter().filter(|w| w["state"] == "active").count());
+        if active == 3 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "3 workers not active within 90 s ({active}):\n{}",
+            log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for command in &commands {
+        let words: Vec<String> = command
+            .split_whitespace()
+            .map(|w| w.replace("STATE", &state.display().to_string()))
+            .collect();
+        let out = std::process::Command::new(root.join(&words[0]))
+            .args(&words[1..])
+            .current_dir(&root)
+            .env_remove("EDL_COORDINATOR")
+            .output()
+            .unwrap_or_else(|e| panic!("{command}: {e}"));
+        assert!(
+            out.status.success(),
+            "{command}:\n{}\n{}\nthe job's log:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            log_text()
+        );
+    }
+    assert_eq!(
+        job.try_wait().expect("wait"),
+        None,
+        "the job ended early:\n{}",
+        log_text()
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(job.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let stopping = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = job.try_wait().expect("wait") {
+            break s;
+        }
+        if stopping.elapsed() > Duration::from_secs(60) {
+            let _ = job.kill();
+            panic!(
+                "edl-local did not stop within 60 s of SIGTERM:\n{}",
+                log_text()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        status.code().is_some(),
+        "edl-local was killed by a signal ({status}):\n{}",
+        log_text()
+    );
+}

@@ -199,3 +199,29 @@ fn a_client_makes_no_ca_and_says_what_to_check_when_it_cannot_connect() {
     let _ = coordinator.kill();
     let _ = coordinator.wait();
 }
+
+/// The book's reference pages of `edl-ps` and `edlctl` are their `--help` texts, every
+/// subcommand's included (`EDL_BLESS=1` rewrites them).
+#[test]
+fn the_reference_pages_of_edl_ps_and_edlctl_are_current() {
+    use edl_shared::docgen;
+    let dir = docgen::reference_dir(env!("CARGO_MANIFEST_DIR"));
+    for (bin, name, intro) in [
+        (
+            env!("CARGO_BIN_EXE_edl-ps"),
+            "edl-ps",
+            "The parameter-server processes (`coordinator`, `shard`), the cluster CA's commands \
+             and the job-file checker.",
+        ),
+        (
+            env!("CARGO_BIN_EXE_edlctl"),
+            "edlctl",
+            "The operator's view of a running job (and, with `job` and `slots`, of a \
+             scheduler's cluster).",
+        ),
+    ] {
+        let page = docgen::cli_page(std::path::Path::new(bin), name, intro)
+            .unwrap_or_else(|e| panic!("{e}"));
+        docgen::check(&dir.join(format!("{name}.md")), &page).unwrap_or_else(|e| panic!("{e}"));
+    }
+}

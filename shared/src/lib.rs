@@ -8,6 +8,7 @@
 pub mod cli;
 pub mod clock;
 pub mod contract;
+pub mod docgen;
 pub mod faults;
 #[cfg(feature = "observe")]
 pub mod http;

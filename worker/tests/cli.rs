@@ -98,3 +98,17 @@ fn a_signal_before_admission_exits_cleanly_and_promptly() {
     };
     assert!(status.success(), "{status:?}");
 }
+
+/// The book's reference page of `edl-worker` is its `--help` (`EDL_BLESS=1` rewrites it).
+#[test]
+fn the_reference_page_of_edl_worker_is_current() {
+    use edl_shared::docgen;
+    let page = docgen::cli_page(
+        std::path::Path::new(env!("CARGO_BIN_EXE_edl-worker")),
+        "edl-worker",
+        "The training worker of the built-in models (and the evaluator, `--evaluate`).",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let path = docgen::reference_dir(env!("CARGO_MANIFEST_DIR")).join("edl-worker.md");
+    docgen::check(&path, &page).unwrap_or_else(|e| panic!("{e}"));
+}

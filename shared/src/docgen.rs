@@ -1,0 +1,260 @@
+//! The book's reference pages (`docs/src/reference/`) are generated from the code that defines
+//! what they describe: a binary's `--help` (every subcommand's too), the wire's error codes, a
+//! server's budget flags. A test of the defining package renders each page and [`check`]s it
+//! against the committed file, so a flag or code changed without its page fails the tests;
+//! `EDL_BLESS=1` writes the page instead.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The book's reference folder, from a package's manifest folder (`CARGO_MANIFEST_DIR`; the
+/// workspace root is found by walking up to the folder holding `docs/`).
+pub fn reference_dir(manifest_dir: &str) -> PathBuf {
+    let mut dir = Path::new(manifest_dir);
+    while !dir.join("docs/src").is_dir() {
+        match dir.parent() {
+            Some(up) => dir = up,
+            None => return Path::new(manifest_dir).join("docs/src/reference"),
+        }
+    }
+    dir.join("docs/src/reference")
+}
+
+/// Compares the committed page at `path` with `generated`: `Err` says how to regenerate it if
+/// they differ. With `EDL_BLESS=1`, writes `generated` there instead.
+pub fn check(path: &Path, generated: &str) -> Result<(), String> {
+    if std::env::var("EDL_BLESS").as_deref() == Ok("1") {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
+        return std::fs::write(path, generated).map_err(|e| format!("{}: {e}", path.display()));
+    }
+    let committed = std::fs::read_to_string(path).unwrap_or_default();
+    if committed == generated {
+        return Ok(());
+    }
+    let line = committed
+        .lines()
+        .zip(generated.lines())
+        .position(|(a, b)| a != b)
+        .unwrap_or_else(|| committed.lines().count().min(generated.lines().count()))
+        + 1;
+    Err(format!(
+        "{} is not what the code generates (first difference at line {line}): run the test \
+         again with EDL_BLESS=1 to write it, and commit it",
+        path.display()
+    ))
+}
+
+/// A page of the `--help` of binary `bin` (named `name`) and of each of its subcommands, in
+/// order, each under its own heading.
+pub fn cli_page(bin: &Path, name: &str, intro: &str) -> Result<String, String> {
+    let mut out = format!(
+        "# `{name}`\n\n<!-- Generated from `{name} --help` by the tests (edl_shared::docgen); \
+         EDL_BLESS=1 rewrites it. -->\n\n{intro}\n"
+    );
+    let mut stack = vec![Vec::<String>::new()];
+    while let Some(path) = stack.pop() {
+        let help = help_of(bin, &path)?;
+        let title = std::iter::once(name.to_string())
+            .chain(path.iter().cloned())
+            .collect::<Vec<_>>()
+            .join(" ");
+        out.push_str(&format!(
+            "\n## `{title}`\n\n```text\n{}\n```\n",
+            help.trim_end()
+        ));
+        // Depth first, in the order the help lists them.
+        for sub in subcommands(&help).into_iter().rev() {
+            let mut p = path.clone();
+            p.push(sub);
+            stack.push(p);
+        }
+    }
+    Ok(out)
+}
+
+/// `bin SUB... --help`, with no EDL_ variable of the caller's shown as a value.
+fn help_of(bin: &Path, path: &[String]) -> Result<String, String> {
+    let mut cmd = Command::new(bin);
+    cmd.args(path).arg("--help");
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("EDL_") {
+            cmd.env_remove(k);
+        }
+    }
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", bin.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} {} --help failed: {}",
+            bin.display(),
+            path.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The subcommands a clap help text lists under `Commands:` (but `help`).
+fn subcommands(help: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut inside = false;
+    for line in help.lines() {
+        if line.trim_end() == "Commands:" {
+            inside = true;
+            continue;
+        }
+        if !inside {
+            continue;
+        }
+        if line.trim().is_empty() || !line.starts_with("  ") {
+            break;
+        }
+        // A listed command starts two spaces in; a wrapped description further.
+        if line[2..].starts_with(' ') {
+            continue;
+        }
+        if let Some(word) = line.split_whitespace().next()
+            && word != "help"
+        {
+            out.push(word.to_string());
+        }
+    }
+    out
+}
+
+/// The error-code page, from the `ErrorCode` enum's source (`proto/src/error.rs`: each
+/// variant, its number and its doc comment).
+pub fn error_codes_page(source: &str) -> Result<String, String> {
+    let body = source
+        .split_once("pub enum ErrorCode {")
+        .and_then(|(_, rest)| rest.split_once("\n}"))
+        .map(|(body, _)| body)
+        .ok_or("no `pub enum ErrorCode {` in the source")?;
+    let mut out = String::from(
+        "# Error codes\n\n<!-- Generated from proto/src/error.rs by the tests \
+         (edl_shared::docgen); EDL_BLESS=1 rewrites it. -->\n\n\
+         A request a server refuses gets one of these codes with a message; the numbers never \
+         change meaning (new codes are only appended). The client library's errors carry it \
+         (`code()`), the Python package's `edl.EdlError` has it in `.code`, and a server's \
+         `errors_total{code}` counts them.\n\n\
+         | code | name | meaning |\n|---|---|---|\n",
+    );
+    let mut doc = Vec::new();
+    for line in body.lines().map(str::trim) {
+        if let Some(d) = line.strip_prefix("///") {
+            doc.push(d.trim().to_string());
+        } else if let Some((name, number)) = line.trim_end_matches(',').split_once(" = ") {
+            let number: u16 = number
+                .parse()
+                .map_err(|_| format!("{name}: {number:?} is not a number"))?;
+            out.push_str(&format!(
+                "| {number} | `{name}` | {} |\n",
+                doc.join(" ").replace('|', "\\|")
+            ));
+            doc.clear();
+        }
+    }
+    Ok(out)
+}
+
+/// The process-contract page: the module documentation of `shared/src/contract.rs`.
+pub fn contract_page(source: &str) -> String {
+    let mut out = String::from(
+        "# The process contract
+
+<!-- Generated from the documentation of \
+         shared/src/contract.rs by the tests (edl_shared::docgen); EDL_BLESS=1 rewrites it. \
+         -->\n\n",
+    );
+    for line in source.lines().map_while(|l| l.strip_prefix("//!")) {
+        out.push_str(line.strip_prefix(' ').unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subcommands_are_read_from_a_clap_help() {
+        let help = "Usage: x <COMMAND>\n\nCommands:\n  coordinator  Run a coordinator\n  shard        \
+                    Run a shard: a long\n               description\n  help         Print this\n\n\
+                    Options:\n  -h, --help  Print help\n";
+        assert_eq!(subcommands(help), ["coordinator", "shard"]);
+    }
+
+    /// The wire's error codes, as `proto/src/error.rs` defines them; every number read from
+    /// the source decodes to the variant of that name.
+    #[test]
+    fn the_error_code_page_is_current() {
+        let source = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../proto/src/error.rs"
+        ))
+        .expect("proto/src/error.rs");
+        let page = error_codes_page(&source).expect("renders");
+        let mut rows = 0;
+        for row in page
+            .lines()
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| code"))
+        {
+            let cells: Vec<&str> = row.split(" | ").collect();
+            let number: u16 = cells[0].trim_start_matches("| ").parse().expect("a number");
+            let code = edl_proto::ErrorCode::from_u16(number).expect("a known code");
+            assert_eq!(format!("`{code:?}`"), cells[1], "{row}");
+            rows += 1;
+        }
+        assert!(rows >= 21, "{page}");
+        let path = reference_dir(env!("CARGO_MANIFEST_DIR")).join("error-codes.md");
+        check(&path, &page).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// The contract between a placer and a worker program, as `shared/src/contract.rs`
+    /// documents it.
+    #[test]
+    fn the_process_contract_page_is_current() {
+        let page = contract_page(include_str!("contract.rs"));
+        assert!(page.contains("| `EDL_COORDINATOR` |"), "{page}");
+        let path = reference_dir(env!("CARGO_MANIFEST_DIR")).join("process-contract.md");
+        check(&path, &page).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Every server's budget flags (`BudgetArgs`): flag, variable, default and help.
+    #[cfg(feature = "cli")]
+    #[test]
+    fn the_budget_page_is_current() {
+        use clap::Args;
+        let cmd = crate::cli::BudgetArgs::augment_args(clap::Command::new("budgets"));
+        let mut page = String::from(
+            "# Server budgets\n\n<!-- Generated from edl_shared::cli::BudgetArgs by the tests \
+             (edl_shared::docgen); EDL_BLESS=1 rewrites it. -->\n\n\
+             What any one peer, and all of them together, may make a server (coordinator, \
+             shard, scheduler) hold; each flag also reads its variable. See \
+             [Limits](../limits.md).\n\n| flag | variable | default | what it bounds |\n\
+             |---|---|---|---|\n",
+        );
+        for arg in cmd.get_arguments() {
+            let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+            page.push_str(&format!(
+                "| `--{}` | `{}` | {} | {} |\n",
+                arg.get_long().expect("a long flag"),
+                arg.get_env()
+                    .map(|e| e.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                arg.get_default_values()
+                    .iter()
+                    .map(|v| v.to_string_lossy().into_owned())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                help.replace('\n', " ").replace('|', "\\|"),
+            ));
+        }
+        let path = reference_dir(env!("CARGO_MANIFEST_DIR")).join("budgets.md");
+        check(&path, &page).unwrap_or_else(|e| panic!("{e}"));
+    }
+}

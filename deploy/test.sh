@@ -60,9 +60,10 @@ venv=target/py
 [ -x "$venv/bin/pip" ] || { rm -rf "$venv" && "$py" -m venv --system-site-packages "$venv"; }
 "$venv/bin/python" -c "import maturin" 2>/dev/null || "$venv/bin/pip" install -q "maturin>=1.7,<2"
 # (maturin's build backend runs the `maturin` program: the venv's bin goes first on PATH.)
-PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install -q --no-build-isolation \
-  --force-reinstall --no-deps ./worker/python
-EDL_BIN_DIR="$PWD/target/debug" "$venv/bin/python" -m pytest -q -rs worker/python/tests \
+# The wheel carries the programs the tests just built (edl_build_backend.py: EDL_WHEEL_BINS).
+PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" EDL_WHEEL_BINS="$PWD/target/debug" \
+  "$venv/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./worker/python
+EDL_BIN_DIR="$PWD/target/debug" "$venv/bin/python" -m pytest -q -rs --durations=10 worker/python/tests \
   || failed+=("pytest worker/python/tests")
 
 left=$(find "$TMPDIR" -mindepth 1 -maxdepth 1 | wc -l)

@@ -18,7 +18,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Benchmarks of EDL: transport, optimizer apply, scaling, elasticity, time to accuracy.
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "edl-bench", version)]
 struct Cli {
     /// Fewer repetitions: a check that everything runs, not a measurement.
     #[arg(long, global = true)]

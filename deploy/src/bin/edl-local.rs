@@ -19,7 +19,7 @@ use edl_worker::data::DEFAULT_DATA_DIR;
 /// then an evaluation of the trained model on the test set (Fashion-MNIST's unless --data-dir
 /// or the job file names other data).
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "edl-local", version)]
 struct Cli {
     /// Run this job file (TOML; examples in deploy/jobs/) instead of an MLP job described by
     /// the flags below: its model, optimizer, consistency, batch size, epochs, samples and

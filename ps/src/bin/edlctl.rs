@@ -14,7 +14,7 @@ use serde::Serialize;
 
 /// Inspect and steer a running EDL job.
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "edlctl", version)]
 struct Cli {
     /// The coordinator's address; with several coordinators of a job (`edl-ps coordinator
     /// --meta`), all of them separated by commas: requests go to whichever leads, and

@@ -16,7 +16,7 @@ use edl_testkit::dst;
 /// replication) and checks the consistency model, exactly-once data, float-exact counters on
 /// every copy, map epochs and that the job finishes.
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "edl-dst", version)]
 struct Cli {
     /// Run this seed.
     #[arg(long, conflicts_with = "seeds")]

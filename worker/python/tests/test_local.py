@@ -30,6 +30,7 @@ def test_binaries_are_found_where_cargo_install_puts_them(tmp_path, monkeypatch)
     (cargo / "bin").mkdir(parents=True)
     (cargo / "bin" / "edl-ps").symlink_to(real)
     monkeypatch.delenv("EDL_BIN_DIR")
+    monkeypatch.setattr(edl.local, "PACKAGE_BIN", tmp_path / "no-programs")
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setenv("CARGO_HOME", str(cargo))
     assert edl.local.find_binary("edl-ps") == cargo / "bin" / "edl-ps"
@@ -48,8 +49,22 @@ def test_a_missing_binary_says_how_to_get_it(monkeypatch):
     out = subprocess.run([edl_command(), "bin-dir"], capture_output=True, text=True,
                          env={**os.environ, "EDL_BIN_DIR": "/nowhere", "PATH": "/usr/bin:/bin",
                               "CARGO_HOME": "/nowhere"}, cwd="/")
-    # Run from / with nothing on the way: only this checkout's target folders are left.
-    assert out.returncode == 0 and Path(out.stdout.strip()).parts[-2] == "target", out
+    # Run from / with nothing else on the way: the programs the package carries.
+    assert out.returncode == 0 and Path(out.stdout.strip()) == edl.local.PACKAGE_BIN, out
+
+
+def test_the_installed_package_carries_its_programs(tmp_path):
+    # A venv with the wheel and nothing else: no EDL_BIN_DIR, no checkout on the way, another
+    # folder; the example job file's check and a job's servers come from the package's own.
+    for name in ("edl-ps", "edlctl", "edl-worker", "edl-local", "edl-sched"):
+        out = subprocess.run([edl.local.PACKAGE_BIN / name, "--version"], capture_output=True,
+                             text=True)
+        assert out.returncode == 0 and name in out.stdout, (name, out)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDL_")}
+    env.update(PATH="/usr/bin:/bin", CARGO_HOME=str(tmp_path / "nowhere"))
+    out = subprocess.run([sys.executable, "-m", "edl", "bin-dir"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and Path(out.stdout.strip()) == edl.local.PACKAGE_BIN, out
 
 
 def test_the_edl_command_checks_job_files_and_finds_the_binaries(tmp_path):

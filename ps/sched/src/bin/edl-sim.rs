@@ -18,7 +18,7 @@ use edl_sched::trace::{self, Columns};
 /// Replay a job trace (CSV: submission time, GPU count, duration per job) on a cluster of
 /// GPU slots under each scheduling policy.
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "edl-sim", version)]
 struct Cli {
     /// The trace, e.g. ps/sched/traces/elasticflow/cluster01.csv (the other ElasticFlow
     /// clusters are in elasticflow-traces.tar.gz beside it); several, comma-separated, are

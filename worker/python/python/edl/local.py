@@ -15,11 +15,10 @@ raised (`JobFileError`). Every process talks over loopback with 65000-byte QUIC 
 used to stop, cost a 1.2M-parameter CNN more than twice the time per pull and push). A run
 that fails keeps its logs and says where.
 
-The binaries (`edl-ps`, `edl-worker`, ...) are found in `$EDL_BIN_DIR`, on `$PATH`, in
-`$CARGO_HOME/bin` (`~/.cargo/bin`), where `cargo install` puts them, or in an EDL checkout's
-`target/release` or `target/debug` (this package's, or the working directory's). Install them
-from a checkout with `cargo install --path ps` (`edl-ps`, `edlctl`) and `cargo install --path
-worker` (`edl-worker`); `edl bin-dir` prints where they are found.
+The binaries (`edl-ps`, `edl-worker`, ...) are found in `$EDL_BIN_DIR`, in the package itself
+(`edl/_bin/`: the wheel carries them), on `$PATH`, in `$CARGO_HOME/bin` (`~/.cargo/bin`),
+where `cargo install` puts them, or in an EDL checkout's `target/release` or `target/debug`
+(this package's, or the working directory's); `edl bin-dir` prints where they are found.
 """
 
 from __future__ import annotations
@@ -45,6 +44,10 @@ _CRATES = {"edl-ps": "ps", "edlctl": "ps", "edl-worker": "worker", "edl-local": 
            "edl-sched": "ps/sched"}
 
 
+#: Where the wheel carries the programs (`pip install ./worker/python` builds them in).
+PACKAGE_BIN = Path(__file__).resolve().parent / "_bin"
+
+
 class JobFileError(ValueError):
     """A job file `edl-ps job check` refuses; the message is its own (file, line, field)."""
 
@@ -55,6 +58,8 @@ def _search_dirs() -> list[tuple[str, Path]]:
     env = os.environ.get("EDL_BIN_DIR")
     if env:
         out.append(("$EDL_BIN_DIR", Path(env)))
+    # The programs the wheel carries (edl_build_backend.py put them there).
+    out.append(("the package", PACKAGE_BIN))
     for d in os.environ.get("PATH", "").split(os.pathsep):
         if d:
             out.append(("$PATH", Path(d)))
@@ -74,8 +79,9 @@ def _search_dirs() -> list[tuple[str, Path]]:
 
 def find_binary(name: str) -> Path:
     """The EDL binary `name` (e.g. `edl-ps`, or `examples/two_layer` under a target folder):
-    from $EDL_BIN_DIR, $PATH, $CARGO_HOME/bin (~/.cargo/bin), or this checkout's (or the
-    working directory's) target/release and target/debug, in that order. FileNotFoundError
+    from $EDL_BIN_DIR, the package's own (`PACKAGE_BIN`), $PATH, $CARGO_HOME/bin
+    (~/.cargo/bin), or this checkout's (or the working directory's) target/release and
+    target/debug, in that order. FileNotFoundError
     says where it looked and how to get it."""
     looked = []
     for how, d in _search_dirs():

@@ -225,3 +225,53 @@ fn the_reference_pages_of_edl_ps_and_edlctl_are_current() {
         docgen::check(&dir.join(format!("{name}.md")), &page).unwrap_or_else(|e| panic!("{e}"));
     }
 }
+
+/// A newcomer's first tries: `edl-ps` and `edlctl` with no arguments, `edlctl status` with no
+/// cluster in sight. Each fails at once with a short answer that says what to give, and leaves
+/// nothing in the folder it ran in (no state directory, no CA).
+#[test]
+fn first_tries_get_short_answers_and_leave_nothing_behind() {
+    let cwd = tempfile::tempdir().expect("tempdir");
+    for (bin, args, want) in [
+        (
+            env!("CARGO_BIN_EXE_edl-ps"),
+            &[][..],
+            "Usage: edl-ps <COMMAND>",
+        ),
+        (
+            env!("CARGO_BIN_EXE_edlctl"),
+            &[][..],
+            "Usage: edlctl [OPTIONS] <COMMAND>",
+        ),
+        (
+            env!("CARGO_BIN_EXE_edlctl"),
+            &["status"][..],
+            "no cluster CA at edl-state/pki: a client joins an existing cluster; give the \
+             cluster's state directory (--state-dir",
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let out = Command::new(bin)
+            .args(args)
+            .current_dir(cwd.path())
+            .env_remove("EDL_STATE_DIR")
+            .env_remove("EDL_COORDINATOR")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bin} {args:?} succeeded");
+        assert!(err.contains(want), "{bin} {args:?}: {err}");
+        assert!(err.lines().count() <= 40, "{bin} {args:?}: {err}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{bin} {args:?} took {:?}",
+            started.elapsed()
+        );
+        let left: Vec<_> = std::fs::read_dir(cwd.path())
+            .expect("reads")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert!(left.is_empty(), "{bin} {args:?} left {left:?}");
+    }
+}

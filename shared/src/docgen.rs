@@ -224,6 +224,163 @@ mod tests {
         check(&path, &page).unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// The keys the job-file loader accepts, by table (and by kind where they depend on it),
+    /// read from its own answer to an unknown key.
+    fn loader_keys() -> Vec<(&'static str, Vec<String>)> {
+        const MLP: &str = "[model]\nkind = \"mlp\"\nlayers = [4, 3]\n";
+        let mut probes: Vec<(&str, String)> = vec![
+            ("", "[zzz_unknown]\n".into()),
+            ("[model]", format!("{MLP}zzz_unknown = 1\n")),
+            (
+                "[model]",
+                "[model]\nkind = \"logreg\"\nfeatures = 3\nzzz_unknown = 1\n".into(),
+            ),
+            ("[training]", format!("{MLP}[training]\nzzz_unknown = 1\n")),
+            ("[data]", format!("{MLP}[data]\nzzz_unknown = 1\n")),
+            ("[worker]", format!("{MLP}[worker]\nzzz_unknown = 1\n")),
+            (
+                "[[tensor]]",
+                "[model]\nkind = \"custom\"\n[[tensor]]\nname = \"w\"\nshape = [2]\n\
+                 zzz_unknown = 1\n"
+                    .into(),
+            ),
+        ];
+        for kind in ["sgd", "adam", "adamw", "adagrad", "rmsprop", "adadelta"] {
+            let optimizer = format!("{MLP}[optimizer]\nkind = \"{kind}\"\n");
+            probes.push(("[optimizer]", format!("{optimizer}zzz_unknown = 1\n")));
+            probes.push((
+                "[[optimizer.group]]",
+                format!("{optimizer}[[optimizer.group]]\ntensors = [\"*\"]\nzzz_unknown = 1\n"),
+            ));
+        }
+        for kind in [
+            "constant",
+            "step",
+            "multistep",
+            "exponential",
+            "cosine",
+            "linear",
+            "onecycle",
+        ] {
+            probes.push((
+                "[schedule]",
+                format!("{MLP}[schedule]\nkind = \"{kind}\"\nzzz_unknown = 1\n"),
+            ));
+        }
+        let mut out: Vec<(&str, Vec<String>)> = Vec::new();
+        for (table, text) in probes {
+            let err = crate::jobfile::parse_file(&text, Path::new("job.toml"))
+                .expect_err("an unknown key is refused")
+                .to_string();
+            let list = err
+                .split_once("expected one of ")
+                .or_else(|| err.split_once(" takes "))
+                .map(|(_, l)| l)
+                .unwrap_or_else(|| panic!("no key list in {err:?}"));
+            let keys: Vec<String> = list
+                .split(", ")
+                .map(|k| k.trim().trim_matches('`').to_string())
+                .collect();
+            match out.iter_mut().find(|(t, _)| *t == table) {
+                Some((_, all)) => all.extend(keys),
+                None => out.push((table, keys)),
+            }
+        }
+        // Keys the probes themselves use, which the answers take for granted: a group's
+        // tensors, and the kind of a model, optimizer or schedule.
+        for (table, key) in [
+            ("[[optimizer.group]]", "tensors"),
+            ("[model]", "kind"),
+            ("[optimizer]", "kind"),
+            ("[schedule]", "kind"),
+        ] {
+            if let Some((_, keys)) = out.iter_mut().find(|(t, _)| *t == table) {
+                keys.push(key.into());
+            }
+        }
+        out
+    }
+
+    /// The reference's job-file table names every key the loader accepts (the optimizer's and
+    /// the schedules' by kind), and its key column names no key the loader refuses.
+    #[test]
+    fn the_job_file_table_names_every_key_the_loader_takes() {
+        let reference = reference_dir(env!("CARGO_MANIFEST_DIR")).with_extension("md");
+        let text = std::fs::read_to_string(&reference).expect("docs/src/reference.md");
+        let section = text
+            .split_once("## Job files")
+            .map(|(_, s)| s.split("\n## ").next().unwrap_or(s))
+            .expect("a Job files section");
+        // Each table's rows, and the names its key column gives.
+        let mut rows: Vec<(String, String, Vec<String>)> = Vec::new();
+        for line in section.lines().filter(|l| l.starts_with("| ")).skip(1) {
+            let cells: Vec<&str> = line.split(" | ").collect();
+            let table = cells[0].trim_start_matches('|').trim().trim_matches('`');
+            if !table.is_empty() {
+                rows.push((table.to_string(), String::new(), Vec::new()));
+            }
+            let Some((_, all, named)) = rows.last_mut() else {
+                continue;
+            };
+            all.push_str(line);
+            named.extend(
+                cells
+                    .get(1)
+                    .unwrap_or(&"")
+                    .split('`')
+                    .skip(1)
+                    .step_by(2)
+                    .map(String::from),
+            );
+        }
+        let keys = loader_keys();
+        let mut missing = Vec::new();
+        for (table, accepted) in &keys {
+            if table.is_empty() {
+                // The top-level tables: each has rows.
+                for t in accepted {
+                    let wanted = if t == "tensor" {
+                        "[[tensor]]".to_string()
+                    } else {
+                        format!("[{t}]")
+                    };
+                    if !rows.iter().any(|(r, _, _)| *r == wanted) {
+                        missing.push(format!("table {wanted}"));
+                    }
+                }
+                continue;
+            }
+            let Some((_, all, _)) = rows.iter().find(|(r, _, _)| r == table) else {
+                missing.push(format!("table {table}"));
+                continue;
+            };
+            for k in accepted {
+                if !all.contains(&format!("`{k}`")) {
+                    missing.push(format!("{table} {k}"));
+                }
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "{} lacks what the loader accepts: {missing:?}",
+            reference.display()
+        );
+        for (table, _, named) in &rows {
+            let accepted = keys
+                .iter()
+                .find(|(t, _)| t == table)
+                .map(|(_, k)| k.clone())
+                .unwrap_or_default();
+            for k in named {
+                assert!(
+                    accepted.contains(k),
+                    "{}: {table} names `{k}`, which the loader refuses (it takes {accepted:?})",
+                    reference.display()
+                );
+            }
+        }
+    }
+
     /// Every server's budget flags (`BudgetArgs`): flag, variable, default and help.
     #[cfg(feature = "cli")]
     #[test]

@@ -381,6 +381,83 @@ mod tests {
         }
     }
 
+    /// The metric names the code registers (`metrics::counter("NAME", ...)` and the like,
+    /// anywhere in the workspace's sources), read from the source.
+    fn registered_metrics() -> Vec<(String, String)> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut files = Vec::new();
+        let mut dirs: Vec<PathBuf> = ["ps", "shared/src", "worker", "deploy/src", "testkit/src"]
+            .iter()
+            .map(|d| root.join(d))
+            .collect();
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).expect("reads a source folder") {
+                let path = entry.expect("an entry").path();
+                if path.is_dir() && !path.ends_with("vendor") && !path.ends_with("tests") {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs")
+                    && !path.ends_with("docgen.rs")
+                {
+                    files.push(path);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for file in files {
+            let text = std::fs::read_to_string(&file).expect("reads a source file");
+            for call in [
+                "counter(",
+                "gauge(",
+                "counters(",
+                "gauges(",
+                "histograms(",
+                "register(",
+            ] {
+                for (at, _) in text.match_indices(&format!("metrics::{call}")) {
+                    let rest = &text[at + "metrics::".len() + call.len()..];
+                    // The name: the first string literal of the call.
+                    let Some(open) = rest.find('"') else { continue };
+                    if rest[..open].contains(')') {
+                        continue;
+                    }
+                    let name = &rest[open + 1..];
+                    let name = &name[..name.find('"').unwrap_or(0)];
+                    if !name.is_empty() {
+                        out.push((name.to_string(), file.display().to_string()));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The reference's metrics table names every metric the code registers.
+    #[test]
+    fn the_metrics_table_names_every_metric_the_code_registers() {
+        let reference = reference_dir(env!("CARGO_MANIFEST_DIR")).with_extension("md");
+        let text = std::fs::read_to_string(&reference).expect("docs/src/reference.md");
+        let table = text
+            .split_once("## Prometheus metrics")
+            .map(|(_, s)| s.split("\n## ").next().unwrap_or(s))
+            .expect("a metrics section");
+        let metrics = registered_metrics();
+        assert!(metrics.len() >= 30, "{metrics:?}");
+        let missing: Vec<_> = metrics
+            .iter()
+            .filter(|(name, _)| {
+                !["`", "{"].iter().any(|end| {
+                    table.contains(&format!("`{name}{end}"))
+                        || table.contains(&format!("`{name}_total{end}"))
+                })
+            })
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{} lacks metrics the code registers: {missing:?}",
+            reference.display()
+        );
+    }
+
     /// Every server's budget flags (`BudgetArgs`): flag, variable, default and help.
     #[cfg(feature = "cli")]
     #[test]

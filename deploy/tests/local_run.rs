@@ -326,16 +326,14 @@ async fn top_k_pushes_train_as_well_on_a_tenth_of_the_bytes() {
 /// The book's reference page of `edl-local` is its `--help` (`EDL_BLESS=1` rewrites it).
 #[test]
 fn the_reference_page_of_edl_local_is_current() {
-    use edl_shared::docgen;
-    let page = docgen::cli_page(
-        std::path::Path::new(env!("CARGO_BIN_EXE_edl-local")),
+    let programs = [(
+        env!("CARGO_BIN_EXE_edl-local"),
         "edl-local",
         "Runs a whole job on this machine: a coordinator, shards and workers as processes, with \
          a scenario of elastic events if given, and a report.",
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let path = docgen::reference_dir(env!("CARGO_MANIFEST_DIR")).join("edl-local.md");
-    docgen::check(&path, &page).unwrap_or_else(|e| panic!("{e}"));
+    )];
+    edl_shared::docgen::check_cli_pages(env!("CARGO_MANIFEST_DIR"), &programs)
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// The README's five-minute tour as written: every `$` command of its console blocks, run from
@@ -348,11 +346,8 @@ fn the_readme_tour_runs_as_written() {
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
-    let start = readme
-        .find("## A five-minute tour\n")
-        .expect("the tour is in README.md");
-    let tour = &readme[start..];
-    let tour = &tour[..tour[3..].find("\n## ").map_or(tour.len(), |i| i + 3)];
+    let tour =
+        edl_shared::docgen::section(&readme, "A five-minute tour").expect("the tour in README.md");
     let mut commands = Vec::new();
     let mut console = false;
     for line in tour.lines() {
@@ -376,29 +371,28 @@ fn the_readme_tour_runs_as_written() {
     let state = dir.path().join("state");
     let log = std::fs::File::create(dir.path().join("edl-local.log")).expect("log");
     // A long job (the README's, with more epochs), stopped once the tour is done.
-    let mut job = std::process::Command::new(env!("CARGO_BIN_EXE_edl-local"))
-        .args(["--shards", "2", "--workers", "3", "--epochs", "20"])
-        .args(["--consistency", "ssp:2", "--no-http", "--no-progress"])
-        .arg("--state-dir")
-        .arg(&state)
-        .arg("--bin-dir")
-        .arg(common::bin_dir())
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("starts edl-local");
+    // Killed if the test fails before it stops the job.
+    let mut job = edl_testkit::procs::Proc(
+        std::process::Command::new(env!("CARGO_BIN_EXE_edl-local"))
+            .args(["--shards", "2", "--workers", "3", "--epochs", "20"])
+            .args(["--consistency", "ssp:2", "--no-http", "--no-progress"])
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--bin-dir")
+            .arg(common::bin_dir())
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("starts edl-local"),
+    );
     let log_text = || std::fs::read_to_string(dir.path().join("edl-local.log")).unwrap_or_default();
     let started = std::time::Instant::now();
-    while std::fs::read_to_string(state.join(edl_shared::cli::COORDINATOR_ADDR_FILE))
-        .map_or(true, |a| a.trim().is_empty())
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no coordinator address within 60 s:\n{}",
-            log_text()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let addr_file = state.join(edl_shared::cli::COORDINATOR_ADDR_FILE);
+    assert!(
+        edl_testkit::procs::wait_for_file(&addr_file, Duration::from_secs(60)).is_some(),
+        "no coordinator address within 60 s:\n{}",
+        log_text()
+    );
     // The tour runs while the job trains: its three workers are in.
     loop {
         let out = std::process::Command::new(common::bin_dir().join("edlctl"))
@@ -440,23 +434,22 @@ fn the_readme_tour_runs_as_written() {
         );
     }
     assert_eq!(
-        job.try_wait().expect("wait"),
+        job.0.try_wait().expect("wait"),
         None,
         "the job ended early:\n{}",
         log_text()
     );
     nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(job.id() as i32),
+        nix::unistd::Pid::from_raw(job.0.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     )
     .expect("SIGTERM");
     let stopping = std::time::Instant::now();
     let status = loop {
-        if let Some(s) = job.try_wait().expect("wait") {
+        if let Some(s) = job.0.try_wait().expect("wait") {
             break s;
         }
         if stopping.elapsed() > Duration::from_secs(60) {
-            let _ = job.kill();
             panic!(
                 "edl-local did not stop within 60 s of SIGTERM:\n{}",
                 log_text()

@@ -204,9 +204,7 @@ fn a_client_makes_no_ca_and_says_what_to_check_when_it_cannot_connect() {
 /// subcommand's included (`EDL_BLESS=1` rewrites them).
 #[test]
 fn the_reference_pages_of_edl_ps_and_edlctl_are_current() {
-    use edl_shared::docgen;
-    let dir = docgen::reference_dir(env!("CARGO_MANIFEST_DIR"));
-    for (bin, name, intro) in [
+    let programs = [
         (
             env!("CARGO_BIN_EXE_edl-ps"),
             "edl-ps",
@@ -219,11 +217,9 @@ fn the_reference_pages_of_edl_ps_and_edlctl_are_current() {
             "The operator's view of a running job (and, with `job` and `slots`, of a \
              scheduler's cluster).",
         ),
-    ] {
-        let page = docgen::cli_page(std::path::Path::new(bin), name, intro)
-            .unwrap_or_else(|e| panic!("{e}"));
-        docgen::check(&dir.join(format!("{name}.md")), &page).unwrap_or_else(|e| panic!("{e}"));
-    }
+    ];
+    edl_shared::docgen::check_cli_pages(env!("CARGO_MANIFEST_DIR"), &programs)
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// A newcomer's first tries: `edl-ps` and `edlctl` with no arguments, `edlctl status` with no

@@ -43,12 +43,9 @@ const CHAPTER: &str = concat!(
 /// The section's text, up to the next section.
 fn section() -> String {
     let chapter = std::fs::read_to_string(CHAPTER).expect("reads docs/src/running-by-hand.md");
-    let start = chapter
-        .find("## Running the pieces by hand\n")
-        .expect("the section is in docs/src/running-by-hand.md");
-    let rest = &chapter[start..];
-    let end = rest[3..].find("\n## ").map_or(rest.len(), |i| i + 3);
-    rest[..end].to_string()
+    edl_shared::docgen::section(&chapter, "Running the pieces by hand")
+        .expect("the section is in docs/src/running-by-hand.md")
+        .to_string()
 }
 
 /// The commands of the section's `sh` blocks, in order, as words: continued lines joined,

@@ -20,6 +20,28 @@ pub fn reference_dir(manifest_dir: &str) -> PathBuf {
     dir.join("docs/src/reference")
 }
 
+/// The book's reference chapter (`docs/src/reference.md`), which holds the hand-written tables
+/// the tests check.
+pub fn reference_chapter(manifest_dir: &str) -> PathBuf {
+    reference_dir(manifest_dir).with_extension("md")
+}
+
+/// The section of markdown `text` under the `## ` heading `heading` (the heading's text
+/// without `## `), up to the next `## ` heading.
+pub fn section<'t>(text: &'t str, heading: &str) -> Option<&'t str> {
+    let start = text.find(&format!("## {heading}\n"))?;
+    let rest = &text[start..];
+    Some(&rest[..rest[3..].find("\n## ").map_or(rest.len(), |i| i + 3)])
+}
+
+/// A generated page's title and the comment that says where it comes from.
+fn header(title: &str, source: &str) -> String {
+    format!(
+        "# {title}\n\n<!-- Generated from {source} by the tests (edl_shared::docgen); \
+         EDL_BLESS=1 rewrites it. -->\n\n"
+    )
+}
+
 /// Compares the committed page at `path` with `generated`: `Err` says how to regenerate it if
 /// they differ. With `EDL_BLESS=1`, writes `generated` there instead.
 pub fn check(path: &Path, generated: &str) -> Result<(), String> {
@@ -49,10 +71,7 @@ pub fn check(path: &Path, generated: &str) -> Result<(), String> {
 /// A page of the `--help` of binary `bin` (named `name`) and of each of its subcommands, in
 /// order, each under its own heading.
 pub fn cli_page(bin: &Path, name: &str, intro: &str) -> Result<String, String> {
-    let mut out = format!(
-        "# `{name}`\n\n<!-- Generated from `{name} --help` by the tests (edl_shared::docgen); \
-         EDL_BLESS=1 rewrites it. -->\n\n{intro}\n"
-    );
+    let mut out = header(&format!("`{name}`"), &format!("`{name} --help`")) + intro + "\n";
     let mut stack = vec![Vec::<String>::new()];
     while let Some(path) = stack.pop() {
         let help = help_of(bin, &path)?;
@@ -72,6 +91,17 @@ pub fn cli_page(bin: &Path, name: &str, intro: &str) -> Result<String, String> {
         }
     }
     Ok(out)
+}
+
+/// Checks the pages of programs `(binary, name, intro)` in the reference folder of the package
+/// at `manifest_dir` (see [`cli_page`] and [`check`]).
+pub fn check_cli_pages(manifest_dir: &str, programs: &[(&str, &str, &str)]) -> Result<(), String> {
+    let dir = reference_dir(manifest_dir);
+    for (bin, name, intro) in programs {
+        let page = cli_page(Path::new(bin), name, intro)?;
+        check(&dir.join(format!("{name}.md")), &page)?;
+    }
+    Ok(())
 }
 
 /// `bin SUB... --help`, with no EDL_ variable of the caller's shown as a value.
@@ -133,15 +163,12 @@ pub fn error_codes_page(source: &str) -> Result<String, String> {
         .and_then(|(_, rest)| rest.split_once("\n}"))
         .map(|(body, _)| body)
         .ok_or("no `pub enum ErrorCode {` in the source")?;
-    let mut out = String::from(
-        "# Error codes\n\n<!-- Generated from proto/src/error.rs by the tests \
-         (edl_shared::docgen); EDL_BLESS=1 rewrites it. -->\n\n\
-         A request a server refuses gets one of these codes with a message; the numbers never \
+    let mut out = header("Error codes", "proto/src/error.rs")
+        + "A request a server refuses gets one of these codes with a message; the numbers never \
          change meaning (new codes are only appended). The client library's errors carry it \
          (`code()`), the Python package's `edl.EdlError` has it in `.code`, and a server's \
          `errors_total{code}` counts them.\n\n\
-         | code | name | meaning |\n|---|---|---|\n",
-    );
+         | code | name | meaning |\n|---|---|---|\n";
     let mut doc = Vec::new();
     for line in body.lines().map(str::trim) {
         if let Some(d) = line.strip_prefix("///") {
@@ -162,12 +189,9 @@ pub fn error_codes_page(source: &str) -> Result<String, String> {
 
 /// The process-contract page: the module documentation of `shared/src/contract.rs`.
 pub fn contract_page(source: &str) -> String {
-    let mut out = String::from(
-        "# The process contract
-
-<!-- Generated from the documentation of \
-         shared/src/contract.rs by the tests (edl_shared::docgen); EDL_BLESS=1 rewrites it. \
-         -->\n\n",
+    let mut out = header(
+        "The process contract",
+        "the documentation of shared/src/contract.rs",
     );
     for line in source.lines().map_while(|l| l.strip_prefix("//!")) {
         out.push_str(line.strip_prefix(' ').unwrap_or(line));
@@ -305,12 +329,9 @@ mod tests {
     /// the schedules' by kind), and its key column names no key the loader refuses.
     #[test]
     fn the_job_file_table_names_every_key_the_loader_takes() {
-        let reference = reference_dir(env!("CARGO_MANIFEST_DIR")).with_extension("md");
+        let reference = reference_chapter(env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&reference).expect("docs/src/reference.md");
-        let section = text
-            .split_once("## Job files")
-            .map(|(_, s)| s.split("\n## ").next().unwrap_or(s))
-            .expect("a Job files section");
+        let section = section(&text, "Job files").expect("a Job files section");
         // Each table's rows, and the names its key column gives.
         let mut rows: Vec<(String, String, Vec<String>)> = Vec::new();
         for line in section.lines().filter(|l| l.starts_with("| ")).skip(1) {
@@ -434,12 +455,9 @@ mod tests {
     /// The reference's metrics table names every metric the code registers.
     #[test]
     fn the_metrics_table_names_every_metric_the_code_registers() {
-        let reference = reference_dir(env!("CARGO_MANIFEST_DIR")).with_extension("md");
+        let reference = reference_chapter(env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&reference).expect("docs/src/reference.md");
-        let table = text
-            .split_once("## Prometheus metrics")
-            .map(|(_, s)| s.split("\n## ").next().unwrap_or(s))
-            .expect("a metrics section");
+        let table = section(&text, "Prometheus metrics").expect("a metrics section");
         let metrics = registered_metrics();
         assert!(metrics.len() >= 30, "{metrics:?}");
         let missing: Vec<_> = metrics
@@ -464,14 +482,11 @@ mod tests {
     fn the_budget_page_is_current() {
         use clap::Args;
         let cmd = crate::cli::BudgetArgs::augment_args(clap::Command::new("budgets"));
-        let mut page = String::from(
-            "# Server budgets\n\n<!-- Generated from edl_shared::cli::BudgetArgs by the tests \
-             (edl_shared::docgen); EDL_BLESS=1 rewrites it. -->\n\n\
-             What any one peer, and all of them together, may make a server (coordinator, \
+        let mut page = header("Server budgets", "edl_shared::cli::BudgetArgs")
+            + "What any one peer, and all of them together, may make a server (coordinator, \
              shard, scheduler) hold; each flag also reads its variable. See \
              [Limits](../limits.md).\n\n| flag | variable | default | what it bounds |\n\
-             |---|---|---|---|\n",
-        );
+             |---|---|---|---|\n";
         for arg in cmd.get_arguments() {
             let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
             page.push_str(&format!(

@@ -15,6 +15,20 @@ pub fn skipped(what: &str, why: &str) {
     record(log.as_deref().map(std::path::Path::new), what, why);
 }
 
+/// A test cannot run here because `what_is_missing` is (a dataset, a program): a failure when
+/// the variable `require` is `1` (CI sets it where it installs the thing), else a skip
+/// ([`skipped`] of `part`, with `how` to get it).
+///
+/// # Panics
+/// When `require` is `1`.
+pub fn missing(require: &str, part: &str, what_is_missing: &str, how: &str) {
+    assert!(
+        std::env::var(require).as_deref() != Ok("1"),
+        "{what_is_missing} is missing and {require}=1: {how}"
+    );
+    skipped(part, &format!("{what_is_missing} is missing ({how})"));
+}
+
 /// [`skipped`] with the log's path given.
 fn record(log: Option<&std::path::Path>, what: &str, why: &str) {
     let thread = std::thread::current();

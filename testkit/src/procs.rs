@@ -29,6 +29,23 @@ impl Drop for Proc {
     }
 }
 
+/// The text of the file at `path` (an address a process writes once it listens), trimmed, once
+/// it is there and not empty; `None` if it is not within `limit`.
+pub fn wait_for_file(path: &Path, limit: std::time::Duration) -> Option<String> {
+    let started = std::time::Instant::now();
+    loop {
+        if let Ok(s) = std::fs::read_to_string(path)
+            && !s.trim().is_empty()
+        {
+            return Some(s.trim().to_string());
+        }
+        if started.elapsed() >= limit {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// Starts `edl-ps ARGS --state-dir STATE` from beside the test, its log in `STATE/LOG`.
 pub fn spawn(args: &[&str], state: &Path, log: &str) -> Proc {
     spawn_from(&bin("edl-ps"), args, state, log).expect("edl-ps starts")

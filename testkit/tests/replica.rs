@@ -24,20 +24,8 @@ const PARTITION: u32 = 40;
 const BATCH: u32 = 4;
 
 fn wait_for_file(path: &Path) -> anyhow::Result<String> {
-    let t = Instant::now();
-    loop {
-        if let Ok(s) = std::fs::read_to_string(path)
-            && !s.is_empty()
-        {
-            return Ok(s);
-        }
-        anyhow::ensure!(
-            t.elapsed() < Duration::from_secs(20),
-            "{} never appeared",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    edl_testkit::procs::wait_for_file(path, Duration::from_secs(20))
+        .ok_or_else(|| anyhow::anyhow!("{} never appeared", path.display()))
 }
 
 /// The times at which pushes were acknowledged (since the start), and how many.

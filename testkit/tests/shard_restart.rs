@@ -17,20 +17,8 @@ use edl_testkit::procs::{Proc, bin, free_port, spawn};
 use edl_worker::{ClientConfig, Job};
 
 fn wait_for_file(path: &Path) -> String {
-    let t = Instant::now();
-    loop {
-        if let Ok(s) = std::fs::read_to_string(path)
-            && !s.is_empty()
-        {
-            return s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "{} never appeared",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    edl_testkit::procs::wait_for_file(path, Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("{} never appeared", path.display()))
 }
 
 /// A coordinator for a 4-4 MLP (20 floats: 5 keys of 4) trained with SGD at rate 1, so that a

@@ -45,9 +45,11 @@ fn a_missing_dataset_is_a_clear_error() {
 fn a_signal_before_admission_exits_cleanly_and_promptly() {
     let data = std::path::Path::new(edl_worker::data::DEFAULT_DATA_DIR);
     if !data.exists() {
-        edl_shared::skip::skipped(
+        edl_shared::skip::missing(
+            "EDL_REQUIRE_DATA",
             "",
-            "dataset not installed (apt-get install dataset-fashion-mnist)",
+            edl_worker::data::DEFAULT_DATA_DIR,
+            "apt-get install dataset-fashion-mnist",
         );
         return;
     }
@@ -102,13 +104,11 @@ fn a_signal_before_admission_exits_cleanly_and_promptly() {
 /// The book's reference page of `edl-worker` is its `--help` (`EDL_BLESS=1` rewrites it).
 #[test]
 fn the_reference_page_of_edl_worker_is_current() {
-    use edl_shared::docgen;
-    let page = docgen::cli_page(
-        std::path::Path::new(env!("CARGO_BIN_EXE_edl-worker")),
+    let programs = [(
+        env!("CARGO_BIN_EXE_edl-worker"),
         "edl-worker",
         "The training worker of the built-in models (and the evaluator, `--evaluate`).",
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let path = docgen::reference_dir(env!("CARGO_MANIFEST_DIR")).join("edl-worker.md");
-    docgen::check(&path, &page).unwrap_or_else(|e| panic!("{e}"));
+    )];
+    edl_shared::docgen::check_cli_pages(env!("CARGO_MANIFEST_DIR"), &programs)
+        .unwrap_or_else(|e| panic!("{e}"));
 }

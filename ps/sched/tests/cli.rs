@@ -170,9 +170,7 @@ fn fifo_and_tiresias_match_the_published_simulators() {
 /// (`EDL_BLESS=1` rewrites them).
 #[test]
 fn the_reference_pages_of_edl_sched_and_edl_sim_are_current() {
-    use edl_shared::docgen;
-    let dir = docgen::reference_dir(env!("CARGO_MANIFEST_DIR"));
-    for (bin, name, intro) in [
+    let programs = [
         (
             env!("CARGO_BIN_EXE_edl-sched"),
             "edl-sched",
@@ -183,9 +181,7 @@ fn the_reference_pages_of_edl_sched_and_edl_sim_are_current() {
             "edl-sim",
             "The cluster simulator: replays a trace under the scheduler's policies.",
         ),
-    ] {
-        let page = docgen::cli_page(std::path::Path::new(bin), name, intro)
-            .unwrap_or_else(|e| panic!("{e}"));
-        docgen::check(&dir.join(format!("{name}.md")), &page).unwrap_or_else(|e| panic!("{e}"));
-    }
+    ];
+    edl_shared::docgen::check_cli_pages(env!("CARGO_MANIFEST_DIR"), &programs)
+        .unwrap_or_else(|e| panic!("{e}"));
 }

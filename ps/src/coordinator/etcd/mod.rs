@@ -192,8 +192,7 @@ impl EtcdMeta {
 
     /// Who leads now, and the lease that keeps the key.
     async fn holder(&self) -> Result<Option<(String, i64)>, Error> {
-        let kv = self.client.get(self.leader_key()).await?;
-        Ok(kv.map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease)))
+        Ok(self.client.get(self.leader_key()).await?.map(holder_of))
     }
 
     /// Campaigns until this component (advertised as `me`) leads, with a lease of `ttl`;
@@ -356,8 +355,7 @@ impl EtcdMeta {
         if !resp.succeeded {
             // Lost the race; the lease is no use.
             let _ = client.lease_revoke(lease).await;
-            let holder = rpc::first_read(&resp)
-                .map(|kv| (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease));
+            let holder = rpc::first_read(&resp).cloned().map(holder_of);
             return Ok(Err(holder.unwrap_or_default()));
         }
         let fence = resp.header.map_or(0, |h| h.revision);
@@ -402,6 +400,11 @@ impl EtcdMeta {
         leadership.resigned.cancel();
         let _ = self.client.lease_revoke(leadership.lease).await;
     }
+}
+
+/// Who a leader key names, and the lease that keeps it.
+fn holder_of(kv: etcdserverpb::KeyValue) -> (String, i64) {
+    (String::from_utf8_lossy(&kv.value).into_owned(), kv.lease)
 }
 
 /// Keeps the leader's lease alive, [`KEEP_ALIVE_EVERY`] (or a third of its TTL) apart, and

@@ -188,21 +188,29 @@ impl KeepAlive {
 
 /// Holds if `key` was created at revision `rev` (0: the key does not exist).
 pub fn created_at(key: impl Into<Vec<u8>>, rev: i64) -> Compare {
-    Compare {
-        result: compare::CompareResult::Equal.into(),
-        target: compare::CompareTarget::Create.into(),
-        key: key.into(),
-        target_union: Some(compare::TargetUnion::CreateRevision(rev)),
-    }
+    equal(key, compare::TargetUnion::CreateRevision(rev))
 }
 
 /// Holds if `key` was last modified at revision `rev` (0: the key does not exist).
 pub fn modified_at(key: impl Into<Vec<u8>>, rev: i64) -> Compare {
+    equal(key, compare::TargetUnion::ModRevision(rev))
+}
+
+/// Holds if `key`'s field that `value` names equals it.
+fn equal(key: impl Into<Vec<u8>>, value: compare::TargetUnion) -> Compare {
+    use compare::{CompareTarget, TargetUnion};
+    let target = match value {
+        TargetUnion::Version(_) => CompareTarget::Version,
+        TargetUnion::CreateRevision(_) => CompareTarget::Create,
+        TargetUnion::ModRevision(_) => CompareTarget::Mod,
+        TargetUnion::Value(_) => CompareTarget::Value,
+        TargetUnion::Lease(_) => CompareTarget::Lease,
+    };
     Compare {
         result: compare::CompareResult::Equal.into(),
-        target: compare::CompareTarget::Mod.into(),
+        target: target.into(),
         key: key.into(),
-        target_union: Some(compare::TargetUnion::ModRevision(rev)),
+        target_union: Some(value),
     }
 }
 
@@ -252,11 +260,12 @@ mod tests {
         .output()
         .is_ok_and(|o| o.status.success());
         if !has_protoc {
-            assert!(
-                std::env::var("EDL_REQUIRE_PROTOC").as_deref() != Ok("1"),
-                "protoc is missing (EDL_REQUIRE_PROTOC=1): install protobuf-compiler"
+            edl_shared::skip::missing(
+                "EDL_REQUIRE_PROTOC",
+                "",
+                "protoc",
+                "apt-get install protobuf-compiler",
             );
-            edl_shared::skip::skipped("", "no protoc to regenerate the etcd client's code with");
             return;
         }
         let out = tempfile::tempdir().expect("temp dir");
@@ -273,16 +282,6 @@ mod tests {
             .expect("rustfmt runs");
         assert!(fmt.success(), "rustfmt failed on the generated code");
         let fresh = std::fs::read_to_string(&generated).expect("generated code");
-        if std::env::var("EDL_BLESS").as_deref() == Ok("1") {
-            std::fs::write(&committed, &fresh).expect("write the generated code");
-            return;
-        }
-        let old = std::fs::read_to_string(&committed).unwrap_or_default();
-        assert!(
-            old == fresh,
-            "{} is not what ps/proto/etcd.proto generates: \
-             EDL_BLESS=1 cargo test -p edl-ps generated_code_matches_the_proto",
-            committed.display()
-        );
+        edl_shared::docgen::check(&committed, &fresh).unwrap_or_else(|e| panic!("{e}"));
     }
 }

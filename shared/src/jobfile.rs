@@ -58,13 +58,14 @@ use edl_proto::{
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Unexpected, Visitor};
 use toml::Spanned;
-use toml::de::{DeTable, DeValue};
 
 use crate::libsvm;
 use crate::units::human_bytes;
 
+mod spans;
 mod worker;
 
+pub use spans::line_of;
 pub use worker::{MAX_GPUS, WorkerSpec};
 
 /// The settings a job takes when its file (or `edl-ps coordinator`'s and `edl-local`'s flags,
@@ -480,12 +481,7 @@ struct Cx<'a> {
 impl Cx<'_> {
     /// The 1-based line holding byte `offset`.
     fn line(&self, offset: usize) -> usize {
-        let end = offset.min(self.text.len());
-        self.text.as_bytes()[..end]
-            .iter()
-            .filter(|&&b| b == b'\n')
-            .count()
-            + 1
+        spans::line_at(self.text, offset)
     }
 
     fn err(&self, span: Range<usize>, field: &str, message: impl Into<String>) -> JobFileError {
@@ -508,7 +504,9 @@ impl Cx<'_> {
         let missing = message
             .strip_prefix("missing field `")
             .and_then(|rest| rest.strip_suffix('`'));
-        let found = span.as_ref().and_then(|s| field_at(self.text, s.start));
+        let found = span
+            .as_ref()
+            .and_then(|s| spans::field_at(self.text, s.start));
         let (line, field) = match (span, missing) {
             // A field missing from the top level has an empty span at the start of the file.
             (Some(s), Some(name)) if s.is_empty() && s.start == 0 => (None, name.to_owned()),
@@ -1181,73 +1179,6 @@ fn fan_init(kind: &str, shape: &[u32]) -> Option<Init> {
         _ => return None,
     };
     Some(init)
-}
-
-/// The dotted path of the innermost key or value whose span holds byte `offset`, found in the
-/// spanned document (as much of it as parses).
-/// The 1-based line of `field` (dotted: `data.train`) in a job file's `text`, if it is there.
-pub fn line_of(text: &str, field: &str) -> Option<usize> {
-    let (root, _) = DeTable::parse_recoverable(text);
-    let mut parts = field.split('.');
-    let first = parts.next()?;
-    let (mut key, mut value) = root.get_ref().get_key_value(first)?;
-    for part in parts {
-        let DeValue::Table(t) = value.get_ref() else {
-            return None;
-        };
-        (key, value) = t.get_key_value(part)?;
-    }
-    let cx = Cx {
-        text,
-        path: Path::new(""),
-    };
-    Some(cx.line(key.span().start))
-}
-
-fn field_at(text: &str, offset: usize) -> Option<String> {
-    let (root, _) = DeTable::parse_recoverable(text);
-    let mut best: Option<(usize, String)> = None;
-    visit_table(root.get_ref(), "", offset, &mut best);
-    best.map(|(_, path)| path)
-}
-
-fn consider(span: Range<usize>, path: &str, offset: usize, best: &mut Option<(usize, String)>) {
-    let holds = span.contains(&offset) || (span.is_empty() && span.start == offset);
-    if holds && best.as_ref().is_none_or(|(len, _)| span.len() <= *len) {
-        *best = Some((span.len(), path.to_owned()));
-    }
-}
-
-fn visit_table(t: &DeTable<'_>, prefix: &str, offset: usize, best: &mut Option<(usize, String)>) {
-    for (k, v) in t.iter() {
-        let path = if prefix.is_empty() {
-            k.get_ref().to_string()
-        } else {
-            format!("{prefix}.{}", k.get_ref())
-        };
-        consider(k.span(), &path, offset, best);
-        consider(v.span(), &path, offset, best);
-        visit_value(v, &path, offset, best);
-    }
-}
-
-fn visit_value(
-    v: &Spanned<DeValue<'_>>,
-    path: &str,
-    offset: usize,
-    best: &mut Option<(usize, String)>,
-) {
-    match v.get_ref() {
-        DeValue::Table(t) => visit_table(t, path, offset, best),
-        DeValue::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                let path = format!("{path}[{i}]");
-                consider(item.span(), &path, offset, best);
-                visit_value(item, &path, offset, best);
-            }
-        }
-        _ => {}
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

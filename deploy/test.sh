@@ -33,8 +33,11 @@ fi
 # binaries side by side (.config/nextest.toml keeps the suites of whole real jobs one at a
 # time, and kills a test still running after 10 minutes); doc tests run apart (nextest does not
 # run them). Without it, `cargo test`.
+# The book's Python chapter (deploy/tests/book.rs) runs in the venv made below, after the
+# Python tests.
+book_python='binary(book) & test(=python)'
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --locked --workspace --no-fail-fast \
+  cargo nextest run --locked --workspace --no-fail-fast -E "not ($book_python)" \
     || failed+=("cargo nextest run (the failing tests are named above)")
   cargo test --locked --workspace --doc || failed+=("cargo test --doc")
 else
@@ -47,6 +50,8 @@ need=()
 "$py" -c "import numpy" 2>/dev/null || need+=(python3-numpy)
 "$py" -c "import pytest" 2>/dev/null || need+=(python3-pytest)
 "$py" -c "import torch" 2>/dev/null || need+=(python3-torch)
+# Without OpenBLAS, Debian's PyTorch and NumPy use the reference BLAS (docs/src/python.md).
+dpkg -s libopenblas0 >/dev/null 2>&1 || need+=(libopenblas0)
 if [ ${#need[@]} -gt 0 ]; then
   echo "the Python tests need ${need[*]}: installing" >&2
   sudo=""
@@ -65,6 +70,14 @@ PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" EDL_WHEEL_BINS="
   "$venv/bin/pip" install -q --no-build-isolation --force-reinstall --no-deps ./worker/python
 EDL_BIN_DIR="$PWD/target/debug" "$venv/bin/python" -m pytest -q -rs --durations=10 worker/python/tests \
   || failed+=("pytest worker/python/tests")
+# The book's Python chapter, its .venv this venv.
+if cargo nextest --version >/dev/null 2>&1; then
+  EDL_BOOK_VENV="$venv" cargo nextest run --locked --workspace --no-fail-fast -E "$book_python" \
+    || failed+=("the book's Python chapter (deploy/tests/book.rs)")
+else
+  EDL_BOOK_VENV="$venv" cargo test --locked --workspace --test book -- --exact python \
+    || failed+=("the book's Python chapter (deploy/tests/book.rs)")
+fi
 
 left=$(find "$TMPDIR" -mindepth 1 -maxdepth 1 | wc -l)
 [ "$left" -eq 0 ] || echo "the tests left $left entries in $TMPDIR (removed at the next run)"

@@ -336,7 +336,8 @@ fn the_reference_page_of_edl_local_is_current() {
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
-/// The README's five-minute tour as written: every `$` command of its console blocks, run from
+/// The README's five-minute tour as written (and Getting started's): every `$` command of their
+/// console blocks, run from
 /// the repository's root with `STATE` the state directory of a live local job, succeeds; so
 /// does the job, stopped afterwards with SIGTERM.
 #[test]
@@ -348,14 +349,19 @@ fn the_readme_tour_runs_as_written() {
     let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
     let tour =
         edl_shared::docgen::section(&readme, "A five-minute tour").expect("the tour in README.md");
-    let mut commands = Vec::new();
+    // Getting started (docs/src/getting-started.md) walks the same tour: its commands too.
+    let book = std::fs::read_to_string(root.join("docs/src/getting-started.md"))
+        .expect("docs/src/getting-started.md");
+    let mut commands: Vec<String> = Vec::new();
     let mut console = false;
-    for line in tour.lines() {
+    for line in tour.lines().chain(book.lines()) {
         match line.trim() {
             "```console" => console = true,
             "```" => console = false,
             l if console => {
-                if let Some(c) = l.strip_prefix("$ ") {
+                if let Some(c) = l.strip_prefix("$ ")
+                    && !commands.iter().any(|have| have == c)
+                {
                     commands.push(c.to_string());
                 }
             }

@@ -16,6 +16,18 @@ use serde::Serialize;
 #[derive(Parser, Debug)]
 #[command(name = "edlctl", version)]
 struct Cli {
+    #[command(flatten)]
+    to: Reach,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+/// Whom edlctl asks, and as whom.
+#[derive(clap::Args, Debug)]
+struct Reach {
     /// The coordinator's address; with several coordinators of a job (`edl-ps coordinator
     /// --meta`), all of them separated by commas: requests go to whichever leads, and
     /// `status` shows which leads and which stand by. [default: the address in
@@ -25,16 +37,75 @@ struct Cli {
     /// The cluster scheduler's address (`edl-sched`), for `job` and `slots`.
     #[arg(long, env = "EDL_SCHEDULER", default_value = "127.0.0.1:7080")]
     scheduler: String,
-    /// Print JSON instead of tables.
-    #[arg(long, global = true)]
-    json: bool,
     /// Certificate name to use (an admin certificate `admin/NAME` from the state directory).
     #[arg(long, default_value = "edlctl")]
     name: String,
+    /// How long to keep trying to reach the coordinator (or the scheduler): one just started
+    /// may not have written its certificate or its address yet, e.g. `edlctl --state-dir S
+    /// --connect-timeout 60s status` after `edl-local --state-dir S &`. [default: one try]
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    connect_timeout: Option<std::time::Duration>,
     #[command(flatten)]
     identity: IdentityArgs,
-    #[command(subcommand)]
-    cmd: Cmd,
+}
+
+/// What edlctl talks to.
+#[derive(Clone, Copy)]
+enum Peer {
+    Coordinator,
+    Scheduler,
+}
+
+impl Reach {
+    /// Connects to `peer` as the admin the command line names: its identity, its address
+    /// (a coordinator's may come from the state directory) and the connection, tried again
+    /// every quarter second until `--connect-timeout` runs out. The address is returned too.
+    async fn reach(&self, peer: Peer) -> anyhow::Result<(Admin, String)> {
+        let limit = self.connect_timeout.unwrap_or_default();
+        let started = std::time::Instant::now();
+        let mut said = false;
+        loop {
+            let tried = self.try_reach(peer).await;
+            match tried {
+                Ok(reached) => return Ok(reached),
+                Err(e) if started.elapsed() >= limit => {
+                    return Err(if limit.is_zero() {
+                        e
+                    } else {
+                        e.context(format!(
+                            "gave up after {} (--connect-timeout)",
+                            humantime::format_duration(limit)
+                        ))
+                    });
+                }
+                Err(e) => {
+                    if !said {
+                        eprintln!(
+                            "edlctl: not reached yet ({e:#}); trying again for up to {}",
+                            humantime::format_duration(limit)
+                        );
+                        said = true;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                }
+            }
+        }
+    }
+
+    async fn try_reach(&self, peer: Peer) -> anyhow::Result<(Admin, String)> {
+        let identity = self.identity.identity(Role::Admin, &self.name)?;
+        let (addr, what) = match peer {
+            Peer::Coordinator => (
+                self.identity.coordinator(self.coordinator.as_deref()),
+                "the coordinator",
+            ),
+            Peer::Scheduler => (self.scheduler.clone(), "the scheduler (--scheduler)"),
+        };
+        let admin = Admin::connect(&addr, &identity, TransportSettings::default())
+            .await
+            .with_context(|| format!("connecting to {what} at {addr}"))?;
+        Ok((admin, addr))
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -286,23 +357,20 @@ fn secs(v: f64, flag: &str) -> anyhow::Result<std::time::Duration> {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     telemetry::init("warn");
-    let cli = Cli::parse();
-    if let Cmd::Job { cmd } = cli.cmd {
+    let Cli { to, json, cmd } = Cli::parse();
+    if let Cmd::Job { cmd } = cmd {
         // Before the identity and the scheduler: a mistake in a job file is reported with its
         // line whether or not a scheduler answers.
         let ask = JobAsk::new(cmd)?;
-        let identity = cli.identity.identity(Role::Admin, &cli.name)?;
-        return job_cmd(&cli.scheduler, &identity, ask, cli.json).await;
+        let (sched, _) = to.reach(Peer::Scheduler).await?;
+        return job_cmd(&sched, ask, json).await;
     }
-    let identity = cli.identity.identity(Role::Admin, &cli.name)?;
-    if matches!(cli.cmd, Cmd::Slots) {
-        return slots_cmd(&cli.scheduler, &identity, cli.json).await;
+    if matches!(cmd, Cmd::Slots) {
+        let (sched, _) = to.reach(Peer::Scheduler).await?;
+        return slots_cmd(&sched, json).await;
     }
-    let coordinator = cli.identity.coordinator(cli.coordinator.as_deref());
-    let admin = Admin::connect(&coordinator, &identity, TransportSettings::default())
-        .await
-        .with_context(|| format!("connecting to the coordinator at {coordinator}"))?;
-    match cli.cmd {
+    let (admin, coordinator) = to.reach(Peer::Coordinator).await?;
+    match cmd {
         Cmd::Status => {
             let (job, st, members, shards) = (
                 admin.job().await?,
@@ -318,7 +386,7 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 Vec::new()
             };
-            if cli.json {
+            if json {
                 let mut out = serde_json::to_value(&v)?;
                 if several && let Some(o) = out.as_object_mut() {
                     o.insert("coordinators".into(), coordinators_json(&roles));
@@ -383,7 +451,7 @@ async fn main() -> anyhow::Result<()> {
         },
         Cmd::Workers => {
             let rows: Vec<WorkerRow> = admin.members().await?.iter().map(WorkerRow::from).collect();
-            if cli.json {
+            if json {
                 return print_json(&rows);
             }
             let mut t = table(&[
@@ -439,7 +507,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Cmd::Shards => {
             let rows = admin.shard_stats().await?;
-            if cli.json {
+            if json {
                 #[derive(Serialize)]
                 struct Row<'a> {
                     #[serde(flatten)]
@@ -526,7 +594,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Cmd::Checkpoint => {
             let rows = admin.checkpoint_all().await?;
-            if cli.json {
+            if json {
                 print_json(&rows)?;
             } else {
                 let mut t = table(&["shard", "path", "bytes", "time"]);
@@ -554,7 +622,7 @@ async fn main() -> anyhow::Result<()> {
                 .shard_add(&addr)
                 .await
                 .with_context(|| format!("adding shard {addr}"))?;
-            print_reshard(&v, cli.json)?;
+            print_reshard(&v, json)?;
         }
         Cmd::Shard {
             cmd: ShardCmd::Remove { shard },
@@ -563,14 +631,14 @@ async fn main() -> anyhow::Result<()> {
                 .shard_remove(&shard)
                 .await
                 .with_context(|| format!("removing shard {shard}"))?;
-            print_reshard(&v, cli.json)?;
+            print_reshard(&v, json)?;
         }
         Cmd::Reshard { by } => {
             let v = admin
                 .reshard(by == "load")
                 .await
                 .context("rebalancing the shards")?;
-            print_reshard(&v, cli.json)?;
+            print_reshard(&v, json)?;
         }
         Cmd::Job { .. } | Cmd::Slots => unreachable!("answered by the scheduler above"),
         Cmd::Move { range, to } => {
@@ -579,7 +647,7 @@ async fn main() -> anyhow::Result<()> {
                 .move_range(start, end, &to)
                 .await
                 .with_context(|| format!("moving keys {start}..{end} to {to}"))?;
-            print_reshard(&v, cli.json)?;
+            print_reshard(&v, json)?;
         }
         Cmd::Stragglers {
             policy,
@@ -604,7 +672,7 @@ async fn main() -> anyhow::Result<()> {
                 .stragglers(change)
                 .await
                 .context("changing the straggler settings")?;
-            if cli.json {
+            if json {
                 return print_json(&serde_json::json!({
                     "policy": s.policy.to_string(),
                     "factor": s.factor,
@@ -640,7 +708,7 @@ async fn main() -> anyhow::Result<()> {
                 .preempt(id, notice)
                 .await
                 .with_context(|| format!("preempting worker {}", id.0))?;
-            if cli.json {
+            if json {
                 return print_json(&serde_json::json!({
                     "worker": id.0,
                     "notice_ms": notice.as_millis() as u64,
@@ -668,7 +736,7 @@ async fn main() -> anyhow::Result<()> {
             let took = started.elapsed().as_secs_f64();
             let members = admin.members().await?;
             let out = admin::PlacementRow::new(done.as_ref().unwrap_or(&p), &members);
-            if cli.json {
+            if json {
                 print_json(&out)?;
             } else {
                 println!(
@@ -699,7 +767,7 @@ async fn main() -> anyhow::Result<()> {
                 .scale(workers)
                 .await
                 .with_context(|| format!("resizing to {workers} workers"))?;
-            if cli.json {
+            if json {
                 return print_json(&serde_json::json!({
                     "placed": placed,
                     "drained": drained.iter().map(|w| w.0).collect::<Vec<_>>(),
@@ -724,7 +792,7 @@ async fn main() -> anyhow::Result<()> {
                 .iter()
                 .map(|p| admin::PlacementRow::new(p, &members))
                 .collect();
-            if cli.json {
+            if json {
                 return print_json(&rows);
             }
             let mut t = table(&["id", "at", "what", "slot", "state"]);
@@ -754,7 +822,6 @@ async fn main() -> anyhow::Result<()> {
                 min_gain,
                 ..Default::default()
             };
-            let json = cli.json;
             let p = edl_ps::profile::profile(&admin, &opts, |line| {
                 if !json {
                     eprintln!("edlctl profile: {line}");
@@ -794,7 +861,7 @@ async fn main() -> anyhow::Result<()> {
                 .drain(id)
                 .await
                 .with_context(|| format!("draining worker {}", id.0))?;
-            if cli.json {
+            if json {
                 return print_json(&serde_json::json!({ "drained": id.0 }));
             }
             println!(
@@ -828,12 +895,6 @@ fn coordinators_json(roles: &[(String, Result<CoordinatorRole, String>)]) -> ser
             Err(why) => serde_json::json!({ "addr": addr, "role": "unreachable", "error": why }),
         })
         .collect()
-}
-
-async fn scheduler(addr: &str, identity: &edl_shared::Identity) -> anyhow::Result<Admin> {
-    Admin::connect(addr, identity, TransportSettings::default())
-        .await
-        .with_context(|| format!("connecting to the scheduler at {addr} (--scheduler)"))
 }
 
 fn now_ms() -> u64 {
@@ -892,13 +953,7 @@ impl JobAsk {
     }
 }
 
-async fn job_cmd(
-    addr: &str,
-    identity: &edl_shared::Identity,
-    ask: JobAsk,
-    json: bool,
-) -> anyhow::Result<()> {
-    let sched = scheduler(addr, identity).await?;
+async fn job_cmd(sched: &Admin, ask: JobAsk, json: bool) -> anyhow::Result<()> {
     let record = match ask {
         JobAsk::Submit(submission) => sched.submit_job(submission).await?,
         JobAsk::Show(job) => sched.show_job(&job).await?,
@@ -1028,8 +1083,7 @@ fn wrap(text: &str, indent: &str, width: usize) -> String {
     out
 }
 
-async fn slots_cmd(addr: &str, identity: &edl_shared::Identity, json: bool) -> anyhow::Result<()> {
-    let sched = scheduler(addr, identity).await?;
+async fn slots_cmd(sched: &Admin, json: bool) -> anyhow::Result<()> {
     let rows: Vec<SlotRow> = sched.slots().await?.iter().map(SlotRow::from).collect();
     if json {
         return print_json(&rows);

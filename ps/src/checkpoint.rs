@@ -107,9 +107,21 @@ pub enum CheckpointError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The file is not of the expected kind, or of another version.
-    #[error("{0}: not an EDL state file of version {VERSION}")]
+    /// The file is not of the expected kind.
+    #[error("{0}: not an EDL state file of this kind (format {VERSION})")]
     Format(PathBuf),
+    /// The file is of the expected kind, written by an EDL of another state format.
+    #[error(
+        "{}: written in EDL's state format {found}; this EDL reads format {VERSION}: start on a \
+         fresh state directory (move this one away), or finish the job with the EDL that wrote it",
+        path.display()
+    )]
+    Version {
+        /// The file.
+        path: PathBuf,
+        /// The format version its header gives.
+        found: u32,
+    },
     /// The body does not match its checksum (a torn or corrupted file).
     #[error("{0}: checksum mismatch")]
     Checksum(PathBuf),
@@ -185,8 +197,15 @@ pub fn read_blob(path: &Path, magic: &[u8; 8]) -> Result<AlignedVec<16>, Checkpo
     let bytes = fs::read(path).map_err(io(path))?;
     let format = || CheckpointError::Format(path.to_path_buf());
     let header = bytes.get(..HEADER).ok_or_else(format)?;
-    if &header[..8] != magic || header[8..12] != VERSION.to_le_bytes() {
+    if &header[..8] != magic {
         return Err(format());
+    }
+    let found = u32::from_le_bytes([header[8], header[9], header[10], header[11]]);
+    if found != VERSION {
+        return Err(CheckpointError::Version {
+            path: path.to_path_buf(),
+            found,
+        });
     }
     let mut len8 = [0u8; 8];
     len8.copy_from_slice(&header[16..24]);
@@ -264,6 +283,17 @@ mod tests {
         assert!(matches!(read(&path), Err(CheckpointError::Checksum(_))));
         fs::write(&path, b"hello").expect("junk");
         assert!(matches!(read(&path), Err(CheckpointError::Format(_))));
+        // Another version's file: the version is named, and what to do.
+        write(&path, &sample()).expect("write");
+        let mut raw = fs::read(&path).expect("raw");
+        raw[8..12].copy_from_slice(&(VERSION - 1).to_le_bytes());
+        fs::write(&path, &raw).expect("older");
+        let err = read(&path).expect_err("another version");
+        assert!(
+            matches!(err, CheckpointError::Version { found, .. } if found == VERSION - 1),
+            "{err}"
+        );
+        assert!(err.to_string().contains("fresh state directory"), "{err}");
         assert!(matches!(
             read(&dir.path().join("none")),
             Err(CheckpointError::Io { .. })

@@ -120,6 +120,6 @@ impl ShardCaller {
                 }
             }
         }
-        Err(CallError::Address(format!("{addr} unreachable")))
+        Err(CallError::Address(format!("{addr} is unreachable")))
     }
 }

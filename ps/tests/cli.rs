@@ -271,3 +271,116 @@ fn first_tries_get_short_answers_and_leave_nothing_behind() {
         assert!(left.is_empty(), "{bin} {args:?} left {left:?}");
     }
 }
+
+/// The sweep of a newcomer's mistakes past the first tries: a malformed coordinator address, a
+/// certificate given with another cluster's CA, a state folder an older EDL wrote. Each gets a
+/// short answer naming what is wrong and what to do, within a few seconds, and writes nothing.
+#[test]
+fn a_newcomers_mistakes_get_answers_that_say_what_to_do() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let ca = |name: &str| {
+        let out = edl_ps()
+            .args(["ca", "init", "--state-dir"])
+            .arg(d.join(name))
+            .output()
+            .expect("runs");
+        assert!(out.status.success(), "ca init: {out:?}");
+    };
+    let issue = |name: &str, role: &str, cn: &str| {
+        let out = edl_ps()
+            .args(["ca", "issue", "--role", role, "--name", cn, "--state-dir"])
+            .arg(d.join(name))
+            .output()
+            .expect("runs");
+        assert!(out.status.success(), "ca issue: {out:?}");
+    };
+    ca("one");
+    ca("other");
+    issue("other", "admin", "ops");
+    // An older EDL's coordinator folder: its CA and certificate, and its state in this
+    // format's header with an earlier version.
+    ca("old");
+    issue("old", "coordinator", "coordinator");
+    let old = d.join("old");
+    std::fs::create_dir_all(old.join("coordinator")).expect("mkdir");
+    let mut header = b"EDLCOORD".to_vec();
+    header.extend_from_slice(&1u32.to_le_bytes());
+    header.extend_from_slice(&[0u8; 24]);
+    std::fs::write(old.join("coordinator/state.bin"), &header).expect("writes");
+    let s = |p: &str| d.join(p).display().to_string();
+    let cases: [(&str, Vec<String>, &str); 3] = [
+        (
+            env!("CARGO_BIN_EXE_edlctl"),
+            vec![
+                "--state-dir".into(),
+                s("one"),
+                "--coordinator".into(),
+                "nonsense".into(),
+                "status".into(),
+            ],
+            "coordinator address \"nonsense\" has no port: expected HOST:PORT",
+        ),
+        (
+            env!("CARGO_BIN_EXE_edlctl"),
+            vec![
+                "--ca".into(),
+                s("one/pki/ca.pem"),
+                "--cert".into(),
+                s("other/pki/admin-ops.pem"),
+                "--key".into(),
+                s("other/pki/admin-ops.key"),
+                "status".into(),
+            ],
+            "admin-ops.pem was not issued by the CA in",
+        ),
+        (
+            env!("CARGO_BIN_EXE_edl-ps"),
+            vec![
+                "coordinator".into(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--state-dir".into(),
+                s("old"),
+            ],
+            "written in EDL's state format 1; this EDL reads format",
+        ),
+    ];
+    let files = |d: &std::path::Path| -> Vec<std::path::PathBuf> {
+        let mut all = Vec::new();
+        let mut todo = vec![d.to_path_buf()];
+        while let Some(p) = todo.pop() {
+            for e in std::fs::read_dir(&p).expect("reads") {
+                let e = e.expect("entry").path();
+                if e.is_dir() {
+                    todo.push(e.clone());
+                }
+                all.push(e);
+            }
+        }
+        all.sort();
+        all
+    };
+    let before = files(d);
+    for (bin, args, want) in cases {
+        let started = std::time::Instant::now();
+        let out = Command::new(bin)
+            .args(&args)
+            .current_dir(d)
+            .env_remove("EDL_STATE_DIR")
+            .env_remove("EDL_COORDINATOR")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bin} {args:?} succeeded");
+        assert!(err.contains(want), "{bin} {args:?}: {err}");
+        assert!(err.lines().count() <= 10, "{bin} {args:?}: {err}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{bin} {args:?} took {:?}",
+            started.elapsed()
+        );
+        assert_eq!(files(d), before, "{bin} {args:?} left files");
+    }
+}

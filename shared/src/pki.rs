@@ -120,6 +120,23 @@ pub enum PkiError {
         /// The PKI directory.
         dir: PathBuf,
     },
+    /// A certificate given with a CA that did not issue it (`--ca` of one cluster, `--cert`
+    /// of another).
+    #[error(
+        "{} was not issued by the CA in {} ({why}): give the certificate and key that CA \
+         issued (`edl-ps ca issue --state-dir DIR` where its key is), or the CA that issued \
+         this certificate",
+        cert.display(),
+        ca.display()
+    )]
+    OtherCa {
+        /// The certificate.
+        cert: PathBuf,
+        /// The CA certificate given with it.
+        ca: PathBuf,
+        /// What the check found.
+        why: String,
+    },
     /// A CA certificate without its key would have been replaced by a new CA.
     #[error(
         "{0} holds a CA certificate without its key (ca.key): refusing to replace it with a \
@@ -383,6 +400,11 @@ pub fn load_identity(ca: &Path, cert: &Path, key: &Path) -> Result<Identity, Pki
         path: key.to_path_buf(),
         what: e.to_string(),
     })?;
+    issued_by(&cert_der, &ca_der).map_err(|why| PkiError::OtherCa {
+        cert: cert.to_path_buf(),
+        ca: ca.to_path_buf(),
+        why,
+    })?;
     let Subject { role, name, job } = subject_of(&cert_der)?;
     Ok(Identity {
         role,
@@ -392,6 +414,17 @@ pub fn load_identity(ca: &Path, cert: &Path, key: &Path) -> Result<Identity, Pki
         key: key_der,
         ca: ca_der,
     })
+}
+
+/// `Ok` if `ca` signed `cert` (its signature checks with the CA's public key): a peer would
+/// refuse the pair otherwise, with a less telling error and only once connected.
+fn issued_by(cert: &CertificateDer<'_>, ca: &CertificateDer<'_>) -> Result<(), String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| format!("unparsable certificate: {e}"))?;
+    let (_, ca) = x509_parser::parse_x509_certificate(ca.as_ref())
+        .map_err(|e| format!("unparsable CA certificate: {e}"))?;
+    cert.verify_signature(Some(ca.public_key()))
+        .map_err(|e| format!("its signature does not check with the CA's key: {e}"))
 }
 
 /// Who a certificate names: role, name and job.

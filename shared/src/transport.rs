@@ -496,8 +496,8 @@ pub enum CallError {
     /// Binding a socket failed.
     #[error("cannot bind: {0}")]
     Bind(std::io::Error),
-    /// The address could not be resolved or parsed.
-    #[error("bad address {0:?}")]
+    /// The address could not be resolved or parsed: a sentence that says which and why.
+    #[error("{0}")]
     Address(String),
     /// TLS or certificate set-up failed.
     #[error(transparent)]
@@ -1069,7 +1069,12 @@ pub async fn resolve(addr: &str) -> Result<SocketAddr, CallError> {
         .await
         .ok()
         .and_then(|mut it| it.next())
-        .ok_or_else(|| CallError::Address(addr.to_string()))
+        .ok_or_else(|| {
+            CallError::Address(format!(
+                "{addr:?} is not an address this machine resolves: expected HOST:PORT (an IP \
+                 address or a host name, and a port)"
+            ))
+        })
 }
 
 #[cfg(test)]

@@ -93,7 +93,6 @@ impl Reach {
     }
 
     async fn try_reach(&self, peer: Peer) -> anyhow::Result<(Admin, String)> {
-        let identity = self.identity.identity(Role::Admin, &self.name)?;
         let (addr, what) = match peer {
             Peer::Coordinator => (
                 self.identity.coordinator(self.coordinator.as_deref()),
@@ -101,6 +100,9 @@ impl Reach {
             ),
             Peer::Scheduler => (self.scheduler.clone(), "the scheduler (--scheduler)"),
         };
+        // A malformed address is answered before a certificate is issued for nothing.
+        edl_shared::leader::Coordinators::parse(&addr).map_err(anyhow::Error::msg)?;
+        let identity = self.identity.identity(Role::Admin, &self.name)?;
         let admin = Admin::connect(&addr, &identity, TransportSettings::default())
             .await
             .with_context(|| format!("connecting to {what} at {addr}"))?;

@@ -106,8 +106,13 @@ impl FileLog {
     /// its directory and log as needed. Returns the store and the latest record it holds.
     pub fn open(base: &Path) -> anyhow::Result<(FileLog, Option<Vec<u8>>)> {
         let dir = base.parent().unwrap_or(Path::new("."));
-        fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
         let wal = base.with_extension("wal");
+        // A state file this EDL cannot read (another version's) is refused before anything is
+        // written beside it.
+        if !wal.exists() && base.exists() {
+            checkpoint::read_blob(base, STATE_MAGIC).map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
         let fresh = !wal.exists();
         let mut file = fs::OpenOptions::new()
             .read(true)

@@ -233,3 +233,71 @@ async fn what_the_loop_refuses_and_a_start_that_fails() {
     );
     l.stop().await;
 }
+
+/// The scheduler's disk fails (`sched.json` cannot be replaced: a directory stands in its
+/// place): a submission is not answered while what it changed cannot be made durable, and is
+/// answered, with the state on disk, once the disk works again.
+#[tokio::test]
+async fn a_scheduler_whose_disk_fails_answers_nothing_it_could_not_make_durable() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = SleepModel {
+        step: Duration::from_millis(1),
+        units: None,
+    };
+    let l = Loop::start(dir.path(), ELASTIC, ThreadPlacer::new(model, 1_000)).await;
+    let file = dir.path().join("sched.json");
+    let on_disk = |name: &str| {
+        std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .is_some_and(|v| {
+                v["jobs"]
+                    .as_array()
+                    .is_some_and(|jobs| jobs.iter().any(|j| j["name"] == name))
+            })
+    };
+    l.submit("first", &job_file(100_000), 1, 1)
+        .await
+        .expect("submit");
+    assert!(on_disk("first"), "answered before it was on disk");
+
+    // The disk fails: the atomic rename over sched.json cannot succeed.
+    std::fs::remove_file(&file).expect("removes sched.json");
+    std::fs::create_dir_all(file.join("in-the-way")).expect("a directory in its place");
+    let tx = l.tx.clone();
+    let mut pending = tokio::spawn(async move {
+        let (reply, answer) = oneshot::channel();
+        tx.send(Ask {
+            req: SchedRequest::Submit(Submission {
+                name: "second".into(),
+                job_file: job_file(1_000),
+                file_dir: "/tmp".into(),
+                workers: 1,
+                min_workers: 1,
+                max_workers: 1,
+                priority: 0,
+            }),
+            who: "alice".into(),
+            reply,
+        })
+        .await
+        .expect("the loop runs");
+        answer.await.expect("an answer")
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), &mut pending)
+            .await
+            .is_err(),
+        "answered while its state could not be written"
+    );
+
+    // The disk works again: the answer comes, and the state it answered is on disk.
+    std::fs::remove_dir_all(&file).expect("clears the way");
+    tokio::time::timeout(Duration::from_secs(20), pending)
+        .await
+        .expect("answered once the disk works")
+        .expect("the task")
+        .expect("submitted");
+    assert!(on_disk("second"), "the answered submission is not on disk");
+    l.stop().await;
+}

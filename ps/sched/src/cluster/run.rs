@@ -90,9 +90,10 @@ pub struct Scheduler<P: Placer> {
     /// The speed-up curve of a job not measured yet (the measured tables' typical one).
     typical: Speedup,
     last_tick: Instant,
-    /// With an election: the store only the leader may write (else `sched.json`), the state
-    /// written last, and cancelled once the lead may be lost.
-    store: Option<Arc<dyn MetaStore>>,
+    /// Where the state is made durable: `sched.json` ([`JsonFile`]), or with an election the
+    /// store only the leader may write; the state written last; and cancelled once the lead
+    /// may be lost.
+    store: Arc<dyn MetaStore>,
     written: Option<Vec<u8>>,
     lost: CancellationToken,
 }
@@ -155,14 +156,14 @@ impl<P: Placer> Scheduler<P> {
             "goodput" => Box::new(crate::policy::Goodput),
             other => anyhow::bail!("unknown policy {other:?}"),
         };
+        let file = dir.join("sched.json");
         let (saved, store, lost) = match elected {
-            Some((Some(saved), store, lost)) => (saved, Some(store), lost),
-            Some((None, store, lost)) => (Saved::load(&dir.join("sched.json"))?, Some(store), lost),
-            None => (
-                Saved::load(&dir.join("sched.json"))?,
-                None,
-                CancellationToken::new(),
-            ),
+            Some((Some(saved), store, lost)) => (saved, store, lost),
+            Some((None, store, lost)) => (Saved::load(&file)?, store, lost),
+            None => {
+                let store: Arc<dyn MetaStore> = Arc::new(JsonFile(file.clone()));
+                (Saved::load(&file)?, store, CancellationToken::new())
+            }
         };
         let mut s = Scheduler {
             cluster,
@@ -216,16 +217,12 @@ impl<P: Placer> Scheduler<P> {
     }
 
     /// Makes the state durable: `sched.json`, or the store of an elected scheduler (retried
-    /// while it is unavailable: what waits on it waits, and says so). False once the store
+    /// while it cannot be written, a full or failing disk as an unreachable etcd: what waits on
+    /// it waits, and says so; nothing is answered before it holds). False once the store
     /// refused the write because another scheduler leads: this one must change nothing more.
     async fn save(&mut self) -> bool {
-        let Some(store) = self.store.clone() else {
-            if let Err(e) = self.saved.save(&self.dir.join("sched.json")) {
-                tracing::error!(error = %format!("{e:#}"), "cannot save the scheduler's state");
-            }
-            return true;
-        };
-        let json = match serde_json::to_vec(&self.saved) {
+        let store = self.store.clone();
+        let json = match serde_json::to_vec_pretty(&self.saved) {
             Ok(j) => j,
             Err(e) => {
                 tracing::error!(error = %e, "cannot encode the scheduler's state");
@@ -999,5 +996,29 @@ impl<P: Placer> Scheduler<P> {
             j.procs.push(rec);
         }
         Ok(())
+    }
+}
+
+/// The scheduler's state on its own disk, `STATE_DIR/sched.json`: written atomically (a
+/// temporary file, fsynced, renamed, the directory fsynced), through the same loop as an
+/// elected scheduler's etcd, so that a write that fails is retried and holds up the answers.
+struct JsonFile(PathBuf);
+
+impl MetaStore for JsonFile {
+    fn write(
+        &self,
+        record: Arc<[u8]>,
+    ) -> edl_shared::transport::BoxFuture<'_, Result<(), StoreError>> {
+        let path = self.0.clone();
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || edl_shared::pki::write_atomic(&path, &record))
+                .await
+                .map_err(|e| StoreError::Unavailable(format!("the write did not finish: {e}")))?
+                .map_err(|e| StoreError::Unavailable(e.to_string()))
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.0.display().to_string()
     }
 }

@@ -6,10 +6,11 @@ use edl_shared::Identity;
 use edl_shared::leader::Coordinators;
 use edl_shared::proto::ErrorCode;
 use edl_shared::proto::msg::{
-    JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
+    EpochLedger, JobStatus, MoveReport, ShardEntry, ShardRole, ShardStats, WorkerInfo, WorkerState,
 };
 use edl_shared::proto::{
-    JobConfig, Placement, Request, Response, ShardMap, StragglerSettings, WorkerId, place::Resize,
+    JobConfig, Placement, Request, Response, ShardId, ShardMap, StragglerSettings, WorkerId,
+    place::Resize,
 };
 use edl_shared::transport::{CallError, Conn, TransportSettings, client_endpoint};
 use serde::Serialize;
@@ -198,6 +199,19 @@ impl Admin {
             Response::Map(m) => Ok(m),
             other => Err(CallError::unexpected(&other)),
         }
+    }
+
+    /// Every shard's per-epoch data ledger, of the shards in the map now (ranges may have
+    /// moved since this connection was made), as the client's `Job::ledgers` gives them.
+    pub async fn ledgers(&self) -> Result<Vec<(ShardId, Vec<EpochLedger>)>, CallError> {
+        let mut out = Vec::new();
+        for shard in &self.map().await?.shards {
+            match self.ask_shard(&shard.addr, Request::Ledger).await? {
+                Response::Ledger(l) => out.push((shard.id, l)),
+                other => return Err(CallError::unexpected(&other)),
+            }
+        }
+        Ok(out)
     }
 
     /// Every worker in detail.

@@ -707,15 +707,11 @@ impl<P: Placer> Scheduler<P> {
             .job(name)
             .and_then(|j| j.coordinator.clone())
             .context("no coordinator")?;
-        let cfg = edl_client::ClientConfig {
-            coordinator,
-            identity,
-            settings: TransportSettings::default(),
-        };
         let (status, ledgers, samples) = tokio::time::timeout(CALL * 4, async {
-            let job = edl_client::Job::connect(&cfg).await?;
-            let samples = job.config().train_samples;
-            anyhow::Ok((job.status().await?, job.ledgers().await?, samples))
+            let admin =
+                Admin::connect(&coordinator, &identity, TransportSettings::default()).await?;
+            let samples = admin.job().await?.train_samples;
+            anyhow::Ok((admin.status().await?, admin.ledgers().await?, samples))
         })
         .await
         .context("timed out")??;

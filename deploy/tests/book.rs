@@ -30,7 +30,7 @@
 
 use std::io::Read;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -107,7 +107,7 @@ struct Block {
     skip: Option<String>,
     with: Vec<(String, String)>,
     expect: Vec<String>,
-    needs: Vec<String>,
+    needs: Vec<Need>,
 }
 
 /// The `sh` blocks of a chapter, with their directives. Errors name the line of a directive
@@ -193,7 +193,7 @@ impl Block {
                 None => return Err("`with FROM => TO`".into()),
             },
             "expect" if !rest.is_empty() => self.expect.push(rest),
-            "needs" if Need::named(&rest).is_some() => self.needs.push(rest),
+            "needs" if let Some(need) = Need::named(&rest) => self.needs.push(need),
             _ => {
                 return Err(format!(
                     "unknown directive {d:?} (skip REASON, with FROM => TO, expect TEXT, \
@@ -218,6 +218,7 @@ impl Block {
 }
 
 /// What a block may need that a machine may lack.
+#[derive(Debug)]
 enum Need {
     FashionMnist,
     Torch,
@@ -281,11 +282,6 @@ impl Need {
         };
         (!has).then_some(lack)
     }
-}
-
-/// The folder the tests' programs are in (`target/debug`), or why a chapter cannot run.
-fn built() -> PathBuf {
-    edl_testkit::procs::bin("")
 }
 
 /// A scratch checkout under the tests' temporary folder: this one's folders made again, each
@@ -405,7 +401,7 @@ fn walk(chapter: &str) {
     assert!(!blocks.is_empty(), "{chapter} has no sh block to walk");
     for b in &blocks {
         for n in &b.needs {
-            if let Some(lack) = Need::named(n).and_then(|n| n.lacking()) {
+            if let Some(lack) = n.lacking() {
                 match lack.require {
                     Some(require) => {
                         edl_shared::skip::missing(require, chapter, lack.what, lack.how)
@@ -419,7 +415,8 @@ fn walk(chapter: &str) {
             }
         }
     }
-    let programs = built();
+    // The folder the tests' programs are in (`target/debug`).
+    let programs = edl_testkit::procs::bin("");
     let dir = scratch(&programs);
     for b in &blocks {
         let at = format!("docs/src/{chapter}:{}", b.line);

@@ -10,7 +10,6 @@
 //! push is half in it, and its ledger matches its parameters.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use rkyv::rancor::BoxedError;
@@ -163,8 +162,8 @@ pub fn read(path: &Path) -> Result<ShardCheckpoint, CheckpointError> {
     })
 }
 
-/// Writes `body` behind a header with `magic`, the format version, its length and CRC32:
-/// to a temporary file, fsynced, renamed over `path`, and the directory fsynced.
+/// Writes `body` behind a header with `magic`, the format version, its length and CRC32, in
+/// place of `path` ([`edl_shared::durable::replace`]).
 pub fn write_blob(path: &Path, magic: &[u8; 8], body: &[u8]) -> Result<u64, CheckpointError> {
     let mut header = Vec::with_capacity(HEADER);
     header.extend_from_slice(magic);
@@ -175,19 +174,8 @@ pub fn write_blob(path: &Path, magic: &[u8; 8], body: &[u8]) -> Result<u64, Chec
     if let Some(dir) = path.parent() {
         fs::create_dir_all(dir).map_err(io(dir))?;
     }
-    let tmp = path.with_extension("tmp");
-    let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
-    f.write_all(&header).map_err(io(&tmp))?;
-    f.write_all(body).map_err(io(&tmp))?;
-    f.sync_all().map_err(io(&tmp))?;
-    drop(f);
-    fs::rename(&tmp, path).map_err(io(path))?;
-    // The rename is durable only once the directory entry is.
-    if let Some(dir) = path.parent() {
-        fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io(dir))?;
-    }
+    edl_shared::durable::replace(path, &[&header, body], 0o644)
+        .map_err(|(path, source)| CheckpointError::Io { path, source })?;
     Ok((HEADER + body.len()) as u64)
 }
 

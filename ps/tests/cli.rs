@@ -222,6 +222,35 @@ fn the_reference_pages_of_edl_ps_and_edlctl_are_current() {
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// Runs `bin ARGS` in `cwd` with no state directory or coordinator from the environment, and
+/// checks that it fails within 5 s saying `want`, in at most `lines` lines.
+fn refused_at_once<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(
+    bin: &str,
+    args: &[S],
+    cwd: &std::path::Path,
+    want: &str,
+    lines: usize,
+) {
+    let started = std::time::Instant::now();
+    let out = Command::new(bin)
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("EDL_STATE_DIR")
+        .env_remove("EDL_COORDINATOR")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{bin} {args:?} succeeded");
+    assert!(err.contains(want), "{bin} {args:?}: {err}");
+    assert!(err.lines().count() <= lines, "{bin} {args:?}: {err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "{bin} {args:?} took {:?}",
+        started.elapsed()
+    );
+}
+
 /// A newcomer's first tries: `edl-ps` and `edlctl` with no arguments, `edlctl status` with no
 /// cluster in sight. Each fails at once with a short answer that says what to give, and leaves
 /// nothing in the folder it ran in (no state directory, no CA).
@@ -246,24 +275,7 @@ fn first_tries_get_short_answers_and_leave_nothing_behind() {
              cluster's state directory (--state-dir",
         ),
     ] {
-        let started = std::time::Instant::now();
-        let out = Command::new(bin)
-            .args(args)
-            .current_dir(cwd.path())
-            .env_remove("EDL_STATE_DIR")
-            .env_remove("EDL_COORDINATOR")
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .expect("runs");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{bin} {args:?} succeeded");
-        assert!(err.contains(want), "{bin} {args:?}: {err}");
-        assert!(err.lines().count() <= 40, "{bin} {args:?}: {err}");
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(5),
-            "{bin} {args:?} took {:?}",
-            started.elapsed()
-        );
+        refused_at_once(bin, args, cwd.path(), want, 40);
         let left: Vec<_> = std::fs::read_dir(cwd.path())
             .expect("reads")
             .map(|e| e.expect("entry").file_name())
@@ -363,24 +375,7 @@ fn a_newcomers_mistakes_get_answers_that_say_what_to_do() {
     };
     let before = files(d);
     for (bin, args, want) in cases {
-        let started = std::time::Instant::now();
-        let out = Command::new(bin)
-            .args(&args)
-            .current_dir(d)
-            .env_remove("EDL_STATE_DIR")
-            .env_remove("EDL_COORDINATOR")
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .expect("runs");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{bin} {args:?} succeeded");
-        assert!(err.contains(want), "{bin} {args:?}: {err}");
-        assert!(err.lines().count() <= 10, "{bin} {args:?}: {err}");
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(5),
-            "{bin} {args:?} took {:?}",
-            started.elapsed()
-        );
+        refused_at_once(bin, &args, d, want, 10);
         assert_eq!(files(d), before, "{bin} {args:?} left files");
     }
 }

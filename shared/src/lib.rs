@@ -9,6 +9,7 @@ pub mod cli;
 pub mod clock;
 pub mod contract;
 pub mod docgen;
+pub mod durable;
 pub mod faults;
 #[cfg(feature = "observe")]
 pub mod http;

@@ -8,7 +8,6 @@
 
 use std::fmt;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -491,9 +490,7 @@ fn read_string(path: &Path) -> Result<String, PkiError> {
     fs::read_to_string(path).map_err(io_err(path))
 }
 
-/// Writes a file atomically and durably: a temporary file, fsynced, renamed over the target,
-/// and the directory fsynced (the rename survives a crash only once its entry does). On an
-/// error the temporary file is removed and the target is as it was.
+/// Writes a file atomically and durably ([`crate::durable::replace`]).
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), PkiError> {
     write_with_mode(path, data, 0o644)
 }
@@ -503,28 +500,8 @@ fn write_private(path: &Path, data: &[u8]) -> Result<(), PkiError> {
 }
 
 fn write_with_mode(path: &Path, data: &[u8], mode: u32) -> Result<(), PkiError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let written = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(&tmp)
-        .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_all()))
-        .map_err(io_err(&tmp))
-        .and_then(|()| fs::rename(&tmp, path).map_err(io_err(path)));
-    if let Err(e) = written {
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
-    }
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err(dir))
+    crate::durable::replace(path, &[data], mode)
+        .map_err(|(path, source)| PkiError::Io { path, source })
 }
 
 #[cfg(test)]

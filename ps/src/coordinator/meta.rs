@@ -107,11 +107,17 @@ impl FileLog {
     pub fn open(base: &Path) -> anyhow::Result<(FileLog, Option<Vec<u8>>)> {
         let dir = base.parent().unwrap_or(Path::new("."));
         let wal = base.with_extension("wal");
-        // A state file this EDL cannot read (another version's) is refused before anything is
-        // written beside it.
-        if !wal.exists() && base.exists() {
-            checkpoint::read_blob(base, STATE_MAGIC).map_err(|e| anyhow::anyhow!("{e}"))?;
-        }
+        let read_base = || {
+            checkpoint::read_blob(base, STATE_MAGIC)
+                .map(|b| b.to_vec())
+                .map_err(|e| anyhow::anyhow!("{e}"))
+        };
+        // Without a log the folded state is all there is: read before anything is written
+        // beside it, so that one this EDL cannot read (another version's) changes nothing.
+        let mut folded = match !wal.exists() && base.exists() {
+            true => Some(read_base()?),
+            false => None,
+        };
         fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
         let fresh = !wal.exists();
         let mut file = fs::OpenOptions::new()
@@ -143,11 +149,8 @@ impl FileLog {
         }
         let latest = match latest {
             Some(r) => Some(r.to_vec()),
-            None if base.exists() => Some(
-                checkpoint::read_blob(base, STATE_MAGIC)
-                    .map_err(|e| anyhow::anyhow!("{e}"))?
-                    .to_vec(),
-            ),
+            None if folded.is_some() => folded.take(),
+            None if base.exists() => Some(read_base()?),
             None => None,
         };
         let log = FileLog {
